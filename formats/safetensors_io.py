@@ -1,0 +1,142 @@
+"""safetensors files: a validating, memory-mapped reader and a streaming writer.
+
+The format: 8 bytes little-endian header length N, N bytes of JSON (`{name: {dtype, shape, data_offsets}}` plus an
+optional `__metadata__` of strings), then the data; offsets are relative to the end of the header. The reader
+checks the whole header against the file size before anything is read, so a truncated download is reported as
+such, with the file name; tensors are zero-copy views of a private memory map (reclaimable page cache, not
+process memory). The writer knows every shape up front, writes the header first and then each tensor as it
+arrives, so a multi-GB shard never sits in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mconvert.errors import ConvertError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+CODES = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start: int  # absolute file offsets
+    end: int
+
+
+class SafetensorsFile:
+    """One .safetensors file, opened lazily: `infos` from the header, `get(name)` maps the bytes."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self.infos, self.metadata = read_header(self.path)
+        self._map: mmap.mmap | None = None
+
+    def get(self, name: str) -> torch.Tensor:
+        info = self.infos.get(name)
+        if info is None:
+            raise ConvertError(f"{self.path}: no tensor named {name!r}")
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        count = (info.end - info.start) // info.dtype.itemsize
+        if count == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        flat = torch.frombuffer(self._map, dtype=info.dtype, count=count, offset=info.start)
+        return flat.view(info.shape)
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate the header of `path` against its size; raise ConvertError naming the file."""
+    if not path.is_file():
+        raise ConvertError(f"{path}: file not found")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConvertError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header size")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise ConvertError(f"{path}: truncated or not a safetensors file: header of {n} bytes announced, "
+                               f"file has {size} bytes")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConvertError(f"{path}: corrupt safetensors header: {e}") from None
+    base = 8 + n
+    metadata = header.pop("__metadata__", None) or {}
+    infos: dict[str, TensorInfo] = {}
+    need = base
+    for name, entry in header.items():
+        try:
+            dtype = DTYPES[entry["dtype"]]
+            shape = tuple(int(s) for s in entry["shape"])
+            start, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ConvertError(f"{path}: corrupt safetensors header entry for {name!r}: {entry!r}") from None
+        numel = 1
+        for s in shape:
+            numel *= s
+        if end - start != numel * dtype.itemsize or start < 0:
+            raise ConvertError(f"{path}: tensor {name!r} {list(shape)} {entry['dtype']} claims bytes "
+                               f"[{start}, {end}), which does not match its size")
+        infos[name] = TensorInfo(shape, dtype, base + start, base + end)
+        need = max(need, base + end)
+    if size < need:
+        raise ConvertError(f"{path}: truncated: its header describes {need} bytes of tensors and header, but the file "
+                           f"has only {size} bytes (an interrupted download or copy?)")
+    return infos, metadata
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def write(path: Path | str, entries: Iterable[Entry], produce: Callable[[Entry], torch.Tensor],
+          metadata: dict[str, str] | None = None, on_tensor: Callable[[int], None] | None = None) -> int:
+    """Write a safetensors file, asking `produce` for each entry's tensor in order; returns bytes written."""
+    entries = list(entries)
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        nbytes = e.dtype.itemsize
+        for s in e.shape:
+            nbytes *= s
+        header[e.name] = {"dtype": CODES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    written = 0
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for e in entries:
+            t = produce(e)
+            if tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
+                raise ConvertError(f"{path}: tensor {e.name} came out {list(t.shape)} {t.dtype}, "
+                                   f"planned {list(e.shape)} {e.dtype}")
+            t = t.detach().contiguous()
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            written += t.nbytes
+            if on_tensor:
+                on_tensor(t.nbytes)
+    return 8 + len(blob) + written

@@ -1,0 +1,238 @@
+"""Loader `core`: Megatron-core GPT checkpoints in the `torch` format, any TP / PP / VPP / EP layout.
+
+Every rank file is opened memory-mapped through the safe unpickler (no Megatron needed, no code executed);
+the pieces of each tensor across TP ranks are combined only when the tensor is asked for.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from formats import hf_dir
+from formats.torch_pickle import safe_load
+from mconvert.errors import ConvertError
+from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
+from mconvert.mapping import Row, expand, to_ir
+from mconvert.options import Options
+from mconvert.registry import register_loader
+from mconvert.rules import Ctx
+from mconvert.schemas import core
+
+LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.")
+# Not weights: module extra state (FP8 metadata or None) and rotary frequencies Megatron recomputes.
+DROP = (r".*\._extra_state", r".*rotary_pos_emb\.inv_freq")
+
+
+def find_iteration(path: Path) -> tuple[Path, int | None]:
+    """The directory holding the rank folders, and its iteration (None for `release`)."""
+    path = Path(path)
+    tracker = path / core.TRACKER
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == "release":
+            it_dir, iteration = path / "release", None
+        elif text.isdigit():
+            it_dir, iteration = path / core.iteration_dir(int(text)), int(text)
+        else:
+            raise ConvertError(f"{tracker}: expected an iteration number or 'release', found {text[:40]!r}")
+        if not it_dir.is_dir():
+            raise ConvertError(f"{tracker} names iteration {text}, but {it_dir} does not exist")
+        return it_dir, iteration
+    if _rank_dirs(path):
+        m = re.fullmatch(r"iter_(\d{7})", path.name)
+        return path, int(m.group(1)) if m else None
+    raise ConvertError(f"{path}: not a Megatron checkpoint: no {core.TRACKER} and no mp_rank_* folders")
+
+
+def _rank_dirs(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("mp_rank_*") if p.is_dir() and core.RANK_DIR.fullmatch(p.name))
+
+
+def is_core_checkpoint(path: Path) -> bool:
+    try:
+        it_dir, _ = find_iteration(path)
+    except ConvertError:
+        return False
+    dirs = _rank_dirs(it_dir)
+    if not dirs or not (dirs[0] / core.CHECKPOINT_FILE).is_file():
+        return False
+    try:  # core keys are flat (`embedding.`, `decoder.`); legacy ones nest under `language_model`
+        state = safe_load(dirs[0] / core.CHECKPOINT_FILE)
+        model = state.get("model", state.get("model0", {}))
+        return any(k.startswith(("decoder.", "embedding.", "output_layer")) for k in model)
+    except ConvertError:
+        return False
+
+
+class RankFiles:
+    """The rank files of one iteration, indexed by (tp, pp, ep), checked against the sizes in `args`."""
+
+    def __init__(self, it_dir: Path) -> None:
+        dirs = _rank_dirs(it_dir)
+        if not dirs:
+            raise ConvertError(f"{it_dir}: no mp_rank_* folders")
+        first = self._load(dirs[0])
+        self.args = first.get("args")
+        if self.args is None:
+            raise ConvertError(f"{dirs[0] / core.CHECKPOINT_FILE}: no 'args' entry; cannot tell the model shape")
+        self.tp = int(getattr(self.args, "tensor_model_parallel_size", 1) or 1)
+        self.pp = int(getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
+        self.ep = int(getattr(self.args, "expert_model_parallel_size", 1) or 1)
+        from mconvert.layout import ParallelLayout
+
+        grid = ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep)
+        want = {core.rank_dir(t, p, e, grid): (t, p, e)
+                for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)}
+        have = {d.name for d in dirs}
+        missing = sorted(set(want) - have) + sorted(n for n in want if n in have and
+                                                    not (it_dir / n / core.CHECKPOINT_FILE).is_file())
+        if missing:
+            listed = ", ".join(f"{m}/{core.CHECKPOINT_FILE}" for m in missing)
+            raise ConvertError(f"{it_dir}: missing rank file(s) {listed} (args say TP={self.tp}, PP={self.pp}, "
+                               f"EP={self.ep})")
+        extra = sorted(have - set(want))
+        if extra:
+            raise ConvertError(f"{it_dir}: unexpected rank folder(s) {', '.join(extra)} for TP={self.tp}, "
+                               f"PP={self.pp}, EP={self.ep} (from args)")
+        self.files = {idx: it_dir / name / core.CHECKPOINT_FILE for name, idx in want.items()}
+        self.states = {idx: first if self.files[idx].parent == dirs[0] else self._load(self.files[idx].parent)
+                       for idx in self.files}
+        self.it_dir = it_dir
+
+    @staticmethod
+    def _load(d: Path) -> dict[str, Any]:
+        state = safe_load(d / core.CHECKPOINT_FILE)
+        if not isinstance(state, dict):
+            raise ConvertError(f"{d / core.CHECKPOINT_FILE}: expected a dict, found {type(state).__name__}")
+        return state
+
+    def chunk_names(self) -> list[str]:
+        state = self.states[(0, 0, 0)]
+        names = sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+        if "model" in state:
+            return ["model"]
+        if not names:
+            raise ConvertError(f"{self.files[(0, 0, 0)]}: no 'model' entry")
+        return names
+
+    def model(self, tp: int, pp: int, ep: int, name: str) -> dict[str, Any]:
+        state = self.states[(tp, pp, ep)]
+        if name not in state:
+            raise ConvertError(f"{self.files[(tp, pp, ep)]}: no {name!r} entry (other ranks have it)")
+        return state[name]
+
+    def rel(self, idx: tuple[int, int, int]) -> str:
+        f = self.files[idx]
+        return f"{f.parent.parent.name}/{f.parent.name}/{f.name}"
+
+
+def _num_local_layers(model: dict[str, Any]) -> int:
+    found = {int(m.group(1)) for k in model for m in [LAYER_KEY.match(k)] if m}
+    return max(found) + 1 if found else 0
+
+
+@register_loader("core", aliases=("megatron", "mcore"), detect=is_core_checkpoint,
+                 options=("true_vocab_size", "tokenizer"))
+def load(path: Path, options: Options) -> ModelIR:
+    """Megatron-core GPT, `torch` format: local or Transformer-Engine key names, detected."""
+    it_dir, iteration = find_iteration(Path(path))
+    files = RankFiles(it_dir)
+    chunks = files.chunk_names()
+    # Global layer order is chunk-major: chunk v of every stage, then chunk v+1 (see mconvert.layout).
+    counts = {(pp, v): _num_local_layers(files.model(0, pp, 0, name))
+              for v, name in enumerate(chunks) for pp in range(files.pp)}
+    starts, next_layer = {}, 0
+    for v in range(len(chunks)):
+        for pp in range(files.pp):
+            starts[(pp, v)] = next_layer
+            next_layer += counts[(pp, v)]
+    num_layers = int(getattr(files.args, "num_layers", next_layer) or next_layer)
+    if next_layer != num_layers:
+        raise ConvertError(f"{it_dir}: the rank files hold {next_layer} layers, args.num_layers says {num_layers}")
+    first_model = files.model(0, 0, 0, chunks[0])
+    impl = "te" if any(k.endswith("linear_qkv.layer_norm_weight") for k in first_model) else "local"
+    embed_key = "embedding.word_embeddings.weight"
+    if embed_key not in first_model:
+        raise ConvertError(f"{files.rel((0, 0, 0))}: no {embed_key} in the first pipeline stage")
+    embed = first_model[embed_key]
+    padded = embed.shape[0] * files.tp
+    config, notes = _config(files, options, padded, dtype_name(embed.dtype), it_dir)
+
+    source: dict[str, list[LazyTensor]] = {}
+    rows: list[Row] = []
+    last = (files.pp - 1, len(chunks) - 1)
+    for v, name in enumerate(chunks):
+        for pp in range(files.pp):
+            for ep in range(files.ep):
+                rows += _chunk_source(files, config, impl, name, pp, v, ep, starts[(pp, v)], counts[(pp, v)],
+                                      (pp, v) == last, source)
+    ctx = Ctx(config, padded)
+    tensors = to_ir(source, rows, ctx, where=str(it_dir), drop=DROP + _tied_copy(config, files),
+                    cache=LoadCache(4))
+    layout = {"tp": files.tp, "pp": files.pp, "vpp": len(chunks) if chunks != ["model"] else 1, "ep": files.ep,
+              "stage_layers": [sum(counts[(p, v)] for v in range(len(chunks))) for p in range(files.pp)],
+              "transformer_impl": impl, "padded_vocab": padded}
+    assets = _tokenizer(options, it_dir, files.args, notes)
+    return ModelIR(config, tensors, SourceInfo("core (Megatron torch)", it_dir, layout, iteration, notes), assets)
+
+
+def _chunk_source(files: RankFiles, config, impl, name, pp, v, ep, start, count, has_head, source) -> list[Row]:
+    """Add one chunk's tensors (pieces across TP) to `source` under chunk-qualified keys; return its rows."""
+    prefix = f"pp{pp}.{name}.ep{ep}/"
+    models = [files.model(tp, pp, ep, name) for tp in range(files.tp)]
+    keys = [k for k, val in models[0].items() if isinstance(val, torch.Tensor)]
+    for tp in range(1, files.tp):
+        other = [k for k, val in models[tp].items() if isinstance(val, torch.Tensor)]
+        if set(other) != set(keys):
+            diff = sorted(set(keys) ^ set(other))
+            raise ConvertError(f"{files.rel((tp, pp, ep))} and {files.rel((0, pp, ep))} hold different tensors: "
+                               f"{', '.join(diff[:5])}")
+    per_rank = (config.num_experts or 0) // files.ep
+    rows = expand(core.table(impl, moe=config.is_moe), config,
+                  layers=[(start + l, l) for l in range(count)],
+                  experts=[(ep * per_rank + e, e) for e in range(per_rank)],
+                  embedding=(pp == 0 and v == 0), head=has_head)
+    if ep > 0:  # dense tensors repeat in every EP file: read them from EP rank 0, take only experts here
+        rows = [r for r in rows if ".moe.experts." in r.ir[0]]
+        keys = [k for k in keys if k in {r.key for r in rows}]
+    for k in keys:
+        source[prefix + k] = [LazyTensor.of(m[k], f"{files.rel((tp, pp, ep))}:{name}.{k}")
+                              for tp, m in enumerate(models)]
+    return [Row(prefix + r.key, r.ir, r.rule) for r in rows]
+
+
+def _tied_copy(config, files: RankFiles) -> tuple[str, ...]:
+    """With tied embeddings and PP>1, the last stage's output_layer.weight is a copy of the embedding."""
+    return (r".*/output_layer\.weight",) if config.tie_embeddings and files.pp > 1 else ()
+
+
+def _config(files: RankFiles, options: Options, padded: int, dtype: str, it_dir: Path):
+    args, notes = files.args, []
+    vocab = options.true_vocab_size or getattr(args, "vocab_size", None)
+    if vocab is None:
+        vocab = padded
+        notes.append(f"the true vocabulary size is not recorded; keeping all {padded} (padded) rows — pass "
+                     "--true-vocab-size to strip the padding")
+    elif vocab > padded:
+        raise ConvertError(f"{it_dir}: vocabulary size {vocab} exceeds the {padded} embedding rows")
+    stored = getattr(args, "params_dtype", None)
+    if isinstance(stored, torch.dtype) and stored != getattr(torch, dtype):
+        notes.append(f"args.params_dtype is {stored} but the tensors are {dtype}; using the tensors' dtype")
+    config = core.config_from_args(args, vocab_size=int(vocab), padded_vocab_size=padded, dtype=dtype,
+                                   where=str(it_dir))
+    return config, notes
+
+
+def _tokenizer(options: Options, it_dir: Path, args, notes: list[str]) -> dict[str, Path]:
+    for candidate in (options.tokenizer, it_dir / "tokenizer", getattr(args, "tokenizer_model", None)):
+        if candidate and Path(candidate).is_dir():
+            found = hf_dir.tokenizer_files(Path(candidate))
+            if found:
+                if candidate == getattr(args, "tokenizer_model", None):
+                    notes.append(f"tokenizer files taken from args.tokenizer_model = {candidate}")
+                return found
+    return {}

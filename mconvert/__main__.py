@@ -1,0 +1,3 @@
+from mconvert.cli import main
+
+main()

@@ -1,0 +1,202 @@
+"""The `mconvert` command line.
+
+    mconvert --loader llama_mistral --saver core --tp 4 --pp 2 --load-dir HF_DIR --save-dir OUT
+    mconvert inspect PATH
+    mconvert compare A B
+    mconvert plugins
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from mconvert import engine, registry
+from mconvert.errors import ConvertError
+from mconvert.layout import ParallelLayout
+from mconvert.options import Options
+from mconvert.progress import Progress, human_bytes
+
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
+# Options that only some loaders/savers understand; giving one to a plugin that ignores it is an error.
+PLUGIN_OPTIONS = ("tp", "pp", "vpp", "ep", "first_stage_layers", "last_stage_layers", "transformer_impl",
+                  "ckpt_format", "make_vocab_size_divisible_by", "iteration", "true_vocab_size", "max_shard_size")
+LAYOUT_OPTIONS = {"tp", "pp", "vpp", "ep", "first_stage_layers", "last_stage_layers"}
+
+
+def parse_size(text: str) -> int:
+    """`5GB`, `500MiB`, `1000000` -> bytes (GB = 10^9, GiB = 2^30, as Hugging Face counts)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*", text.lower())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size such as 5GB or 500MiB")
+    unit = m.group(2).rstrip("b")
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def _fail_cleanly(func):
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except ConvertError as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"],
+                                                            "max_content_width": 110})
+@click.option("--loader", help="Source format (see `mconvert plugins`); detected from the files when omitted.")
+@click.option("--saver", help="Target format: llama_mistral, core, ... (see `mconvert plugins`).")
+@click.option("--load-dir", type=click.Path(path_type=Path), help="Source checkpoint directory (or a hub id in "
+              "the local Hugging Face cache).")
+@click.option("--save-dir", type=click.Path(path_type=Path), help="Output directory; written atomically.")
+@click.option("--tp", "--target-tensor-parallel-size", "tp", type=int, default=1, show_default=True,
+              help="Tensor-parallel size of the output.")
+@click.option("--pp", "--target-pipeline-parallel-size", "pp", type=int, default=1, show_default=True,
+              help="Pipeline-parallel size of the output.")
+@click.option("--vpp", type=int, default=1, show_default=True,
+              help="Virtual pipeline chunks per stage (interleaved schedule).")
+@click.option("--ep", "--target-expert-parallel-size", "ep", type=int, default=1, show_default=True,
+              help="Expert-parallel size of the output (MoE models).")
+@click.option("--first-stage-layers", "--decoder-first-pipeline-num-layers", "first_stage_layers", type=int,
+              help="Layers on the first pipeline stage (uneven split).")
+@click.option("--last-stage-layers", "--decoder-last-pipeline-num-layers", "last_stage_layers", type=int,
+              help="Layers on the last pipeline stage (uneven split).")
+@click.option("--transformer-impl", "--saver-transformer-impl", "transformer_impl",
+              type=click.Choice(["local", "te", "transformer_engine"]), default="local", show_default=True,
+              help="Megatron key names: local modules or Transformer Engine's fused names.")
+@click.option("--ckpt-format", type=click.Choice(["torch", "torch_dist", "zarr"]), default="torch",
+              show_default=True, help="Megatron checkpoint format written by the core saver.")
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Cast all weights (default: keep the source's).")
+@click.option("--bf16", "dtype", flag_value="bf16", help="Same as --dtype bf16.")
+@click.option("--fp16", "dtype", flag_value="fp16", help="Same as --dtype fp16.")
+@click.option("--make-vocab-size-divisible-by", type=int, default=128, show_default=True,
+              help="Megatron pads the vocabulary to a multiple of this times TP.")
+@click.option("--true-vocab-size", type=int, help="Real vocabulary size of a padded (Megatron) source.")
+@click.option("--tokenizer", "--tokenizer-model", "tokenizer", type=click.Path(exists=True, path_type=Path),
+              help="Directory with tokenizer files to put beside the output.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard (HF savers).")
+@click.option("--iteration", type=int, help="Iteration number to write (Megatron savers); default: the source's, "
+              "else 1.")
+@click.option("--model-type", type=click.Choice(["GPT"]), default="GPT", hidden=True,
+              help="Accepted for Megatron compatibility; only GPT models exist here.")
+@click.option("--force", is_flag=True, help="Replace an existing, non-empty --save-dir.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@click.pass_context
+@_fail_cleanly
+def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, quiet, **opts) -> None:
+    """Convert and reshard Megatron and Hugging Face checkpoints.
+
+    \b
+    Examples:
+      mconvert --loader llama_mistral --saver core --tp 4 --pp 2 --load-dir HF --save-dir MEGATRON
+      mconvert --loader core --saver core --tp 1 --pp 1 --load-dir MEGATRON --save-dir MERGED
+      mconvert --saver llama_mistral --load-dir MEGATRON --save-dir HF_OUT
+      mconvert inspect MEGATRON
+
+    The source format is detected when --loader is omitted. Output goes to a temporary directory beside
+    --save-dir and is moved into place only when complete.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if not (saver and load_dir and save_dir):
+        if not (saver or load_dir or save_dir):
+            click.echo(ctx.get_help())
+            return
+        missing = [n for n, v in (("--saver", saver), ("--load-dir", load_dir), ("--save-dir", save_dir)) if not v]
+        raise click.UsageError(f"a conversion needs {', '.join(missing)}")
+    source = engine.resolve_loader(loader, load_dir)
+    target = registry.get_saver(saver)
+    _check_applicable(ctx, source, target)
+    options = _options(opts)
+    progress = Progress(enabled=not quiet)
+    summary = engine.convert(load_dir, save_dir, loader=source.name, saver=target.name, options=options,
+                             force=force, progress=progress)
+    ir = summary.ir
+    for note in ir.source.notes:
+        click.echo(f"note: {note}", err=True)
+    rate = summary.bytes_written / max(summary.seconds, 1e-9)
+    click.echo(
+        f"converted {load_dir} ({source.name}: {ir.config.family}, {ir.config.num_layers} layers, "
+        f"{ir.num_params:,} parameters) -> {save_dir} ({target.name}"
+        f"{', ' + options.layout.describe() if target.options & LAYOUT_OPTIONS else ''}): "
+        f"{summary.files} files, {human_bytes(summary.bytes_written)} in {summary.seconds:.2f} s "
+        f"({human_bytes(rate)}/s)",
+        err=True,
+    )
+
+
+def _check_applicable(ctx: click.Context, loader: registry.Plugin, saver: registry.Plugin) -> None:
+    given = [n for n in PLUGIN_OPTIONS if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+    understood = loader.options | saver.options
+    ignored = [n for n in given if n not in understood]
+    if ignored:
+        flags = ", ".join("--" + n.replace("_", "-") for n in ignored)
+        raise ConvertError(f"{flags} does not apply to loader {loader.name} / saver {saver.name}")
+
+
+def _options(o: dict) -> Options:
+    layout = ParallelLayout(tp=o["tp"], pp=o["pp"], vpp=o["vpp"], ep=o["ep"],
+                            first_stage_layers=o["first_stage_layers"], last_stage_layers=o["last_stage_layers"])
+    return Options(
+        layout=layout,
+        transformer_impl="te" if o["transformer_impl"] in ("te", "transformer_engine") else "local",
+        ckpt_format=o["ckpt_format"],
+        dtype=DTYPES[o["dtype"]] if o["dtype"] else None,
+        make_vocab_size_divisible_by=o["make_vocab_size_divisible_by"],
+        true_vocab_size=o["true_vocab_size"],
+        tokenizer=o["tokenizer"],
+        max_shard_size=parse_size(o["max_shard_size"]),
+        iteration=o["iteration"],
+    )
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--loader", help="Format of PATH; detected when omitted.")
+@click.option("--true-vocab-size", type=int, help="Real vocabulary size of a padded (Megatron) source.")
+@click.option("--tensors/--no-tensors", default=True, show_default=True, help="Print the table of tensors.")
+@_fail_cleanly
+def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors: bool) -> None:
+    """Show a checkpoint's format, config, layout, size and tensors (reads no tensor data)."""
+    from mconvert.inspect import describe
+
+    click.echo(describe(path, loader, Options(true_vocab_size=true_vocab_size), tensors=tensors))
+
+
+@main.command()
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@click.option("--loader-a", help="Format of A; detected when omitted.")
+@click.option("--loader-b", help="Format of B; detected when omitted.")
+@click.option("--true-vocab-size", type=int, help="Real vocabulary size, for padded (Megatron) checkpoints.")
+@_fail_cleanly
+def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, true_vocab_size: int | None) -> None:
+    """Compare two checkpoints of the same model tensor by tensor (any formats, any layouts).
+
+    Exits with status 1 when a config field or a tensor differs.
+    """
+    from mconvert.inspect import compare as run
+
+    text, same = run(a, b, loader_a, loader_b, Options(true_vocab_size=true_vocab_size))
+    click.echo(text)
+    if not same:
+        raise SystemExit(1)
+
+
+@main.command()
+def plugins() -> None:
+    """List the loaders and savers (built in and installed through entry points)."""
+    for title, items in (("loaders", registry.loaders()), ("savers", registry.savers())):
+        click.echo(f"{title}:")
+        for p in items:
+            alias = f" (aliases: {', '.join(p.aliases)})" if p.aliases else ""
+            click.echo(f"  {p.name:<16}{p.help}{alias}")

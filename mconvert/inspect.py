@@ -1,0 +1,80 @@
+"""`mconvert inspect` and `mconvert compare`: look at checkpoints through the IR."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mconvert import engine
+from mconvert.ir import ModelIR
+from mconvert.options import Options
+from mconvert.progress import human_bytes
+
+
+def describe(path: Path, loader: str | None, options: Options, *, tensors: bool = True) -> str:
+    plugin = engine.resolve_loader(loader, path)
+    ir = engine.load(path, options, plugin.name)
+    src, c = ir.source, ir.config
+    lines = [
+        f"path:        {src.path}",
+        f"format:      {src.format} (loader {plugin.name})",
+    ]
+    if src.layout:
+        lines.append("layout:      " + ", ".join(f"{k}={v}" for k, v in src.layout.items()))
+    if src.iteration is not None:
+        lines.append(f"iteration:   {src.iteration}")
+    lines += [
+        f"parameters:  {ir.num_params:,} ({human_bytes(ir.nbytes)} as {c.dtype})",
+        f"tokenizer:   {', '.join(sorted(ir.assets)) or 'none found'}",
+        "config:",
+        *(f"  {k:<26}{v}" for k, v in c.to_dict().items()),
+    ]
+    lines += [f"note: {n}" for n in src.notes]
+    if tensors:
+        width = max(len(n) for n in ir.tensors)
+        lines.append(f"tensors ({len(ir.tensors)}):")
+        for name, t in ir:
+            dtype = str(t.dtype).removeprefix("torch.")
+            lines.append(f"  {name:<{width}}  {str(list(t.shape)):<16} {dtype:<9} {t.origin}")
+    return "\n".join(lines)
+
+
+def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, options: Options) -> tuple[str, bool]:
+    """Report config differences and, tensor by tensor, whether A and B are bit-identical."""
+    ir_a = engine.load(a, options, loader_a)
+    ir_b = engine.load(b, options, loader_b)
+    lines = [f"A: {a} ({ir_a.source.format})", f"B: {b} ({ir_b.source.format})"]
+    same = True
+    da, db = ir_a.config.to_dict(), ir_b.config.to_dict()
+    for key in da:
+        if da[key] != db[key] and key not in ("padded_vocab_size",):
+            lines.append(f"config {key}: A={da[key]!r} B={db[key]!r}")
+            same = same and key in ("bos_token_id", "eos_token_id", "pad_token_id")
+    names = list(dict.fromkeys([*ir_a.tensors, *ir_b.tensors]))
+    equal = 0
+    for name in names:
+        verdict = _compare_tensor(ir_a, ir_b, name)
+        if verdict is None:
+            equal += 1
+        else:
+            same = False
+            lines.append(f"{name}: {verdict}")
+    lines.append(f"{equal}/{len(names)} tensors bit-identical" + ("" if same else "; checkpoints differ"))
+    return "\n".join(lines), same
+
+
+def _compare_tensor(ir_a: ModelIR, ir_b: ModelIR, name: str) -> str | None:
+    if name not in ir_a:
+        return "only in B"
+    if name not in ir_b:
+        return "only in A"
+    x, y = ir_a[name].load(), ir_b[name].load()
+    if x.shape != y.shape:
+        return f"shape {list(x.shape)} vs {list(y.shape)}"
+    if x.dtype != y.dtype:
+        diff = (x.double() - y.double()).abs().max().item()
+        return f"dtype {x.dtype} vs {y.dtype}, max |diff| {diff:.3g}"
+    if torch.equal(x, y):
+        return None
+    return f"differs, max |diff| {(x.double() - y.double()).abs().max().item():.3g}"

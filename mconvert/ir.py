@@ -1,0 +1,284 @@
+"""The model IR: a neutral config plus lazily loaded, unsharded tensors under neutral names.
+
+Every loader produces a `ModelIR`; every saver consumes one. Tensors are `LazyTensor`s: shape and dtype are
+known up front (so a saver can plan its files and a bad checkpoint is refused before a byte is written), the
+bytes are read only when `load()` is called. Conventions (see DESIGN.md section 2): q, k, v and gate, up are
+separate; Linear weights are `[out, in]`; the vocabulary is the true one (no padding rows); rotary rows are
+in the half-split ("rotate_half") order of HF and Megatron core.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+
+from mconvert.errors import ConvertError, format_names
+
+Family = Literal["llama", "mistral", "mixtral", "gpt2"]
+Norm = Literal["rmsnorm", "layernorm"]
+Activation = Literal["swiglu", "gelu_tanh", "gelu"]
+PositionEmbedding = Literal["rope", "learned"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> DType:
+    for name, value in TORCH_DTYPES.items():
+        if value == dtype:
+            return name  # type: ignore[return-value]
+    raise ConvertError(f"unsupported parameter dtype {dtype}; expected one of {', '.join(TORCH_DTYPES)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Everything about a decoder-only transformer that the weights alone do not say.
+
+    `ffn_hidden_size` is the per-expert size for MoE models. `padded_vocab_size` is informational: the padded
+    size found in the source (Megatron), which savers recompute for their own layout.
+    """
+
+    family: Family
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    padded_vocab_size: int | None = None
+    norm: Norm = "rmsnorm"
+    norm_eps: float = 1e-5
+    activation: Activation = "swiglu"
+    position_embedding: PositionEmbedding = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # HF's dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    qkv_bias: bool = False
+    proj_bias: bool = False
+    mlp_bias: bool = False
+    tie_embeddings: bool = False
+    sliding_window: int | None = None
+    num_experts: int | None = None
+    moe_top_k: int | None = None
+    moe_aux_loss_coeff: float | None = None
+    moe_jitter_eps: float | None = None
+    dtype: DType = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConvertError(f"config field {name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                    "head_dim", "vocab_size", "max_position_embeddings")
+        bad = [f"{n}={getattr(self, n)}" for n in positive if not isinstance(getattr(self, n), int)
+               or getattr(self, n) <= 0]
+        if bad:
+            raise ConvertError(f"config fields must be positive integers: {', '.join(bad)}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConvertError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_query_groups={self.num_query_groups} (key/value heads)"
+            )
+        if self.is_moe and not (self.moe_top_k and 0 < self.moe_top_k <= self.num_experts):
+            raise ConvertError(f"MoE config needs 0 < moe_top_k <= num_experts, got {self.moe_top_k}, "
+                               f"{self.num_experts}")
+
+    @property
+    def gated(self) -> bool:
+        return self.activation == "swiglu"
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConvertError(f"unknown ModelConfig field(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        return cls.from_dict(json.loads(text))
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "family": get_args(Family),
+    "norm": get_args(Norm),
+    "activation": get_args(Activation),
+    "position_embedding": get_args(PositionEmbedding),
+    "dtype": get_args(DType),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class LazyTensor:
+    """A tensor known by shape and dtype whose bytes are read by `load()` only when needed.
+
+    `origin` names where the bytes come from (`file:key`), for error messages.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    thunk: Callable[[], torch.Tensor] = field(repr=False)
+    origin: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+    def load(self) -> torch.Tensor:
+        t = self.thunk()
+        if tuple(t.shape) != tuple(self.shape) or t.dtype != self.dtype:
+            raise ConvertError(
+                f"{self.origin}: expected {list(self.shape)} {self.dtype}, read {list(t.shape)} {t.dtype}"
+            )
+        return t
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor], shape=None, dtype=None, origin=None) -> LazyTensor:
+        """A new lazy tensor that applies `fn` to this one's bytes when loaded."""
+        return LazyTensor(
+            tuple(self.shape if shape is None else shape),
+            self.dtype if dtype is None else dtype,
+            lambda: fn(self.load()),
+            self.origin if origin is None else origin,
+        )
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, origin: str = "<memory>") -> LazyTensor:
+        return cls(tuple(tensor.shape), tensor.dtype, lambda: tensor, origin)
+
+
+@dataclass
+class SourceInfo:
+    """What a loader found: shown by `inspect` and in the conversion summary."""
+
+    format: str
+    path: Path
+    layout: dict[str, Any] = field(default_factory=dict)  # e.g. {"tp": 2, "pp": 2, "vpp": 1}
+    iteration: int | None = None
+    notes: list[str] = field(default_factory=list)  # defaults assumed for fields the format does not carry
+
+
+@dataclass
+class ModelIR:
+    """A whole model: config, tensors by IR name (ordered), tokenizer files to carry along, provenance."""
+
+    config: ModelConfig
+    tensors: dict[str, LazyTensor]
+    source: SourceInfo
+    assets: dict[str, Path] = field(default_factory=dict)  # output file name -> source file (tokenizer files)
+
+    def __iter__(self) -> Iterator[tuple[str, LazyTensor]]:
+        return iter(self.tensors.items())
+
+    def __getitem__(self, name: str) -> LazyTensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ConvertError(f"the model has no tensor {name!r}") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.nbytes // t.dtype.itemsize for t in self.tensors.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def check(self) -> None:
+        """Strict: the tensor names and shapes must be exactly those the config implies (one error lists all)."""
+        from mconvert.ir_names import expected_shapes
+
+        want = expected_shapes(self.config)
+        missing = [n for n in want if n not in self.tensors]
+        extra = [n for n in self.tensors if n not in want]
+        wrong = [
+            f"{n} is {list(t.shape)} ({t.origin}), config implies {list(want[n])}"
+            for n, t in self.tensors.items()
+            if n in want and tuple(t.shape) != tuple(want[n])
+        ]
+        if missing or extra or wrong:
+            parts = []
+            if missing:
+                parts.append(f"Missing tensors: {format_names(missing)}.")
+            if extra:
+                parts.append(f"Extra tensors: {format_names(extra)}.")
+            if wrong:
+                parts.append("The config contradicts the tensors: " + "; ".join(wrong[:6])
+                             + (f" … ({len(wrong) - 6} more)" if len(wrong) > 6 else "") + ".")
+            raise ConvertError(f"{self.source.format} checkpoint {self.source.path} does not match its config "
+                               f"({_config_summary(self.config)}). " + " ".join(parts))
+
+    def cast(self, dtype: DType) -> ModelIR:
+        """The same model with every tensor converted to `dtype` at load time."""
+        target = TORCH_DTYPES[dtype]
+        tensors = {
+            n: t if t.dtype == target else t.map(lambda x, d=target: x.to(d), dtype=target)
+            for n, t in self.tensors.items()
+        }
+        return dataclasses.replace(self, config=self.config.replace(dtype=dtype), tensors=tensors)
+
+
+def _config_summary(c: ModelConfig) -> str:
+    return (f"{c.family}, {c.num_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads, "
+            f"{c.num_query_groups} query groups, head_dim {c.head_dim}, ffn {c.ffn_hidden_size}, vocab {c.vocab_size}")
+
+
+class LoadCache:
+    """A small LRU of recently materialized source tensors, shared by the lazy thunks of one loader.
+
+    Several IR tensors often come from one source tensor (q, k and v from a fused QKV gathered across TP
+    ranks); savers ask for them one after another, so keeping the last few groups avoids reading twice while
+    the memory stays bounded by `max_items` groups.
+    """
+
+    def __init__(self, max_items: int = 4):
+        self._items: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self._max = max_items
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, compute: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        value = compute()
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self._max:
+                self._items.popitem(last=False)
+        return value

@@ -1,0 +1,104 @@
+"""Parallel layouts: which layers live in which pipeline stage and virtual chunk, and which ranks exist.
+
+Pipeline assignment follows Megatron-core: stages get `num_layers / pp` layers each, except that the first
+and/or last stage may be given their own count (`--first-stage-layers`, `--last-stage-layers`), the rest being
+split evenly over the middle stages. With virtual pipelining every stage's layers are split into `vpp` equal
+chunks, and chunks are ordered chunk-major: chunk v of stage p starts after all of chunk v-1 on every stage and
+after chunk v of stages 0..p-1, i.e. at `v*L/V + p*L/(P*V)` when stages are even.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mconvert.errors import ConvertError
+from mconvert.ir import ModelConfig
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk in one file: pipeline stage `pp`, virtual index `vpp`, its global layers."""
+
+    pp: int
+    vpp: int
+    layers: range
+    has_embedding: bool
+    has_head: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "vpp", "ep"):
+            if getattr(self, name) < 1:
+                raise ConvertError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.pp == 1 and (self.first_stage_layers or self.last_stage_layers):
+            raise ConvertError("--first-stage-layers/--last-stage-layers need --pp > 1")
+
+    def stage_sizes(self, num_layers: int) -> list[int]:
+        """Number of layers on each pipeline stage."""
+        p, first, last = self.pp, self.first_stage_layers, self.last_stage_layers
+        if p == 1:
+            return [num_layers]
+        fixed = {0: first} if first is not None else {}
+        if last is not None:
+            fixed[p - 1] = last
+        rest = num_layers - sum(fixed.values())
+        middle = p - len(fixed)
+        if rest < 0 or (middle == 0 and rest != 0) or (middle and rest % middle):
+            raise ConvertError(
+                f"cannot place {num_layers} layers on {p} pipeline stages"
+                + (f" with {first} on the first" if first is not None else "")
+                + (f" and {last} on the last" if last is not None else "")
+                + (f": the remaining {rest} layers do not split evenly over {middle} stages" if middle else "")
+                + "; choose --pp dividing the layers or set --first-stage-layers/--last-stage-layers"
+            )
+        return [fixed.get(i, rest // middle if middle else 0) for i in range(p)]
+
+    def chunks(self, num_layers: int) -> list[Chunk]:
+        """Every (stage, virtual chunk) with its global layer range, in stage-major order."""
+        sizes = self.stage_sizes(num_layers)
+        bad = [s for s in sizes if s % self.vpp]
+        if bad:
+            raise ConvertError(f"--vpp {self.vpp} must divide the layers of every pipeline stage {sizes}")
+        per_chunk = [s // self.vpp for s in sizes]
+        chunk_round = sum(per_chunk)
+        out = []
+        for p in range(self.pp):
+            for v in range(self.vpp):
+                start = v * chunk_round + sum(per_chunk[:p])
+                out.append(Chunk(p, v, range(start, start + per_chunk[p]),
+                                 has_embedding=(p == 0 and v == 0),
+                                 has_head=(p == self.pp - 1 and v == self.vpp - 1)))
+        return out
+
+    def check_model(self, c: ModelConfig) -> None:
+        """Refuse layouts the model cannot take, naming the size that does not divide."""
+        problems = []
+        for what, value in (("num_attention_heads", c.num_attention_heads),
+                            ("num_query_groups (key/value heads)", c.num_query_groups),
+                            ("ffn_hidden_size", c.ffn_hidden_size)):
+            if value % self.tp:
+                problems.append(f"--tp {self.tp} does not divide {what}={value}")
+        if c.is_moe and c.num_experts % self.ep:
+            problems.append(f"--ep {self.ep} does not divide num_experts={c.num_experts}")
+        if not c.is_moe and self.ep > 1:
+            problems.append(f"--ep {self.ep} needs a mixture-of-experts model; this one is dense")
+        if problems:
+            raise ConvertError("; ".join(problems))
+        self.chunks(c.num_layers)
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"VPP{self.vpp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        return " ".join(parts)

@@ -1,0 +1,130 @@
+"""Apply a format's rule table to whole (unsharded) checkpoints, in both directions.
+
+`expand` turns templated rules into concrete (checkpoint key, IR names, rule) rows for one model. `to_ir` maps
+a flat dict of source tensors into lazy IR tensors, strictly: every source tensor is consumed or explicitly
+dropped, every expected one is present, and one error lists all differences. `from_ir` is the inverse plan a
+saver writes from. Sharded formats (Megatron) build on the same rows with their own file layout.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mconvert.errors import ConvertError, format_names
+from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR
+from mconvert.ir_names import expected_shapes
+from mconvert.rules import IDENTITY, Ctx, Rule, Table, active
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    ir: tuple[str, ...]
+    rule: Rule
+
+
+def expand(table: Table, config: ModelConfig, *, layers: Iterable[tuple[int, int]] | None = None,
+           experts: Iterable[tuple[int, int]] | None = None, embedding: bool = True, head: bool = True,
+           ir_names: Iterable[str] | None = None) -> list[Row]:
+    """Concrete rows in file order: embeddings, each layer (with its experts), head.
+
+    `layers` gives (global, local) layer numbers for the `{L}`/`{l}` templates and `experts` (global, local)
+    expert numbers for `{E}`/`{e}`; by default all of them, numbered globally (unsharded formats).
+    """
+    names = set(expected_shapes(config) if ir_names is None else ir_names)
+    layers = [(L, L) for L in range(config.num_layers)] if layers is None else list(layers)
+    experts = [(E, E) for E in range(config.num_experts or 0)] if experts is None else list(experts)
+    rows: list[Row] = []
+
+    def add(rules: Iterable[Rule], **index: int) -> None:
+        for rule in active(list(rules), names, **index):
+            key, ir = rule.keys(**index)
+            rows.append(Row(key, ir, rule))
+
+    if embedding:
+        add(table.embedding)
+    for L, l in layers:
+        add(table.layer, L=L, l=l)
+        for E, e in experts:
+            add(table.expert, L=L, l=l, E=E, e=e)
+    if head:
+        add(table.head)
+    return rows
+
+
+def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *, where: str,
+          drop: Iterable[str] = (), cache: LoadCache | None = None) -> dict[str, LazyTensor]:
+    """Lazy IR tensors from source tensors by key, each key given as its TP pieces (one piece if unsharded).
+
+    Strict: every source key is consumed by a row or matches a `drop` regex, every row's key is present, and
+    the pieces' shapes must fit the config; one error lists all differences.
+    """
+    dropped = [re.compile(p) for p in drop]
+    wanted = {row.key for row in rows}
+    missing = [row.key for row in rows if row.key not in source]
+    extra = [k for k in source if k not in wanted and not any(p.fullmatch(k) for p in dropped)]
+    if missing or extra:
+        parts = [f"Missing tensors: {format_names(missing)}." if missing else "",
+                 f"Extra tensors: {format_names(extra)}." if extra else ""]
+        raise ConvertError(f"{where}: the tensors do not match a {ctx.config.family} model with this config "
+                           f"({ctx.config.num_layers} layers). " + " ".join(p for p in parts if p))
+    cache = cache or LoadCache()
+    want_shapes = expected_shapes(ctx.config)
+    out: dict[str, LazyTensor] = {}
+    for row in rows:
+        pieces = list(source[row.key])
+        shapes = _ir_shapes_of(row, pieces, ctx, want_shapes)
+        if len(pieces) == 1 and row.rule.join is IDENTITY:
+            out[row.ir[0]] = pieces[0]  # stored as is: no copy, no cache
+            continue
+        origin = pieces[0].origin if len(pieces) == 1 else f"{pieces[0].origin} (+{len(pieces) - 1} TP pieces)"
+        for i, name in enumerate(row.ir):
+
+            def thunk(row=row, pieces=pieces, i=i):
+                parts = cache.get(row.key, lambda: row.rule.backward([p.load() for p in pieces], ctx))
+                return parts[i]
+
+            out[name] = LazyTensor(shapes[i], pieces[0].dtype, thunk, origin)
+    order = {name: i for i, name in enumerate(want_shapes)}  # canonical IR order, whatever the file order
+    return dict(sorted(out.items(), key=lambda item: order.get(item[0], len(order))))
+
+
+def _ir_shapes_of(row: Row, pieces: list[LazyTensor], ctx: Ctx, want: dict) -> list[tuple[int, ...]]:
+    """The IR shapes the pieces combine into, computed on meta; a mismatch means config and weights disagree."""
+    shown = " + ".join(f"{p.origin} {list(p.shape)}" for p in pieces[:4])
+    try:
+        parts = row.rule.backward([torch.empty(p.shape, device="meta") for p in pieces], ctx)
+    except (ConvertError, RuntimeError) as e:
+        raise ConvertError(f"{shown}: does not fit the config: {e}") from None
+    shapes = [tuple(p.shape) for p in parts]
+    for name, shape in zip(row.ir, shapes):
+        if name in want and tuple(want[name]) != shape:
+            raise ConvertError(f"{shown} gives {name} of shape {list(shape)}, but the config implies "
+                               f"{list(want[name])}: the config contradicts the tensors")
+    return shapes
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One checkpoint tensor a saver will write: its key, shape, dtype and how to compute it."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: object
+    row: Row
+
+    def produce(self, ir: ModelIR, ctx: Ctx) -> torch.Tensor:
+        return self.row.rule.forward([ir[n].load() for n in self.row.ir], ctx)[0]
+
+
+def from_ir(ir: ModelIR, rows: list[Row], ctx: Ctx) -> list[Planned]:
+    """The unsharded checkpoint tensors for `ir`, shapes computed without reading any bytes."""
+    plan = []
+    for row in rows:
+        shape = row.rule.piece_shapes([ir[n].shape for n in row.ir], ctx)[0]
+        plan.append(Planned(row.key, shape, ir[row.ir[0]].dtype, row))
+    return plan

@@ -1,0 +1,27 @@
+"""The options a conversion runs with, typed and passed explicitly to loaders and savers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from mconvert.ir import DType
+from mconvert.layout import ParallelLayout
+
+TransformerImpl = Literal["local", "te"]
+CkptFormat = Literal["torch", "torch_dist", "zarr"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    transformer_impl: TransformerImpl = "local"
+    ckpt_format: CkptFormat = "torch"
+    dtype: DType | None = None  # cast every tensor; None keeps the source dtype
+    make_vocab_size_divisible_by: int = 128
+    true_vocab_size: int | None = None  # for sources that store only a padded vocabulary
+    tokenizer: Path | None = None  # tokenizer files to carry into the output
+    max_shard_size: int = 5 * 1024**3  # bytes per safetensors shard (HF savers)
+    iteration: int | None = None  # Megatron iteration to write; default: the source's, else 1
+    workers: int = 2  # I/O threads

@@ -1,0 +1,108 @@
+"""Loaders and savers, registered by the name users type.
+
+Built-in plugins live in the top-level `loaders` and `savers` packages and register themselves with
+`@register_loader("name")` / `@register_saver("name")`. Third-party packages add theirs through the entry-point
+groups `mconvert.loaders` and `mconvert.savers` (the entry point names a module to import, or the plugin
+function itself, which registers by decorator when its module is imported).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mconvert.errors import ConvertError
+
+
+@dataclass(frozen=True)
+class Plugin:
+    name: str
+    func: Callable
+    aliases: tuple[str, ...] = ()
+    detect: Callable[[Path], bool] | None = None  # loaders: does this path look like my format?
+    options: frozenset[str] = field(default_factory=frozenset)  # command-line options the plugin uses
+    help: str = ""
+
+
+_LOADERS: dict[str, Plugin] = {}
+_SAVERS: dict[str, Plugin] = {}
+_loaded = False
+
+
+def _register(table: dict[str, Plugin], kind: str, name: str, aliases, detect, options):
+    def decorator(func: Callable) -> Callable:
+        doc = (func.__doc__ or "").strip().splitlines()
+        plugin = Plugin(name, func, tuple(aliases), detect, frozenset(options), doc[0] if doc else "")
+        for key in (name, *aliases):
+            if key in table and table[key].func is not func:
+                raise ValueError(f"{kind} name {key!r} is registered twice")
+            table[key] = plugin
+        return func
+
+    return decorator
+
+
+def register_loader(name: str, *, aliases=(), detect: Callable[[Path], bool] | None = None, options=()):
+    """Register a loader `func(path, options) -> ModelIR` under `name`."""
+    return _register(_LOADERS, "loader", name, aliases, detect, options)
+
+
+def register_saver(name: str, *, aliases=(), options=()):
+    """Register a saver `func(ir, out_dir, options, progress)` under `name`."""
+    return _register(_SAVERS, "saver", name, aliases, None, options)
+
+
+def _load_plugins() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    importlib.import_module("loaders")
+    importlib.import_module("savers")
+    for group in ("mconvert.loaders", "mconvert.savers"):
+        for ep in importlib.metadata.entry_points(group=group):
+            try:
+                ep.load()
+            except Exception as e:  # a broken third-party plugin must not break the built-in ones
+                raise ConvertError(f"plugin {ep.name!r} from entry point group {group} failed to load: {e}") from e
+
+
+def _get(table: dict[str, Plugin], kind: str, name: str) -> Plugin:
+    _load_plugins()
+    if name not in table:
+        raise ConvertError(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(names(table))}")
+    return table[name]
+
+
+def names(table: dict[str, Plugin]) -> list[str]:
+    return sorted({p.name for p in table.values()})
+
+
+def get_loader(name: str) -> Plugin:
+    return _get(_LOADERS, "loader", name)
+
+
+def get_saver(name: str) -> Plugin:
+    return _get(_SAVERS, "saver", name)
+
+
+def loaders() -> list[Plugin]:
+    _load_plugins()
+    return [_LOADERS[n] for n in names(_LOADERS)]
+
+
+def savers() -> list[Plugin]:
+    _load_plugins()
+    return [_SAVERS[n] for n in names(_SAVERS)]
+
+
+def detect_loader(path: Path) -> Plugin:
+    """The loader whose format `path` is in; an error lists the formats tried."""
+    candidates = [p for p in loaders() if p.detect is not None and p.detect(path)]
+    if not candidates:
+        tried = ", ".join(p.name for p in loaders() if p.detect is not None)
+        raise ConvertError(f"{path}: cannot tell the checkpoint format (tried: {tried}); pass --loader NAME")
+    return candidates[0]

@@ -1,0 +1,230 @@
+"""Megatron-core GPT checkpoints (`torch` format): key table, directory layout, and the args <-> config mapping.
+
+Keys are flat and local to each file: `decoder.layers.{l}` counts from 0 in every pipeline chunk. The local
+spec names norms as modules (`input_layernorm.weight`); the Transformer Engine spec fuses them into the next
+linear (`self_attention.linear_qkv.layer_norm_weight`, `mlp.linear_fc1.layer_norm_weight`). Linears carry an
+`_extra_state` entry (None for the local spec).
+
+    latest_checkpointed_iteration.txt      the iteration number, or "release"
+    iter_0000001/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
+        {"args", "checkpoint_version": 3.0, "iteration", "model" (or "model0".."model{V-1}"), ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any, Literal
+
+import torch
+
+from mconvert.errors import ConvertError
+from mconvert.ir import ModelConfig
+from mconvert.layout import ParallelLayout
+from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, IDENTITY, QKV, REPLICATE, ROW, VOCAB, Rule, Table
+
+Impl = Literal["local", "te"]
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+
+
+def iteration_dir(iteration: int | Literal["release"]) -> str:
+    return "release" if iteration == "release" else f"iter_{iteration:07d}"
+
+
+def rank_dir(tp: int, pp: int, ep: int, layout: ParallelLayout) -> str:
+    """`mp_rank_{tp:02d}`, plus `_{pp:03d}` when pipelined, plus `_{ep:03d}` with expert parallelism."""
+    name = f"mp_rank_{tp:02d}"
+    if layout.pp > 1:
+        name += f"_{pp:03d}"
+    if layout.ep > 1:
+        name += f"_{ep:03d}"
+    return name
+
+
+def _norm(module_local: str, module_te: str, impl: Impl, ir: str) -> list[Rule]:
+    """A norm's weight and bias: a module of its own (local) or fused into the next linear (TE)."""
+    if impl == "local":
+        return [Rule(f"{module_local}.{kind}", (f"{ir}.{kind}",)) for kind in ("weight", "bias")]
+    return [Rule(f"{module_te}.layer_norm_{kind}", (f"{ir}.{kind}",)) for kind in ("weight", "bias")]
+
+
+def _linear(module: str, ir: str, join, shard, bias_shard) -> list[Rule]:
+    """A linear's weight and bias; `ir` may name several IR tensors joined into one (`a+b` templates)."""
+    names = tuple(ir.split("+"))
+    join = join or IDENTITY
+    return [
+        Rule(f"{module}.weight", tuple(f"{n}.weight" for n in names), join, shard),
+        Rule(f"{module}.bias", tuple(f"{n}.bias" for n in names), join, bias_shard),
+    ]
+
+
+def table(impl: Impl, *, moe: bool = False) -> Table:
+    """The core key table for one transformer implementation (`local` or `te`)."""
+    layer = "decoder.layers.{l}"
+    attn, mlp = f"{layer}.self_attention", f"{layer}.mlp"
+    fused_mlp_norm = impl == "te" and not moe  # MoE layers keep a separate pre_mlp_layernorm under TE
+    return Table(
+        embedding=(
+            Rule("embedding.word_embeddings.weight", ("embed.weight",), VOCAB, COLUMN),
+            Rule("embedding.position_embeddings.weight", ("pos_embed.weight",)),
+        ),
+        layer=(
+            *_norm(f"{layer}.input_layernorm", f"{attn}.linear_qkv", impl, "layers.{L}.attn_norm"),
+            *_linear(f"{attn}.linear_proj", "layers.{L}.attn.o", None, ROW, REPLICATE),
+            *_linear(f"{attn}.linear_qkv", "layers.{L}.attn.q+layers.{L}.attn.k+layers.{L}.attn.v", QKV, COLUMN,
+                     COLUMN),
+            *_norm(f"{layer}.pre_mlp_layernorm", f"{mlp}.linear_fc1", "te" if fused_mlp_norm else "local",
+                   "layers.{L}.mlp_norm"),
+            *_linear(f"{mlp}.linear_fc1", "layers.{L}.mlp.gate+layers.{L}.mlp.up", GATE_UP, GATED_COLUMN,
+                     GATED_COLUMN),
+            *_linear(f"{mlp}.linear_fc1", "layers.{L}.mlp.up", None, COLUMN, COLUMN),
+            *_linear(f"{mlp}.linear_fc2", "layers.{L}.mlp.down", None, ROW, REPLICATE),
+        ),
+        head=(
+            Rule("decoder.final_layernorm.weight", ("final_norm.weight",)),
+            Rule("decoder.final_layernorm.bias", ("final_norm.bias",)),
+            Rule("output_layer.weight", ("lm_head.weight",), VOCAB, COLUMN),
+        ),
+    )
+
+
+# With tied embeddings and several pipeline stages the last stage keeps its own copy of the (padded) word
+# embeddings as output_layer.weight, kept in sync by Megatron during training.
+TIED_OUTPUT = Rule("output_layer.weight", ("embed.weight",), VOCAB, COLUMN)
+
+
+def extra_state_modules(impl: Impl) -> tuple[str, ...]:
+    """Modules (templates) that store an `_extra_state` entry in every layer."""
+    modules = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+    if impl == "te":
+        modules = ("self_attention.core_attention", *modules)
+    return tuple(f"decoder.layers.{{l}}.{m}" for m in modules)
+
+
+def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtype: str,
+                     where: str) -> ModelConfig:
+    """The IR config from a Megatron `args` namespace (names as Megatron stores them)."""
+
+    def get(name: str, default: Any = None) -> Any:
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    unsupported = [f"{n}={get(n)!r}" for n, ok in (
+        ("rotary_interleaved", not get("rotary_interleaved", False)),
+        ("rotary_percent", float(get("rotary_percent", 1.0)) == 1.0),
+        ("qk_layernorm", not get("qk_layernorm", False)),
+        ("layernorm_zero_centered_gamma", not (get("layernorm_zero_centered_gamma") or get("apply_layernorm_1p"))),
+        ("squared_relu", not get("squared_relu", False)),
+        ("moe_shared_expert_intermediate_size", not get("moe_shared_expert_intermediate_size")),
+    ) if not ok]
+    if unsupported:
+        raise ConvertError(f"{where}: Megatron settings not supported yet: {', '.join(unsupported)}")
+    try:
+        hidden, heads, layers = int(args.hidden_size), int(args.num_attention_heads), int(args.num_layers)
+    except AttributeError as e:
+        raise ConvertError(f"{where}: args lack {e.name!r}; is this a Megatron GPT checkpoint?") from None
+    rope = get("position_embedding_type", "learned_absolute") == "rope"
+    experts = get("num_experts")
+    window = get("window_size")
+    ffn = get("moe_ffn_hidden_size") if experts else None
+    ffn = ffn or get("ffn_hidden_size") or 4 * hidden
+    family = "mixtral" if experts else "mistral" if window else "llama" if rope else "gpt2"
+    return ModelConfig(
+        family=family,
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=int(ffn),
+        num_attention_heads=heads,
+        num_query_groups=int(get("num_query_groups", heads)) if get("group_query_attention") else heads,
+        head_dim=int(get("kv_channels", hidden // heads)),
+        vocab_size=vocab_size,
+        padded_vocab_size=padded_vocab_size,
+        max_position_embeddings=int(get("max_position_embeddings", get("seq_length", 2048))),
+        norm="rmsnorm" if get("normalization", "LayerNorm") == "RMSNorm" else "layernorm",
+        norm_eps=float(get("layernorm_epsilon", get("norm_epsilon", 1e-5))),
+        activation="swiglu" if get("swiglu") else "gelu_tanh" if get("openai_gelu") else "gelu",
+        position_embedding="rope" if rope else "learned",
+        rope_theta=float(get("rotary_base", 10000)),
+        rope_scaling=LLAMA3_SCALING | {"factor": float(get("rope_scaling_factor", 8.0))}
+        if get("use_rope_scaling") else None,
+        qkv_bias=bool(get("add_bias_linear", True) or get("add_qkv_bias", False)),
+        proj_bias=bool(get("add_bias_linear", True)),
+        mlp_bias=bool(get("add_bias_linear", True)),
+        tie_embeddings=not get("untie_embeddings_and_output_weights", False),
+        sliding_window=int(window[0]) if window and int(window[0]) > 0 else None,
+        num_experts=int(experts) if experts else None,
+        moe_top_k=int(get("moe_router_topk", 2)) if experts else None,
+        moe_aux_loss_coeff=_first(get("moe_aux_loss_coeff")) if experts else None,
+        moe_jitter_eps=get("moe_input_jitter_eps") if experts else None,
+        dtype=dtype,
+    )
+
+
+# Megatron hard-codes these for --use-rope-scaling (Llama 3.1); only the factor is an argument.
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def _first(value: Any) -> float | None:
+    if isinstance(value, (list, tuple)):
+        return float(value[0]) if value else None
+    return None if value is None else float(value)
+
+
+def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_size: int, divisible_by: int,
+                     impl: Impl, ckpt_format: str = "torch") -> argparse.Namespace:
+    """A Megatron `args` namespace describing the model, so Megatron-LM can resume or finetune from it.
+
+    Only plain values and torch dtypes: Megatron's own loader refuses anything else under weights_only.
+    """
+    if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3":
+        raise ConvertError(f"Megatron supports only Llama 3 rope scaling; this model has {c.rope_scaling}")
+    if c.rope_scaling and {k: v for k, v in c.rope_scaling.items() if k != "factor"} != \
+            {k: v for k, v in LLAMA3_SCALING.items() if k != "factor"}:
+        raise ConvertError(f"Megatron hard-codes the Llama 3 rope scaling parameters {LLAMA3_SCALING} except the "
+                           f"factor; this model has {c.rope_scaling}")
+    if c.proj_bias != c.mlp_bias or (c.proj_bias and not c.qkv_bias):
+        raise ConvertError("Megatron's add_bias_linear puts a bias on every linear (add_qkv_bias on q/k/v alone); "
+                           f"this model has qkv_bias={c.qkv_bias}, proj_bias={c.proj_bias}, mlp_bias={c.mlp_bias}")
+    rope = c.position_embedding == "rope"
+    vpp = layout.vpp if layout.vpp > 1 else None
+    dtype = c.torch_dtype
+    values = dict(
+        num_layers=c.num_layers, encoder_num_layers=c.num_layers, hidden_size=c.hidden_size,
+        ffn_hidden_size=c.ffn_hidden_size, num_attention_heads=c.num_attention_heads,
+        group_query_attention=c.num_query_groups != c.num_attention_heads, num_query_groups=c.num_query_groups,
+        kv_channels=c.head_dim, seq_length=c.max_position_embeddings, encoder_seq_length=c.max_position_embeddings,
+        max_position_embeddings=c.max_position_embeddings,
+        position_embedding_type="rope" if rope else "learned_absolute", add_position_embedding=not rope,
+        use_rotary_position_embeddings=rope, rotary_base=int(c.rope_theta), rotary_percent=1.0,
+        rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling),
+        rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling else 8.0,
+        normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=c.norm_eps,
+        apply_layernorm_1p=False, layernorm_zero_centered_gamma=False, qk_layernorm=False,
+        swiglu=c.gated, openai_gelu=c.activation == "gelu_tanh", squared_relu=False, bias_gelu_fusion=False,
+        add_bias_linear=c.proj_bias, add_qkv_bias=c.qkv_bias,
+        untie_embeddings_and_output_weights=not c.tie_embeddings,
+        window_size=(c.sliding_window, 0) if c.sliding_window else None,
+        num_experts=c.num_experts, moe_router_topk=c.moe_top_k or 2,
+        moe_ffn_hidden_size=c.ffn_hidden_size if c.is_moe else None,
+        moe_aux_loss_coeff=c.moe_aux_loss_coeff or 0.0, moe_input_jitter_eps=c.moe_jitter_eps,
+        moe_grouped_gemm=False,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        transformer_pipeline_model_parallel_size=layout.pp, virtual_pipeline_model_parallel_size=vpp,
+        num_virtual_stages_per_pipeline_rank=vpp, num_layers_per_virtual_pipeline_stage=None,
+        decoder_first_pipeline_num_layers=layout.first_stage_layers,
+        decoder_last_pipeline_num_layers=layout.last_stage_layers,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp,
+        world_size=layout.tp * layout.pp * layout.ep, data_parallel_size=1,
+        vocab_size=c.vocab_size, padded_vocab_size=padded_vocab_size, make_vocab_size_divisible_by=divisible_by,
+        tokenizer_type="GPT2BPETokenizer" if c.family == "gpt2" else "HuggingFaceTokenizer", tokenizer_model=None,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        ckpt_format=ckpt_format, transformer_impl="transformer_engine" if impl == "te" else "local",
+        use_legacy_models=False, bert_binary_head=False,
+        no_load_optim=True, no_load_rng=True, no_save_optim=True, no_save_rng=True,
+        consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
+    )
+    return argparse.Namespace(**values)

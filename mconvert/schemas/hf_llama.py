@@ -1,0 +1,165 @@
+"""Hugging Face Llama and Mistral: the key table and the config.json mapping (both directions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mconvert.errors import ConvertError
+from mconvert.ir import ModelConfig
+from mconvert.rules import Rule, Table
+
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+_ATTN = [
+    Rule(f"model.layers.{{L}}.self_attn.{hf}_proj.{kind}", (f"layers.{{L}}.attn.{ir}.{kind}",))
+    for hf, ir in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "o"))
+    for kind in ("weight", "bias")
+]
+_MLP = [
+    Rule(f"model.layers.{{L}}.mlp.{name}_proj.{kind}", (f"layers.{{L}}.mlp.{name}.{kind}",))
+    for name in ("gate", "up", "down")
+    for kind in ("weight", "bias")
+]
+
+TABLE = Table(
+    embedding=(Rule("model.embed_tokens.weight", ("embed.weight",)),),
+    layer=(
+        Rule("model.layers.{L}.input_layernorm.weight", ("layers.{L}.attn_norm.weight",)),
+        *_ATTN,
+        Rule("model.layers.{L}.post_attention_layernorm.weight", ("layers.{L}.mlp_norm.weight",)),
+        *_MLP,
+    ),
+    head=(
+        Rule("model.norm.weight", ("final_norm.weight",)),
+        Rule("lm_head.weight", ("lm_head.weight",)),
+    ),
+)
+
+# Present in some checkpoints, never model weights: rotary frequencies (recomputed from rope_theta).
+DROP = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+
+
+def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either transformers 5's `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(hf.get("rope_theta", 10000.0))
+        scaling = dict(hf.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def rope_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """Both spellings, so transformers 4.x and 5.x (and tools that read `rope_theta`) agree."""
+    params: dict[str, Any] = {"rope_theta": c.rope_theta, "rope_type": "default"}
+    if c.rope_scaling:
+        params |= c.rope_scaling
+    return {"rope_parameters": params, "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling}
+
+
+def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConvertError(f"{where}: model_type {model_type!r} is not a Llama or Mistral model "
+                           f"(expected one of {', '.join(MODEL_TYPES)})")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConvertError(f"{where}: hidden_act {act!r} is not supported for {model_type} (expected 'silu')")
+    # transformers' defaults where config.json leaves a field out; Mistral's differ from Llama's.
+    mistral = model_type == "mistral"
+    defaults = {"num_key_value_heads": 8 if mistral else None, "sliding_window": 4096 if mistral else None,
+                "max_position_embeddings": 131072 if mistral else 2048}
+    hf = defaults | hf
+    try:
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        theta, scaling = rope_from_hf(hf)
+        bias = bool(hf.get("attention_bias", False))
+        return ModelConfig(
+            family=model_type,
+            num_layers=int(hf["num_hidden_layers"]),
+            hidden_size=hidden,
+            ffn_hidden_size=int(hf["intermediate_size"]),
+            num_attention_heads=heads,
+            num_query_groups=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            vocab_size=int(hf["vocab_size"]),
+            max_position_embeddings=int(hf["max_position_embeddings"]),
+            norm="rmsnorm",
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            activation="swiglu",
+            position_embedding="rope",
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qkv_bias=bias,
+            proj_bias=bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=hf["sliding_window"] if mistral else None,
+            dtype=_dtype(hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+    except KeyError as e:
+        raise ConvertError(f"{where}: missing field {e.args[0]!r}") from None
+
+
+def _dtype(hf: dict[str, Any]) -> str:
+    value = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return value if value in ("float32", "bfloat16", "float16") else "float32"
+
+
+def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+    if c.family not in MODEL_TYPES:
+        raise ConvertError(f"the Llama/Mistral saver cannot write a {c.family} model; use the saver for that family")
+    if c.qkv_bias != c.proj_bias:
+        raise ConvertError("HF Llama has one attention_bias flag for q/k/v and o; this model has bias on "
+                           f"{'q/k/v only' if c.qkv_bias else 'o only'}")
+    hf: dict[str, Any] = {
+        "architectures": [MODEL_TYPES[c.family]],
+        "model_type": c.family,
+        "attention_bias": c.qkv_bias,
+        "attention_dropout": 0.0,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
+        "dtype": c.dtype,
+        "torch_dtype": c.dtype,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": c.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": c.ffn_hidden_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "num_attention_heads": c.num_attention_heads,
+        "num_hidden_layers": c.num_layers,
+        "num_key_value_heads": c.num_query_groups,
+        "rms_norm_eps": c.norm_eps,
+        "tie_word_embeddings": c.tie_embeddings,
+        "use_cache": True,
+        "vocab_size": c.vocab_size,
+        **rope_to_hf(c),
+    }
+    if c.family == "llama":
+        hf["mlp_bias"] = c.mlp_bias
+        hf["pretraining_tp"] = 1
+    else:
+        if c.mlp_bias:
+            raise ConvertError("HF Mistral has no MLP bias; this model has one (save it as family llama)")
+        hf["sliding_window"] = c.sliding_window
+    return hf
+
+
+def generation_config(c: ModelConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"_from_model_config": True}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(c, key) is not None:
+            out[key] = getattr(c, key)
+    return out

@@ -1,0 +1,101 @@
+"""Named, invertible, pure tensor transforms between the IR and checkpoint layouts.
+
+Each forward function has an inverse, and `tests/test_transforms.py` checks `inverse(forward(x)) == x` bit for
+bit. They work on meta tensors too, which is how loaders and savers plan shapes without reading bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mconvert.errors import ConvertError
+
+
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_groups: int) -> Tensor:
+    """Megatron's grouped QKV: rows ordered per query group as [q heads of the group, k, v].
+
+        group 0: q_0 … q_{nh/ng-1} | k_0 | v_0     each block head_dim rows
+        group 1: …
+    Works on weights `[rows, h]` and biases `[rows]`. Splitting the result into TP chunks along dim 0 gives each
+    rank whole groups, which is why Megatron chose this order.
+    """
+    head_dim = q.shape[0] // num_heads
+    rest = q.shape[1:]
+    per_group = num_heads // num_groups
+    q = q.reshape(num_groups, per_group * head_dim, *rest)
+    k = k.reshape(num_groups, head_dim, *rest)
+    v = v.reshape(num_groups, head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: Tensor, num_heads: int, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of `fuse_qkv`."""
+    per_group = num_heads // num_groups
+    rows = qkv.shape[0]
+    if rows % (num_groups * (per_group + 2)):
+        raise ConvertError(f"fused QKV has {rows} rows, not a multiple of {num_groups} groups × "
+                           f"({per_group} query heads + 2)")
+    head_dim = rows // (num_groups * (per_group + 2))
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(num_groups, (per_group + 2) * head_dim, *rest)
+    q, k, v = torch.split(grouped, [per_group * head_dim, head_dim, head_dim], dim=1)
+    return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous())
+
+
+def fuse_gate_up(gate: Tensor, up: Tensor) -> Tensor:
+    """`[gate ; up]` stacked along dim 0 (Megatron's linear_fc1 for SwiGLU, whole-tensor form)."""
+    return torch.cat([gate, up], dim=0)
+
+
+def split_gate_up(fc1: Tensor) -> tuple[Tensor, Tensor]:
+    """Inverse of `fuse_gate_up`."""
+    if fc1.shape[0] % 2:
+        raise ConvertError(f"gated linear_fc1 has an odd number of rows ({fc1.shape[0]})")
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return gate.contiguous(), up.contiguous()
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule: round the vocabulary up to a multiple of `divisible_by * tp`."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def pad_vocab(weight: Tensor, padded_size: int) -> Tensor:
+    """Append rows up to `padded_size`, each a copy of the last real row (as Megatron's tools do)."""
+    extra = padded_size - weight.shape[0]
+    if extra < 0:
+        raise ConvertError(f"cannot pad a vocabulary of {weight.shape[0]} rows down to {padded_size}")
+    if extra == 0:
+        return weight
+    return torch.cat([weight, weight[-1:].expand(extra, *weight.shape[1:])], dim=0)
+
+
+def unpad_vocab(weight: Tensor, vocab_size: int) -> Tensor:
+    """Inverse of `pad_vocab`: keep the first `vocab_size` rows."""
+    if weight.shape[0] < vocab_size:
+        raise ConvertError(f"embedding has {weight.shape[0]} rows, fewer than the vocabulary size {vocab_size}")
+    return weight[:vocab_size]
+
+
+def interleaved_to_half_rope(weight: Tensor, num_heads: int) -> Tensor:
+    """Meta's rotary order (pairs (x0,x1),(x2,x3)… interleaved) to HF/Megatron-core's half split.
+
+    Per head the rows go from [r0, r1, r2, r3, …] (pairs adjacent) to [r0, r2, …, r1, r3, …].
+    """
+    rows, *rest = weight.shape
+    head_dim = rows // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def half_to_interleaved_rope(weight: Tensor, num_heads: int) -> Tensor:
+    """Inverse of `interleaved_to_half_rope`."""
+    rows, *rest = weight.shape
+    head_dim = rows // num_heads
+    return weight.reshape(num_heads, 2, head_dim // 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def transpose(weight: Tensor) -> Tensor:
+    """`[in, out]` (HF GPT-2 Conv1D) to `[out, in]` and back: its own inverse."""
+    return weight.t().contiguous()

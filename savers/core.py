@@ -1,0 +1,115 @@
+"""Saver `core`: Megatron-core GPT checkpoints in the `torch` format, any TP / PP (uneven) / VPP / EP layout.
+
+Files are written stage by stage: the TP (and EP) files of one pipeline stage are open together, each IR
+tensor is read once, split into its per-rank pieces and streamed into every file of the stage, so peak
+memory is about one layer whatever the model size.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import torch
+
+from formats import hf_dir
+from formats.torch_pickle import TorchFileWriter
+from mconvert.errors import ConvertError
+from mconvert.ir import ModelIR
+from mconvert.layout import Chunk
+from mconvert.mapping import Row, expand
+from mconvert.options import Options
+from mconvert.progress import Progress
+from mconvert.registry import register_saver
+from mconvert.rules import Ctx
+from mconvert.schemas import core
+from mconvert.transforms import padded_vocab_size
+
+LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "first_stage_layers", "last_stage_layers")
+
+
+@register_saver("core", aliases=("megatron", "mcore"),
+                options=(*LAYOUT_OPTIONS, "transformer_impl", "ckpt_format", "make_vocab_size_divisible_by",
+                         "iteration", "dtype"))
+def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
+    """Megatron-core GPT, `torch` format (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt), local or TE names."""
+    if options.ckpt_format != "torch":
+        raise ConvertError(f"--ckpt-format {options.ckpt_format} is not supported by this saver yet; use torch")
+    c, layout = ir.config, options.layout
+    layout.check_model(c)
+    padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
+    args = core.args_from_config(c, layout, padded_vocab_size=padded,
+                                 divisible_by=options.make_vocab_size_divisible_by, impl=options.transformer_impl)
+    iteration = options.iteration if options.iteration is not None else (ir.source.iteration or 1)
+    ctx = Ctx(c, padded)
+    chunks = layout.chunks(c.num_layers)
+    it_dir = out / core.iteration_dir(iteration)
+    for pp in range(layout.pp):
+        stage = [ch for ch in chunks if ch.pp == pp]
+        for ep in range(layout.ep):
+            _write_stage(ir, ctx, options, stage, ep, it_dir, args, iteration, progress)
+    if ir.assets:  # as Megatron does for torch_dist: the tokenizer travels inside the iteration folder
+        (it_dir / "tokenizer").mkdir()
+        hf_dir.copy_assets(ir.assets, it_dir / "tokenizer")
+    (out / core.TRACKER).write_text(str(iteration))
+
+
+def chunk_rows(ir: ModelIR, chunk: Chunk, ep: int, options: Options) -> list[Row]:
+    """The rows (checkpoint key, IR names, rule) one chunk's file holds, keys local to the file."""
+    c, layout = ir.config, options.layout
+    per_rank = (c.num_experts or 0) // layout.ep
+    experts = [(ep * per_rank + e, e) for e in range(per_rank)]
+    rows = expand(core.table(options.transformer_impl, moe=c.is_moe), c,
+                  layers=[(L, l) for l, L in enumerate(chunk.layers)], experts=experts,
+                  embedding=chunk.has_embedding, head=chunk.has_head)
+    if chunk.has_head and c.tie_embeddings and layout.pp > 1:
+        key, names = core.TIED_OUTPUT.keys()
+        rows.append(Row(key, names, core.TIED_OUTPUT))
+    return rows
+
+
+def extra_states(chunk: Chunk, options: Options) -> dict[str, object]:
+    """The `_extra_state` entries of one chunk: None for Megatron's own modules, TE's empty byte tensor."""
+    te = options.transformer_impl == "te"
+    value = torch.empty(0, dtype=torch.uint8) if te else None
+    out = {}
+    for l in range(len(chunk.layers)):
+        for module in core.extra_state_modules(options.transformer_impl):
+            out[f"{module.format(l=l)}._extra_state"] = value
+    if chunk.has_head:
+        if te:
+            out["decoder.final_layernorm._extra_state"] = value
+        out["output_layer._extra_state"] = None  # Megatron's ColumnParallelLinear, under either spec
+    return out
+
+
+def _write_stage(ir: ModelIR, ctx: Ctx, options: Options, stage: list[Chunk], ep: int, it_dir: Path, args,
+                 iteration: int, progress: Progress) -> None:
+    layout = options.layout
+    dirs = [it_dir / core.rank_dir(tp, stage[0].pp, ep, layout) for tp in range(layout.tp)]
+    plans = [(chunk, chunk_rows(ir, chunk, ep, options)) for chunk in stage]
+    total = sum(ir[n].nbytes for _, rows in plans for row in rows for n in row.ir)
+    names = f"{dirs[0].name}" + (f" … {dirs[-1].name}" if len(dirs) > 1 else "")
+    writers = []
+    for d in dirs:
+        d.mkdir(parents=True)
+        writers.append(TorchFileWriter(d / core.CHECKPOINT_FILE))
+    models: list[dict[str, collections.OrderedDict]] = [{} for _ in dirs]
+    with progress.task(f"{names} ({len(dirs)} files)", total) as advance:
+        for chunk, rows in plans:
+            name = "model" if layout.vpp == 1 else f"model{chunk.vpp}"
+            state = [collections.OrderedDict() for _ in dirs]
+            for row in rows:
+                tensors = [ir[n].load() for n in row.ir]
+                pieces = row.rule.forward(tensors, ctx, layout.tp)
+                for tp, piece in enumerate(pieces):
+                    state[tp][row.key] = writers[tp].add(piece)
+                advance(sum(t.nbytes for t in tensors))
+            for tp in range(layout.tp):
+                state[tp].update(extra_states(chunk, options))
+                models[tp][name] = state[tp]
+    for tp, writer in enumerate(writers):
+        top = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration}
+        top |= models[tp]
+        top["num_floating_point_operations_so_far"] = 0
+        writer.finish(top)

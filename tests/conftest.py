@@ -1,0 +1,118 @@
+"""Shared test helpers: tiny random Hugging Face models built from configs, and conversion shortcuts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+if not FIXTURES.is_dir():
+    FIXTURES = Path(os.environ.get("MCONVERT_FIXTURES", "/work/shared/fixtures"))
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A WordLevel tokenizer with exactly `vocab_size` tokens (t0 … t{V-2}, <unk>)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size - 1)} | {"<unk>": vocab_size - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="t1", eos_token="t2")
+    fast.save_pretrained(path)
+
+
+def perturb_norms(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights start at 1 (biases at 0): randomize them so a norm mix-up changes the numbers."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("weight")
+                        else 0.1 * torch.randn(p.shape, generator=g))
+
+
+def make_hf_model(path: Path, family: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                  **overrides) -> Path:
+    """Save a tiny random HF model of `family` with a matching tokenizer; returns `path`."""
+    import transformers
+
+    kinds = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                  dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                       num_key_value_heads=4, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-5,
+                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                    dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-5,
+                         sliding_window=16, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                         rope_theta=1e6)),
+    }
+    config_cls, model_cls, defaults = kinds[family]
+    config = config_cls(**(defaults | overrides))
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    perturb_norms(model, seed)
+    model.to(dtype).save_pretrained(path)
+    write_tokenizer(path, config.vocab_size)
+    return path
+
+
+def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def ir_tensors(path: Path, **option_fields) -> dict[str, torch.Tensor]:
+    """Every IR tensor of the checkpoint at `path` (format detected), materialized."""
+    from mconvert import engine
+    from mconvert.options import Options
+
+    ir = engine.load(path, Options(**option_fields))
+    return {name: t.load() for name, t in ir}
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b), f"names differ: {set(a) ^ set(b)}"
+    bad = [n for n in a if a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])]
+    assert not bad, f"tensors differ: {bad[:10]}"
+
+
+def run_cli(*args: str, expect_error: bool = False) -> str:
+    """Run the `mconvert` command in-process; returns its output (stdout and stderr)."""
+    from click.testing import CliRunner
+
+    from mconvert.cli import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    output = result.output  # stdout and stderr, as a user sees them
+    if expect_error:
+        assert result.exit_code != 0, f"expected a failure, got:\n{output}"
+    else:
+        assert result.exit_code == 0, f"exit {result.exit_code}:\n{output}"
+    return output
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("llama") / "hf", "llama")
+
+
+@pytest.fixture(scope="session")
+def mistral_dir(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("mistral") / "hf", "mistral", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
