@@ -71,7 +71,7 @@ SAFE_GLOBALS: list = [
     *(_stand_in(name) for name in MEGATRON_GLOBALS),
 ]
 
-_UNSAFE = re.compile(r"GLOBAL (\S+) was not an allowed global")
+_UNSAFE = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def safe_load(path: Path | str, *, mmap: bool = True) -> Any:

@@ -198,8 +198,9 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         group_query_attention=c.num_query_groups != c.num_attention_heads, num_query_groups=c.num_query_groups,
         kv_channels=c.head_dim, seq_length=c.max_position_embeddings, encoder_seq_length=c.max_position_embeddings,
         max_position_embeddings=c.max_position_embeddings,
-        position_embedding_type="rope" if rope else "learned_absolute", add_position_embedding=not rope,
-        use_rotary_position_embeddings=rope, rotary_base=int(c.rope_theta), rotary_percent=1.0,
+        # Megatron's defaults for the next two whatever the position embedding (resuming compares them)
+        position_embedding_type="rope" if rope else "learned_absolute", add_position_embedding=True,
+        use_rotary_position_embeddings=False, rotary_base=int(c.rope_theta), rotary_percent=1.0,
         rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling),
         rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling else 8.0,
         normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=c.norm_eps,
@@ -223,7 +224,7 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         tokenizer_type="GPT2BPETokenizer" if c.family == "gpt2" else "HuggingFaceTokenizer", tokenizer_model=None,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
         ckpt_format=ckpt_format, transformer_impl="transformer_engine" if impl == "te" else "local",
-        use_legacy_models=False, bert_binary_head=False,
+        use_legacy_models=False, bert_binary_head=True,
         no_load_optim=True, no_load_rng=True, no_save_optim=True, no_save_rng=True,
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
     )

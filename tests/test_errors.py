@@ -1,0 +1,172 @@
+"""Every bad input gets its own clear error, and a failed conversion leaves nothing behind."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from formats.torch_pickle import TorchFileWriter
+from tests.conftest import run_cli
+
+
+def convert(src, dst, *extra, expect_error=False):
+    return run_cli("--saver", "core", *extra, "--load-dir", src, "--save-dir", dst, expect_error=expect_error)
+
+
+@pytest.fixture
+def sharded_llama(llama_dir, tmp_path):
+    run_cli("--saver", "llama_mistral", "--max-shard-size", "100KB", "--load-dir", llama_dir,
+            "--save-dir", tmp_path / "sharded")
+    return tmp_path / "sharded"
+
+
+def test_missing_shard_file(sharded_llama, tmp_path):
+    shards = sorted(sharded_llama.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    shards[1].unlink()
+    out = convert(sharded_llama, tmp_path / "out", expect_error=True)
+    assert f"model.safetensors.index.json lists shard file(s) that are missing: {shards[1].name}" in out
+
+
+def test_truncated_safetensors(llama_dir, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(llama_dir, src)
+    weights = src / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size - 1000)
+    out = convert(src, tmp_path / "out", expect_error=True)
+    assert "model.safetensors: truncated: its header describes" in out
+    assert f"but the file has only {size - 1000} bytes" in out
+
+
+def test_config_contradicting_tensors(llama_dir, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(llama_dir, src)
+    config = json.loads((src / "config.json").read_text())
+    config["num_attention_heads"] = 4  # head_dim stays 8: q_proj should now be [32, 64], it is [64, 64]
+    (src / "config.json").write_text(json.dumps(config))
+    out = convert(src, tmp_path / "out", expect_error=True)
+    assert "model.safetensors:model.layers.0.self_attn.q_proj.weight [64, 64] gives layers.0.attn.q.weight of " \
+           "shape [64, 64], but the config implies [32, 64]: the config contradicts the tensors" in out
+
+
+def test_tp_not_dividing_heads(llama_dir, tmp_path):
+    out = convert(llama_dir, tmp_path / "out", "--tp", "3", expect_error=True)
+    assert "--tp 3 does not divide num_attention_heads=8; --tp 3 does not divide num_query_groups (key/value " \
+           "heads)=4" in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_needs_force(llama_dir, tmp_path):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "precious.txt").write_text("keep me")
+    out = convert(llama_dir, dst, expect_error=True)
+    assert f"--save-dir {dst} already exists and is not empty; pass --force to replace it" in out
+    assert (dst / "precious.txt").read_text() == "keep me"
+    convert(llama_dir, dst, "--force")
+    assert not (dst / "precious.txt").exists()
+    assert (dst / "latest_checkpointed_iteration.txt").is_file()
+
+
+def test_unsafe_pickle_is_refused(llama_dir, tmp_path):
+    convert(llama_dir, tmp_path / "core")
+    target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(target, weights_only=False)
+    state["args"].evil = os.system  # a callable global: unpickling it would hand the file a way to run code
+    torch.save(state, target)
+    out = run_cli("--loader", "core", "--saver", "llama_mistral", "--load-dir", tmp_path / "core",
+                  "--save-dir", tmp_path / "hf", expect_error=True)
+    assert "model_optim_rng.pt: refusing to unpickle: the file asks for the Python global `posix.system`, which " \
+           "is not on the allow-list" in out
+
+
+def test_missing_rank_file(llama_dir, tmp_path):
+    convert(llama_dir, tmp_path / "core", "--tp", "2", "--pp", "2")
+    shutil.rmtree(tmp_path / "core" / "iter_0000001" / "mp_rank_01_001")
+    out = run_cli("--loader", "core", "--saver", "llama_mistral", "--load-dir", tmp_path / "core",
+                  "--save-dir", tmp_path / "hf", expect_error=True)
+    assert "missing rank file(s) mp_rank_01_001/model_optim_rng.pt (args say TP=2, PP=2, EP=1)" in out
+
+
+def test_shapes_disagreeing_across_tp_ranks(llama_dir, tmp_path):
+    convert(llama_dir, tmp_path / "core", "--tp", "2")
+    target = tmp_path / "core" / "iter_0000001" / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(target, weights_only=False)
+    key = "decoder.layers.0.input_layernorm.weight"
+    state["model"][key] = state["model"][key] + 1
+    torch.save(state, target)
+    out = run_cli("--saver", "llama_mistral", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf",
+                  expect_error=True)
+    assert "a replicated tensor differs between TP rank 0 and TP rank 1" in out
+    assert not (tmp_path / "hf").exists()
+
+
+def test_failed_conversion_leaves_no_partial_output(llama_dir, tmp_path, monkeypatch):
+    dst = tmp_path / "out"
+    calls = {"n": 0}
+    original = TorchFileWriter.add
+
+    def failing_add(self, tensor):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise OSError("No space left on device")
+        return original(self, tensor)
+
+    monkeypatch.setattr(TorchFileWriter, "add", failing_add)
+    with pytest.raises(OSError, match="No space left"):
+        convert(llama_dir, dst, "--tp", "2", "--pp", "2")
+    assert calls["n"] == 7
+    assert sorted(os.listdir(tmp_path)) == []  # neither the output nor a staging directory
+
+
+def test_failed_conversion_keeps_the_old_output(llama_dir, tmp_path, monkeypatch):
+    dst = tmp_path / "out"
+    convert(llama_dir, dst)
+    before = sorted(p.relative_to(dst) for p in dst.rglob("*"))
+
+    def failing_add(self, tensor):
+        raise OSError("disk failure")
+
+    monkeypatch.setattr(TorchFileWriter, "add", failing_add)
+    with pytest.raises(OSError):
+        convert(llama_dir, dst, "--tp", "2", "--force")
+    assert sorted(p.relative_to(dst) for p in dst.rglob("*")) == before
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_unknown_plugin_lists_the_valid_ones(llama_dir, tmp_path):
+    out = run_cli("--loader", "nope", "--saver", "core", "--load-dir", llama_dir, "--save-dir", tmp_path / "o",
+                  expect_error=True)
+    assert "unknown loader 'nope'; valid loaders: core, llama_mistral" in out
+
+
+def test_option_that_does_not_apply(llama_dir, tmp_path):
+    out = run_cli("--saver", "llama_mistral", "--tp", "2", "--load-dir", llama_dir, "--save-dir", tmp_path / "o",
+                  expect_error=True)
+    assert "--tp does not apply to loader llama_mistral / saver llama_mistral" in out
+
+
+def test_bad_tracker_file(llama_dir, tmp_path):
+    convert(llama_dir, tmp_path / "core")
+    (tmp_path / "core" / "latest_checkpointed_iteration.txt").write_text("latest\n")
+    out = run_cli("--loader", "core", "--saver", "llama_mistral", "--load-dir", tmp_path / "core",
+                  "--save-dir", tmp_path / "hf", expect_error=True)
+    assert "latest_checkpointed_iteration.txt: expected an iteration number or 'release', found 'latest'" in out
+
+
+def test_checkpoint_without_args(tmp_path):
+    d = tmp_path / "core" / "iter_0000001" / "mp_rank_00"
+    d.mkdir(parents=True)
+    (tmp_path / "core" / "latest_checkpointed_iteration.txt").write_text("1")
+    TorchFileWriter(d / "model_optim_rng.pt").finish({"model": {"embedding.word_embeddings.weight": torch.ones(2)},
+                                                      "note": argparse.Namespace()})
+    out = run_cli("--loader", "core", "--saver", "llama_mistral", "--load-dir", tmp_path / "core",
+                  "--save-dir", tmp_path / "hf", expect_error=True)
+    assert "model_optim_rng.pt: no 'args' entry; cannot tell the model shape" in out

@@ -1,0 +1,97 @@
+"""Bytes on disk: the streaming torch and safetensors writers against the reference readers."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from formats import safetensors_io
+from formats.torch_pickle import TorchFileWriter, safe_load
+from mconvert.errors import ConvertError
+
+
+def test_torch_writer_matches_torch_load(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(4, 6).to(torch.bfloat16).t(), "c": torch.arange(7)[2:5]}
+    path = tmp_path / "ckpt.pt"
+    writer = TorchFileWriter(path)
+    handles = {k: writer.add(v) for k, v in tensors.items()}
+    writer.finish({"args": argparse.Namespace(x=1, dtype=torch.float16), "model": handles, "none": None,
+                   "inline": torch.ones(2), "version": 3.0})
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        loaded = torch.load(path, weights_only=True)  # the reference reader, safe mode
+    assert all(torch.equal(loaded["model"][k], v) for k, v in tensors.items())
+    assert loaded["args"] == argparse.Namespace(x=1, dtype=torch.float16)
+    assert torch.equal(loaded["inline"], torch.ones(2)) and loaded["none"] is None and loaded["version"] == 3.0
+    mapped = safe_load(path)
+    assert all(torch.equal(mapped["model"][k], v) for k, v in tensors.items())
+
+
+def test_torch_writer_non_ascii_path(tmp_path):
+    path = tmp_path / "modèle.pt"
+    TorchFileWriter(path).finish({"w": torch.arange(4.0)})
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(4.0))
+
+
+def test_megatron_classes_become_inert_stand_ins(tmp_path):
+    import enum
+    import sys
+    import types
+
+    module = types.ModuleType("megatron.core.enums")
+
+    class ModelType(enum.Enum):
+        encoder_or_decoder = 1
+
+    ModelType.__module__, ModelType.__qualname__ = "megatron.core.enums", "ModelType"
+    module.ModelType = ModelType
+    sys.modules.update({"megatron": types.ModuleType("megatron"), "megatron.core": types.ModuleType("megatron.core"),
+                        "megatron.core.enums": module})
+    try:
+        torch.save({"args": argparse.Namespace(model_type=ModelType.encoder_or_decoder, exit_signal=signal.SIGTERM)},
+                   tmp_path / "m.pt")
+    finally:
+        for name in ("megatron", "megatron.core", "megatron.core.enums"):
+            del sys.modules[name]
+    args = safe_load(tmp_path / "m.pt")["args"]
+    assert type(args.model_type).__name__ == "ModelType" and args.model_type.value == 1
+    assert args.exit_signal == signal.SIGTERM
+
+
+def test_corrupt_torch_file(tmp_path):
+    (tmp_path / "bad.pt").write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(ConvertError, match="bad.pt: not a readable torch checkpoint"):
+        safe_load(tmp_path / "bad.pt")
+
+
+def test_safetensors_writer_matches_the_library(tmp_path):
+    tensors = {"w": torch.randn(3, 4).to(torch.bfloat16), "i": torch.arange(5), "s": torch.tensor(2.5),
+               "e": torch.empty(0, 3)}
+    entries = [safetensors_io.Entry(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+    safetensors_io.write(tmp_path / "ours.safetensors", entries, lambda e: tensors[e.name])
+    theirs = load_file(tmp_path / "ours.safetensors")
+    assert all(torch.equal(theirs[k], v) for k, v in tensors.items())
+    (n,) = struct.unpack("<Q", (tmp_path / "ours.safetensors").read_bytes()[:8])
+    assert n % 8 == 0
+    save_file(tensors, tmp_path / "lib.safetensors")
+    reader = safetensors_io.SafetensorsFile(tmp_path / "lib.safetensors")
+    assert all(torch.equal(reader.get(k), v) for k, v in tensors.items())
+
+
+def test_safetensors_writer_checks_what_it_is_given(tmp_path):
+    entries = [safetensors_io.Entry("w", (2, 2), torch.float32)]
+    with pytest.raises(ConvertError, match=r"tensor w came out \[3\] torch.float32, planned \[2, 2\]"):
+        safetensors_io.write(tmp_path / "x.safetensors", entries, lambda e: torch.zeros(3))
+
+
+def test_safetensors_bad_headers(tmp_path):
+    (tmp_path / "short.safetensors").write_bytes(b"\x01\x02")
+    with pytest.raises(ConvertError, match="shorter than the 8-byte header size"):
+        safetensors_io.SafetensorsFile(tmp_path / "short.safetensors")
+    (tmp_path / "huge.safetensors").write_bytes(struct.pack("<Q", 10**6) + b"{}")
+    with pytest.raises(ConvertError, match="header of 1000000 bytes announced, file has 10 bytes"):
+        safetensors_io.SafetensorsFile(tmp_path / "huge.safetensors")
