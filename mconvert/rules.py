@@ -81,12 +81,12 @@ def _replicated(pieces: list[Tensor]) -> Tensor:
 
 def _gated_shard(t: Tensor, n: int) -> list[Tensor]:
     gate, up = transforms.split_gate_up(t)
-    return [torch.cat([g, u], dim=0) for g, u in zip(_chunks(gate, n, 0), _chunks(up, n, 0))]
+    return [transforms.cat([g, u], dim=0) for g, u in zip(_chunks(gate, n, 0), _chunks(up, n, 0))]
 
 
 def _gated_unshard(pieces: list[Tensor]) -> Tensor:
     halves = [transforms.split_gate_up(p) for p in pieces]
-    return torch.cat([torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])], dim=0)
+    return transforms.cat([transforms.cat([g for g, _ in halves]), transforms.cat([u for _, u in halves])], dim=0)
 
 
 def _cat(dim: int) -> Callable[[list[Tensor]], Tensor]:
@@ -94,7 +94,7 @@ def _cat(dim: int) -> Callable[[list[Tensor]], Tensor]:
         shapes = {tuple(p.shape[:dim]) + tuple(p.shape[dim + 1:]) for p in pieces}
         if len(shapes) > 1:
             raise ConvertError(f"TP pieces disagree in shape: {[list(p.shape) for p in pieces]}")
-        return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+        return transforms.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
 
     return unshard
 

@@ -8,6 +8,7 @@ memory is about one layer whatever the model size.
 from __future__ import annotations
 
 import collections
+import contextlib
 from pathlib import Path
 
 import torch
@@ -90,26 +91,28 @@ def _write_stage(ir: ModelIR, ctx: Ctx, options: Options, stage: list[Chunk], ep
     plans = [(chunk, chunk_rows(ir, chunk, ep, options)) for chunk in stage]
     total = sum(ir[n].nbytes for _, rows in plans for row in rows for n in row.ir)
     names = f"{dirs[0].name}" + (f" … {dirs[-1].name}" if len(dirs) > 1 else "")
-    writers = []
-    for d in dirs:
-        d.mkdir(parents=True)
-        writers.append(TorchFileWriter(d / core.CHECKPOINT_FILE))
-    models: list[dict[str, collections.OrderedDict]] = [{} for _ in dirs]
-    with progress.task(f"{names} ({len(dirs)} files)", total) as advance:
-        for chunk, rows in plans:
-            name = "model" if layout.vpp == 1 else f"model{chunk.vpp}"
-            state = [collections.OrderedDict() for _ in dirs]
-            for row in rows:
-                tensors = [ir[n].load() for n in row.ir]
-                pieces = row.rule.forward(tensors, ctx, layout.tp)
-                for tp, piece in enumerate(pieces):
-                    state[tp][row.key] = writers[tp].add(piece)
-                advance(sum(t.nbytes for t in tensors))
-            for tp in range(layout.tp):
-                state[tp].update(extra_states(chunk, options))
-                models[tp][name] = state[tp]
-    for tp, writer in enumerate(writers):
-        top = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration}
-        top |= models[tp]
-        top["num_floating_point_operations_so_far"] = 0
-        writer.finish(top)
+    with contextlib.ExitStack() as stack:
+        writers = []
+        for d in dirs:
+            d.mkdir(parents=True)
+            writers.append(TorchFileWriter(d / core.CHECKPOINT_FILE))
+            stack.callback(writers[-1].close)
+        models: list[dict[str, collections.OrderedDict]] = [{} for _ in dirs]
+        with progress.task(f"{names} ({len(dirs)} files)", total) as advance:
+            for chunk, rows in plans:
+                name = "model" if layout.vpp == 1 else f"model{chunk.vpp}"
+                state = [collections.OrderedDict() for _ in dirs]
+                for row in rows:
+                    tensors = [ir[n].load() for n in row.ir]
+                    pieces = row.rule.forward(tensors, ctx, layout.tp)
+                    for tp, piece in enumerate(pieces):
+                        state[tp][row.key] = writers[tp].add(piece)
+                    advance(sum(t.nbytes for t in tensors))
+                for tp in range(layout.tp):
+                    state[tp].update(extra_states(chunk, options))
+                    models[tp][name] = state[tp]
+        for tp, writer in enumerate(writers):
+            top = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration}
+            top |= models[tp]
+            top["num_floating_point_operations_so_far"] = 0
+            writer.finish(top)

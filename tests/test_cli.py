@@ -81,3 +81,13 @@ def test_third_party_plugin_through_entry_points(tmp_path, llama_dir):
     import numpy as np
 
     assert "layers.0.attn.q.weight" in np.load(tmp_path / "out" / "model.npz")
+
+
+def test_conversion_stays_light(llama_dir, tmp_path):
+    """Planning shapes on the meta device must not pull in torch._dynamo (a second and 70 MB per run)."""
+    code = ("import sys; from mconvert.cli import main; "
+            f"main(['--saver', 'core', '--tp', '2', '--pp', '2', '--load-dir', r'{llama_dir}', "
+            f"'--save-dir', r'{tmp_path / 'o'}', '-q'], standalone_mode=False); "
+            "print('dynamo' if 'torch._dynamo' in sys.modules else 'light')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("light")
