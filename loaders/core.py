@@ -14,13 +14,13 @@ import torch
 
 from formats import hf_dir
 from formats.torch_pickle import safe_load
-from mconvert.errors import ConvertError
+from mconvert.errors import ConvertError, format_names
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import Row, expand, to_ir
 from mconvert.options import Options
 from mconvert.registry import register_loader
 from mconvert.rules import Ctx
-from mconvert.schemas import core
+from mconvert.schemas import core, core_moe
 
 LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.")
 # Not weights: module extra state (FP8 metadata or None) and rotary frequencies Megatron recomputes.
@@ -99,6 +99,7 @@ class RankFiles:
             raise ConvertError(f"{it_dir}: unexpected rank folder(s) {', '.join(extra)} for TP={self.tp}, "
                                f"PP={self.pp}, EP={self.ep} (from args)")
         self.files = {idx: it_dir / name / core.CHECKPOINT_FILE for name, idx in want.items()}
+        _check_distinct(list(self.files.values()))
         self.states = {idx: first if self.files[idx].parent == dirs[0] else self._load(self.files[idx].parent)
                        for idx in self.files}
         self.it_dir = it_dir
@@ -128,6 +129,17 @@ class RankFiles:
     def rel(self, idx: tuple[int, int, int]) -> str:
         f = self.files[idx]
         return f"{f.parent.parent.name}/{f.parent.name}/{f.name}"
+
+
+def _check_distinct(paths: list[Path]) -> None:
+    """Two rank folders linked to one file would silently repeat its experts (or layers) in place of others."""
+    seen: dict[tuple[int, int], Path] = {}
+    for p in paths:
+        st = p.stat()
+        other = seen.setdefault((st.st_dev, st.st_ino), p)
+        if other != p:
+            raise ConvertError(f"{other.parent.name}/{other.name} and {p.parent.name}/{p.name} are the same file "
+                               "(linked): every rank must have its own")
 
 
 def _num_local_layers(model: dict[str, Any]) -> int:
@@ -161,6 +173,9 @@ def load(path: Path, options: Options) -> ModelIR:
     embed = first_model[embed_key]
     padded = embed.shape[0] * files.tp
     config, notes = _config(files, options, padded, dtype_name(embed.dtype), it_dir)
+    expert_layout, etp = _experts(files, chunks, config, notes) if config.is_moe else (None, files.tp)
+    table = core.table(impl, moe=config.is_moe, expert_layout=expert_layout or "sequential",
+                       local_experts=(config.num_experts or 0) // files.ep, etp=etp)
 
     source: dict[str, list[LazyTensor]] = {}
     rows: list[Row] = []
@@ -168,7 +183,7 @@ def load(path: Path, options: Options) -> ModelIR:
     for v, name in enumerate(chunks):
         for pp in range(files.pp):
             for ep in range(files.ep):
-                rows += _chunk_source(files, config, impl, name, pp, v, ep, starts[(pp, v)], counts[(pp, v)],
+                rows += _chunk_source(files, config, table, name, pp, v, ep, starts[(pp, v)], counts[(pp, v)],
                                       (pp, v) == last, source)
     ctx = Ctx(config, padded)
     tensors = to_ir(source, rows, ctx, where=str(it_dir), drop=DROP + _tied_copy(config, files),
@@ -176,11 +191,40 @@ def load(path: Path, options: Options) -> ModelIR:
     layout = {"tp": files.tp, "pp": files.pp, "vpp": len(chunks) if chunks != ["model"] else 1, "ep": files.ep,
               "stage_layers": [sum(counts[(p, v)] for v in range(len(chunks))) for p in range(files.pp)],
               "transformer_impl": impl, "padded_vocab": padded}
+    if config.is_moe:
+        layout |= {"etp": etp, "expert_layout": expert_layout}
     assets = _tokenizer(options, it_dir, files.args, notes)
     return ModelIR(config, tensors, SourceInfo("core (Megatron torch)", it_dir, layout, iteration, notes), assets)
 
 
-def _chunk_source(files: RankFiles, config, impl, name, pp, v, ep, start, count, has_head, source) -> list[Row]:
+def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> tuple[str | None, int]:
+    """(expert layout, expert tensor-parallel size) of an MoE checkpoint, detected from its tensors."""
+    if config.num_experts % files.ep:
+        raise ConvertError(f"{files.it_dir}: args.expert_model_parallel_size={files.ep} does not divide "
+                           f"num_experts={config.num_experts}: expert-parallel ranks must hold equal numbers of "
+                           "experts")
+    local = config.num_experts // files.ep
+    shapes = {k: tuple(t.shape) for pp in range(files.pp) for name in chunks
+              for k, t in files.model(0, pp, 0, name).items() if isinstance(t, torch.Tensor)}
+    layout = core_moe.detect_layout(shapes, str(files.it_dir))
+    etp = core_moe.detect_expert_tp(shapes, layout, ffn=config.ffn_hidden_size, local_experts=local,
+                                    where=files.rel((0, 0, 0))) if layout else None
+    etp = etp or files.tp
+    if files.tp % etp:
+        raise ConvertError(f"{files.it_dir}: the expert weights are split over {etp} tensor-parallel ranks, which "
+                           f"does not divide the tensor-parallel size {files.tp}")
+    stored = getattr(files.args, "expert_tensor_parallel_size", None)
+    if stored and stored != etp:
+        notes.append(f"args.expert_tensor_parallel_size is {stored} but the expert weights are split over {etp} "
+                     "rank(s); using the tensors' split")
+    return layout, etp
+
+
+def _is_expert(row: Row) -> bool:
+    return any(".moe.experts." in n for n in row.ir)
+
+
+def _chunk_source(files: RankFiles, config, table, name, pp, v, ep, start, count, has_head, source) -> list[Row]:
     """Add one chunk's tensors (pieces across TP) to `source` under chunk-qualified keys; return its rows."""
     prefix = f"pp{pp}.{name}.ep{ep}/"
     models = [files.model(tp, pp, ep, name) for tp in range(files.tp)]
@@ -192,13 +236,21 @@ def _chunk_source(files: RankFiles, config, impl, name, pp, v, ep, start, count,
             raise ConvertError(f"{files.rel((tp, pp, ep))} and {files.rel((0, pp, ep))} hold different tensors: "
                                f"{', '.join(diff[:5])}")
     per_rank = (config.num_experts or 0) // files.ep
-    rows = expand(core.table(impl, moe=config.is_moe), config,
-                  layers=[(start + l, l) for l in range(count)],
+    rows = expand(table, config, layers=[(start + l, l) for l in range(count)],
                   experts=[(ep * per_rank + e, e) for e in range(per_rank)],
                   embedding=(pp == 0 and v == 0), head=has_head)
     if ep > 0:  # dense tensors repeat in every EP file: read them from EP rank 0, take only experts here
-        rows = [r for r in rows if ".moe.experts." in r.ir[0]]
-        keys = [k for k in keys if k in {r.key for r in rows}]
+        dense = {r.key for r in rows if not _is_expert(r)}
+        here = {k: tuple(models[0][k].shape) for k in keys if k in dense}
+        ref = {k: tuple(t.shape) for k, t in files.model(0, pp, 0, name).items()
+               if k in dense and isinstance(t, torch.Tensor)}
+        if here != ref:
+            diff = sorted(k for k in set(here) | set(ref) if here.get(k) != ref.get(k))
+            raise ConvertError(f"{files.rel((0, pp, ep))} and {files.rel((0, pp, 0))} hold different dense "
+                               "(non-expert) tensors, which every expert-parallel rank repeats: "
+                               f"{format_names(diff, 5)}")
+        rows = [r for r in rows if _is_expert(r)]
+        keys = [k for k in keys if k not in dense]  # whatever is left must be this rank's experts (strict)
     for k in keys:
         source[prefix + k] = [LazyTensor.of(m[k], f"{files.rel((tp, pp, ep))}:{name}.{k}")
                               for tp, m in enumerate(models)]

@@ -24,9 +24,10 @@ from mconvert.progress import Progress, human_bytes
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
           "fp16": "float16", "float16": "float16"}
 # Options that only some loaders/savers understand; giving one to a plugin that ignores it is an error.
-PLUGIN_OPTIONS = ("tp", "pp", "vpp", "ep", "first_stage_layers", "last_stage_layers", "transformer_impl",
-                  "ckpt_format", "make_vocab_size_divisible_by", "iteration", "true_vocab_size", "max_shard_size")
-LAYOUT_OPTIONS = {"tp", "pp", "vpp", "ep", "first_stage_layers", "last_stage_layers"}
+PLUGIN_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers", "transformer_impl",
+                  "expert_layout", "ckpt_format", "make_vocab_size_divisible_by", "iteration", "true_vocab_size",
+                  "max_shard_size")
+LAYOUT_OPTIONS = {"tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers"}
 
 
 def parse_size(text: str) -> int:
@@ -66,6 +67,8 @@ def _fail_cleanly(func):
               help="Virtual pipeline chunks per stage (interleaved schedule).")
 @click.option("--ep", "--target-expert-parallel-size", "ep", type=int, default=1, show_default=True,
               help="Expert-parallel size of the output (MoE models).")
+@click.option("--etp", "--target-expert-tensor-parallel-size", "--expert-tensor-parallel-size", "etp", type=int,
+              help="Expert tensor-parallel size of the output (MoE models; must divide --tp). Default: --tp.")
 @click.option("--first-stage-layers", "--decoder-first-pipeline-num-layers", "first_stage_layers", type=int,
               help="Layers on the first pipeline stage (uneven split).")
 @click.option("--last-stage-layers", "--decoder-last-pipeline-num-layers", "last_stage_layers", type=int,
@@ -73,6 +76,12 @@ def _fail_cleanly(func):
 @click.option("--transformer-impl", "--saver-transformer-impl", "transformer_impl",
               type=click.Choice(["local", "te", "transformer_engine"]), default="local", show_default=True,
               help="Megatron key names: local modules or Transformer Engine's fused names.")
+@click.option("--expert-layout", type=click.Choice(["sequential", "grouped", "legacy_grouped"]),
+              help="How Megatron stores MoE experts: sequential (local_experts.{j}, default), grouped (Transformer "
+              "Engine grouped GEMM, linear_fc1.weight{j}; needs --transformer-impl te) or legacy_grouped "
+              "(GroupedMLP weight1/weight2 of older Megatron-LM).")
+@click.option("--moe-grouped-gemm", "expert_layout", flag_value="grouped",
+              help="Same as --expert-layout grouped (Megatron's flag).")
 @click.option("--ckpt-format", type=click.Choice(["torch", "torch_dist", "zarr"]), default="torch",
               show_default=True, help="Megatron checkpoint format written by the core saver.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Cast all weights (default: keep the source's).")
@@ -144,11 +153,12 @@ def _check_applicable(ctx: click.Context, loader: registry.Plugin, saver: regist
 
 
 def _options(o: dict) -> Options:
-    layout = ParallelLayout(tp=o["tp"], pp=o["pp"], vpp=o["vpp"], ep=o["ep"],
+    layout = ParallelLayout(tp=o["tp"], pp=o["pp"], vpp=o["vpp"], ep=o["ep"], etp=o["etp"],
                             first_stage_layers=o["first_stage_layers"], last_stage_layers=o["last_stage_layers"])
     return Options(
         layout=layout,
         transformer_impl="te" if o["transformer_impl"] in ("te", "transformer_engine") else "local",
+        expert_layout=o["expert_layout"] or "sequential",
         ckpt_format=o["ckpt_format"],
         dtype=DTYPES[o["dtype"]] if o["dtype"] else None,
         make_vocab_size_divisible_by=o["make_vocab_size_divisible_by"],

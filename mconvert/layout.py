@@ -32,15 +32,24 @@ class ParallelLayout:
     pp: int = 1
     vpp: int = 1
     ep: int = 1
+    etp: int | None = None  # expert tensor parallel size; None: the same as tp
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "vpp", "ep"):
-            if getattr(self, name) < 1:
+        for name in ("tp", "pp", "vpp", "ep", "etp"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConvertError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.tp % self.expert_tp:
+            # A Megatron rank's expert-TP rank is its TP rank modulo etp only when etp divides tp.
+            raise ConvertError(f"--etp {self.etp} must divide --tp {self.tp}")
         if self.pp == 1 and (self.first_stage_layers or self.last_stage_layers):
             raise ConvertError("--first-stage-layers/--last-stage-layers need --pp > 1")
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size: Megatron's expert_tensor_parallel_size, by default the TP size."""
+        return self.tp if self.etp is None else self.etp
 
     def stage_sizes(self, num_layers: int) -> list[int]:
         """Number of layers on each pipeline stage."""
@@ -82,15 +91,20 @@ class ParallelLayout:
     def check_model(self, c: ModelConfig) -> None:
         """Refuse layouts the model cannot take, naming the size that does not divide."""
         problems = []
-        for what, value in (("num_attention_heads", c.num_attention_heads),
-                            ("num_query_groups (key/value heads)", c.num_query_groups),
-                            ("ffn_hidden_size", c.ffn_hidden_size)):
-            if value % self.tp:
-                problems.append(f"--tp {self.tp} does not divide {what}={value}")
+        # MoE experts are split over the expert TP size, which may be smaller than TP
+        ffn_flag = "--etp" if c.is_moe and self.etp is not None else "--tp"
+        for flag, split, what, value in (
+                ("--tp", self.tp, "num_attention_heads", c.num_attention_heads),
+                ("--tp", self.tp, "num_query_groups (key/value heads)", c.num_query_groups),
+                (ffn_flag, self.expert_tp if c.is_moe else self.tp, "ffn_hidden_size", c.ffn_hidden_size)):
+            if value % split:
+                problems.append(f"{flag} {split} does not divide {what}={value}")
         if c.is_moe and c.num_experts % self.ep:
             problems.append(f"--ep {self.ep} does not divide num_experts={c.num_experts}")
         if not c.is_moe and self.ep > 1:
             problems.append(f"--ep {self.ep} needs a mixture-of-experts model; this one is dense")
+        if not c.is_moe and self.expert_tp != self.tp:
+            problems.append(f"--etp {self.etp} needs a mixture-of-experts model; this one is dense")
         if problems:
             raise ConvertError("; ".join(problems))
         self.chunks(c.num_layers)
@@ -101,4 +115,6 @@ class ParallelLayout:
             parts.append(f"VPP{self.vpp}")
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
+        if self.expert_tp != self.tp:
+            parts.append(f"ETP{self.expert_tp}")
         return " ".join(parts)

@@ -51,6 +51,10 @@ def expand(table: Table, config: ModelConfig, *, layers: Iterable[tuple[int, int
         add(table.layer, L=L, l=l)
         for E, e in experts:
             add(table.expert, L=L, l=l, E=E, e=e)
+        for rule in table.expert_stack if experts else ():
+            ir = tuple(n.format(L=L, l=l, E=E, e=e) for E, e in experts for n in rule.ir)
+            if all(n in names for n in ir):
+                rows.append(Row(rule.key.format(L=L, l=l), ir, rule))
     if head:
         add(table.head)
     return rows
@@ -128,3 +132,23 @@ def from_ir(ir: ModelIR, rows: list[Row], ctx: Ctx) -> list[Planned]:
         shape = row.rule.piece_shapes([ir[n].shape for n in row.ir], ctx)[0]
         plan.append(Planned(row.key, shape, ir[row.ir[0]].dtype, row))
     return plan
+
+
+def check_plan(ir_names: Iterable[str], plans: Sequence[tuple[str, list[Row]]], *, where: str) -> None:
+    """Refuse, before a byte is written, a saver plan that would drop a tensor or duplicate an expert.
+
+    `plans` lists (label, rows) per output part (a pipeline chunk of one expert-parallel rank). Every IR
+    tensor must be written somewhere; dense tensors may repeat (every EP rank holds the attention weights),
+    but each expert tensor belongs to exactly one part.
+    """
+    owners: dict[str, list[str]] = {}
+    for label, rows in plans:
+        for row in rows:
+            for name in row.ir:
+                owners.setdefault(name, []).append(label)
+    dropped = [n for n in ir_names if n not in owners]
+    twice = [f"{n} (in {', '.join(parts)})" for n, parts in owners.items() if ".moe.experts." in n and len(parts) > 1]
+    if dropped or twice:
+        parts = [f"would drop {format_names(dropped)}" if dropped else "",
+                 f"would write experts more than once: {format_names(twice, 4)}" if twice else ""]
+        raise ConvertError(f"{where}: refusing to write: the layout " + "; ".join(p for p in parts if p))

@@ -11,12 +11,16 @@ from mconvert.layout import ParallelLayout
 
 TransformerImpl = Literal["local", "te"]
 CkptFormat = Literal["torch", "torch_dist", "zarr"]
+# Megatron MoE expert weights: SequentialMLP (one module per expert), TE grouped GEMM (`weight{j}` per expert),
+# or the legacy GroupedMLP (`weight1`/`weight2` holding all local experts).
+ExpertLayout = Literal["sequential", "grouped", "legacy_grouped"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     transformer_impl: TransformerImpl = "local"
+    expert_layout: ExpertLayout = "sequential"
     ckpt_format: CkptFormat = "torch"
     dtype: DType | None = None  # cast every tensor; None keeps the source dtype
     make_vocab_size_divisible_by: int = 128

@@ -156,4 +156,7 @@ class Table:
     embedding: tuple[Rule, ...] = ()
     layer: tuple[Rule, ...] = ()  # templates use {L} (global) / {l} (local to the file)
     expert: tuple[Rule, ...] = ()  # templates also use {E} (global expert) / {e} (local to the EP rank)
+    # One tensor per layer holding all of a file's experts: the IR templates (with {E}/{e}) repeat for each
+    # expert in order, so the join receives [a_0, b_0, a_1, b_1, …] (see mconvert.expert_rules).
+    expert_stack: tuple[Rule, ...] = ()
     head: tuple[Rule, ...] = ()

@@ -109,3 +109,51 @@ def half_to_interleaved_rope(weight: Tensor, num_heads: int) -> Tensor:
 def transpose(weight: Tensor) -> Tensor:
     """`[in, out]` (HF GPT-2 Conv1D) to `[out, in]` and back: its own inverse."""
     return weight.t().contiguous()
+
+
+def stack_experts(tensors: list[Tensor]) -> Tensor:
+    """Per-expert `[out, in]` weights -> one `[n, out, in]` tensor, expert-major (HF's fused experts)."""
+    return cat([t.unsqueeze(0) for t in tensors], dim=0)
+
+
+def unstack_experts(stacked: Tensor) -> list[Tensor]:
+    """Inverse of `stack_experts`."""
+    return [t.contiguous() for t in stacked.unbind(0)]
+
+
+def to_grouped_gemm_fc1(stacked: Tensor) -> Tensor:
+    """`[n, out, in]` expert weights -> Megatron's legacy GroupedMLP `weight1` of shape `[in, n*out]`.
+
+    The grouped GEMM kernel multiplies by `[in, out]` matrices, so each expert's weight is stored transposed
+    and the n of them are laid out one after another; Megatron reads them back with `weight1.view(n, in, out)`.
+    Hence this is a reinterpretation of memory, not a column split:
+
+        memory: expert 0 [in, out] | expert 1 [in, out] | ...   viewed as [in, n*out]
+    """
+    n, out, inp = stacked.shape
+    return stacked.transpose(1, 2).contiguous().reshape(inp, n * out)
+
+
+def from_grouped_gemm_fc1(weight1: Tensor, n: int) -> Tensor:
+    """Inverse of `to_grouped_gemm_fc1`: `[in, n*out]` -> `[n, out, in]`."""
+    inp = weight1.shape[0]
+    if weight1.shape[1] % n:
+        raise ConvertError(f"grouped weight1 {list(weight1.shape)} does not hold {n} experts")
+    return weight1.reshape(n, inp, -1).transpose(1, 2).contiguous()
+
+
+def to_grouped_gemm_fc2(stacked: Tensor) -> Tensor:
+    """`[n, out, in]` expert weights -> Megatron's legacy GroupedMLP `weight2` of shape `[n*in, out]`.
+
+    The same transposed, expert-after-expert memory as `to_grouped_gemm_fc1`, viewed the other way round:
+    Megatron reads it with `weight2.view(n, in, out)`.
+    """
+    n, out, inp = stacked.shape
+    return stacked.transpose(1, 2).contiguous().reshape(n * inp, out)
+
+
+def from_grouped_gemm_fc2(weight2: Tensor, n: int) -> Tensor:
+    """Inverse of `to_grouped_gemm_fc2`: `[n*in, out]` -> `[n, out, in]`."""
+    if weight2.shape[0] % n:
+        raise ConvertError(f"grouped weight2 {list(weight2.shape)} does not hold {n} experts")
+    return weight2.reshape(n, -1, weight2.shape[1]).transpose(1, 2).contiguous()

@@ -16,9 +16,9 @@ import torch
 from formats import hf_dir
 from formats.torch_pickle import TorchFileWriter
 from mconvert.errors import ConvertError
-from mconvert.ir import ModelIR
+from mconvert.ir import ModelConfig, ModelIR
 from mconvert.layout import Chunk
-from mconvert.mapping import Row, expand
+from mconvert.mapping import Row, check_plan, expand
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.registry import register_saver
@@ -26,24 +26,28 @@ from mconvert.rules import Ctx
 from mconvert.schemas import core
 from mconvert.transforms import padded_vocab_size
 
-LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "first_stage_layers", "last_stage_layers")
+LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers")
 
 
 @register_saver("core", aliases=("megatron", "mcore"),
-                options=(*LAYOUT_OPTIONS, "transformer_impl", "ckpt_format", "make_vocab_size_divisible_by",
-                         "iteration", "dtype"))
+                options=(*LAYOUT_OPTIONS, "transformer_impl", "expert_layout", "ckpt_format",
+                         "make_vocab_size_divisible_by", "iteration", "dtype"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT, `torch` format (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt), local or TE names."""
     if options.ckpt_format != "torch":
         raise ConvertError(f"--ckpt-format {options.ckpt_format} is not supported by this saver yet; use torch")
     c, layout = ir.config, options.layout
     layout.check_model(c)
+    check_expert_layout(ir, options)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
-                                 divisible_by=options.make_vocab_size_divisible_by, impl=options.transformer_impl)
+                                 divisible_by=options.make_vocab_size_divisible_by, impl=options.transformer_impl,
+                                 expert_layout=options.expert_layout)
     iteration = options.iteration if options.iteration is not None else (ir.source.iteration or 1)
     ctx = Ctx(c, padded)
     chunks = layout.chunks(c.num_layers)
+    check_plan(ir.tensors, [(f"stage {ch.pp} chunk {ch.vpp} EP rank {ep}", chunk_rows(ir, ch, ep, options))
+                            for ch in chunks for ep in range(layout.ep)], where=f"saver core ({layout.describe()})")
     it_dir = out / core.iteration_dir(iteration)
     for pp in range(layout.pp):
         stage = [ch for ch in chunks if ch.pp == pp]
@@ -55,12 +59,31 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     (out / core.TRACKER).write_text(str(iteration))
 
 
+def check_expert_layout(ir: ModelIR, options: Options) -> None:
+    """The expert layout must exist under the chosen transformer implementation, and only MoE models have one."""
+    if options.expert_layout == "sequential":
+        return
+    if not ir.config.is_moe:
+        raise ConvertError(f"--expert-layout {options.expert_layout} needs a mixture-of-experts model; this one "
+                           "is dense")
+    if options.expert_layout == "grouped" and options.transformer_impl != "te":
+        raise ConvertError("--expert-layout grouped is Transformer Engine's grouped GEMM (TEGroupedMLP) and needs "
+                           "--transformer-impl te; with local modules use sequential or legacy_grouped")
+
+
+def moe_table(ir: ModelIR, options: Options):
+    """The core key table for this model and the saver's implementation, expert layout and sizes."""
+    c, layout = ir.config, options.layout
+    return core.table(options.transformer_impl, moe=c.is_moe, expert_layout=options.expert_layout,
+                      local_experts=(c.num_experts or 0) // layout.ep, etp=layout.expert_tp)
+
+
 def chunk_rows(ir: ModelIR, chunk: Chunk, ep: int, options: Options) -> list[Row]:
     """The rows (checkpoint key, IR names, rule) one chunk's file holds, keys local to the file."""
     c, layout = ir.config, options.layout
     per_rank = (c.num_experts or 0) // layout.ep
     experts = [(ep * per_rank + e, e) for e in range(per_rank)]
-    rows = expand(core.table(options.transformer_impl, moe=c.is_moe), c,
+    rows = expand(moe_table(ir, options), c,
                   layers=[(L, l) for l, L in enumerate(chunk.layers)], experts=experts,
                   embedding=chunk.has_embedding, head=chunk.has_head)
     if chunk.has_head and c.tie_embeddings and layout.pp > 1:
@@ -69,13 +92,17 @@ def chunk_rows(ir: ModelIR, chunk: Chunk, ep: int, options: Options) -> list[Row
     return rows
 
 
-def extra_states(chunk: Chunk, options: Options) -> dict[str, object]:
+def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = None) -> dict[str, object]:
     """The `_extra_state` entries of one chunk: None for Megatron's own modules, TE's empty byte tensor."""
     te = options.transformer_impl == "te"
     value = torch.empty(0, dtype=torch.uint8) if te else None
+    moe = config is not None and config.is_moe
+    modules = core.extra_state_modules(
+        options.transformer_impl, expert_layout=options.expert_layout if moe else None,
+        local_experts=config.num_experts // options.layout.ep if moe else 0)
     out = {}
     for l in range(len(chunk.layers)):
-        for module in core.extra_state_modules(options.transformer_impl):
+        for module in modules:
             out[f"{module.format(l=l)}._extra_state"] = value
     if chunk.has_head:
         if te:
@@ -109,7 +136,7 @@ def _write_stage(ir: ModelIR, ctx: Ctx, options: Options, stage: list[Chunk], ep
                         state[tp][row.key] = writers[tp].add(piece)
                     advance(sum(t.nbytes for t in tensors))
                 for tp in range(layout.tp):
-                    state[tp].update(extra_states(chunk, options))
+                    state[tp].update(extra_states(chunk, options, ir.config))
                     models[tp][name] = state[tp]
         for tp, writer in enumerate(writers):
             top = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration}

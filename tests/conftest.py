@@ -53,6 +53,14 @@ def make_hf_model(path: Path, family: str = "llama", *, seed: int = 0, dtype: to
                          num_key_value_heads=4, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-5,
                          sliding_window=16, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
                          rope_theta=1e6)),
+        # 4 experts, top-2, GQA (2 key/value groups: TP 2 keeps whole groups); non-default router settings so
+        # that dropping one on the way shows
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                    dict(num_hidden_layers=4, hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=300,
+                         max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=False, rope_theta=1e6, router_aux_loss_coef=0.02,
+                         router_jitter_noise=0.01)),
     }
     config_cls, model_cls, defaults = kinds[family]
     config = config_cls(**(defaults | overrides))
@@ -111,6 +119,11 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def mistral_dir(tmp_path_factory) -> Path:
     return make_hf_model(tmp_path_factory.mktemp("mistral") / "hf", "mistral", seed=1)
+
+
+@pytest.fixture(scope="session")
+def mixtral_dir(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("mixtral") / "hf", "mixtral", seed=2)
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,9 @@ import torch
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
 from mconvert.layout import ParallelLayout
+from mconvert.options import ExpertLayout
 from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, IDENTITY, QKV, REPLICATE, ROW, VOCAB, Rule, Table
+from mconvert.schemas import core_moe
 
 Impl = Literal["local", "te"]
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -61,8 +63,14 @@ def _linear(module: str, ir: str, join, shard, bias_shard) -> list[Rule]:
     ]
 
 
-def table(impl: Impl, *, moe: bool = False) -> Table:
-    """The core key table for one transformer implementation (`local` or `te`)."""
+def table(impl: Impl, *, moe: bool = False, expert_layout: ExpertLayout = "sequential", local_experts: int = 1,
+          etp: int = 1) -> Table:
+    """The core key table for one transformer implementation (`local` or `te`).
+
+    MoE models add the router and the experts in `expert_layout` (see mconvert.schemas.core_moe), with
+    `local_experts` experts per expert-parallel rank split over `etp` expert tensor-parallel ranks.
+    """
+    experts, expert_stack = core_moe.expert_rules(expert_layout, local_experts=local_experts, etp=etp)
     layer = "decoder.layers.{l}"
     attn, mlp = f"{layer}.self_attention", f"{layer}.mlp"
     fused_mlp_norm = impl == "te" and not moe  # MoE layers keep a separate pre_mlp_layernorm under TE
@@ -82,7 +90,10 @@ def table(impl: Impl, *, moe: bool = False) -> Table:
                      GATED_COLUMN),
             *_linear(f"{mlp}.linear_fc1", "layers.{L}.mlp.up", None, COLUMN, COLUMN),
             *_linear(f"{mlp}.linear_fc2", "layers.{L}.mlp.down", None, ROW, REPLICATE),
+            core_moe.ROUTER,
         ),
+        expert=experts,
+        expert_stack=expert_stack,
         head=(
             Rule("decoder.final_layernorm.weight", ("final_norm.weight",)),
             Rule("decoder.final_layernorm.bias", ("final_norm.bias",)),
@@ -96,12 +107,16 @@ def table(impl: Impl, *, moe: bool = False) -> Table:
 TIED_OUTPUT = Rule("output_layer.weight", ("embed.weight",), VOCAB, COLUMN)
 
 
-def extra_state_modules(impl: Impl) -> tuple[str, ...]:
-    """Modules (templates) that store an `_extra_state` entry in every layer."""
-    modules = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+def extra_state_modules(impl: Impl, *, expert_layout: ExpertLayout | None = None,
+                        local_experts: int = 0) -> tuple[str, ...]:
+    """Modules (templates) that store an `_extra_state` entry in every layer (MoE layers: give the layout)."""
+    modules = ("self_attention.linear_proj", "self_attention.linear_qkv")
+    if expert_layout is None:
+        modules += ("mlp.linear_fc1", "mlp.linear_fc2")
     if impl == "te":
         modules = ("self_attention.core_attention", *modules)
-    return tuple(f"decoder.layers.{{l}}.{m}" for m in modules)
+    moe = core_moe.extra_state_modules(expert_layout, impl, local_experts) if expert_layout else ()
+    return tuple(f"decoder.layers.{{l}}.{m}" for m in modules) + moe
 
 
 def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtype: str,
@@ -119,6 +134,8 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
         ("layernorm_zero_centered_gamma", not (get("layernorm_zero_centered_gamma") or get("apply_layernorm_1p"))),
         ("squared_relu", not get("squared_relu", False)),
         ("moe_shared_expert_intermediate_size", not get("moe_shared_expert_intermediate_size")),
+        ("moe_layer_freq", _every_layer(get("moe_layer_freq", 1))),
+        ("moe_router_enable_expert_bias", not get("moe_router_enable_expert_bias", False)),
     ) if not ok]
     if unsupported:
         raise ConvertError(f"{where}: Megatron settings not supported yet: {', '.join(unsupported)}")
@@ -158,7 +175,7 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
         num_experts=int(experts) if experts else None,
         moe_top_k=int(get("moe_router_topk", 2)) if experts else None,
         moe_aux_loss_coeff=_first(get("moe_aux_loss_coeff")) if experts else None,
-        moe_jitter_eps=get("moe_input_jitter_eps") if experts else None,
+        moe_jitter_eps=float(get("moe_input_jitter_eps")) if experts and get("moe_input_jitter_eps") else None,
         dtype=dtype,
     )
 
@@ -168,6 +185,11 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 8192}
 
 
+def _every_layer(freq: Any) -> bool:
+    """moe_layer_freq: 1 (or a pattern of ones) puts experts in every layer, which is all the IR describes."""
+    return freq == 1 or (isinstance(freq, (list, tuple)) and all(f == 1 for f in freq))
+
+
 def _first(value: Any) -> float | None:
     if isinstance(value, (list, tuple)):
         return float(value[0]) if value else None
@@ -175,7 +197,8 @@ def _first(value: Any) -> float | None:
 
 
 def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_size: int, divisible_by: int,
-                     impl: Impl, ckpt_format: str = "torch") -> argparse.Namespace:
+                     impl: Impl, ckpt_format: str = "torch",
+                     expert_layout: ExpertLayout = "sequential") -> argparse.Namespace:
     """A Megatron `args` namespace describing the model, so Megatron-LM can resume or finetune from it.
 
     Only plain values and torch dtypes: Megatron's own loader refuses anything else under weights_only.
@@ -211,14 +234,16 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         window_size=(c.sliding_window, 0) if c.sliding_window else None,
         num_experts=c.num_experts, moe_router_topk=c.moe_top_k or 2,
         moe_ffn_hidden_size=c.ffn_hidden_size if c.is_moe else None,
-        moe_aux_loss_coeff=c.moe_aux_loss_coeff or 0.0, moe_input_jitter_eps=c.moe_jitter_eps,
-        moe_grouped_gemm=False,
+        # Megatron applies jitter whenever the value is not None, and Uniform(1, 1) fails: no jitter is None
+        moe_aux_loss_coeff=c.moe_aux_loss_coeff or 0.0, moe_input_jitter_eps=c.moe_jitter_eps or None,
+        moe_grouped_gemm=c.is_moe and expert_layout != "sequential",
+        moe_use_legacy_grouped_gemm=c.is_moe and expert_layout == "legacy_grouped",
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         transformer_pipeline_model_parallel_size=layout.pp, virtual_pipeline_model_parallel_size=vpp,
         num_virtual_stages_per_pipeline_rank=vpp, num_layers_per_virtual_pipeline_stage=None,
         decoder_first_pipeline_num_layers=layout.first_stage_layers,
         decoder_last_pipeline_num_layers=layout.last_stage_layers,
-        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
         world_size=layout.tp * layout.pp * layout.ep, data_parallel_size=1,
         vocab_size=c.vocab_size, padded_vocab_size=padded_vocab_size, make_vocab_size_divisible_by=divisible_by,
         tokenizer_type="GPT2BPETokenizer" if c.family == "gpt2" else "HuggingFaceTokenizer", tokenizer_model=None,

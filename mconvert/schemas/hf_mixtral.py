@@ -1,0 +1,158 @@
+"""Hugging Face Mixtral: the key tables (hub layout and transformers 5's fused layout) and the config.json mapping.
+
+On disk (what `save_pretrained` writes, transformers 4 and 5 alike), per layer i and expert e:
+
+    model.layers.{i}.block_sparse_moe.gate.weight          [E, h]   the router
+    model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight [f, h]   gate
+    model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight [f, h]   up
+    model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight [h, f]   down
+
+In memory transformers 5 renames `block_sparse_moe` to `mlp` and fuses the experts into
+`mlp.experts.gate_up_proj` [E, 2f, h] (per expert [w1; w3]) and `mlp.experts.down_proj` [E, h, f]; a file
+saved from a raw `state_dict()` has those names, which the loader reads too (`FUSED`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mconvert.errors import ConvertError
+from mconvert.expert_rules import STACK, STACK_GATE_UP
+from mconvert.ir import ModelConfig
+from mconvert.rules import Rule, Table
+from mconvert.schemas.hf_llama import rope_from_hf, rope_to_hf
+
+MODEL_TYPE = "mixtral"
+ARCHITECTURE = "MixtralForCausalLM"
+
+
+def _table(moe: str, router: str, expert: tuple[Rule, ...], expert_stack: tuple[Rule, ...]) -> Table:
+    layer = "model.layers.{L}"
+    return Table(
+        embedding=(Rule("model.embed_tokens.weight", ("embed.weight",)),),
+        layer=(
+            Rule(f"{layer}.input_layernorm.weight", ("layers.{L}.attn_norm.weight",)),
+            *(Rule(f"{layer}.self_attn.{n}_proj.weight", (f"layers.{{L}}.attn.{n}.weight",)) for n in "qkvo"),
+            Rule(f"{layer}.post_attention_layernorm.weight", ("layers.{L}.mlp_norm.weight",)),
+            Rule(f"{layer}.{moe}.{router}.weight", ("layers.{L}.moe.router.weight",)),
+        ),
+        expert=expert,
+        expert_stack=expert_stack,
+        head=(
+            Rule("model.norm.weight", ("final_norm.weight",)),
+            Rule("lm_head.weight", ("lm_head.weight",)),
+        ),
+    )
+
+
+_EXPERT = "model.layers.{L}.block_sparse_moe.experts.{E}"
+TABLE = _table("block_sparse_moe", "gate", expert=(
+    Rule(f"{_EXPERT}.w1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",)),
+    Rule(f"{_EXPERT}.w3.weight", ("layers.{L}.moe.experts.{E}.up.weight",)),
+    Rule(f"{_EXPERT}.w2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
+), expert_stack=())
+FUSED = _table("mlp", "gate", expert=(), expert_stack=(
+    Rule("model.layers.{L}.mlp.experts.gate_up_proj",
+         ("layers.{L}.moe.experts.{E}.gate.weight", "layers.{L}.moe.experts.{E}.up.weight"), STACK_GATE_UP),
+    Rule("model.layers.{L}.mlp.experts.down_proj", ("layers.{L}.moe.experts.{E}.down.weight",), STACK),
+))
+FUSED_MARKER = "model.layers.0.mlp.experts.gate_up_proj"
+
+# Present in some checkpoints, never model weights: rotary frequencies (recomputed from rope_theta).
+DROP = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+
+# transformers' MixtralConfig defaults, for fields config.json leaves out
+DEFAULTS = {"rope_theta": 1e6, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
+            "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
+            "router_jitter_noise": 0.0, "sliding_window": None, "tie_word_embeddings": False}
+
+
+def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
+    """The IR config of a Mixtral config.json."""
+    if hf.get("model_type") != MODEL_TYPE:
+        raise ConvertError(f"{where}: model_type {hf.get('model_type')!r} is not a Mixtral model (expected "
+                           f"{MODEL_TYPE!r})")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConvertError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported for mixtral (expected 'silu')")
+    hf = DEFAULTS | hf
+    try:
+        heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+        theta, scaling = rope_from_hf(hf)
+        return ModelConfig(
+            family="mixtral",
+            num_layers=int(hf["num_hidden_layers"]),
+            hidden_size=hidden,
+            ffn_hidden_size=int(hf["intermediate_size"]),
+            num_attention_heads=heads,
+            num_query_groups=int(hf["num_key_value_heads"] or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            vocab_size=int(hf["vocab_size"]),
+            max_position_embeddings=int(hf["max_position_embeddings"]),
+            norm_eps=float(hf["rms_norm_eps"]),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_embeddings=bool(hf["tie_word_embeddings"]),
+            sliding_window=hf["sliding_window"],
+            num_experts=int(hf["num_local_experts"]),
+            moe_top_k=int(hf["num_experts_per_tok"]),
+            moe_aux_loss_coeff=float(hf["router_aux_loss_coef"]),
+            # the IR says None for "no jitter" (Megatron's spelling); HF says 0.0
+            moe_jitter_eps=float(hf["router_jitter_noise"]) or None,
+            dtype=_dtype(hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+    except KeyError as e:
+        raise ConvertError(f"{where}: missing field {e.args[0]!r}") from None
+
+
+def _dtype(hf: dict[str, Any]) -> str:
+    value = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return value if value in ("float32", "bfloat16", "float16") else "float32"
+
+
+def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """A Mixtral config.json for the IR config; refuses what MixtralForCausalLM cannot express."""
+    if not c.is_moe:
+        raise ConvertError(f"the Mixtral saver needs a mixture-of-experts model; this {c.family} model is dense "
+                           "(use the llama_mistral saver)")
+    unsupported = [what for what, bad in (
+        ("attention or MLP biases", c.qkv_bias or c.proj_bias or c.mlp_bias),
+        (f"{c.norm} (Mixtral uses RMSNorm)", c.norm != "rmsnorm"),
+        (f"activation {c.activation} (Mixtral uses SwiGLU)", c.activation != "swiglu"),
+        ("learned position embeddings (Mixtral uses rotary)", c.position_embedding != "rope"),
+    ) if bad]
+    if unsupported:
+        raise ConvertError(f"HF Mixtral cannot hold this model: {', '.join(unsupported)}")
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "attention_dropout": 0.0,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
+        "dtype": c.dtype,
+        "torch_dtype": c.dtype,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": c.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": c.ffn_hidden_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "num_attention_heads": c.num_attention_heads,
+        "num_hidden_layers": c.num_layers,
+        "num_key_value_heads": c.num_query_groups,
+        "num_local_experts": c.num_experts,
+        "num_experts_per_tok": c.moe_top_k,
+        "output_router_logits": False,
+        "rms_norm_eps": c.norm_eps,
+        "router_aux_loss_coef": DEFAULTS["router_aux_loss_coef"] if c.moe_aux_loss_coeff is None
+        else c.moe_aux_loss_coeff,
+        "router_jitter_noise": c.moe_jitter_eps or 0.0,
+        "sliding_window": c.sliding_window,
+        "tie_word_embeddings": c.tie_embeddings,
+        "use_cache": True,
+        "vocab_size": c.vocab_size,
+        **rope_to_hf(c),
+    }
