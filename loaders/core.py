@@ -226,7 +226,7 @@ def _is_expert(row: Row) -> bool:
 
 def _chunk_source(files: RankFiles, config, table, name, pp, v, ep, start, count, has_head, source) -> list[Row]:
     """Add one chunk's tensors (pieces across TP) to `source` under chunk-qualified keys; return its rows."""
-    prefix = f"pp{pp}.{name}.ep{ep}/"
+    prefix = f"{files.files[(0, pp, ep)].parent.name}/{name}/"  # names TP rank 0's folder: keys agree over TP
     models = [files.model(tp, pp, ep, name) for tp in range(files.tp)]
     keys = [k for k, val in models[0].items() if isinstance(val, torch.Tensor)]
     for tp in range(1, files.tp):
