@@ -3,11 +3,14 @@
 Keys are flat and local to each file: `decoder.layers.{l}` counts from 0 in every pipeline chunk. The local
 spec names norms as modules (`input_layernorm.weight`); the Transformer Engine spec fuses them into the next
 linear (`self_attention.linear_qkv.layer_norm_weight`, `mlp.linear_fc1.layer_norm_weight`). Linears carry an
-`_extra_state` entry (None for the local spec).
+`_extra_state` entry (None for the local spec). MoE layers (router and experts) are in `core_moe`.
 
     latest_checkpointed_iteration.txt      the iteration number, or "release"
     iter_0000001/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
         {"args", "checkpoint_version": 3.0, "iteration", "model" (or "model0".."model{V-1}"), ...}
+
+`mp_rank_00_001` is PP stage 1 when PP>1 and EP=1, but EP rank 1 when PP=1 and EP>1: only the stored args
+(pipeline/expert_model_parallel_size) tell them apart. Every EP rank's file repeats the dense weights.
 """
 
 from __future__ import annotations
@@ -237,7 +240,6 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         # Megatron applies jitter whenever the value is not None, and Uniform(1, 1) fails: no jitter is None
         moe_aux_loss_coeff=c.moe_aux_loss_coeff or 0.0, moe_input_jitter_eps=c.moe_jitter_eps or None,
         moe_grouped_gemm=c.is_moe and expert_layout != "sequential",
-        moe_use_legacy_grouped_gemm=c.is_moe and expert_layout == "legacy_grouped",
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         transformer_pipeline_model_parallel_size=layout.pp, virtual_pipeline_model_parallel_size=vpp,
         num_virtual_stages_per_pipeline_rank=vpp, num_layers_per_virtual_pipeline_stage=None,
@@ -253,4 +255,7 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         no_load_optim=True, no_load_rng=True, no_save_optim=True, no_save_rng=True,
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
     )
+    if c.is_moe and expert_layout == "legacy_grouped":
+        # Megatron-LM before March 2026 (the GroupedMLP's last version) picks it under TE only with this flag
+        values["moe_use_legacy_grouped_gemm"] = True
     return argparse.Namespace(**values)

@@ -1,0 +1,102 @@
+"""Independent check: Megatron-core's own MoE GPTModel loads what `mconvert` writes and matches transformers.
+
+    python scripts/megatron_moe_check.py HF_MIXTRAL_DIR CORE_DIR
+
+CORE_DIR must be a TP1 PP1 EP1 `core` checkpoint written by mconvert from HF_MIXTRAL_DIR with the local
+spec, in the sequential or legacy_grouped expert layout. Needs megatron-core 0.16 (the last release with the
+legacy GroupedMLP, and the last for Python 3.11) and einops in the same environment; no GPU. Megatron builds
+a local-spec GPTModel with SequentialMLP or GroupedMLP experts, loads the file with strict=True, and runs a
+forward pass on CPU, with four stand-ins for CUDA-only pieces: the current device is the CPU, the CUDA RNG
+tracker forks nothing (no dropout), the grouped GEMM kernel is its plain definition (rows of expert e times
+w[e]), and GroupedMLP's bf16-only assertion sees bf16. Exits 1 unless the logits agree to 1e-5.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+from formats.torch_pickle import safe_load
+
+
+def cpu_grouped_gemm(x: torch.Tensor, w: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False):
+    """What the grouped GEMM kernel computes: x's rows come grouped by expert; group e is multiplied by w[e]."""
+    out, start = [], 0
+    for e, n in enumerate(batch_sizes.tolist()):
+        out.append(x[start:start + n] @ (w[e].t() if trans_b else w[e]))
+        start += n
+    return torch.cat(out)
+
+
+def megatron_on_cpu():
+    """Initialise a one-process gloo group and Megatron's parallel state, with CPU stand-ins (see above)."""
+    os.environ.setdefault("MASTER_ADDR", "localhost")
+    os.environ.setdefault("MASTER_PORT", "29631")
+    torch.cuda.current_device = lambda: "cpu"  # Megatron moves the router to the current CUDA device
+    torch.distributed.init_process_group(backend="gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random
+    from megatron.core.transformer.moe import grouped_gemm_util, moe_utils
+
+    parallel_state.initialize_model_parallel(1, 1)
+    random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+    grouped_gemm_util.ops = types.SimpleNamespace(gmm=cpu_grouped_gemm)
+    moe_utils.te_general_gemm = None  # 0.16 leaves the name undefined without Transformer Engine
+
+
+def build(hf, grouped: bool, padded_vocab: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_key_value_heads, kv_channels=hf.hidden_size // hf.num_attention_heads,
+        ffn_hidden_size=hf.intermediate_size, moe_ffn_hidden_size=hf.intermediate_size,
+        num_moe_experts=hf.num_local_experts, moe_router_topk=hf.num_experts_per_tok, moe_grouped_gemm=grouped,
+        moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", normalization="RMSNorm",
+        layernorm_epsilon=hf.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, perform_initialization=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, moe_permute_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False)
+    spec = get_gpt_layer_local_spec(num_experts=hf.num_local_experts, moe_grouped_gemm=grouped,
+                                    normalization="RMSNorm")
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
+                     max_sequence_length=hf.max_position_embeddings, position_embedding_type="rope",
+                     rotary_base=int(hf.rope_parameters["rope_theta"]), share_embeddings_and_output_weights=False)
+    for layer in model.decoder.layers:  # GroupedMLP.forward asserts bf16, which it does not otherwise need
+        layer.mlp.experts.config = copy.copy(config)
+        layer.mlp.experts.config.bf16 = True
+    return model
+
+
+def main(hf_dir: str, core_dir: str) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    megatron_on_cpu()
+    state = safe_load(os.path.join(core_dir, "iter_0000001", "mp_rank_00", "model_optim_rng.pt"))
+    hf = AutoConfig.from_pretrained(hf_dir)
+    model = build(hf, bool(state["args"].moe_grouped_gemm), state["args"].padded_vocab_size)
+    print("experts:", type(model.decoder.layers[0].mlp.experts).__name__)
+    print("strict load:", model.load_state_dict(dict(state["model"]), strict=True))
+    tokens = torch.randint(0, hf.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(24).expand(2, -1)
+    causal = torch.triu(torch.ones(24, 24, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        ours = model.eval()(tokens, positions, causal)[..., :hf.vocab_size]
+        ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(tokens).logits
+    diff = (ours - ref).abs().max().item()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"max |logit difference| {diff:.3g} (logits up to {ref.abs().max().item():.3g}), argmax agrees {agree:.0%}")
+    return 0 if diff < 1e-5 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))
