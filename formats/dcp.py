@@ -162,8 +162,7 @@ class DcpReader:
         out_shape = entry.shape[1:] if index is not None else entry.shape
         pieces = [c for c in entry.chunks
                   if all(o < h and o + s > lo_ for o, s, lo_, h in zip(c.offsets, c.sizes, lo, hi))]
-        if len(pieces) == 1 and pieces[0].offsets == lo[:1] + pieces[0].offsets[1:] and \
-                tuple(pieces[0].sizes[1:]) == tuple(hi[1:]) and not any(pieces[0].offsets[1:]):
+        if len(pieces) == 1 and _covers(pieces[0], lo, hi):  # a window on one mapped chunk: no copy
             t = self._chunk(pieces[0])
             return t[index - pieces[0].offsets[0]] if index is not None else t
         out = torch.empty(out_shape, dtype=entry.dtype)
@@ -196,6 +195,11 @@ class DcpReader:
     def read_object(self, fqn: str):
         """A bytes item holding a torch.save'd object, unpickled safely."""
         return safe_load_bytes(self.read_bytes(fqn), f"{self.root}:{fqn}")
+
+
+def _covers(c: Chunk, lo: Sequence[int], hi: Sequence[int]) -> bool:
+    return all(o <= a and o + s >= b for o, s, a, b in zip(c.offsets, c.sizes, lo, hi)) and \
+        all(o == a and s == b - a for o, s, a, b in zip(c.offsets[1:], c.sizes[1:], lo[1:], hi[1:]))
 
 
 class DcpWriter:
