@@ -7,7 +7,8 @@ holding it in memory (tensors are generated and streamed into the safetensors sh
 times, interleaved (this machine's speed drifts, so the variants alternate and the best of each is kept):
 
   * cp     copying the same input bytes to a new directory, then `sync` (the physical reference);
-  * mconvert HF -> Megatron core TP2 PP2 (torch format), as a separate process, then `sync`.
+  * mconvert HF -> Megatron core TP2 PP2 (torch format), HF -> core torch_dist, and torch_dist -> HF, each as
+    a separate process, then `sync`.
 
 Memory is the peak, over the converter's process tree, of RssAnon + RssShmem read from /proc/PID/status every
 20 ms: pages of the input or output mapped from disk are page cache and reclaimable, so they do not count,
@@ -126,11 +127,20 @@ def main() -> None:
         print(f"built a random {args.size} Llama ({nbytes / 1e9:.2f} GB bf16) in {time.perf_counter() - t:.0f} s")
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     mconvert = str(Path(sys.executable).with_name("mconvert"))
+    dist = args.workdir / f"torch_dist_{args.size}"
+    if not (dist / "latest_checkpointed_iteration.txt").is_file():  # the source of the torch_dist -> HF runs
+        shutil.rmtree(dist, ignore_errors=True)
+        subprocess.run([mconvert, "--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", str(src),
+                        "--save-dir", str(dist), "--quiet"], check=True, stderr=subprocess.DEVNULL)
+    convert = [mconvert, "--quiet", "--force"]
     variants = {
         "cp + sync": lambda dst: ["cp", "-r", str(src), str(dst)],
-        "mconvert HF -> core TP2 PP2": lambda dst: [mconvert, "--loader", "llama_mistral", "--saver", "core",
-                                                    "--tp", "2", "--pp", "2", "--load-dir", str(src),
-                                                    "--save-dir", str(dst), "--quiet"],
+        "HF -> core torch TP2 PP2": lambda dst: [*convert, "--saver", "core", "--tp", "2", "--pp", "2",
+                                                 "--load-dir", str(src), "--save-dir", str(dst)],
+        "HF -> core torch_dist": lambda dst: [*convert, "--saver", "core", "--ckpt-format", "torch_dist",
+                                              "--load-dir", str(src), "--save-dir", str(dst)],
+        "torch_dist -> HF": lambda dst: [*convert, "--saver", "llama_mistral", "--load-dir", str(dist),
+                                         "--save-dir", str(dst)],
     }
     best: dict[str, tuple[float, int]] = {}
     for round_ in range(args.repeat):
@@ -149,6 +159,7 @@ def main() -> None:
         print(f"{name:<30} {seconds:9.1f}s {seconds / cp_time:6.2f}x {peak / 2**20:18.0f} MiB")
     if not args.keep:
         shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(dist, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,20 @@ def special_token_ids(assets: dict[str, Path]) -> dict[str, int]:
     return ids
 
 
+def tokenizer_vocab_size(assets: dict[str, Path]) -> int | None:
+    """len(tokenizer) of a tokenizer.json (largest id + 1 over its vocabulary and added tokens), if there is one."""
+    if "tokenizer.json" not in assets:
+        return None
+    try:
+        tok = json.loads(assets["tokenizer.json"].read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    vocab = (tok.get("model") or {}).get("vocab")
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab or [])))
+    ids += [t["id"] for t in tok.get("added_tokens") or [] if "id" in t]
+    return max(ids) + 1 if ids else None
+
+
 def copy_assets(assets: dict[str, Path], out: Path) -> None:
     for name, src in assets.items():
         shutil.copyfile(src, out / name)

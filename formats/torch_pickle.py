@@ -1,26 +1,23 @@
-"""torch.save files: a safe, memory-mapped reader and a streaming writer.
+"""Reading torch.save files safely, memory-mapped.
 
 Reading never executes code from the file: `torch.load(weights_only=True)` with an explicit allow-list. Megatron
 pickles its args with a few of its own classes inside (enums); those names map to inert stand-ins, so reading
 needs no Megatron install. Anything else the pickle asks for is refused with an error naming the global.
-
-Writing streams: `TorchFileWriter.add(tensor)` writes the tensor's bytes into the zip archive at once and
-returns a small handle; `finish(obj)` pickles the object tree (with handles in place of tensors) last. Memory
-stays at one tensor, whatever the file size, and the result is an ordinary file for `torch.load`.
+(Writing lives in `formats.torch_zip`.)
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
+import contextlib
 import io
 import pickle
 import re
 import signal
-import struct
+import threading
 import types
-import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +72,24 @@ SAFE_GLOBALS: list = [
 ]
 
 _UNSAFE = re.compile(r"GLOBAL ([\w.]+)")
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _allowing(entries: list) -> Iterator[None]:
+    """Allow `entries` for weights_only loads inside the block, leaving the process's own allow-list as it was.
+
+    (torch's `safe_globals` context removes its entries on exit even when someone else, e.g. megatron-core
+    at import, had registered them before; only what is missing is added here, and removed afterwards.)
+    """
+    with _LOCK:
+        present = torch.serialization.get_safe_globals()
+        added = [e for e in entries if e not in present]
+        torch.serialization.add_safe_globals(added)
+        try:
+            yield
+        finally:
+            torch.serialization._weights_only_unpickler._remove_safe_globals(added)
 
 
 def safe_load(path: Path | str, *, mmap: bool = True) -> Any:
@@ -83,7 +98,7 @@ def safe_load(path: Path | str, *, mmap: bool = True) -> Any:
     if not path.is_file():
         raise ConvertError(f"{path}: file not found")
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        with _allowing(SAFE_GLOBALS):
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             except RuntimeError as e:
@@ -106,136 +121,23 @@ def safe_load(path: Path | str, *, mmap: bool = True) -> Any:
         ) from None
 
 
+def safe_load_bytes(data: bytes, where: str) -> Any:
+    """`safe_load` for a torch.save archive held in memory (entries embedded in other files)."""
+    try:
+        with _allowing(SAFE_GLOBALS):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = _UNSAFE.search(str(e))
+        name = found.group(1) if found else _first_line(e)
+        raise ConvertError(f"{where}: refusing to unpickle: it asks for the Python global `{name}`, which is not "
+                           "on the allow-list of safe types") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ConvertError(f"{where}: not a readable torch object (truncated or corrupt?): {_first_line(e)}") from None
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     for line in text.splitlines():
         if "WeightsUnpickler error" in line:
             return line.strip()
     return text.splitlines()[0] if text else type(e).__name__
-
-
-_STORAGE_TYPES = {dtype: getattr(torch, name) for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
-
-
-class _StorageRef:
-    """A storage already written to the archive; the pickler turns it into a persistent id."""
-
-    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
-        self.key, self.dtype, self.numel = key, dtype, numel
-
-
-class StoredTensor:
-    """A handle to a tensor whose bytes are already in the archive; pickles as that tensor."""
-
-    def __init__(self, storage: _StorageRef, shape: tuple[int, ...]) -> None:
-        self.storage, self.shape = storage, tuple(shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.storage.dtype
-
-    def __reduce_ex__(self, protocol: int):
-        stride, acc = [], 1
-        for size in reversed(self.shape):
-            stride.append(acc)
-            acc *= size
-        args = (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict())
-        return torch._utils._rebuild_tensor_v2, args
-
-
-class TorchFileWriter:
-    """Write a torch.save-compatible file tensor by tensor (see the module docstring).
-
-    The archive is written with Python's zipfile (stored, zip64, CRC-32 by zlib, which is much faster than
-    torch's own writer) with each record's data aligned to 64 bytes as torch does, so `torch.load(mmap=True)`
-    maps tensors in place. Tensor bytes are handed to a background thread, so checksumming and writing
-    overlap with preparing the next tensor; at most `max_pending` tensors wait at a time.
-    """
-
-    ALIGN = 64
-
-    def __init__(self, path: Path | str, max_pending: int = 2) -> None:
-        self.path = Path(path)
-        self._prefix = self.path.stem
-        self._file = open(self.path, "wb")  # noqa: SIM115
-        self._zip = zipfile.ZipFile(self._file, "w", zipfile.ZIP_STORED, allowZip64=True)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
-        self._max_pending = max_pending
-        self._count = 0
-        self.bytes_written = 0
-
-    def _record(self, name: str, data) -> None:
-        info = zipfile.ZipInfo(f"{self._prefix}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
-        # Local header = 30 bytes + name + our padding field (4 + n) + the zip64 field (20): pad the data to ALIGN.
-        header = 30 + len(info.filename.encode()) + 4 + 20
-        pad = -(self._file.tell() + header) % self.ALIGN
-        info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
-        with self._zip.open(info, "w", force_zip64=True) as f:
-            assert self._file.tell() % self.ALIGN == 0
-            f.write(data)
-
-    def _write_tensor(self, key: str, t: torch.Tensor) -> None:
-        data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-        self._record(f"data/{key}", data)
-
-    def _wait(self, keep: int) -> None:
-        while len(self._pending) > keep:
-            self._pending.popleft().result()  # re-raises a failed write here
-
-    def add(self, tensor: torch.Tensor) -> StoredTensor:
-        """Queue the tensor's bytes for writing now; return a handle to put in the object passed to `finish`."""
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()  # a contiguous view is written as is: only its own bytes go to the file
-        key = str(self._count)
-        self._count += 1
-        self._wait(self._max_pending - 1)
-        self._pending.append(self._pool.submit(self._write_tensor, key, t))
-        self.bytes_written += t.nbytes
-        return StoredTensor(_StorageRef(key, t.dtype, t.numel()), tuple(t.shape))
-
-    def finish(self, obj: Any) -> int:
-        """Pickle `obj` (tensors already replaced by `add` handles, or small tensors added now) and close."""
-        buf = io.BytesIO()
-        writer = self
-
-        class _Pickler(pickle.Pickler):
-            def persistent_id(self, o: Any):
-                if isinstance(o, _StorageRef):
-                    return ("storage", _STORAGE_TYPES[o.dtype], o.key, "cpu", o.numel)
-                return None
-
-            def reducer_override(self, o: Any):
-                if isinstance(o, torch.Tensor):
-                    return writer.add(o).__reduce_ex__(2)
-                return NotImplemented
-
-        _Pickler(buf, protocol=2).dump(obj)
-        self._wait(0)
-        data = buf.getvalue()
-        for name, value in (("data.pkl", data), (".format_version", b"1"), (".storage_alignment", b"64"),
-                            ("byteorder", b"little"), ("version", b"3\n")):
-            self._record(name, value)
-        self.close()
-        self.bytes_written += len(data)
-        return self.bytes_written
-
-    def close(self) -> None:
-        """Close the file (also after a failure: pending writes are finished or abandoned)."""
-        try:
-            self._wait(0)
-        finally:
-            self._pool.shutdown(wait=True)
-            if self._file.closed:
-                return
-            try:
-                self._zip.close()
-            finally:
-                self._file.close()
-
-
-def save(obj: Any, path: Path | str) -> int:
-    """`torch.save` through the streaming writer (same file, bytes written returned)."""
-    return TorchFileWriter(path).finish(obj)

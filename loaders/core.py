@@ -14,6 +14,7 @@ import torch
 
 from formats import hf_dir
 from formats.torch_pickle import safe_load
+from loaders.core_dist import is_dist_checkpoint, load_dist
 from mconvert.errors import ConvertError, format_names
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import Row, expand, to_ir
@@ -42,10 +43,11 @@ def find_iteration(path: Path) -> tuple[Path, int | None]:
         if not it_dir.is_dir():
             raise ConvertError(f"{tracker} names iteration {text}, but {it_dir} does not exist")
         return it_dir, iteration
-    if _rank_dirs(path):
+    if _rank_dirs(path) or is_dist_checkpoint(path):
         m = re.fullmatch(r"iter_(\d{7})", path.name)
         return path, int(m.group(1)) if m else None
-    raise ConvertError(f"{path}: not a Megatron checkpoint: no {core.TRACKER} and no mp_rank_* folders")
+    raise ConvertError(f"{path}: not a Megatron checkpoint: no {core.TRACKER}, no mp_rank_* folders and no "
+                       "metadata.json")
 
 
 def _rank_dirs(path: Path) -> list[Path]:
@@ -57,6 +59,8 @@ def is_core_checkpoint(path: Path) -> bool:
         it_dir, _ = find_iteration(path)
     except ConvertError:
         return False
+    if is_dist_checkpoint(it_dir):
+        return True
     dirs = _rank_dirs(it_dir)
     if not dirs or not (dirs[0] / core.CHECKPOINT_FILE).is_file():
         return False
@@ -150,8 +154,10 @@ def _num_local_layers(model: dict[str, Any]) -> int:
 @register_loader("core", aliases=("megatron", "mcore"), detect=is_core_checkpoint,
                  options=("true_vocab_size", "tokenizer"))
 def load(path: Path, options: Options) -> ModelIR:
-    """Megatron-core GPT, `torch` format: local or Transformer-Engine key names, detected."""
+    """Megatron-core GPT: `torch` (local or Transformer-Engine names), `torch_dist` or `zarr`, detected."""
     it_dir, iteration = find_iteration(Path(path))
+    if is_dist_checkpoint(it_dir):
+        return load_dist(it_dir, iteration, options)
     files = RankFiles(it_dir)
     chunks = files.chunk_names()
     # Global layer order is chunk-major: chunk v of every stage, then chunk v+1 (see mconvert.layout).
@@ -172,7 +178,10 @@ def load(path: Path, options: Options) -> ModelIR:
         raise ConvertError(f"{files.rel((0, 0, 0))}: no {embed_key} in the first pipeline stage")
     embed = first_model[embed_key]
     padded = embed.shape[0] * files.tp
-    config, notes = _config(files, options, padded, dtype_name(embed.dtype), it_dir)
+    notes: list[str] = []
+    assets = _tokenizer(options, it_dir, files.args, notes)
+    config, config_notes = _config(files, options, padded, dtype_name(embed.dtype), it_dir, assets)
+    notes += config_notes
     expert_layout, etp = _experts(files, chunks, config, notes) if config.is_moe else (None, files.tp)
     table = core.table(impl, moe=config.is_moe, expert_layout=expert_layout or "sequential",
                        local_experts=(config.num_experts or 0) // files.ep, etp=etp)
@@ -193,7 +202,6 @@ def load(path: Path, options: Options) -> ModelIR:
               "transformer_impl": impl, "padded_vocab": padded}
     if config.is_moe:
         layout |= {"etp": etp, "expert_layout": expert_layout}
-    assets = _tokenizer(options, it_dir, files.args, notes)
     return ModelIR(config, tensors, SourceInfo("core (Megatron torch)", it_dir, layout, iteration, notes), assets)
 
 
@@ -262,20 +270,13 @@ def _tied_copy(config, files: RankFiles) -> tuple[str, ...]:
     return (r".*/output_layer\.weight",) if config.tie_embeddings and files.pp > 1 else ()
 
 
-def _config(files: RankFiles, options: Options, padded: int, dtype: str, it_dir: Path):
-    args, notes = files.args, []
-    vocab = options.true_vocab_size or getattr(args, "vocab_size", None)
-    if vocab is None:
-        vocab = padded
-        notes.append(f"the true vocabulary size is not recorded; keeping all {padded} (padded) rows — pass "
-                     "--true-vocab-size to strip the padding")
-    elif vocab > padded:
-        raise ConvertError(f"{it_dir}: vocabulary size {vocab} exceeds the {padded} embedding rows")
+def _config(files: RankFiles, options: Options, padded: int, dtype: str, it_dir: Path, assets):
+    args = files.args
+    vocab, notes = core.true_vocab_size(args, options.true_vocab_size, assets, padded, where=str(it_dir))
     stored = getattr(args, "params_dtype", None)
     if isinstance(stored, torch.dtype) and stored != getattr(torch, dtype):
         notes.append(f"args.params_dtype is {stored} but the tensors are {dtype}; using the tensors' dtype")
-    config = core.config_from_args(args, vocab_size=int(vocab), padded_vocab_size=padded, dtype=dtype,
-                                   where=str(it_dir))
+    config = core.config_from_args(args, vocab_size=vocab, padded_vocab_size=padded, dtype=dtype, where=str(it_dir))
     return config, notes
 
 

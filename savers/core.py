@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from formats import hf_dir
-from formats.torch_pickle import TorchFileWriter
+from formats.torch_zip import TorchFileWriter
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.layout import Chunk
@@ -25,6 +25,7 @@ from mconvert.registry import register_saver
 from mconvert.rules import Ctx
 from mconvert.schemas import core
 from mconvert.transforms import padded_vocab_size
+from savers.core_dist import save_dist
 
 LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers")
 
@@ -33,9 +34,10 @@ LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_st
                 options=(*LAYOUT_OPTIONS, "transformer_impl", "expert_layout", "ckpt_format",
                          "make_vocab_size_divisible_by", "iteration", "dtype"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
-    """Megatron-core GPT, `torch` format (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt), local or TE names."""
+    """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`
+    or `zarr` (--ckpt-format)."""
     if options.ckpt_format != "torch":
-        raise ConvertError(f"--ckpt-format {options.ckpt_format} is not supported by this saver yet; use torch")
+        return save_dist(ir, out, options, progress)
     c, layout = ir.config, options.layout
     layout.check_model(c)
     check_expert_layout(ir, options)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from formats.torch_pickle import TorchFileWriter
+from formats.torch_zip import TorchFileWriter
 from tests.conftest import run_cli
 
 

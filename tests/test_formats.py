@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from formats import safetensors_io
-from formats.torch_pickle import TorchFileWriter, safe_load
+from formats.torch_pickle import safe_load
+from formats.torch_zip import TorchFileWriter
 from mconvert.errors import ConvertError
 
 

@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from formats.torch_pickle import TorchFileWriter, safe_load
+from formats.torch_pickle import safe_load
+from formats.torch_zip import TorchFileWriter
 from mconvert.errors import ConvertError
 from mconvert.mapping import Row, check_plan
 from mconvert.rules import Rule

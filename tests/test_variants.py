@@ -17,6 +17,7 @@ VARIANTS = {
                                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                            "original_max_position_embeddings": 8192}),
     "mha": dict(num_key_value_heads=8),
+    "wide-heads": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32),  # head_dim != hidden / heads
 }
 
 
@@ -29,7 +30,8 @@ def test_variant_round_trip(variant, tmp_path, tokens):
     assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "hf", tokens))
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     original = json.loads((src / "config.json").read_text())
-    for key in ("rope_parameters", "tie_word_embeddings", "attention_bias", "mlp_bias", "num_key_value_heads"):
+    for key in ("rope_parameters", "tie_word_embeddings", "attention_bias", "mlp_bias", "num_key_value_heads",
+                "head_dim"):
         assert written[key] == original[key], key
 
 

@@ -122,6 +122,25 @@ def extra_state_modules(impl: Impl, *, expert_layout: ExpertLayout | None = None
     return tuple(f"decoder.layers.{{l}}.{m}" for m in modules) + moe
 
 
+def true_vocab_size(args: Any, given: int | None, assets: dict, padded: int, where: str) -> tuple[int, list[str]]:
+    """The unpadded vocabulary: --true-vocab-size, else args.vocab_size, else the tokenizer's size (as Megatron
+    padded it), else all `padded` rows. Returns it with a note on any guess."""
+    from formats.hf_dir import tokenizer_vocab_size
+
+    if given:
+        vocab, notes = given, []
+    elif getattr(args, "vocab_size", None):
+        vocab, notes = int(args.vocab_size), []
+    elif (from_tokenizer := tokenizer_vocab_size(assets)) is not None:
+        vocab, notes = from_tokenizer, [f"vocabulary size {from_tokenizer} taken from the checkpoint's tokenizer"]
+    else:
+        vocab, notes = padded, [f"the true vocabulary size is not recorded; keeping all {padded} (padded) rows — "
+                                "pass --true-vocab-size to strip the padding"]
+    if vocab > padded:
+        raise ConvertError(f"{where}: vocabulary size {vocab} exceeds the {padded} embedding rows")
+    return vocab, notes
+
+
 def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtype: str,
                      where: str) -> ModelConfig:
     """The IR config from a Megatron `args` namespace (names as Megatron stores them)."""

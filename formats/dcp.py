@@ -1,0 +1,323 @@
+"""PyTorch distributed checkpoints (torch.distributed.checkpoint, "DCP") read and written offline.
+
+On disk: `.metadata` (a pickled `torch.distributed.checkpoint.metadata.Metadata`: per key its global shape,
+dtype and chunks, and where each chunk's bytes are) and `__{rank}_{i}.distcp` files, in which every tensor
+chunk is a small torch.save archive and every bytes item raw bytes, at recorded offsets.
+
+Reading needs no process group: `.metadata` is unpickled with an allow-list of DCP's own classes (torch's
+reader uses plain pickle, which would run code from an untrusted file), and chunks are memory-mapped, so asking
+for one layer of a layer-stacked tensor touches only that layer's bytes.
+
+Writing streams: chunks go out as they are produced, spread over a few `.distcp` files each written by its own
+thread; `finish` writes `.metadata`. Inside a process group every rank writes its own files and rank 0 gathers
+the entries and writes `.metadata`, as DCP does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import mmap
+import pickle
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from formats.torch_pickle import safe_load_bytes
+from formats.torch_zip import ALIGN, TorchFileWriter, map_tensor
+from mconvert.errors import ConvertError, format_names
+
+METADATA = ".metadata"
+
+_SAFE_CLASSES = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    *(("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType",
+                                                             "TensorWriteData")),
+}
+_DTYPE_NAMES = {str(d).removeprefix("torch.") for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f, where: Path) -> None:
+        super().__init__(f)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _SAFE_CLASSES or (module == "torch" and name in _DTYPE_NAMES):
+            return super().find_class(module, name)
+        raise ConvertError(f"{self.where}: refusing to unpickle: it asks for the Python global `{module}.{name}`, "
+                           "which is not one of torch.distributed.checkpoint's metadata classes")
+
+
+def read_metadata(root: Path) -> dcp_md.Metadata:
+    path = root / METADATA
+    if not path.is_file():
+        raise ConvertError(f"{root}: no {METADATA} file: not a torch.distributed.checkpoint directory, or an "
+                           "incomplete copy (the file name starts with a dot: keep it when copying)")
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f, path).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        raise ConvertError(f"{path}: corrupt distributed-checkpoint metadata: {e}") from None
+    if not isinstance(md, dcp_md.Metadata):
+        raise ConvertError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
+    return md
+
+
+@dataclass(frozen=True)
+class Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[Chunk, ...]
+
+
+class DcpReader:
+    """Random access to the tensors and bytes items of a DCP directory, without a process group."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        md = read_metadata(self.root)
+        where = {(k.fqn, tuple(k.offset) if k.offset is not None else None): v for k, v in md.storage_data.items()}
+        self.tensors: dict[str, TensorEntry] = {}
+        self.bytes_items: dict[str, _StorageInfo] = {}
+        for fqn, meta in md.state_dict_metadata.items():
+            if isinstance(meta, dcp_md.BytesStorageMetadata):
+                self.bytes_items[fqn] = self._storage(where, fqn, None)
+            elif isinstance(meta, dcp_md.TensorStorageMetadata):
+                chunks = []
+                for c in meta.chunks:
+                    info = self._storage(where, fqn, tuple(c.offsets))
+                    chunks.append(Chunk(tuple(c.offsets), tuple(c.sizes), info.relative_path, info.offset,
+                                        info.length))
+                self.tensors[fqn] = TensorEntry(tuple(meta.size), meta.properties.dtype, tuple(chunks))
+        self._check_files()
+        self._maps: dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def _storage(self, where: dict, fqn: str, offsets) -> _StorageInfo:
+        info = where.get((fqn, offsets))
+        if info is None:
+            raise ConvertError(f"{self.root / METADATA}: no storage recorded for {fqn} at {offsets}")
+        if getattr(info, "transform_descriptors", None):
+            raise ConvertError(f"{self.root}: {fqn} is stored with transforms {info.transform_descriptors} "
+                               "(compression?), which this reader does not support")
+        return info
+
+    def _check_files(self) -> None:
+        need: dict[str, int] = {}
+        for entry in self.tensors.values():
+            for c in entry.chunks:
+                need[c.file] = max(need.get(c.file, 0), c.start + c.length)
+        for info in self.bytes_items.values():
+            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+        missing = [f for f in need if not (self.root / f).is_file()]
+        if missing:
+            raise ConvertError(f"{self.root}: missing checkpoint file(s) {format_names(sorted(missing))} listed in "
+                               f"{METADATA}")
+        for f, size in need.items():
+            have = (self.root / f).stat().st_size
+            if have < size:
+                raise ConvertError(f"{self.root / f}: truncated: {METADATA} places data up to byte {size}, the file "
+                                   f"has {have} bytes")
+
+    def _map(self, file: str) -> mmap.mmap:
+        with self._lock:
+            if file not in self._maps:
+                with open(self.root / file, "rb") as f:
+                    self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            return self._maps[file]
+
+    def _chunk(self, c: Chunk) -> torch.Tensor:
+        return map_tensor(self.root / c.file, c.start, c.length, self._map(c.file))
+
+    def read(self, fqn: str, index: int | None = None) -> torch.Tensor:
+        """The whole tensor, or its slice `[index]` along the first axis (one layer of a stacked tensor)."""
+        entry = self.tensors.get(fqn)
+        if entry is None:
+            raise ConvertError(f"{self.root}: no tensor {fqn!r} in the checkpoint")
+        lo = (index,) + (0,) * (len(entry.shape) - 1) if index is not None else (0,) * len(entry.shape)
+        hi = (index + 1,) + entry.shape[1:] if index is not None else entry.shape
+        out_shape = entry.shape[1:] if index is not None else entry.shape
+        pieces = [c for c in entry.chunks
+                  if all(o < h and o + s > lo_ for o, s, lo_, h in zip(c.offsets, c.sizes, lo, hi))]
+        if len(pieces) == 1 and _covers(pieces[0], lo, hi):  # a window on one mapped chunk: no copy
+            t = self._chunk(pieces[0])
+            return t[index - pieces[0].offsets[0]] if index is not None else t
+        out = torch.empty(out_shape, dtype=entry.dtype)
+        view = out.unsqueeze(0) if index is not None else out
+        covered = 0
+        for c in pieces:
+            src = self._chunk(c)
+            a = [max(o, l) for o, l in zip(c.offsets, lo)]
+            b = [min(o + s, h) for o, s, h in zip(c.offsets, c.sizes, hi)]
+            src_idx = tuple(slice(x - o, y - o) for x, y, o in zip(a, b, c.offsets))
+            dst_idx = tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))
+            view[dst_idx] = src[src_idx]
+            n = 1
+            for x, y in zip(a, b):
+                n *= y - x
+            covered += n
+        if covered != view.numel():
+            raise ConvertError(f"{self.root}: the chunks of {fqn} cover {covered} of the {view.numel()} elements "
+                               f"asked for (index {index}): the checkpoint is incomplete")
+        return out
+
+    def read_bytes(self, fqn: str) -> bytes:
+        info = self.bytes_items.get(fqn)
+        if info is None:
+            raise ConvertError(f"{self.root}: no bytes item {fqn!r} in the checkpoint")
+        with open(self.root / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            return f.read(info.length)
+
+    def read_object(self, fqn: str):
+        """A bytes item holding a torch.save'd object, unpickled safely."""
+        return safe_load_bytes(self.read_bytes(fqn), f"{self.root}:{fqn}")
+
+
+def _covers(c: Chunk, lo: Sequence[int], hi: Sequence[int]) -> bool:
+    return all(o <= a and o + s >= b for o, s, a, b in zip(c.offsets, c.sizes, lo, hi)) and \
+        all(o == a and s == b - a for o, s, a, b in zip(c.offsets[1:], c.sizes[1:], lo[1:], hi[1:]))
+
+
+class DcpWriter:
+    """Write a DCP directory chunk by chunk (see the module docstring). Use as a context manager."""
+
+    def __init__(self, root: Path, *, rank: int = 0, files: int = 2) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self._files = [open(self.root / f"__{rank}_{i}.distcp", "wb") for i in range(files)]  # noqa: SIM115
+        self._pools = [concurrent.futures.ThreadPoolExecutor(max_workers=1) for _ in range(files)]
+        self._queued = [0] * files  # bytes handed to each file, to balance them
+        self._pending: list[concurrent.futures.Future] = []
+        self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.entries: list[tuple] = []  # (fqn, offsets | None, sizes | None, file, start, length)
+        self.bytes_written = 0
+
+    def __enter__(self) -> DcpWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _submit(self, job, nbytes: int) -> None:
+        """Queue `job(file_index)` on the least-loaded file's thread; at most two jobs wait per file."""
+        i = min(range(len(self._files)), key=self._queued.__getitem__)
+        self._queued[i] += nbytes
+        self._reap()
+        while len(self._pending) >= 2 * len(self._files):
+            concurrent.futures.wait(self._pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            self._reap()
+        self._pending.append(self._pools[i].submit(job, i))
+
+    def _reap(self) -> None:
+        alive = []
+        for p in self._pending:
+            if p.done():
+                p.result()  # re-raises a failed write
+            else:
+                alive.append(p)
+        self._pending = alive
+
+    def add_chunk(self, fqn: str, global_shape: Sequence[int], offsets: Sequence[int], tensor: torch.Tensor) -> None:
+        """One chunk of tensor `fqn` (global shape `global_shape`) starting at `offsets`."""
+        shape, dtype = tuple(global_shape), tensor.dtype
+        if self.tensors.setdefault(fqn, (shape, dtype)) != (shape, dtype):
+            raise ConvertError(f"{fqn}: chunks disagree on the global shape or dtype: {self.tensors[fqn]} vs "
+                               f"{(shape, dtype)}")
+        t = tensor.detach().cpu().contiguous()
+
+        def job(i: int) -> None:
+            f = self._files[i]
+            f.write(b"\0" * (-f.tell() % ALIGN))  # start every archive aligned, so its tensor maps aligned
+            start = f.tell()
+            TorchFileWriter(f, background=False).finish(t)
+            self.entries.append((fqn, tuple(offsets), tuple(t.shape), f.name, start, f.tell() - start))
+
+        self._submit(job, t.nbytes)
+        self.bytes_written += t.nbytes
+
+    def add_bytes(self, fqn: str, data: bytes) -> None:
+        def job(i: int) -> None:
+            f = self._files[i]
+            start = f.tell()
+            f.write(data)
+            self.entries.append((fqn, None, None, f.name, start, len(data)))
+
+        self._submit(job, len(data))
+
+    def add_object(self, fqn: str, obj) -> None:
+        """A bytes item holding `torch.save(obj)` (how Megatron stores non-tensor state)."""
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        self.add_bytes(fqn, buf.getvalue())
+
+    def _drain(self) -> None:
+        for p in self._pending:
+            p.result()
+        self._pending = []
+
+    def close(self) -> None:
+        try:
+            self._drain()
+        finally:
+            for pool in self._pools:
+                pool.shutdown(wait=True)
+            for f in self._files:
+                f.close()
+
+    def finish(self, group=None) -> None:
+        """Close the files and write `.metadata` (rank 0 of `group` gathers every rank's entries)."""
+        self.close()
+        entries = [(fqn, off, sizes, Path(file).name, start, length)
+                   for fqn, off, sizes, file, start, length in self.entries]
+        tensors = dict(self.tensors)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered = [None] * torch.distributed.get_world_size(group)
+            torch.distributed.all_gather_object(gathered, (entries, tensors), group=group)
+            if torch.distributed.get_rank(group) != 0:
+                return
+            entries = [e for part, _ in gathered for e in part]
+            tensors = {k: v for _, part in gathered for k, v in part.items()}
+        write_metadata(self.root, entries, tensors)
+
+
+def write_metadata(root: Path, entries: list[tuple], tensors: dict) -> None:
+    state, storage = {}, {}
+    chunks: dict[str, list] = {}
+    for fqn, offsets, sizes, file, start, length in entries:
+        key = dcp_md.MetadataIndex(fqn, torch.Size(offsets) if offsets is not None else None)
+        storage[key] = _StorageInfo(relative_path=file, offset=start, length=length)
+        if offsets is None:
+            state[fqn] = dcp_md.BytesStorageMetadata()
+        else:
+            chunks.setdefault(fqn, []).append(dcp_md.ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+    for fqn, (shape, dtype) in tensors.items():
+        found = sorted(chunks.get(fqn, []), key=lambda c: tuple(c.offsets))
+        state[fqn] = dcp_md.TensorStorageMetadata(dcp_md.TensorProperties(dtype=dtype), torch.Size(shape), found)
+    md = dcp_md.Metadata(state_dict_metadata=state, storage_data=storage)
+    with open(root / METADATA, "wb") as f:
+        pickle.dump(md, f)

@@ -1,0 +1,268 @@
+"""The torch.save zip format: a streaming writer, and a memory-mapped reader for tensors embedded in other files.
+
+A torch.save file is a stored (uncompressed) zip archive `<name>/data.pkl`, `<name>/data/<key>` (raw storage
+bytes, 64-byte aligned), `.format_version`, `.storage_alignment`, `byteorder`, `version`.
+
+Writing streams: `TorchFileWriter.add(tensor)` queues the tensor's bytes for the archive at once and returns a
+small handle; `finish(obj)` pickles the object tree (with handles in place of tensors) last. Memory stays at a
+couple of tensors, whatever the file size. The archive is written with Python's zipfile (CRC-32 by zlib, much
+faster than torch's own writer) and can start anywhere in an open file: distributed-checkpoint files embed one
+such archive per tensor chunk.
+
+Reading `map_tensor` maps such an embedded single-tensor archive without copying it: its pickle is read by a
+tiny unpickler that knows only how torch rebuilds a tensor, and the bytes are a view of a private memory map.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import io
+import mmap
+import pickle
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from mconvert.errors import ConvertError
+
+ALIGN = 64
+_STORAGE_TYPES = {dtype: getattr(torch, name) for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+
+
+class _StorageRef:
+    """A storage already written to the archive; the pickler turns it into a persistent id."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class StoredTensor:
+    """A handle to a tensor whose bytes are (being) written to the archive; pickles as that tensor."""
+
+    def __init__(self, storage: _StorageRef, shape: tuple[int, ...]) -> None:
+        self.storage, self.shape = storage, tuple(shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    def __reduce_ex__(self, protocol: int):
+        stride, acc = [], 1
+        for size in reversed(self.shape):
+            stride.append(acc)
+            acc *= size
+        args = (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict())
+        return torch._utils._rebuild_tensor_v2, args
+
+
+class Window:
+    """A file object that starts at the current position of `f`: what zipfile sees as offset 0."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.base = f, f.tell()
+
+    def write(self, data) -> int:
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.f.tell() - self.base
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0:
+            pos += self.base
+        return self.f.seek(pos, whence) - self.base
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class TorchFileWriter:
+    """Write a torch.save-compatible archive tensor by tensor (see the module docstring).
+
+    `target` is a path, or an open binary file positioned where the archive starts (left open). With
+    `background` the tensor bytes are checksummed and written by a helper thread, overlapping with the caller
+    preparing the next tensor; at most `max_pending` tensors wait at a time.
+    """
+
+    def __init__(self, target: Path | str | BinaryIO, *, archive: str | None = None, background: bool = True,
+                 max_pending: int = 2) -> None:
+        if isinstance(target, (str, Path)):
+            self._file, self._own = open(target, "wb"), True  # noqa: SIM115
+            archive = archive or Path(target).stem
+        else:
+            self._file, self._own = target, False
+        self._out = Window(self._file)
+        self._prefix = archive or "archive"
+        self._zip = zipfile.ZipFile(self._out, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if background else None
+        self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
+        self._max_pending = max_pending
+        self._count = 0
+        self._closed = False
+        self.bytes_written = 0
+
+    def _record(self, name: str, data) -> None:
+        info = zipfile.ZipInfo(f"{self._prefix}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+        # Local header = 30 bytes + name + our padding field (4 + n) + the zip64 field (20): pad the data to ALIGN.
+        header = 30 + len(info.filename.encode()) + 4 + 20
+        pad = -(self._out.tell() + header) % ALIGN
+        info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        with self._zip.open(info, "w", force_zip64=True) as f:
+            f.write(data)
+
+    def _write_tensor(self, key: str, t: torch.Tensor) -> None:
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+        self._record(f"data/{key}", data)
+
+    def _wait(self, keep: int) -> None:
+        while len(self._pending) > keep:
+            self._pending.popleft().result()  # re-raises a failed write here
+
+    def add(self, tensor: torch.Tensor) -> StoredTensor:
+        """Write (or queue) the tensor's bytes; return a handle to put in the object passed to `finish`."""
+        t = tensor.detach().cpu().contiguous()  # a contiguous view is written as is: only its own bytes
+        key = str(self._count)
+        self._count += 1
+        if self._pool is None:
+            self._write_tensor(key, t)
+        else:
+            self._wait(self._max_pending - 1)
+            self._pending.append(self._pool.submit(self._write_tensor, key, t))
+        self.bytes_written += t.nbytes
+        return StoredTensor(_StorageRef(key, t.dtype, t.numel()), tuple(t.shape))
+
+    def finish(self, obj: Any) -> int:
+        """Pickle `obj` (tensors already replaced by `add` handles, or small tensors added now) and close."""
+        buf = io.BytesIO()
+        writer = self
+
+        class _Pickler(pickle.Pickler):
+            def persistent_id(self, o: Any):
+                if isinstance(o, _StorageRef):
+                    return ("storage", _STORAGE_TYPES[o.dtype], o.key, "cpu", o.numel)
+                return None
+
+            def reducer_override(self, o: Any):
+                if isinstance(o, torch.Tensor):
+                    return writer.add(o).__reduce_ex__(2)
+                return NotImplemented
+
+        _Pickler(buf, protocol=2).dump(obj)
+        self._wait(0)
+        data = buf.getvalue()
+        for name, value in (("data.pkl", data), (".format_version", b"1"), (".storage_alignment", b"64"),
+                            ("byteorder", b"little"), ("version", b"3\n")):
+            self._record(name, value)
+        self.close()
+        self.bytes_written += len(data)
+        return self.bytes_written
+
+    def close(self) -> None:
+        """Close the archive (also after a failure: pending writes are finished or abandoned)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._wait(0)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            try:
+                self._zip.close()
+            finally:
+                if self._own:
+                    self._file.close()
+
+
+def save(obj: Any, target: Path | str | BinaryIO, **kwargs) -> int:
+    """`torch.save` through the streaming writer (same format); returns the bytes written."""
+    return TorchFileWriter(target, **kwargs).finish(obj)
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Reads the pickle of a torch.save'd tensor and nothing else: no other global can be named."""
+
+    def __init__(self, data: bytes, rebuild) -> None:
+        super().__init__(io.BytesIO(data))
+        self._rebuild = rebuild
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return self._rebuild
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if (module, name) == ("torch", "Size"):
+            return torch.Size
+        raise pickle.UnpicklingError(f"unexpected global {module}.{name} in a tensor archive")
+
+    def persistent_load(self, pid):
+        _, dtype, key, _location, numel = pid
+        return dtype, str(key), int(numel)
+
+
+def map_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> torch.Tensor:
+    """The tensor torch.save'd at bytes [offset, offset+length) of `path`, as a view of `mapping` (no copy)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        window = _ReadWindow(f, offset, length)
+        try:
+            archive = zipfile.ZipFile(window)
+            names = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
+            pickled = archive.read(names["data.pkl"])
+        except (zipfile.BadZipFile, KeyError, OSError) as e:
+            raise ConvertError(f"{path}: bytes {offset}..{offset + length} are not a torch tensor archive "
+                               f"(truncated or corrupt?): {e}") from None
+        starts = {}
+        for key, info in names.items():
+            if key.startswith("data/"):
+                f.seek(offset + info.header_offset)
+                header = f.read(30)
+                name_len, extra_len = struct.unpack("<HH", header[26:30])
+                starts[key[5:]] = offset + info.header_offset + 30 + name_len + extra_len
+
+    def rebuild(storage, storage_offset, size, stride, *_):
+        dtype, key, numel = storage
+        if key not in starts or starts[key] + numel * dtype.itemsize > offset + length:
+            raise ConvertError(f"{path}: tensor archive at byte {offset} lacks the bytes of storage {key}")
+        flat = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=starts[key]) if numel else \
+            torch.empty(0, dtype=dtype)
+        return flat.as_strided(tuple(size), tuple(stride), storage_offset)
+
+    try:
+        tensor = _TensorPickle(pickled, rebuild).load()
+    except pickle.UnpicklingError as e:
+        raise ConvertError(f"{path}: refusing the tensor archive at byte {offset}: {e}") from None
+    if not isinstance(tensor, torch.Tensor):
+        raise ConvertError(f"{path}: the archive at byte {offset} holds a {type(tensor).__name__}, not a tensor")
+    return tensor
+
+
+class _ReadWindow:
+    """Bytes [base, base+length) of an open file, as a seekable file object for zipfile."""
+
+    def __init__(self, f: BinaryIO, base: int, length: int) -> None:
+        self.f, self.base, self.length, self.pos = f, base, length, 0
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.length - self.pos if n is None or n < 0 else min(n, self.length - self.pos)
+        self.f.seek(self.base + self.pos)
+        data = self.f.read(max(n, 0))
+        self.pos += len(data)
+        return data
+
+    def seekable(self) -> bool:
+        return True

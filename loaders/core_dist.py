@@ -1,0 +1,116 @@
+"""Megatron-core distributed checkpoints (`torch_dist`, `zarr`), read by the `core` loader.
+
+Layer-stacked tensors are read one layer slice at a time (the storage readers map or fetch only the chunks
+covering that layer), so memory stays at about one layer whatever the model size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from formats import hf_dir
+from formats.dcp import DcpReader
+from formats.torch_pickle import safe_load
+from mconvert.errors import ConvertError, format_names
+from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
+from mconvert.mapping import Row, expand, to_ir
+from mconvert.options import Options
+from mconvert.rules import Ctx
+from mconvert.schemas import core, core_dist
+
+
+def is_dist_checkpoint(it_dir: Path) -> bool:
+    return (it_dir / core_dist.METADATA_JSON).is_file()
+
+
+def open_store(it_dir: Path):
+    meta = hf_dir.read_json(it_dir / core_dist.METADATA_JSON)
+    backend = meta.get("sharded_backend")
+    if backend == "torch_dist":
+        return DcpReader(it_dir), backend
+    if backend == "zarr":
+        from formats.zarr_io import ZarrReader
+
+        return ZarrReader(it_dir), backend
+    raise ConvertError(f"{it_dir / core_dist.METADATA_JSON}: unknown sharded_backend {backend!r}; this tool reads "
+                       f"{' and '.join(core_dist.BACKENDS)} distributed checkpoints")
+
+
+def read_common(it_dir: Path, store) -> dict[str, Any]:
+    """The non-tensor state: `common.pt` (older Megatron) or the in-checkpoint `common_state` object (newer)."""
+    if (it_dir / core_dist.COMMON_FILE).is_file():
+        common = safe_load(it_dir / core_dist.COMMON_FILE, mmap=False)
+    elif isinstance(store, DcpReader) and core_dist.COMMON_STATE in store.bytes_items:
+        common = store.read_object(core_dist.COMMON_STATE)
+        common = common[0] if isinstance(common, list) and common else common
+    else:
+        raise ConvertError(f"{it_dir}: neither {core_dist.COMMON_FILE} nor a {core_dist.COMMON_STATE} entry: "
+                           "cannot find the checkpoint's args")
+    if not isinstance(common, dict) or common.get("args") is None:
+        raise ConvertError(f"{it_dir}: the common state has no 'args'; cannot tell the model shape")
+    return common
+
+
+def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
+    store, backend = open_store(it_dir)
+    common = read_common(it_dir, store)
+    args = common["args"]
+    embed_key = "embedding.word_embeddings.weight"
+    if embed_key not in store.tensors:
+        raise ConvertError(f"{it_dir}: no {embed_key} in the checkpoint")
+    shape, dtype = _shape_dtype(store, embed_key)
+    padded = shape[0]
+    assets = hf_dir.tokenizer_files(options.tokenizer or it_dir / "tokenizer")
+    vocab, notes = core.true_vocab_size(args, options.true_vocab_size, assets, padded, where=str(it_dir))
+    config = core.config_from_args(args, vocab_size=int(vocab), padded_vocab_size=padded,
+                                   dtype=dtype_name(dtype), where=str(it_dir))
+
+    table = core_dist.table(moe=config.is_moe)
+    source: dict[str, list[LazyTensor]] = {}
+    rows: list[Row] = []
+    used: set[str] = set()
+    for row in expand(table, config, layers=[], head=False):
+        rows.append(row)
+        used.add(row.key)
+        source[row.key] = [_lazy(store, row.key, None, it_dir)]
+    for L in range(config.num_layers):
+        for row in expand(table, config, layers=[(L, L)], embedding=False, head=False):
+            key = core_dist.stacked_key(row.key, L)
+            used.add(key)
+            rows.append(row)
+            source[row.key] = [_lazy(store, key, L, it_dir, config.num_layers)]
+    for row in expand(table, config, layers=[], embedding=False):
+        rows.append(row)
+        used.add(row.key)
+        source[row.key] = [_lazy(store, row.key, None, it_dir)]
+    missing = sorted(k for k in used if k not in store.tensors)
+    tied_copy = "output_layer.weight" if config.tie_embeddings else None
+    extra = sorted(k for k in store.tensors if k not in used and k != tied_copy)
+    if missing or extra:
+        raise ConvertError(f"{it_dir}: the tensors do not match a {config.family} model with these args. "
+                           + (f"Missing tensors: {format_names(missing)}. " if missing else "")
+                           + (f"Extra tensors: {format_names(extra)}." if extra else ""))
+    tensors = to_ir(source, rows, Ctx(config, padded), where=str(it_dir), cache=LoadCache(4))
+    layout = {"format": backend, "padded_vocab": padded,
+              "common": "common.pt" if (it_dir / core_dist.COMMON_FILE).is_file() else core_dist.COMMON_STATE}
+    return ModelIR(config, tensors, SourceInfo(f"core (Megatron {backend})", it_dir, layout, iteration, notes), assets)
+
+
+def _shape_dtype(store, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+    entry = store.tensors[key]
+    return (tuple(entry.shape), entry.dtype) if hasattr(entry, "shape") else entry
+
+
+def _lazy(store, key: str, layer: int | None, it_dir: Path, num_layers: int | None = None) -> LazyTensor:
+    if key not in store.tensors:  # reported together with the others by the caller
+        return LazyTensor((0,), torch.float32, lambda: torch.empty(0), f"{it_dir.name}:{key}")
+    shape, dtype = _shape_dtype(store, key)
+    if layer is not None:
+        if shape[0] != num_layers:
+            raise ConvertError(f"{it_dir}: {key} stacks {shape[0]} layers, the args say {num_layers}")
+        shape = shape[1:]
+    origin = f"{it_dir.name}:{key}" + (f"[{layer}]" if layer is not None else "")
+    return LazyTensor(tuple(shape), dtype, lambda: store.read(key, layer), origin)
