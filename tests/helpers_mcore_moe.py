@@ -1,14 +1,15 @@
 """Independent check: Megatron-core's own MoE GPTModel loads what `mconvert` writes and matches transformers.
 
-    python scripts/megatron_moe_check.py HF_MIXTRAL_DIR CORE_DIR
+    python tests/helpers_mcore_moe.py HF_MIXTRAL_DIR CORE_DIR [CORE_DIR ...]
 
-CORE_DIR must be a TP1 PP1 EP1 `core` checkpoint written by mconvert from HF_MIXTRAL_DIR with the local
-spec, in the sequential or legacy_grouped expert layout. Needs megatron-core 0.16 (the last release with the
-legacy GroupedMLP, and the last for Python 3.11) and einops in the same environment; no GPU. Megatron builds
+Each CORE_DIR must be a TP1 PP1 EP1 `core` checkpoint of HF_MIXTRAL_DIR's model with the local spec, in the
+sequential or legacy_grouped expert layout. Needs megatron-core 0.16 (the last release with the legacy
+GroupedMLP, and the last for Python 3.11); no GPU. Runs in its own process (it starts a process group and
+patches torch.cuda). Prints `OK <dir> <max |logit difference|>` per checkpoint. Megatron builds
 a local-spec GPTModel with SequentialMLP or GroupedMLP experts, loads the file with strict=True, and runs a
 forward pass on CPU, with four stand-ins for CUDA-only pieces: the current device is the CPU, the CUDA RNG
 tracker forks nothing (no dropout), the grouped GEMM kernel is its plain definition (rows of expert e times
-w[e]), and GroupedMLP's bf16-only assertion sees bf16. Exits 1 unless the logits agree to 1e-5.
+w[e]), and GroupedMLP's bf16-only assertion sees bf16. Exits 1 unless all logits agree to 1e-5.
 """
 
 from __future__ import annotations
@@ -77,26 +78,33 @@ def build(hf, grouped: bool, padded_vocab: int):
     return model
 
 
-def main(hf_dir: str, core_dir: str) -> int:
+def check(hf_dir: str, core_dir: str) -> float:
+    """Max |logit difference| between Megatron loaded from `core_dir` and transformers loaded from `hf_dir`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    megatron_on_cpu()
     state = safe_load(os.path.join(core_dir, "iter_0000001", "mp_rank_00", "model_optim_rng.pt"))
     hf = AutoConfig.from_pretrained(hf_dir)
     model = build(hf, bool(state["args"].moe_grouped_gemm), state["args"].padded_vocab_size)
-    print("experts:", type(model.decoder.layers[0].mlp.experts).__name__)
-    print("strict load:", model.load_state_dict(dict(state["model"]), strict=True))
+    result = model.load_state_dict(dict(state["model"]), strict=True)  # raises on any missing or extra key
+    print(f"{core_dir}: {type(model.decoder.layers[0].mlp.experts).__name__} experts, strict load: {result}")
     tokens = torch.randint(0, hf.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(24).expand(2, -1)
     causal = torch.triu(torch.ones(24, 24, dtype=torch.bool), 1)[None, None]
     with torch.no_grad():
         ours = model.eval()(tokens, positions, causal)[..., :hf.vocab_size]
         ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(tokens).logits
-    diff = (ours - ref).abs().max().item()
-    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"max |logit difference| {diff:.3g} (logits up to {ref.abs().max().item():.3g}), argmax agrees {agree:.0%}")
-    return 0 if diff < 1e-5 else 1
+    return (ours - ref).abs().max().item()
+
+
+def main(hf_dir: str, *core_dirs: str) -> int:
+    megatron_on_cpu()
+    failed = 0
+    for core_dir in core_dirs:
+        diff = check(hf_dir, core_dir)
+        print(f"{'OK' if diff < 1e-5 else 'MISMATCH'} {core_dir} {diff:.3g}", flush=True)
+        failed += diff >= 1e-5
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main(*sys.argv[1:]))
