@@ -1,4 +1,4 @@
-"""Saver `mixtral_hf`: a Hugging Face Mixtral directory in the hub layout, which `from_pretrained` loads as is."""
+"""Saver `mixtral_hf`: a Hugging Face Mixtral directory in the hub layout (what `save_pretrained` writes)."""
 
 from __future__ import annotations
 

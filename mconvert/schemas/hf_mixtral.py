@@ -1,6 +1,6 @@
 """Hugging Face Mixtral: the key tables (hub layout and transformers 5's fused layout) and the config.json mapping.
 
-On disk (what `save_pretrained` writes, transformers 4 and 5 alike), per layer i and expert e:
+On disk (what `save_pretrained` writes in transformers 5, the module names of transformers 4), per layer i and expert e:
 
     model.layers.{i}.block_sparse_moe.gate.weight          [E, h]   the router
     model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight [f, h]   gate
