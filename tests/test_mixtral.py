@@ -158,3 +158,16 @@ def test_fixture_through_core_and_back(tmp_path):
     assert_same_tensors(ir_tensors(MIXTRAL), ir_tensors(tmp_path / "hf"))
     tokens = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(1))
     assert torch.equal(hf_logits(MIXTRAL, tokens), hf_logits(tmp_path / "hf", tokens))
+
+
+def test_tied_bf16_mixtral_round_trip(tmp_path, tokens):
+    src = make_hf_model(tmp_path / "src", "mixtral", seed=8, dtype=torch.bfloat16, tie_word_embeddings=True)
+    run_cli("--saver", "core", "--tp", "2", "--ep", "2", "--pp", "2", "--load-dir", src, "--save-dir", tmp_path / "c")
+    last = safe_load(tmp_path / "c/iter_0000001/mp_rank_00_001_001/model_optim_rng.pt")
+    assert last["args"].untie_embeddings_and_output_weights is False and last["args"].bf16 is True
+    assert "output_layer.weight" in last["model"]  # the last stage's copy of the tied embedding
+    run_cli("--saver", "mixtral_hf", "--load-dir", tmp_path / "c", "--save-dir", tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["tie_word_embeddings"], written["dtype"]) == (True, "bfloat16")
+    assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "hf"))
+    assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "hf", tokens))
