@@ -264,6 +264,19 @@ def test_vocab_padding_and_true_vocab(gpt2_dir, gpt2_legacy, tmp_path):
     assert_same_tensors(ir_tensors(gpt2_dir), ir_tensors(unknown, true_vocab_size=300))
 
 
+def test_gpt2_bpe_vocab_is_assumed_when_unrecorded(tmp_path):
+    """Megatron's own GPT-2 runs store only the padded size; GPT2BPETokenizer has 50257 tokens (a shown note)."""
+    src = make_hf_model(tmp_path / "src", "gpt2", seed=8, n_layer=1, n_embd=8, n_head=2, vocab_size=50257)
+    to_legacy(src, tmp_path / "legacy")
+    rewrite(rank_file(tmp_path / "legacy", "mp_rank_00"), lambda s: (delattr(s["args"], "vocab_size"),
+                                                                      delattr(s["args"], "orig_vocab_size")))
+    out = run_cli("inspect", tmp_path / "legacy", "--no-tensors")
+    assert "note: the true vocabulary size is not recorded; using 50257, the size of the GPT2BPETokenizer named by " \
+           "args.tokenizer_type (pass --true-vocab-size to change)" in out
+    assert "padded_vocab_size         50304" in out
+    assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "legacy"))
+
+
 # --- detection -----------------------------------------------------------------------------------------------------
 
 def test_format_detection(gpt2_dir, gpt2_legacy, tmp_path):
