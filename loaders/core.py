@@ -83,7 +83,9 @@ class RankFiles:
         self.args = first.get("args")
         if self.args is None:
             raise ConvertError(f"{dirs[0] / core.CHECKPOINT_FILE}: no 'args' entry; cannot tell the model shape")
-        self.tp = int(getattr(self.args, "tensor_model_parallel_size", 1) or 1)
+        # checkpoint_version < 3.0 files call it model_parallel_size
+        self.tp = int(getattr(self.args, "tensor_model_parallel_size", None) or
+                      getattr(self.args, "model_parallel_size", None) or 1)
         self.pp = int(getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
         self.ep = int(getattr(self.args, "expert_model_parallel_size", 1) or 1)
         from mconvert.layout import ParallelLayout

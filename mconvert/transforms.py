@@ -53,6 +53,51 @@ def split_qkv(qkv: Tensor, num_heads: int, num_groups: int) -> tuple[Tensor, Ten
     return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous())
 
 
+def concat_qkv(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """`[q ; k ; v]` stacked whole along dim 0 (HF GPT-2's c_attn, before its Conv1D transpose)."""
+    return cat([q, k, v], dim=0)
+
+
+def split_concat_qkv(qkv: Tensor, q_rows: int, kv_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of `concat_qkv`, given the rows of q and of k (= v)."""
+    if qkv.shape[0] != q_rows + 2 * kv_rows:
+        raise ConvertError(f"fused QKV has {qkv.shape[0]} rows, expected {q_rows} (q) + 2 × {kv_rows} (k, v)")
+    q, k, v = torch.split(qkv, [q_rows, kv_rows, kv_rows], dim=0)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+# Megatron's legacy `checkpoint_version` fixes the row order of each TP rank's fused query_key_value
+# (np = heads on the rank, hn = head dim, rest = the input dim of a weight, nothing for a bias):
+#     version 0:      [3, np, hn]   all q heads, then all k, then all v
+#     version 1:      [np, hn, 3]   q, k, v interleaved row by row inside each head
+#     version >= 2:   [np, 3, hn]   per head: its q rows, k rows, v rows (= `fuse_qkv` with one head per group)
+def legacy_qkv_to_per_head(piece: Tensor, version: int, num_heads: int) -> Tensor:
+    """One TP rank's legacy QKV in checkpoint_version 0 or 1 order -> the `[np, 3, hn]` order of version 2+."""
+    rows, *rest = piece.shape
+    hn = rows // (3 * num_heads)
+    if version == 0:
+        out = piece.reshape(3, num_heads, hn, *rest).transpose(0, 1)
+    elif version == 1:
+        out = piece.reshape(num_heads, hn, 3, *rest).transpose(1, 2)
+    else:
+        raise ConvertError(f"legacy QKV order exists for checkpoint_version 0 and 1 only, not {version}")
+    return out.reshape(rows, *rest).contiguous()
+
+
+def per_head_to_legacy_qkv(piece: Tensor, version: int, num_heads: int) -> Tensor:
+    """Inverse of `legacy_qkv_to_per_head`."""
+    rows, *rest = piece.shape
+    hn = rows // (3 * num_heads)
+    grouped = piece.reshape(num_heads, 3, hn, *rest)
+    if version == 0:
+        out = grouped.transpose(0, 1)
+    elif version == 1:
+        out = grouped.transpose(1, 2)
+    else:
+        raise ConvertError(f"legacy QKV order exists for checkpoint_version 0 and 1 only, not {version}")
+    return out.reshape(rows, *rest).contiguous()
+
+
 def fuse_gate_up(gate: Tensor, up: Tensor) -> Tensor:
     """`[gate ; up]` stacked along dim 0 (Megatron's linear_fc1 for SwiGLU, whole-tensor form)."""
     return cat([gate, up], dim=0)

@@ -61,6 +61,11 @@ def make_hf_model(path: Path, family: str = "llama", *, seed: int = 0, dtype: to
                          max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
                          tie_word_embeddings=False, rope_theta=1e6, router_aux_loss_coef=0.02,
                          router_jitter_noise=0.01)),
+        # n_inner None means 4 * n_embd; gelu_new is the tanh approximation; wte and lm_head tied
+        "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
+                 dict(n_layer=4, n_embd=64, n_head=4, n_inner=None, n_positions=128, vocab_size=300,
+                      activation_function="gelu_new", layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=True)),
     }
     config_cls, model_cls, defaults = kinds[family]
     config = config_cls(**(defaults | overrides))
@@ -129,3 +134,8 @@ def mixtral_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tokens() -> torch.Tensor:
     return torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("gpt2") / "hf", "gpt2", seed=2)

@@ -184,7 +184,9 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
         max_position_embeddings=int(get("max_position_embeddings", get("seq_length", 2048))),
         norm="rmsnorm" if get("normalization", "LayerNorm") == "RMSNorm" else "layernorm",
         norm_eps=float(get("layernorm_epsilon", get("norm_epsilon", 1e-5))),
-        activation="swiglu" if get("swiglu") else "gelu_tanh" if get("openai_gelu") else "gelu",
+        # Megatron's fused bias-GELU (bias_gelu_fusion, on by default with biases) computes the tanh approximation
+        activation="swiglu" if get("swiglu") else "gelu_tanh" if get("openai_gelu") or (
+            get("bias_gelu_fusion") and get("add_bias_linear", True)) else "gelu",
         position_embedding="rope" if rope else "learned",
         rope_theta=float(get("rotary_base", 10000)),
         rope_scaling=LLAMA3_SCALING | {"factor": float(get("rope_scaling_factor", 8.0))}

@@ -1,0 +1,175 @@
+"""Loader `legacy`: Megatron-LM legacy GPT checkpoints (nested `language_model` dicts), any TP / PP / VPP.
+
+GPT-2 style (LayerNorm, GELU, learned positions, biases, tied output) and Llama style (RMSNorm, SwiGLU, RoPE,
+GQA, untied output) alike, both naming generations, every `checkpoint_version` (its QKV row order). Files go
+through the safe unpickler (args pickled as argparse or SimpleNamespace with Megatron enums inside).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from formats.torch_pickle import safe_load
+from loaders.core import RankFiles, _tokenizer, find_iteration
+from mconvert.errors import ConvertError
+from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
+from mconvert.mapping import Row, expand, to_ir
+from mconvert.options import Options
+from mconvert.registry import register_loader
+from mconvert.rules import Ctx
+from mconvert.schemas import core, legacy
+
+GPT2_BPE_VOCAB = 50257  # the GPT2BPETokenizer's vocabulary, when the args do not record the true size
+
+
+def _first_model(path: Path) -> dict | None:
+    try:
+        it_dir, _ = find_iteration(Path(path))
+    except ConvertError:
+        return None
+    dirs = sorted(p for p in it_dir.glob("mp_rank_*") if core.RANK_DIR.fullmatch(p.name))
+    if not dirs or not (dirs[0] / core.CHECKPOINT_FILE).is_file():
+        return None
+    try:
+        state = safe_load(dirs[0] / core.CHECKPOINT_FILE)
+    except ConvertError:
+        return None
+    model = state.get("model", state.get("model0")) if isinstance(state, dict) else None
+    return model if isinstance(model, dict) else None
+
+
+def is_legacy_checkpoint(path: Path) -> bool:
+    """Legacy files nest their weights under `language_model` (core's keys are flat: `decoder.`, `embedding.`)."""
+    model = _first_model(path)
+    return model is not None and any(k == "language_model" or k.startswith("language_model.") for k in model)
+
+
+@register_loader("legacy", aliases=("megatron_legacy",), detect=is_legacy_checkpoint,
+                 options=("true_vocab_size", "tokenizer"))
+def load(path: Path, options: Options) -> ModelIR:
+    """Megatron-LM legacy GPT (nested language_model dicts), GPT-2 or Llama style, any checkpoint_version."""
+    it_dir, iteration = find_iteration(Path(path))
+    files = RankFiles(it_dir)
+    order, version = _qkv_order(files)
+    chunks = files.chunk_names()
+    models = {(tp, pp, name): _canonical_tensors(files, tp, pp, name)
+              for tp in range(files.tp) for pp in range(files.pp) for name in chunks}
+    counts = {(pp, v): _num_local_layers(models[(0, pp, name)]) for v, name in enumerate(chunks)
+              for pp in range(files.pp)}
+    starts, next_layer = {}, 0
+    for v in range(len(chunks)):  # chunk-major, as Megatron places virtual pipeline chunks
+        for pp in range(files.pp):
+            starts[(pp, v)], next_layer = next_layer, next_layer + counts[(pp, v)]
+    num_layers = int(getattr(files.args, "num_layers", next_layer) or next_layer)
+    if next_layer != num_layers:
+        raise ConvertError(f"{it_dir}: the rank files hold {next_layer} layers, args.num_layers says {num_layers}")
+    embed_key = f"{legacy.EMBEDDING}.word_embeddings.weight"
+    first = models[(0, 0, chunks[0])]
+    if embed_key not in first:
+        raise ConvertError(f"{files.rel((0, 0, 0))}: no model.{embed_key} in the first pipeline stage")
+    padded = first[embed_key].shape[0] * files.tp
+    config, notes = _config(files, options, padded, dtype_name(first[embed_key].dtype), it_dir)
+    if order < 2 and config.num_query_groups != config.num_attention_heads:
+        raise ConvertError(f"{files.rel((0, 0, 0))}: checkpoint_version {version} predates grouped-query attention, "
+                           f"but the args say num_query_groups={config.num_query_groups}")
+
+    table = legacy.table(order, config.num_attention_heads)
+    source: dict[str, list[LazyTensor]] = {}
+    rows: list[Row] = []
+    last = (files.pp - 1, len(chunks) - 1)
+    for v, name in enumerate(chunks):
+        for pp in range(files.pp):
+            prefix = f"pp{pp}.{name}/"
+            pieces = _tp_pieces(files, [models[(tp, pp, name)] for tp in range(files.tp)], pp)
+            source |= {prefix + k: p for k, p in pieces.items()}
+            chunk_rows = expand(table, config, layers=[(starts[(pp, v)] + l, l) for l in range(counts[(pp, v)])],
+                                embedding=(pp, v) == (0, 0), head=(pp, v) == last)
+            rows += [Row(prefix + r.key, r.ir, r.rule) for r in chunk_rows]
+    # With tied embeddings the last stage may keep its own copy for the head: Megatron writes it when that stage
+    # lacks the embedding (PP > 1); HF's script writes it at PP 1 too. It duplicates embed.weight: dropped.
+    tied = (".*/" + re.escape(legacy.TIED_HEAD_KEY),) if config.tie_embeddings else ()
+    tensors = to_ir(source, rows, Ctx(config, padded), where=str(it_dir), drop=legacy.DROP + tied,
+                    cache=LoadCache(4))
+    layout = {"tp": files.tp, "pp": files.pp, "vpp": len(chunks) if chunks != ["model"] else 1,
+              "stage_layers": [sum(counts[(p, v)] for v in range(len(chunks))) for p in range(files.pp)],
+              "checkpoint_version": version, "padded_vocab": padded}
+    assets = _tokenizer(options, it_dir, files.args, notes)
+    return ModelIR(config, tensors, SourceInfo("legacy (Megatron-LM legacy GPT)", it_dir, layout, iteration, notes),
+                   assets)
+
+
+def _qkv_order(files: RankFiles) -> tuple[int, Any]:
+    """The checkpoint_version every rank file carries (they must agree) and the QKV order it implies."""
+    versions = {idx: state.get("checkpoint_version", 0) for idx, state in files.states.items()}
+    first = versions[(0, 0, 0)]
+    for idx, value in versions.items():
+        legacy.check_version(value, str(files.files[idx]))
+        if value != first:
+            raise ConvertError(f"{files.files[idx]}: checkpoint_version {value!r}, but {files.rel((0, 0, 0))} has "
+                               f"{first!r}; the rank files come from different checkpoints")
+    return legacy.check_version(first, str(files.files[(0, 0, 0)])), first
+
+
+def _canonical_tensors(files: RankFiles, tp: int, pp: int, name: str) -> dict[str, LazyTensor]:
+    """One rank file's tensors under the names we write (any naming generation), each remembering its origin."""
+    model = files.model(tp, pp, 0, name)
+    if not isinstance(model, dict):
+        raise ConvertError(f"{files.rel((tp, pp, 0))}: {name!r} is a {type(model).__name__}, expected a dict")
+    out: dict[str, LazyTensor] = {}
+    for key, value in legacy.flatten(model).items():
+        if not isinstance(value, torch.Tensor):
+            continue  # `_extra_state` None and the like
+        canon = legacy.canonical(key)
+        if canon in out:
+            raise ConvertError(f"{files.rel((tp, pp, 0))}: {key} and {out[canon].origin.rsplit(':', 1)[1]} name "
+                               "the same tensor (two naming generations mixed in one file)")
+        out[canon] = LazyTensor.of(value, f"{files.rel((tp, pp, 0))}:{name}.{key}")
+    return out
+
+
+def _tp_pieces(files: RankFiles, models: list[dict[str, LazyTensor]], pp: int) -> dict[str, list[LazyTensor]]:
+    """Each key's pieces across TP ranks; every rank must hold the same keys with the same shapes."""
+    ref = models[0]
+    for tp, model in enumerate(models[1:], 1):
+        if set(model) != set(ref):
+            diff = sorted(set(model) ^ set(ref))
+            raise ConvertError(f"{files.rel((tp, pp, 0))} and {files.rel((0, pp, 0))} hold different tensors: "
+                               f"{', '.join(diff[:5])}")
+        for key, t in model.items():
+            if t.shape != ref[key].shape:
+                raise ConvertError(f"mismatched shapes across TP ranks: {t.origin} is {list(t.shape)}, but "
+                                   f"{ref[key].origin} is {list(ref[key].shape)}; every TP rank holds an equal "
+                                   "piece")
+    return {key: [m[key] for m in models] for key in ref}
+
+
+def _num_local_layers(model: dict[str, LazyTensor]) -> int:
+    found = {int(m.group(1)) for k in model for m in [legacy.LAYER_KEY.match(k)] if m}
+    return max(found) + 1 if found else 0
+
+
+def _config(files: RankFiles, options: Options, padded: int, dtype: str,
+            it_dir: Path) -> tuple[ModelConfig, list[str]]:
+    args, notes = files.args, []
+    # HF's megatron_gpt2 script records the true size as orig_vocab_size; Megatron as vocab_size (when given).
+    vocab = options.true_vocab_size or getattr(args, "vocab_size", None) or getattr(args, "orig_vocab_size", None)
+    if vocab is None and getattr(args, "tokenizer_type", None) == "GPT2BPETokenizer" and padded >= GPT2_BPE_VOCAB:
+        vocab = GPT2_BPE_VOCAB
+        notes.append(f"the true vocabulary size is not recorded; using {GPT2_BPE_VOCAB}, the size of the "
+                     "GPT2BPETokenizer named by args.tokenizer_type (pass --true-vocab-size to change)")
+    if vocab is None:
+        vocab = padded
+        notes.append(f"the true vocabulary size is not recorded; keeping all {padded} (padded) rows — pass "
+                     "--true-vocab-size to strip the padding")
+    elif vocab > padded:
+        raise ConvertError(f"{it_dir}: vocabulary size {vocab} exceeds the {padded} embedding rows")
+    stored = getattr(args, "params_dtype", None)
+    if isinstance(stored, torch.dtype) and stored != getattr(torch, dtype):
+        notes.append(f"args.params_dtype is {stored} but the tensors are {dtype}; using the tensors' dtype")
+    config = core.config_from_args(args, vocab_size=int(vocab), padded_vocab_size=padded, dtype=dtype,
+                                   where=str(it_dir))
+    return config, notes
