@@ -152,35 +152,35 @@ class DcpReader:
     def _chunk(self, c: Chunk) -> torch.Tensor:
         return map_tensor(self.root / c.file, c.start, c.length, self._map(c.file))
 
-    def read(self, fqn: str, index: int | None = None) -> torch.Tensor:
-        """The whole tensor, or its slice `[index]` along the first axis (one layer of a stacked tensor)."""
+    def read(self, fqn: str, index: int | tuple[int, ...] = ()) -> torch.Tensor:
+        """The whole tensor, or its block at leading `index` (one layer of a stack, or one layer's expert)."""
         entry = self.tensors.get(fqn)
         if entry is None:
             raise ConvertError(f"{self.root}: no tensor {fqn!r} in the checkpoint")
-        lo = (index,) + (0,) * (len(entry.shape) - 1) if index is not None else (0,) * len(entry.shape)
-        hi = (index + 1,) + entry.shape[1:] if index is not None else entry.shape
-        out_shape = entry.shape[1:] if index is not None else entry.shape
+        index = (index,) if isinstance(index, int) else tuple(index)
+        k = len(index)
+        lo = index + (0,) * (len(entry.shape) - k)
+        hi = tuple(i + 1 for i in index) + entry.shape[k:]
         pieces = [c for c in entry.chunks
-                  if all(o < h and o + s > lo_ for o, s, lo_, h in zip(c.offsets, c.sizes, lo, hi))]
-        if len(pieces) == 1 and _covers(pieces[0], lo, hi):  # a window on one mapped chunk: no copy
-            t = self._chunk(pieces[0])
-            return t[index - pieces[0].offsets[0]] if index is not None else t
-        out = torch.empty(out_shape, dtype=entry.dtype)
-        view = out.unsqueeze(0) if index is not None else out
+                  if all(o < h and o + s > a for o, s, a, h in zip(c.offsets, c.sizes, lo, hi))]
+        if len(pieces) == 1 and _covers(pieces[0], lo, hi, k):  # a window on one mapped chunk: no copy
+            c = pieces[0]
+            return self._chunk(c)[tuple(i - o for i, o in zip(index, c.offsets))]
+        out = torch.empty(entry.shape[k:], dtype=entry.dtype)
+        view = out.reshape((1,) * k + tuple(out.shape))
         covered = 0
         for c in pieces:
             src = self._chunk(c)
-            a = [max(o, l) for o, l in zip(c.offsets, lo)]
+            a = [max(o, x) for o, x in zip(c.offsets, lo)]
             b = [min(o + s, h) for o, s, h in zip(c.offsets, c.sizes, hi)]
-            src_idx = tuple(slice(x - o, y - o) for x, y, o in zip(a, b, c.offsets))
-            dst_idx = tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))
-            view[dst_idx] = src[src_idx]
+            view[tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))] = \
+                src[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, c.offsets))]
             n = 1
             for x, y in zip(a, b):
                 n *= y - x
             covered += n
-        if covered != view.numel():
-            raise ConvertError(f"{self.root}: the chunks of {fqn} cover {covered} of the {view.numel()} elements "
+        if covered != out.numel():
+            raise ConvertError(f"{self.root}: the chunks of {fqn} cover {covered} of the {out.numel()} elements "
                                f"asked for (index {index}): the checkpoint is incomplete")
         return out
 
@@ -197,9 +197,10 @@ class DcpReader:
         return safe_load_bytes(self.read_bytes(fqn), f"{self.root}:{fqn}")
 
 
-def _covers(c: Chunk, lo: Sequence[int], hi: Sequence[int]) -> bool:
+def _covers(c: Chunk, lo: Sequence[int], hi: Sequence[int], k: int) -> bool:
+    """Does chunk `c` hold all of [lo, hi), with the trailing (non-index) dimensions whole?"""
     return all(o <= a and o + s >= b for o, s, a, b in zip(c.offsets, c.sizes, lo, hi)) and \
-        all(o == a and s == b - a for o, s, a, b in zip(c.offsets[1:], c.sizes[1:], lo[1:], hi[1:]))
+        all(o == a and s == b - a for o, s, a, b in zip(c.offsets[k:], c.sizes[k:], lo[k:], hi[k:]))
 
 
 class DcpWriter:

@@ -79,12 +79,13 @@ class ZarrReader:
                 raise ConvertError(f"{self.root / key}: cannot open the zarr array: {e}") from None
         return self._open[key]
 
-    def read(self, key: str, index: int | None = None) -> torch.Tensor:
+    def read(self, key: str, index: int | tuple[int, ...] = ()) -> torch.Tensor:
         if key not in self.tensors:
             raise ConvertError(f"{self.root}: no array {key!r} in the checkpoint")
         array = self._array(key)
         try:
-            data = (array[index] if index is not None else array).read().result()
+            index = (index,) if isinstance(index, int) else tuple(index)
+            data = (array[index] if index else array).read().result()
         except Exception as e:
             raise ConvertError(f"{self.root / key}: cannot read the array (missing or truncated chunk?): {e}") \
                 from None

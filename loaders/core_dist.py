@@ -16,7 +16,7 @@ from formats.dcp import DcpReader
 from formats.torch_pickle import safe_load
 from mconvert.errors import ConvertError, format_names
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
-from mconvert.mapping import Row, expand, to_ir
+from mconvert.mapping import Row, to_ir
 from mconvert.options import Options
 from mconvert.rules import Ctx
 from mconvert.schemas import core, core_dist
@@ -68,24 +68,13 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     config = core.config_from_args(args, vocab_size=int(vocab), padded_vocab_size=padded,
                                    dtype=dtype_name(dtype), where=str(it_dir))
 
-    table = core_dist.table(moe=config.is_moe)
     source: dict[str, list[LazyTensor]] = {}
     rows: list[Row] = []
-    used: set[str] = set()
-    for row in expand(table, config, layers=[], head=False):
-        rows.append(row)
-        used.add(row.key)
-        source[row.key] = [_lazy(store, row.key, None, it_dir)]
-    for L in range(config.num_layers):
-        for row in expand(table, config, layers=[(L, L)], embedding=False, head=False):
-            key = core_dist.stacked_key(row.key, L)
-            used.add(key)
-            rows.append(row)
-            source[row.key] = [_lazy(store, key, L, it_dir, config.num_layers)]
-    for row in expand(table, config, layers=[], embedding=False):
-        rows.append(row)
-        used.add(row.key)
-        source[row.key] = [_lazy(store, row.key, None, it_dir)]
+    impl = core_dist.detect_impl(store.tensors)
+    for placed in core_dist.placements(config, impl):
+        rows.append(placed.row)
+        source[placed.row.key] = [_lazy(store, placed.key, placed.index, it_dir, config)]
+    used = {placed.key for placed in core_dist.placements(config, impl)}
     missing = sorted(k for k in used if k not in store.tensors)
     tied_copy = "output_layer.weight" if config.tie_embeddings else None
     extra = sorted(k for k in store.tensors if k not in used and k != tied_copy)
@@ -94,7 +83,7 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
                            + (f"Missing tensors: {format_names(missing)}. " if missing else "")
                            + (f"Extra tensors: {format_names(extra)}." if extra else ""))
     tensors = to_ir(source, rows, Ctx(config, padded), where=str(it_dir), cache=LoadCache(4))
-    layout = {"format": backend, "padded_vocab": padded,
+    layout = {"format": backend, "padded_vocab": padded, "transformer_impl": impl if config.is_moe else "any",
               "common": "common.pt" if (it_dir / core_dist.COMMON_FILE).is_file() else core_dist.COMMON_STATE}
     return ModelIR(config, tensors, SourceInfo(f"core (Megatron {backend})", it_dir, layout, iteration, notes), assets)
 
@@ -104,13 +93,14 @@ def _shape_dtype(store, key: str) -> tuple[tuple[int, ...], torch.dtype]:
     return (tuple(entry.shape), entry.dtype) if hasattr(entry, "shape") else entry
 
 
-def _lazy(store, key: str, layer: int | None, it_dir: Path, num_layers: int | None = None) -> LazyTensor:
+def _lazy(store, key: str, index: tuple[int, ...], it_dir: Path, config) -> LazyTensor:
+    """A block of a stored tensor; a stack whose layer (or expert) axis disagrees with the args is refused."""
     if key not in store.tensors:  # reported together with the others by the caller
         return LazyTensor((0,), torch.float32, lambda: torch.empty(0), f"{it_dir.name}:{key}")
     shape, dtype = _shape_dtype(store, key)
-    if layer is not None:
-        if shape[0] != num_layers:
-            raise ConvertError(f"{it_dir}: {key} stacks {shape[0]} layers, the args say {num_layers}")
-        shape = shape[1:]
-    origin = f"{it_dir.name}:{key}" + (f"[{layer}]" if layer is not None else "")
-    return LazyTensor(tuple(shape), dtype, lambda: store.read(key, layer), origin)
+    want = (config.num_layers, config.num_experts)[:len(index)]
+    if tuple(shape[:len(index)]) != want:
+        raise ConvertError(f"{it_dir}: {key} stacks {list(shape[:len(index)])} (layers, experts), the args say "
+                           f"{list(want)}")
+    origin = f"{it_dir.name}:{key}" + (f"{list(index)}" if index else "")
+    return LazyTensor(tuple(shape[len(index):]), dtype, lambda: store.read(key, index), origin)

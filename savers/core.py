@@ -37,9 +37,6 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`
     or `zarr` (--ckpt-format)."""
     if options.ckpt_format != "torch":
-        if ir.config.is_moe:  # their expert keys ([L, E, ...] stacks) are not written yet: refuse, never guess
-            raise ConvertError(f"--ckpt-format {options.ckpt_format} cannot hold mixture-of-experts models yet; "
-                               "use --ckpt-format torch")
         return save_dist(ir, out, options, progress)
     c, layout = ir.config, options.layout
     layout.check_model(c)

@@ -16,7 +16,6 @@ from formats.dcp import DcpWriter
 from formats.torch_zip import save as torch_save
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelIR
-from mconvert.mapping import expand
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.rules import Ctx
@@ -38,25 +37,19 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     it_dir = out / core.iteration_dir(iteration)
     it_dir.mkdir(parents=True)
     ctx = Ctx(c, padded)
-    table = core_dist.table(moe=c.is_moe)
     writer = _writer(backend, it_dir)
     try:
         with progress.task(f"{it_dir.name} ({backend})", ir.nbytes) as advance:
-            for row in expand(table, c, layers=[], head=False) + expand(table, c, layers=[], embedding=False):
-                tensors = [ir[n].load() for n in row.ir]
-                whole = row.rule.join.join(tensors, ctx)
-                writer.add_chunk(row.key, whole.shape, (0,) * whole.dim(), whole)
+            for placed in core_dist.placements(c, options.transformer_impl):
+                tensors = [ir[n].load() for n in placed.row.ir]
+                whole = placed.row.rule.join.join(tensors, ctx)
+                stack = tuple(c.num_layers if i == 0 else c.num_experts for i in range(len(placed.index)))
+                block = whole.reshape((1,) * len(stack) + tuple(whole.shape))
+                writer.add_chunk(placed.key, stack + tuple(whole.shape), placed.index + (0,) * whole.dim(), block)
                 advance(sum(t.nbytes for t in tensors))
-            for L in range(c.num_layers):
-                for row in expand(table, c, layers=[(L, L)], embedding=False, head=False):
-                    tensors = [ir[n].load() for n in row.ir]
-                    whole = row.rule.join.join(tensors, ctx)
-                    writer.add_chunk(core_dist.stacked_key(row.key, L), (c.num_layers, *whole.shape),
-                                     (L,) + (0,) * whole.dim(), whole.unsqueeze(0))
-                    advance(sum(t.nbytes for t in tensors))
-                _extra_states(writer, options, L, c.num_layers)
-            if options.transformer_impl == "te":
-                writer.add_object("decoder.final_layernorm._extra_state/shard_0_1", [_te_extra_state()])
+            value = [torch.empty(0, dtype=torch.uint8)] if options.transformer_impl == "te" else [None]
+            for key in core_dist.extra_states(c, options.transformer_impl):
+                writer.add_object(key, value)  # TE >= 2.5 stores an empty byte tensor without FP8
         writer.finish()
     finally:
         writer.close()
@@ -76,14 +69,3 @@ def _writer(backend: str, it_dir: Path):
     from formats.zarr_io import ZarrWriter
 
     return ZarrWriter(it_dir)
-
-
-def _te_extra_state() -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8)  # what Transformer Engine >= 2.5 stores without FP8
-
-
-def _extra_states(writer, options: Options, layer: int, num_layers: int) -> None:
-    """Megatron stores each layer module's extra state as a one-element list of the local objects."""
-    value = _te_extra_state() if options.transformer_impl == "te" else None
-    for module in core_dist.extra_state_modules(options.transformer_impl):
-        writer.add_object(core_dist.extra_state_key(module, layer, num_layers), [value])

@@ -3,13 +3,13 @@
     python tests/helpers_mcore_moe.py HF_MIXTRAL_DIR CORE_DIR [CORE_DIR ...]
 
 Each CORE_DIR must be a TP1 PP1 EP1 `core` checkpoint of HF_MIXTRAL_DIR's model with the local spec, in the
-sequential or legacy_grouped expert layout. Needs megatron-core 0.16 (the last release with the legacy
-GroupedMLP, and the last for Python 3.11); no GPU. Runs in its own process (it starts a process group and
-patches torch.cuda). Prints `OK <dir> <max |logit difference|>` per checkpoint. Megatron builds
-a local-spec GPTModel with SequentialMLP or GroupedMLP experts, loads the file with strict=True, and runs a
-forward pass on CPU, with four stand-ins for CUDA-only pieces: the current device is the CPU, the CUDA RNG
-tracker forks nothing (no dropout), the grouped GEMM kernel is its plain definition (rows of expert e times
-w[e]), and GroupedMLP's bf16-only assertion sees bf16. Exits 1 unless all logits agree to 1e-5.
+sequential or legacy_grouped expert layout, or a torch_dist checkpoint (read by dist_checkpointing). Needs
+megatron-core 0.16 (the last release with the legacy GroupedMLP, and the last for Python 3.11); no GPU. Runs in
+its own process (it starts a process group and patches torch.cuda). Prints `OK <dir> <max |logit difference|>`
+per checkpoint. Megatron builds a local-spec GPTModel with SequentialMLP or GroupedMLP experts, loads the file
+with strict=True, and runs a forward pass on CPU, with four stand-ins for CUDA-only pieces: the current device is
+the CPU, the CUDA RNG tracker forks nothing (no dropout), the grouped GEMM kernel is its plain definition (rows of
+expert e times w[e]), and GroupedMLP's bf16-only assertion sees bf16. Exits 1 unless all logits agree to 1e-5.
 """
 
 from __future__ import annotations
@@ -82,11 +82,23 @@ def check(hf_dir: str, core_dir: str) -> float:
     """Max |logit difference| between Megatron loaded from `core_dir` and transformers loaded from `hf_dir`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    state = safe_load(os.path.join(core_dir, "iter_0000001", "mp_rank_00", "model_optim_rng.pt"))
     hf = AutoConfig.from_pretrained(hf_dir)
-    model = build(hf, bool(state["args"].moe_grouped_gemm), state["args"].padded_vocab_size)
-    result = model.load_state_dict(dict(state["model"]), strict=True)  # raises on any missing or extra key
-    print(f"{core_dir}: {type(model.decoder.layers[0].mlp.experts).__name__} experts, strict load: {result}")
+    it_dir = os.path.join(core_dir, "iter_0000001")
+    if os.path.isfile(os.path.join(it_dir, "metadata.json")):  # torch_dist: Megatron's dist_checkpointing reads it
+        from megatron.core import dist_checkpointing
+
+        args = safe_load(os.path.join(it_dir, "common.pt"))["args"]
+        model = build(hf, False, args.padded_vocab_size)
+        loaded = dist_checkpointing.load(model.sharded_state_dict(), it_dir)
+        state = {k: v for k, v in loaded.items() if k in model.state_dict()}
+        kind = "torch_dist"
+    else:
+        state = dict(safe_load(os.path.join(it_dir, "mp_rank_00", "model_optim_rng.pt"))["model"])
+        args = safe_load(os.path.join(it_dir, "mp_rank_00", "model_optim_rng.pt"))["args"]
+        model = build(hf, bool(args.moe_grouped_gemm), args.padded_vocab_size)
+        kind = "torch"
+    result = model.load_state_dict(state, strict=True)  # raises on any missing or extra key
+    print(f"{core_dir}: {kind}, {type(model.decoder.layers[0].mlp.experts).__name__} experts, strict load: {result}")
     tokens = torch.randint(0, hf.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(24).expand(2, -1)
     causal = torch.triu(torch.ones(24, 24, dtype=torch.bool), 1)[None, None]

@@ -35,14 +35,49 @@ def test_head_fixture_vocab_comes_from_its_tokenizer():
     assert "note: vocabulary size 850 taken from the checkpoint's tokenizer" in out
 
 
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2"])
 @pytest.mark.parametrize("fmt", ["torch_dist", pytest.param("zarr", marks=needs_zarr)])
-def test_hf_to_dist_to_hf(fmt, llama_dir, tokens, tmp_path):
-    run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", llama_dir, "--save-dir", tmp_path / "dist")
+def test_hf_to_dist_to_hf(fmt, family, llama_dir, mixtral_dir, gpt2_dir, tokens, tmp_path):
+    src = {"llama": llama_dir, "mixtral": mixtral_dir, "gpt2": gpt2_dir}[family]
+    run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", src, "--save-dir", tmp_path / "dist")
     meta = json.loads((tmp_path / "dist" / "iter_0000001" / "metadata.json").read_text())
     assert meta["sharded_backend"] == fmt
-    run_cli("--saver", "llama_mistral", "--load-dir", tmp_path / "dist", "--save-dir", tmp_path / "hf")
-    assert_same_tensors(ir_tensors(llama_dir), ir_tensors(tmp_path / "hf"))
-    assert torch.equal(hf_logits(llama_dir, tokens), hf_logits(tmp_path / "hf", tokens))
+    run_cli("--saver", "hf", "--load-dir", tmp_path / "dist", "--save-dir", tmp_path / "hf")
+    assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "hf"))
+    assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "hf", tokens))
+
+
+@pytest.mark.parametrize("impl", ["local", "te"])
+def test_moe_torch_dist_keys(impl, mixtral_dir, tmp_path):
+    """Experts stack on a second axis; the MoE pre-MLP norm is named by the spec (TE keeps its own module)."""
+    run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--transformer-impl", impl, "--load-dir", mixtral_dir,
+            "--save-dir", tmp_path / "d")
+    from formats.dcp import DcpReader
+
+    reader = DcpReader(tmp_path / "d" / "iter_0000001")
+    shapes = {k: v.shape for k, v in reader.tensors.items()}
+    assert shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (4, 4, 192, 64)
+    assert shapes["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == (4, 4, 64, 96)
+    assert shapes["decoder.layers.mlp.router.weight"] == (4, 4, 64)
+    norm = {"te": "pre_mlp_layernorm.weight", "local": "mlp.linear_fc1.layer_norm_weight"}[impl]
+    assert shapes[f"decoder.layers.{norm}"] == (4, 64)
+    [state] = reader.read_object("decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_3.2_4.4")
+    if impl == "local":
+        assert state is None
+    else:  # what Transformer Engine stores without FP8
+        assert state.dtype == torch.uint8 and state.numel() == 0
+    assert_same_tensors(ir_tensors(mixtral_dir), ir_tensors(tmp_path / "d"))
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", pytest.param("zarr", marks=needs_zarr)])
+def test_moe_torch_to_dist_to_torch_across_ep(fmt, mixtral_dir, tmp_path):
+    run_cli("--saver", "core", "--tp", "2", "--ep", "2", "--pp", "2", "--load-dir", mixtral_dir,
+            "--save-dir", tmp_path / "src")
+    run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", tmp_path / "src", "--save-dir", tmp_path / "d")
+    run_cli("--saver", "core", "--ep", "4", "--load-dir", tmp_path / "d", "--save-dir", tmp_path / "ep4")
+    reference = ir_tensors(mixtral_dir)
+    for name in ("d", "ep4"):
+        assert_same_tensors(reference, ir_tensors(tmp_path / name))
 
 
 @pytest.mark.parametrize("fmt", ["torch_dist", pytest.param("zarr", marks=needs_zarr)])

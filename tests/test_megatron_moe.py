@@ -16,17 +16,22 @@ from tests.conftest import run_cli
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                     reason="megatron-core is not installed (pip install megatron-core)")
 def test_megatron_core_runs_our_moe_checkpoints(mixtral_dir, tmp_path):
-    """SequentialMLP and the legacy GroupedMLP, each reached through a TP2/EP2 reshard, in one Megatron process."""
+    """SequentialMLP and the legacy GroupedMLP (torch format) and a torch_dist checkpoint (loaded by Megatron's
+    dist_checkpointing), each reached through a TP2/EP2 reshard, in one Megatron process."""
     run_cli("--saver", "core", "--tp", "2", "--ep", "2", "--pp", "2", "--transformer-impl", "te", "--moe-grouped-gemm",
             "--load-dir", mixtral_dir, "--save-dir", tmp_path / "sharded")
     for layout in ("sequential", "legacy_grouped"):
         run_cli("--saver", "core", "--expert-layout", layout, "--load-dir", tmp_path / "sharded",
                 "--save-dir", tmp_path / layout)
+    run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", tmp_path / "sharded",
+            "--save-dir", tmp_path / "torch_dist")
     helper = Path(__file__).with_name("helpers_mcore_moe.py")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, str(helper), str(mixtral_dir), str(tmp_path / "sequential"),
-                             str(tmp_path / "legacy_grouped")], capture_output=True, text=True, env=env, timeout=600)
+                             str(tmp_path / "legacy_grouped"), str(tmp_path / "torch_dist")],
+                            capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "SequentialMLP experts, strict load: <All keys matched successfully>" in result.stdout
-    assert "GroupedMLP experts, strict load: <All keys matched successfully>" in result.stdout
-    assert sum(line.startswith("OK ") for line in result.stdout.splitlines()) == 2  # logits within 1e-5
+    assert "torch, SequentialMLP experts, strict load: <All keys matched successfully>" in result.stdout
+    assert "torch, GroupedMLP experts, strict load: <All keys matched successfully>" in result.stdout
+    assert "torch_dist, SequentialMLP experts, strict load: <All keys matched successfully>" in result.stdout
+    assert sum(line.startswith("OK ") for line in result.stdout.splitlines()) == 3  # logits within 1e-5

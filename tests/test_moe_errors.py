@@ -145,9 +145,3 @@ def test_plan_that_drops_or_duplicates_an_expert_is_refused():
     assert str(e.value) == (
         "saver core: refusing to write: the layout would drop layers.0.moe.experts.1.gate.weight; would write "
         "experts more than once: layers.0.moe.experts.0.gate.weight (in EP rank 0, EP rank 1)")
-
-
-def test_dist_formats_refuse_moe_for_now(mixtral_dir, tmp_path):
-    out = run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", mixtral_dir,
-                  "--save-dir", tmp_path / "o", expect_error=True)
-    assert "--ckpt-format torch_dist cannot hold mixture-of-experts models yet; use --ckpt-format torch" in out

@@ -8,14 +8,20 @@ The same tensors as the `torch` format, but stored once, unsharded, independent 
     iter_0000001/.metadata, __R_I.distcp   (torch_dist)    or   one zarr array directory per key (zarr)
 
 Layer tensors are stacked along a leading layer axis under a key without the layer number
-(`decoder.layers.self_attention.linear_qkv.weight` is [L, rows, h]); SwiGLU's fc1 is the whole-tensor
-[all gate ; all up]. Norms use the Transformer-Engine names for both specs. Each layer module's `_extra_state`
-is a pickled object per layer under `decoder.layers.<module>._extra_state/shard_{L}_{num_layers}`.
+(`decoder.layers.self_attention.linear_qkv.weight` is [L, rows, h]); expert tensors add an expert axis
+(`decoder.layers.mlp.experts.experts.linear_fc1.weight` is [L, E, 2f, h], the same key for Megatron's sequential
+and grouped experts). SwiGLU's fc1 is the whole-tensor [all gate ; all up] (per expert). Norms use the
+Transformer-Engine names for both specs. Each module's `_extra_state` is a pickled one-element list per layer
+(and expert) under `<stacked module>._extra_state/shard_{offsets}_{shape}`, e.g. `shard_3_4` or `shard_3.1_4.8`.
 """
 
 from __future__ import annotations
 
-from mconvert.rules import Table
+from dataclasses import dataclass
+
+from mconvert.ir import ModelConfig
+from mconvert.mapping import Row, expand
+from mconvert.rules import GATE_UP, Rule, Table
 from mconvert.schemas import core
 
 METADATA_JSON = "metadata.json"
@@ -26,9 +32,53 @@ CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix
 LAYER_PREFIX = "decoder.layers.{l}."
 
 
-def table(moe: bool = False) -> Table:
-    """Per-layer rules (keys still carry `{l}`; `stacked_key` removes it), with TE norm names for every spec."""
-    return core.table("te", moe=moe)
+EXPERTS = "decoder.layers.mlp.experts.experts"
+EXPERT_RULES = (
+    Rule(f"{EXPERTS}.linear_fc1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",
+                                          "layers.{L}.moe.experts.{E}.up.weight"), GATE_UP),
+    Rule(f"{EXPERTS}.linear_fc2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
+)
+
+
+def table(moe: bool = False, impl: core.Impl = "local") -> Table:
+    """Per-layer rules (keys still carry `{l}`; `stacked_key` removes it).
+
+    Norms take the Transformer-Engine names for both specs (the local spec maps its own names onto them), except
+    the pre-MLP norm of MoE layers under TE, which is a module of its own there (`pre_mlp_layernorm.weight`).
+    """
+    return core.table("te", moe=moe and impl == "te")
+
+
+def detect_impl(keys) -> core.Impl:
+    """Only MoE checkpoints tell the specs apart: TE keeps `pre_mlp_layernorm` as its own module."""
+    return "te" if "decoder.layers.pre_mlp_layernorm.weight" in keys else "local"
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One stored block: the row (IR names, rule; a unique key), the stored key, and its leading indices."""
+
+    row: Row
+    key: str
+    index: tuple[int, ...]  # () whole tensor, (L,) a layer of a stack, (L, E) an expert of a layer
+
+
+def placements(config: ModelConfig, impl: core.Impl = "local") -> list[Placed]:
+    """Every block of the checkpoint in file order: embeddings, each layer (dense rules, then its experts), head.
+
+    Loader and saver both walk this list, so the two directions cannot disagree about what goes where.
+    """
+    t = table(moe=config.is_moe, impl=impl)
+    out = [Placed(r, r.key, ()) for r in expand(t, config, layers=[], head=False)]
+    for L in range(config.num_layers):
+        for r in expand(t, config, layers=[(L, L)], experts=[], embedding=False, head=False):
+            out.append(Placed(r, stacked_key(r.key, L), (L,)))
+        for E in range(config.num_experts or 0):
+            for rule in EXPERT_RULES:
+                key, names = rule.keys(L=L, E=E)
+                out.append(Placed(Row(f"{key}[{L},{E}]", names, rule), key, (L, E)))
+    out += [Placed(r, r.key, ()) for r in expand(t, config, layers=[], embedding=False)]
+    return out
 
 
 def stacked_key(key: str, layer: int) -> str:
@@ -37,13 +87,19 @@ def stacked_key(key: str, layer: int) -> str:
     return "decoder.layers." + key[len(prefix):] if key.startswith(prefix) else key
 
 
-def extra_state_key(module_template: str, layer: int, num_layers: int) -> str:
-    return f"{stacked_key(module_template.format(l=layer), layer)}._extra_state/shard_{layer}_{num_layers}"
-
-
-def extra_state_modules(impl: core.Impl) -> tuple[str, ...]:
-    """The layer modules whose `_extra_state` a distributed checkpoint stores (as Megatron's specs do)."""
-    return core.extra_state_modules(impl)
+def extra_states(config: ModelConfig, impl: core.Impl) -> list[str]:
+    """The `_extra_state` keys of the checkpoint, as Megatron's local or Transformer-Engine specs store them."""
+    n, experts = config.num_layers, config.num_experts or 0
+    modules = [m for m in core.extra_state_modules(impl) if not (config.is_moe and ".mlp." in m)]
+    keys = [f"{stacked_key(m.format(l=L), L)}._extra_state/shard_{L}_{n}" for L in range(n) for m in modules]
+    if config.is_moe:
+        if impl == "te":  # a TENorm of its own in MoE layers
+            keys += [f"decoder.layers.pre_mlp_layernorm._extra_state/shard_{L}_{n}" for L in range(n)]
+        keys += [f"{EXPERTS}.linear_fc{k}._extra_state/shard_{L}.{E}_{n}.{experts}"
+                 for L in range(n) for E in range(experts) for k in (1, 2)]
+    if impl == "te":
+        keys.append("decoder.final_layernorm._extra_state/shard_0_1")
+    return keys
 
 
 def metadata_json(backend: str) -> dict:
