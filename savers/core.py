@@ -7,14 +7,10 @@ memory is about one layer whatever the model size.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 from pathlib import Path
 
 import torch
 
-from formats import hf_dir
-from formats.torch_zip import TorchFileWriter
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.layout import Chunk
@@ -25,6 +21,7 @@ from mconvert.registry import register_saver
 from mconvert.rules import Ctx
 from mconvert.schemas import core
 from mconvert.transforms import padded_vocab_size
+from savers import megatron_files
 from savers.core_dist import save_dist
 
 LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers")
@@ -45,20 +42,21 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
                                  divisible_by=options.make_vocab_size_divisible_by, impl=options.transformer_impl,
                                  expert_layout=options.expert_layout)
-    iteration = options.iteration if options.iteration is not None else (ir.source.iteration or 1)
+    iteration = megatron_files.iteration(ir, options)
     ctx = Ctx(c, padded)
     chunks = layout.chunks(c.num_layers)
     check_plan(ir.tensors, [(f"stage {ch.pp} chunk {ch.vpp} EP rank {ep}", chunk_rows(ir, ch, ep, options))
                             for ch in chunks for ep in range(layout.ep)], where=f"saver core ({layout.describe()})")
     it_dir = out / core.iteration_dir(iteration)
+    top = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration}
     for pp in range(layout.pp):
         stage = [ch for ch in chunks if ch.pp == pp]
         for ep in range(layout.ep):
-            _write_stage(ir, ctx, options, stage, ep, it_dir, args, iteration, progress)
-    if ir.assets:  # as Megatron does for torch_dist: the tokenizer travels inside the iteration folder
-        (it_dir / "tokenizer").mkdir()
-        hf_dir.copy_assets(ir.assets, it_dir / "tokenizer")
-    (out / core.TRACKER).write_text(str(iteration))
+            megatron_files.write_stage(
+                ir, ctx, [(ch, chunk_rows(ir, ch, ep, options)) for ch in stage],
+                [it_dir / core.rank_dir(tp, pp, ep, layout) for tp in range(layout.tp)], progress,
+                chunk_dict=lambda ch, flat: flat | extra_states(ch, options, c), top=top, virtual=layout.vpp > 1)
+    megatron_files.finish_checkpoint(ir, out, it_dir, iteration)
 
 
 def check_expert_layout(ir: ModelIR, options: Options) -> None:
@@ -111,37 +109,3 @@ def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = No
             out["decoder.final_layernorm._extra_state"] = value
         out["output_layer._extra_state"] = None  # Megatron's ColumnParallelLinear, under either spec
     return out
-
-
-def _write_stage(ir: ModelIR, ctx: Ctx, options: Options, stage: list[Chunk], ep: int, it_dir: Path, args,
-                 iteration: int, progress: Progress) -> None:
-    layout = options.layout
-    dirs = [it_dir / core.rank_dir(tp, stage[0].pp, ep, layout) for tp in range(layout.tp)]
-    plans = [(chunk, chunk_rows(ir, chunk, ep, options)) for chunk in stage]
-    total = sum(ir[n].nbytes for _, rows in plans for row in rows for n in row.ir)
-    names = f"{dirs[0].name}" + (f" … {dirs[-1].name}" if len(dirs) > 1 else "")
-    with contextlib.ExitStack() as stack:
-        writers = []
-        for d in dirs:
-            d.mkdir(parents=True)
-            writers.append(TorchFileWriter(d / core.CHECKPOINT_FILE))
-            stack.callback(writers[-1].close)
-        models: list[dict[str, collections.OrderedDict]] = [{} for _ in dirs]
-        with progress.task(f"{names} ({len(dirs)} files)", total) as advance:
-            for chunk, rows in plans:
-                name = "model" if layout.vpp == 1 else f"model{chunk.vpp}"
-                state = [collections.OrderedDict() for _ in dirs]
-                for row in rows:
-                    tensors = [ir[n].load() for n in row.ir]
-                    pieces = row.rule.forward(tensors, ctx, layout.tp)
-                    for tp, piece in enumerate(pieces):
-                        state[tp][row.key] = writers[tp].add(piece)
-                    advance(sum(t.nbytes for t in tensors))
-                for tp in range(layout.tp):
-                    state[tp].update(extra_states(chunk, options, ir.config))
-                    models[tp][name] = state[tp]
-        for tp, writer in enumerate(writers):
-            top = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration}
-            top |= models[tp]
-            top["num_floating_point_operations_so_far"] = 0
-            writer.finish(top)

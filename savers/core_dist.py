@@ -21,6 +21,7 @@ from mconvert.progress import Progress
 from mconvert.rules import Ctx
 from mconvert.schemas import core, core_dist
 from mconvert.transforms import padded_vocab_size
+from savers import megatron_files
 
 
 def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
@@ -33,7 +34,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
                                  divisible_by=options.make_vocab_size_divisible_by,
                                  impl=options.transformer_impl, ckpt_format=backend)
-    iteration = options.iteration if options.iteration is not None else (ir.source.iteration or 1)
+    iteration = megatron_files.iteration(ir, options)
     it_dir = out / core.iteration_dir(iteration)
     it_dir.mkdir(parents=True)
     ctx = Ctx(c, padded)
@@ -57,10 +58,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
               "num_floating_point_operations_so_far": 0, "content_metadata": dict(core_dist.CONTENT_METADATA)}
     torch_save(common, it_dir / core_dist.COMMON_FILE, background=False)
     hf_dir.write_json(it_dir / core_dist.METADATA_JSON, core_dist.metadata_json(backend))
-    if ir.assets:  # Megatron writes the tokenizer into torch_dist checkpoints too
-        (it_dir / "tokenizer").mkdir()
-        hf_dir.copy_assets(ir.assets, it_dir / "tokenizer")
-    (out / core.TRACKER).write_text(str(iteration))
+    megatron_files.finish_checkpoint(ir, out, it_dir, iteration)
 
 
 def _writer(backend: str, it_dir: Path):

@@ -20,6 +20,7 @@ from mconvert import transforms
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
 from mconvert.rules import TRANSPOSE, Join, Rule, Table
+from mconvert.schemas.hf_common import config_dtype
 
 MODEL_TYPE = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -121,16 +122,11 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         proj_bias=True,
         mlp_bias=True,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        dtype=_dtype(hf),
+        dtype=config_dtype(hf),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
         pad_token_id=hf.get("pad_token_id"),
     )
-
-
-def _dtype(hf: dict[str, Any]) -> str:
-    value = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    return value if value in ("float32", "bfloat16", "float16") else "float32"
 
 
 def check_expressible(c: ModelConfig) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
 from mconvert.rules import Rule, Table
+from mconvert.schemas.hf_common import config_dtype, rope_from_hf, rope_to_hf
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -37,30 +38,6 @@ TABLE = Table(
 
 # Present in some checkpoints, never model weights: rotary frequencies (recomputed from rope_theta).
 DROP = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
-
-
-def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from either transformers 5's `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta = float(params["rope_theta"])
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(hf.get("rope_theta", 10000.0))
-        scaling = dict(hf.get("rope_scaling") or {})
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("rope_type", "default") == "default":
-        return theta, None
-    return theta, scaling
-
-
-def rope_to_hf(c: ModelConfig) -> dict[str, Any]:
-    """Both spellings, so transformers 4.x and 5.x (and tools that read `rope_theta`) agree."""
-    params: dict[str, Any] = {"rope_theta": c.rope_theta, "rope_type": "default"}
-    if c.rope_scaling:
-        params |= c.rope_scaling
-    return {"rope_parameters": params, "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling}
 
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
@@ -102,18 +79,13 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=hf["sliding_window"] if mistral else None,
-            dtype=_dtype(hf),
+            dtype=config_dtype(hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
         )
     except KeyError as e:
         raise ConvertError(f"{where}: missing field {e.args[0]!r}") from None
-
-
-def _dtype(hf: dict[str, Any]) -> str:
-    value = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    return value if value in ("float32", "bfloat16", "float16") else "float32"
 
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
@@ -155,11 +127,3 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
             raise ConvertError("HF Mistral has no MLP bias; this model has one (save it as family llama)")
         hf["sliding_window"] = c.sliding_window
     return hf
-
-
-def generation_config(c: ModelConfig) -> dict[str, Any]:
-    out: dict[str, Any] = {"_from_model_config": True}
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if getattr(c, key) is not None:
-            out[key] = getattr(c, key)
-    return out

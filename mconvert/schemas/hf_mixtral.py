@@ -20,7 +20,7 @@ from mconvert.errors import ConvertError
 from mconvert.expert_rules import STACK, STACK_GATE_UP
 from mconvert.ir import ModelConfig
 from mconvert.rules import Rule, Table
-from mconvert.schemas.hf_llama import rope_from_hf, rope_to_hf
+from mconvert.schemas.hf_common import config_dtype, rope_from_hf, rope_to_hf
 
 MODEL_TYPE = "mixtral"
 ARCHITECTURE = "MixtralForCausalLM"
@@ -98,18 +98,13 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
             moe_aux_loss_coeff=float(hf["router_aux_loss_coef"]),
             # the IR says None for "no jitter" (Megatron's spelling); HF says 0.0
             moe_jitter_eps=float(hf["router_jitter_noise"]) or None,
-            dtype=_dtype(hf),
+            dtype=config_dtype(hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
         )
     except KeyError as e:
         raise ConvertError(f"{where}: missing field {e.args[0]!r}") from None
-
-
-def _dtype(hf: dict[str, Any]) -> str:
-    value = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    return value if value in ("float32", "bfloat16", "float16") else "float32"
 
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:

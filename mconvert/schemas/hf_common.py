@@ -1,0 +1,46 @@
+"""Hugging Face config.json conventions shared by every HF family (dtype, rope parameters, generation config)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mconvert.ir import ModelConfig
+
+
+def config_dtype(hf: dict[str, Any]) -> str:
+    """The weights' dtype as config.json states it (`dtype` in transformers 5, `torch_dtype` before)."""
+    value = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return value if value in ("float32", "bfloat16", "float16") else "float32"
+
+
+def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either transformers 5's `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(hf.get("rope_theta", 10000.0))
+        scaling = dict(hf.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def rope_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """Both spellings, so transformers 4.x and 5.x (and tools that read `rope_theta`) agree."""
+    params: dict[str, Any] = {"rope_theta": c.rope_theta, "rope_type": "default"}
+    if c.rope_scaling:
+        params |= c.rope_scaling
+    return {"rope_parameters": params, "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling}
+
+
+def generation_config(c: ModelConfig) -> dict[str, Any]:
+    """generation_config.json as `save_pretrained` writes it from a model config."""
+    out: dict[str, Any] = {"_from_model_config": True}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(c, key) is not None:
+            out[key] = getattr(c, key)
+    return out
