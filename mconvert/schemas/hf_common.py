@@ -44,3 +44,31 @@ def generation_config(c: ModelConfig) -> dict[str, Any]:
         if getattr(c, key) is not None:
             out[key] = getattr(c, key)
     return out
+
+
+def rope_decoder_config(c: ModelConfig, architecture: str, model_type: str) -> dict[str, Any]:
+    """The config.json fields every RoPE/RMSNorm/SwiGLU decoder family (Llama, Mistral, Mixtral) shares."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "attention_dropout": 0.0,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
+        "dtype": c.dtype,
+        "torch_dtype": c.dtype,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": c.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": c.ffn_hidden_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "num_attention_heads": c.num_attention_heads,
+        "num_hidden_layers": c.num_layers,
+        "num_key_value_heads": c.num_query_groups,
+        "rms_norm_eps": c.norm_eps,
+        "tie_word_embeddings": c.tie_embeddings,
+        "use_cache": True,
+        "vocab_size": c.vocab_size,
+        **rope_to_hf(c),
+    }

@@ -7,7 +7,7 @@ from typing import Any
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
 from mconvert.rules import Rule, Table
-from mconvert.schemas.hf_common import config_dtype, rope_from_hf, rope_to_hf
+from mconvert.schemas.hf_common import config_dtype, rope_decoder_config, rope_from_hf
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -94,31 +94,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     if c.qkv_bias != c.proj_bias:
         raise ConvertError("HF Llama has one attention_bias flag for q/k/v and o; this model has bias on "
                            f"{'q/k/v only' if c.qkv_bias else 'o only'}")
-    hf: dict[str, Any] = {
-        "architectures": [MODEL_TYPES[c.family]],
-        "model_type": c.family,
-        "attention_bias": c.qkv_bias,
-        "attention_dropout": 0.0,
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": c.eos_token_id,
-        "pad_token_id": c.pad_token_id,
-        "dtype": c.dtype,
-        "torch_dtype": c.dtype,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "hidden_size": c.hidden_size,
-        "initializer_range": 0.02,
-        "intermediate_size": c.ffn_hidden_size,
-        "max_position_embeddings": c.max_position_embeddings,
-        "num_attention_heads": c.num_attention_heads,
-        "num_hidden_layers": c.num_layers,
-        "num_key_value_heads": c.num_query_groups,
-        "rms_norm_eps": c.norm_eps,
-        "tie_word_embeddings": c.tie_embeddings,
-        "use_cache": True,
-        "vocab_size": c.vocab_size,
-        **rope_to_hf(c),
-    }
+    hf = rope_decoder_config(c, MODEL_TYPES[c.family], c.family) | {"attention_bias": c.qkv_bias}
     if c.family == "llama":
         hf["mlp_bias"] = c.mlp_bias
         hf["pretraining_tp"] = 1

@@ -20,7 +20,7 @@ from mconvert.errors import ConvertError
 from mconvert.expert_rules import STACK, STACK_GATE_UP
 from mconvert.ir import ModelConfig
 from mconvert.rules import Rule, Table
-from mconvert.schemas.hf_common import config_dtype, rope_from_hf, rope_to_hf
+from mconvert.schemas.hf_common import config_dtype, rope_decoder_config, rope_from_hf
 
 MODEL_TYPE = "mixtral"
 ARCHITECTURE = "MixtralForCausalLM"
@@ -120,34 +120,12 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     ) if bad]
     if unsupported:
         raise ConvertError(f"HF Mixtral cannot hold this model: {', '.join(unsupported)}")
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
-        "attention_dropout": 0.0,
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": c.eos_token_id,
-        "pad_token_id": c.pad_token_id,
-        "dtype": c.dtype,
-        "torch_dtype": c.dtype,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "hidden_size": c.hidden_size,
-        "initializer_range": 0.02,
-        "intermediate_size": c.ffn_hidden_size,
-        "max_position_embeddings": c.max_position_embeddings,
-        "num_attention_heads": c.num_attention_heads,
-        "num_hidden_layers": c.num_layers,
-        "num_key_value_heads": c.num_query_groups,
+    return rope_decoder_config(c, ARCHITECTURE, MODEL_TYPE) | {
         "num_local_experts": c.num_experts,
         "num_experts_per_tok": c.moe_top_k,
         "output_router_logits": False,
-        "rms_norm_eps": c.norm_eps,
         "router_aux_loss_coef": DEFAULTS["router_aux_loss_coef"] if c.moe_aux_loss_coeff is None
         else c.moe_aux_loss_coeff,
         "router_jitter_noise": c.moe_jitter_eps or 0.0,
         "sliding_window": c.sliding_window,
-        "tie_word_embeddings": c.tie_embeddings,
-        "use_cache": True,
-        "vocab_size": c.vocab_size,
-        **rope_to_hf(c),
     }
