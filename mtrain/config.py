@@ -127,8 +127,10 @@ def read_file(path: str | Path) -> dict[str, Any]:
 
             data = yaml.safe_load(text)
         elif path.suffix == ".toml":
-            import tomllib
-
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                raise TrainError(f"config file {path}: reading TOML needs Python 3.11+; use YAML or JSON") from None
             data = tomllib.loads(text)
         elif path.suffix == ".json":
             data = json.loads(text)
