@@ -235,6 +235,8 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
     if origin in (tuple, list):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, (int, float)):
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise TrainError(f"{where}: expected a list, found {value!r}")
         items = [coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]

@@ -19,7 +19,7 @@ from mconvert.options import Options
 from mtrain import checkpoint
 from mtrain.config import from_dict
 from mtrain.train import Trainer
-from tests.mtrain.corpus import corpus, tiny_config  # noqa: F401
+from tests.mtrain.corpus import corpus, one_thread, tiny_config  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
