@@ -74,14 +74,17 @@ def _train(config_file: Path | None, overrides: list[str], finetune: Path | None
 
 @main.command(context_settings=EXTRA)
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML, TOML or JSON config file.")
+@click.option("--finetune", type=click.Path(path_type=Path),
+              help="Initial weights from any checkpoint mconvert reads (as `mtrain finetune --load`).")
+@click.option("--loader", help="mconvert loader of --finetune (detected when omitted).")
 @click.pass_context
 @_fail_cleanly
-def pretrain(ctx, config_file) -> None:
+def pretrain(ctx, config_file, finetune, loader) -> None:
     """Train a model from scratch (or resume the run in checkpoint.dir).
 
     Any config field can be set on the command line: --train.lr 3e-4 --data.seq_len 512.
     """
-    _train(config_file, ctx.args)
+    _train(config_file, ctx.args, finetune=finetune, loader=loader)
 
 
 @main.command(context_settings=EXTRA)
