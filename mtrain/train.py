@@ -64,6 +64,9 @@ class Trainer:
         resume = checkpoint.find_latest(Path(config.checkpoint.dir)) if config.checkpoint.dir else None
         model_config, source = self._model_source(resume)
         self.model_config = model_config
+        if model_config.position_embedding == "learned" and config.data.seq_len > model_config.max_position_embeddings:
+            raise TrainError(f"data.seq_len {config.data.seq_len} is longer than the model's "
+                             f"{model_config.max_position_embeddings} learned positions")
         self.model = build_model(model_config, device=self.env.device, mesh=self.env.mesh,
                                  dp_mode=config.parallel.dp_mode, precision=t.precision, recompute=t.recompute)
         self.optimizer = build_optimizer(self.model, config.optim)
