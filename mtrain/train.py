@@ -67,6 +67,9 @@ class Trainer:
         if model_config.position_embedding == "learned" and config.data.seq_len > model_config.max_position_embeddings:
             raise TrainError(f"data.seq_len {config.data.seq_len} is longer than the model's "
                              f"{model_config.max_position_embeddings} learned positions")
+        e = config.eval  # the data first: a wrong path fails before any weights are read
+        splits = build_splits(config.data, {"train": t.steps * t.global_batch_size,
+                                            "valid": e.steps * t.global_batch_size if e.interval else 0})
         self.model = build_model(model_config, device=self.env.device, mesh=self.env.mesh,
                                  dp_mode=config.parallel.dp_mode, precision=t.precision, recompute=t.recompute)
         self.optimizer = build_optimizer(self.model, config.optim)
@@ -84,9 +87,6 @@ class Trainer:
         self.out(f"model: {weights.describe(model_config)}; {_num_params(model_config):,} parameters; "
                  f"{self.env.world} data-parallel rank(s) ({config.parallel.dp_mode if self.env.mesh else 'single'})")
 
-        e = config.eval
-        splits = build_splits(config.data, {"train": t.steps * t.global_batch_size,
-                                            "valid": e.steps * t.global_batch_size if e.interval else 0})
         self.batches = RankBatches(splits["train"], global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                                    rank=self.env.rank, world=self.env.world, vocab_size=model_config.vocab_size,
                                    consumed_samples=self.state.consumed_samples)
