@@ -9,8 +9,8 @@ train it from the same initial weights with AdamW and gradient clipping:
     plain       a nanoGPT-style model (fused QKV) in a bare loop over in-memory batches
     plain+mtm   the same bare loop driving mtrain's model (isolates the trainer's overhead)
 
-This machine's speed drifts by several times within seconds, so the variants run interleaved, round after
-round, and the figure that counts is each round's ratio (median over rounds), not a lone tokens/s.
+This machine's speed drifts by several times within seconds, so the variants run interleaved step by step (in
+rotating order), and the figure that counts is each round's ratio (median over rounds), not a lone tokens/s.
 """
 
 from __future__ import annotations
@@ -164,12 +164,17 @@ def main() -> None:
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     print(f"small GPT: {L} layers, hidden {h}, {args.heads} heads, seq {S}, batch {B}, vocab {V}, "
           f"{torch.get_num_threads()} threads; {args.rounds} rounds x {args.steps} steps per variant")
+    names = list(variants)
     for r in range(args.rounds):
-        order = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for name in order:
-            start = time.perf_counter()
-            variants[name](args.steps)
-            seconds[name].append(time.perf_counter() - start)
+        # Step by step, rotating the order: drift within a round hits every variant alike.
+        spent = dict.fromkeys(names, 0.0)
+        for k in range(args.steps):
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                start = time.perf_counter()
+                variants[name](1)
+                spent[name] += time.perf_counter() - start
+        for name in names:
+            seconds[name].append(spent[name])
         line = " | ".join(f"{n} {tokens / seconds[n][-1]:8,.0f} tok/s" for n in variants)
         print(f"round {r + 1}: {line} | mtrain/plain {seconds['plain'][-1] / seconds['mtrain'][-1]:.3f}")
     ratio = [p / m for p, m in zip(seconds["plain"], seconds["mtrain"])]
