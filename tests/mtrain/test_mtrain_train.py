@@ -165,3 +165,33 @@ def test_model_config_is_stored_for_mconvert(corpus, tmp_path):  # noqa: F811
     meta = checkpoint.read_meta(tmp_path / "step_0000001")
     assert ModelConfig.from_dict(meta["model_config"]) == ModelConfig(**TINY_LLAMA)
     assert from_dict({k: v for k, v in meta["config"].items() if v is not None}).train.steps == 1
+
+
+def test_learning_rate_schedule():
+    from mtrain.config import OptimConfig
+    from mtrain.optim import lr_at
+
+    cosine = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay_style="cosine")
+    assert [lr_at(s, cosine, 110) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]  # linear warmup to lr
+    assert lr_at(10, cosine, 110) == 1.0
+    assert lr_at(60, cosine, 110) == pytest.approx(0.55)  # half way: (lr + min_lr) / 2
+    assert lr_at(110, cosine, 110) == pytest.approx(0.1) and lr_at(500, cosine, 110) == pytest.approx(0.1)
+    linear = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, decay_style="linear", decay_steps=100)
+    assert [lr_at(s, linear, 1000) for s in (0, 25, 100, 200)] == [1.0, 0.75, 0.0, 0.0]
+    constant = OptimConfig(lr=0.3, min_lr=0.0, warmup_steps=0, decay_style="constant")
+    assert lr_at(999, constant, 10) == 0.3
+
+
+def test_gradient_clipping_and_weight_decay_groups(corpus):  # noqa: F811
+    trainer = Trainer(tiny_config(corpus, optim={"grad_clip": 1e-3}), out=lambda _: None)
+    groups = trainer.optimizer.param_groups
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert all(p.ndim == 2 for p in groups[0]["params"]) and all(p.ndim == 1 for p in groups[1]["params"])
+    inputs, labels = trainer.batches.next()[0]
+    trainer._loss(inputs, labels).backward()
+    before = torch.sqrt(sum((p.grad ** 2).sum() for p in trainer.model.parameters()))
+    reported = trainer._clip_gradients()
+    after = torch.sqrt(sum((p.grad ** 2).sum() for p in trainer.model.parameters()))
+    assert reported == pytest.approx(float(before), rel=1e-6) and float(before) > 1e-2
+    assert float(after) == pytest.approx(1e-3, rel=1e-4)
+    trainer.close()
