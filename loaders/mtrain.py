@@ -1,0 +1,78 @@
+"""Loader `mtrain`: checkpoints written by mtrain (torch.distributed.checkpoint + mtrain.json).
+
+Accepts a step directory (`run/step_0000200`) or the checkpoint directory (`run`, whose `latest` names the
+newest complete step). Tensors are read lazily, one parameter at a time, without a process group, and
+whatever number of data-parallel ranks wrote them. The stacked expert weights of a MoE model are split
+into the IR's per-expert tensors (mtrain's state_dict_adapter, the same table the trainer uses).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mconvert.errors import ConvertError, format_names
+from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
+from mconvert.options import Options
+from mconvert.registry import register_loader
+from mtrain import checkpoint
+from mtrain.models import state_dict_adapter
+
+
+def _step_dir(path: Path) -> Path | None:
+    path = Path(path)
+    if (path / checkpoint.META_FILE).is_file():
+        return path
+    if path.is_dir() and ((path / checkpoint.LATEST_FILE).is_file() or any(path.glob("step_*"))):
+        return checkpoint.find_latest(path)
+    return None
+
+
+@register_loader("mtrain", detect=lambda p: _step_dir(p) is not None)
+def load(path: Path, options: Options) -> ModelIR:
+    """mtrain checkpoints (DCP): a step directory, or a run's checkpoint directory (its latest step)."""
+    step_dir = _step_dir(path)
+    if step_dir is None:
+        raise ConvertError(f"{path}: no complete mtrain checkpoint (expected {checkpoint.META_FILE} in a step "
+                           "directory, or a `latest` file naming one)")
+    meta = checkpoint.read_meta(step_dir)
+    config = ModelConfig.from_dict(meta["model_config"])
+    stored = _stored_tensors(step_dir)
+    wanted = {model_name for model_name, _ in state_dict_adapter.ir_sources(config).values()}
+    missing, extra = sorted(wanted - set(stored)), sorted(set(stored) - wanted)
+    if missing or extra:
+        raise ConvertError(f"{step_dir}: the tensors do not match the model config in {checkpoint.META_FILE}. "
+                           + (f"Missing tensors: {format_names(missing)}. " if missing else "")
+                           + (f"Extra tensors: {format_names(extra)}." if extra else ""))
+    config = config.replace(dtype=dtype_name(stored["embed.weight"][1]))
+    cache = LoadCache(max_items=2)
+    reader_path = str(step_dir)
+
+    def lazy(name: str) -> LazyTensor:
+        shape, dtype = stored[name]
+        return LazyTensor(shape, dtype, lambda: cache.get(name, lambda: _read(reader_path, name, shape, dtype)),
+                          f"{step_dir.name}:model.{name}")
+
+    tensors = state_dict_adapter.to_ir(
+        config, {name: lazy(name) for name in wanted},
+        take=lambda t, e: t.map(lambda x, e=e: x[e].clone(), shape=t.shape[1:], origin=f"{t.origin}[{e}]"))
+    tokenizer = step_dir / "tokenizer"
+    assets = {p.name: p for p in sorted(tokenizer.iterdir())} if tokenizer.is_dir() else {}
+    layout = {"data_parallel": meta["world_size"]}
+    return ModelIR(config, tensors, SourceInfo("mtrain", step_dir, layout, iteration=meta["step"]), assets)
+
+
+def _stored_tensors(step_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    prefix = checkpoint.MODEL_PREFIX
+    return {key[len(prefix):]: (tuple(m.size), m.properties.dtype) for key, m in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and hasattr(m, "size")}
+
+
+def _read(path: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.empty(shape, dtype=dtype)
+    with checkpoint.single_process_ok():
+        dcp.load({"model": {name: tensor}}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return tensor

@@ -1,0 +1,233 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): sharded, atomic, resumable under another layout.
+
+    {dir}/latest                      "step_0000200": the newest complete checkpoint
+    {dir}/step_0000200/
+        .metadata, __{rank}_0.distcp  DCP: model.* (parameters, unsharded names) and optimizer.* (AdamW state)
+        mtrain.json                   format, step, consumed samples, world size, model config, training config
+        rng/rank_00000.pt             each rank's RNG states (torch, numpy, python)
+        tokenizer/                    the tokenizer files, when the config names a tokenizer
+
+A checkpoint is written into `.step_0000200.partial/` and renamed into place only when every rank has
+finished and the files are synced; `latest` is then replaced through a rename as well. A crash mid-save leaves
+a `.partial` directory (removed by the next save) and the previous checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from mconvert.ir import ModelConfig
+from mtrain import weights
+from mtrain.errors import TrainError
+
+FORMAT = "mtrain"
+FORMAT_VERSION = 1
+META_FILE = "mtrain.json"
+LATEST_FILE = "latest"
+MODEL_PREFIX = "model."
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    consumed_samples: int = 0
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / META_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def find_latest(root: Path) -> Path | None:
+    """The newest complete checkpoint in `root` (per `latest`, else the highest complete step directory)."""
+    root = Path(root)
+    latest = root / LATEST_FILE
+    if latest.is_file():
+        candidate = root / latest.read_text().strip()
+        if is_complete(candidate):
+            return candidate
+    steps = sorted((p for p in root.glob("step_*") if is_complete(p)), key=lambda p: p.name)
+    return steps[-1] if steps else None
+
+
+def read_meta(path: Path) -> dict:
+    f = Path(path) / META_FILE
+    if not f.is_file():
+        raise TrainError(f"{path} is not an mtrain checkpoint (no {META_FILE}); give a step directory or the "
+                         "checkpoint directory holding `latest`")
+    meta = json.loads(f.read_text())
+    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise TrainError(f"{f}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
+                         f"{FORMAT!r} version {FORMAT_VERSION}")
+    return meta
+
+
+def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Model parameter name -> full shape, from the DCP metadata (reads no tensor data)."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return {k[len(MODEL_PREFIX):]: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
+            if k.startswith(MODEL_PREFIX) and hasattr(m, "size")}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def single_process_ok() -> Iterator[None]:
+    """DCP warns on every call without a process group; for mtrain a single process is a normal case."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class Checkpointer:
+    def __init__(self, root: str | Path, keep_last: int = 2):
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def save(self, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             model_config: ModelConfig, config: dict, tokenizer: str | None = None) -> Path:
+        """Write a checkpoint of every rank's shards (a collective: all ranks call it)."""
+        name = step_name(state.step)
+        final, partial = self.root / name, self.root / f".{name}.partial"
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".step_*.partial"):
+                shutil.rmtree(stale, ignore_errors=True)
+            partial.mkdir()
+        _barrier()
+        state_dict = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        with single_process_ok():
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True))
+        _save_rng(partial / "rng" / f"rank_{_rank():05d}.pt")
+        _barrier()
+        if _rank() == 0:
+            meta = dict(format=FORMAT, version=FORMAT_VERSION, step=state.step,
+                        consumed_samples=state.consumed_samples, world_size=_world(),
+                        model_config=model_config.to_dict(), config=config,
+                        tokenizer="tokenizer" if tokenizer else None)
+            _write_synced(partial / META_FILE, json.dumps(meta, indent=2))
+            if tokenizer:
+                _copy_tokenizer(Path(tokenizer), partial / "tokenizer")
+            self._commit(partial, final)
+        _barrier()
+        return final
+
+    def _commit(self, partial: Path, final: Path) -> None:
+        if final.exists():  # the same step saved again (a re-run): replace it
+            trash = self.root / f".{final.name}.old"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(partial, final)
+        _write_synced(self.root / LATEST_FILE, final.name + "\n")
+        _fsync_dir(self.root)
+        complete = sorted(p for p in self.root.glob("step_*") if is_complete(p))
+        for old in complete[:-self.keep_last] if self.keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> TrainState:
+        """Restore model (and optimizer, RNG) from `path`, whatever the number of ranks that wrote it."""
+        meta = read_meta(path)
+        weights.check_shapes(model, stored_shapes(path), f"checkpoint {path}")
+        state_dict = {"model": get_model_state_dict(model)}
+        if optimizer is not None:
+            state_dict["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        with single_process_ok():
+            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(path)))
+        set_model_state_dict(model, state_dict["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, state_dict["optimizer"])
+        rng = path / "rng" / f"rank_{_rank():05d}.pt"
+        if meta["world_size"] == _world() and rng.is_file():
+            _load_rng(rng)
+        return TrainState(step=meta["step"], consumed_samples=meta["consumed_samples"])
+
+
+def _save_rng(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "python": {"version": py_state[0], "state": list(py_state[1]),
+                   "gauss_next": py_state[2]},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(state, path)
+
+
+def _load_rng(path: Path) -> None:
+    state = torch.load(path, weights_only=True)
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_synced(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt")
+
+
+def _copy_tokenizer(source: Path, dest: Path) -> None:
+    """The tokenizer files only (a tokenizer directory may be a whole model directory)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    files = [source] if source.is_file() else [p for p in source.iterdir() if p.name in TOKENIZER_FILES]
+    for f in files:
+        shutil.copy2(f, dest / f.name)

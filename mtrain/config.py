@@ -1,0 +1,316 @@
+"""One typed configuration: a YAML / TOML / JSON file plus `--section.field value` overrides.
+
+    model:      the architecture (mconvert's ModelConfig fields); from the checkpoint when finetuning
+    data:       dataset prefixes and blend weights, split, sequence length, tokenizer
+    train:      steps, batch sizes, precision, recomputation, seeds
+    optim:      AdamW and the learning-rate schedule
+    eval:       validation interval and size
+    checkpoint: where and how often to save, what to resume or finetune from
+    parallel:   data-parallel mode (tensor/pipeline/expert/context parallel come with issue 7)
+    logging:    log interval, TensorBoard
+
+Unknown sections and fields are errors that list the valid ones; values are checked against the field types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from mconvert.errors import ConvertError
+from mconvert.ir import ModelConfig
+from mtrain.errors import TrainError
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    paths: tuple[str, ...] = ()  # dataset prefixes ({prefix}.bin/.idx), e.g. out/corpus_text_document
+    weights: tuple[float, ...] | None = None  # blend weights, one per path (default: equal)
+    split: str = "969,30,1"  # train,valid,test shares of the documents
+    seq_len: int = 1024
+    seed: int = 1234  # document and sample shuffles
+    cache_dir: str | None = None  # where the .npy sample indices go (default: beside the data)
+    tokenizer: str | None = None  # copied into checkpoints; used by `generate`
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSection:
+    steps: int = 1000
+    micro_batch_size: int = 4
+    global_batch_size: int = 32
+    seed: int = 1234  # weight initialization and any randomness in the model
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights and optimizer state
+    recompute: Literal["none", "full"] = "none"  # full: recompute each layer's activations in backward
+    deterministic: bool = False
+    init_std: float = 0.02
+    exit_after_steps: int | None = None  # stop (with a checkpoint) after this many steps in this run
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 100
+    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    decay_steps: int | None = None  # default: train.steps
+    weight_decay: float = 0.1  # not applied to biases and norm weights
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    interval: int = 0  # validate every N steps (and at the end); 0: never
+    steps: int = 10  # global batches per validation (the same samples each time)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    dir: str | None = None  # save here; resume from here if it holds a checkpoint
+    interval: int = 0  # save every N steps; 0: only at the end
+    keep_last: int = 2  # older checkpoints are deleted
+    save_at_end: bool = True
+    finetune: str | None = None  # initial weights from any checkpoint mconvert reads (fresh optimizer, step 0)
+    loader: str | None = None  # mconvert loader of `finetune` (detected when None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    interval: int = 10
+    tensorboard_dir: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelConfig | None = None
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **sections: Any) -> Config:
+        return dataclasses.replace(self, **sections)
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainSection, "optim": OptimConfig,
+                             "eval": EvalConfig, "checkpoint": CheckpointConfig, "parallel": ParallelConfig,
+                             "logging": LoggingConfig}
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping in a .yaml/.yml, .toml or .json file."""
+    path = Path(path)
+    if not path.is_file():
+        raise TrainError(f"config file {path} not found")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif path.suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                raise TrainError(f"config file {path}: reading TOML needs Python 3.11+; use YAML or JSON") from None
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise TrainError(f"config file {path}: unknown extension {path.suffix!r} (use .yaml, .toml or .json)")
+    except TrainError:
+        raise
+    except Exception as e:
+        raise TrainError(f"config file {path} is not valid {path.suffix[1:].upper()}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise TrainError(f"config file {path}: expected a mapping of sections, found {type(data).__name__}")
+    return data
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
+    """`--train.lr 3e-4 --data.split=969,30,1` -> {"train": {"lr": "3e-4"}, ...} (values still text)."""
+    out: dict[str, dict[str, Any]] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise TrainError(f"unexpected argument {arg!r}: overrides look like --section.field VALUE "
+                             f"(sections: {', '.join(SECTIONS)})")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise TrainError(f"{arg} needs a value")
+            value, i = args[i + 1], i + 1
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name.replace("-", "_")] = _Text(value)
+        i += 1
+    return out
+
+
+class _Text(str):
+    """A command-line value: parsed as YAML scalar text against the field's type."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    raw = read_file(path) if path else {}
+    for section, values in parse_overrides(overrides or []).items():
+        if not isinstance(raw.get(section, {}), dict):
+            raise TrainError(f"config section {section!r} must be a mapping")
+        raw.setdefault(section, {})
+        raw[section] = {**(raw[section] or {}), **values}
+    return from_dict(raw)
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise TrainError(f"unknown config section(s): {', '.join(unknown)}; valid sections: {', '.join(SECTIONS)}")
+    sections = {}
+    for name, values in raw.items():
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise TrainError(f"config section {name!r} must be a mapping of fields, found {values!r}")
+        sections[name] = build_section(SECTIONS[name], name, values)
+    config = Config(**sections)
+    validate(config)
+    return config
+
+
+def build_section(cls: type, section: str, values: dict[str, Any]):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise TrainError(f"unknown config field(s) {', '.join(f'{section}.{u}' for u in unknown)}; "
+                         f"valid fields of {section}: {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: coerce(value, hints[name], f"{section}.{name}") for name, value in values.items()}
+    try:
+        return cls(**kwargs)
+    except ConvertError as e:
+        raise TrainError(f"config section {section}: {e}") from None
+    except TypeError as e:
+        raise TrainError(f"config section {section}: {e}") from None
+
+
+def coerce(value: Any, hint: Any, where: str) -> Any:
+    """`value` as the type `hint`; command-line text is parsed (YAML scalars, comma lists)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if isinstance(value, _Text) and not (hint is str or (origin in (typing.Union, types.UnionType) and str in args)):
+        value = _parse_text(value, hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return coerce(value, arg, where)
+            except TrainError as e:
+                errors.append(str(e))
+        raise TrainError(errors[0] if len(errors) == 1 else f"{where}: {value!r} does not fit {_type_name(hint)}")
+    if origin is Literal:
+        if value not in args:
+            raise TrainError(f"{where}: {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin in (tuple, list):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, (int, float)):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise TrainError(f"{where}: expected a list, found {value!r}")
+        items = [coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise TrainError(f"{where}: expected a mapping, found {value!r}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise TrainError(f"{where}: expected true or false, found {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TrainError(f"{where}: expected an integer, found {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TrainError(f"{where}: expected a number, found {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise TrainError(f"{where}: expected text, found {value!r}")
+        return str(value)
+    raise TrainError(f"{where}: unsupported field type {_type_name(hint)}")
+
+
+def _parse_text(text: str, hint: Any) -> Any:
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return str(text)
+    if isinstance(value, str) and hint in (float, int):
+        try:  # YAML 1.1 reads "3e-4" as text
+            return float(value) if hint is float else int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def validate(c: Config) -> None:
+    t = c.train
+    for name in ("steps", "micro_batch_size", "global_batch_size"):
+        if getattr(t, name) <= 0:
+            raise TrainError(f"train.{name} must be positive, got {getattr(t, name)}")
+    if t.global_batch_size % t.micro_batch_size:
+        raise TrainError(f"train.global_batch_size {t.global_batch_size} is not a multiple of train.micro_batch_size "
+                         f"{t.micro_batch_size}")
+    if c.data.weights is not None and len(c.data.weights) != len(c.data.paths):
+        raise TrainError(f"data.weights has {len(c.data.weights)} entries for {len(c.data.paths)} data.paths")
+    if c.data.seq_len <= 0:
+        raise TrainError(f"data.seq_len must be positive, got {c.data.seq_len}")
+    if c.optim.min_lr > c.optim.lr:
+        raise TrainError(f"optim.min_lr {c.optim.min_lr} is above optim.lr {c.optim.lr}")
+
+
+def dump(c: Config) -> str:
+    """The resolved configuration as YAML, printed at start and saved beside checkpoints."""
+    import yaml
+
+    return yaml.safe_dump(_plain(c.to_dict()), sort_keys=False, default_flow_style=None, width=118)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,1 @@
+"""Data: indexed datasets (indexed.py), preprocessing, GPT samples and blends, per-rank batches."""

@@ -1,0 +1,81 @@
+"""Datasets for the train/valid/test splits, and the batches each data-parallel rank reads.
+
+Global batch g is the samples [consumed, consumed + global_batch) of the (shuffled) dataset; rank r of R reads
+its contiguous share of it as micro-batches. The position is the single number `consumed_samples`, so a run
+resumes exactly, and under another number of ranks the same global batches follow.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mtrain.config import DataConfig
+from mtrain.data.gpt_dataset import BlendedDataset, GPTDataset, split_ranges
+from mtrain.data.indexed import IndexedDataset
+from mtrain.errors import TrainError
+
+SPLITS = ("train", "valid", "test")
+
+
+def build_splits(cfg: DataConfig, num_samples: dict[str, int]) -> dict[str, GPTDataset | BlendedDataset | None]:
+    """A dataset per split with at least `num_samples[split]` samples (None where 0 are asked for)."""
+    if not cfg.paths:
+        raise TrainError("data.paths is empty: give the prefix of a dataset written by `mtrain preprocess` "
+                         "(e.g. --data.paths out/corpus_text_document)")
+    indexed = [IndexedDataset(p) for p in cfg.paths]
+    weights = list(cfg.weights) if cfg.weights else [1.0] * len(indexed)
+    total = sum(weights)
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+    out: dict[str, GPTDataset | BlendedDataset | None] = {}
+    for i, split in enumerate(SPLITS):
+        want = num_samples.get(split, 0)
+        if not want:
+            out[split] = None
+            continue
+        parts = []
+        for ds, w in zip(indexed, weights):
+            begin, end = split_ranges(len(ds), cfg.split)[i]
+            if end == begin:
+                raise TrainError(f"the {split} split of {ds.prefix} is empty: data.split {cfg.split} over "
+                                 f"{len(ds)} documents gives it none; change data.split or add documents")
+            need = want if len(indexed) == 1 else math.ceil(want * w / total * 1.005)
+            parts.append(GPTDataset(ds, np.arange(begin, end), seq_len=cfg.seq_len, num_samples=need,
+                                    seed=cfg.seed, cache_dir=cache, name=split))
+        out[split] = parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, want)
+    return out
+
+
+class RankBatches:
+    """The micro-batches of this rank for successive global batches, as (inputs, labels) int64 tensors."""
+
+    def __init__(self, dataset, *, global_batch: int, micro_batch: int, rank: int, world: int,
+                 vocab_size: int, consumed_samples: int = 0):
+        if global_batch % (micro_batch * world):
+            raise TrainError(f"train.global_batch_size {global_batch} is not a multiple of train.micro_batch_size "
+                             f"{micro_batch} x {world} data-parallel ranks")
+        self.dataset, self.global_batch, self.micro_batch = dataset, global_batch, micro_batch
+        self.rank, self.world, self.vocab_size = rank, world, vocab_size
+        self.consumed_samples = consumed_samples
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per rank per global batch (the gradient-accumulation steps)."""
+        return self.global_batch // (self.micro_batch * self.world)
+
+    def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        start = self.consumed_samples + self.rank * (self.global_batch // self.world)
+        self.consumed_samples += self.global_batch
+        out = []
+        for m in range(self.micro_batches):
+            first = start + m * self.micro_batch
+            rows = np.stack([self.dataset[(first + j) % len(self.dataset)] for j in range(self.micro_batch)])
+            if rows.max() >= self.vocab_size:
+                raise TrainError(f"the data holds token id {int(rows.max())}, outside the model's vocabulary of "
+                                 f"{self.vocab_size}: was it tokenized with this model's tokenizer?")
+            tokens = torch.from_numpy(rows)
+            out.append((tokens[:, :-1], tokens[:, 1:]))
+        return out

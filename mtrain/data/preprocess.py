@@ -1,0 +1,120 @@
+"""`mtrain preprocess`: JSON lines -> Megatron indexed datasets, one per JSON key.
+
+    {"text": "first document"}            ->  {prefix}_text_document.bin / .idx
+    {"text": "second document"}               one sequence per document, tokens as uint16 (vocab < 65500)
+                                              or int32, optionally followed by the end-of-document token
+
+Tokenization runs in `workers` processes (in input order); the output files appear only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtrain.data.indexed import IndexedDatasetWriter, token_dtype
+from mtrain.data.tokenizer import Tokenizer, load_tokenizer
+from mtrain.errors import TrainError
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreprocessConfig:
+    input: Path
+    output_prefix: str
+    tokenizer: Path
+    json_keys: tuple[str, ...] = ("text",)
+    append_eod: bool = False
+    workers: int = 1
+    chunk_size: int = 64
+
+
+@dataclass(frozen=True)
+class PreprocessResult:
+    prefixes: dict[str, str]  # json key -> dataset prefix
+    documents: int
+    tokens: dict[str, int]
+    skipped_empty: dict[str, int]
+
+
+_worker_state: dict = {}
+
+
+def _init_worker(tokenizer_path: str, keys: tuple[str, ...], append_eod: bool, eod: int | None, where: str) -> None:
+    _worker_state.update(tokenizer=load_tokenizer(tokenizer_path), keys=keys, append_eod=append_eod, eod=eod,
+                         where=where)
+
+
+def _encode(item: tuple[int, str]) -> dict[str, list[int]]:
+    number, line = item
+    s = _worker_state
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TrainError(f"{s['where']}, line {number}: not valid JSON ({e.msg})") from None
+    if not isinstance(record, dict):
+        raise TrainError(f"{s['where']}, line {number}: expected a JSON object, found {type(record).__name__}")
+    out = {}
+    for key in s["keys"]:
+        if key not in record:
+            raise TrainError(f"{s['where']}, line {number}: no key {key!r} (keys: {', '.join(record)}); "
+                             "choose the text field with --json-key")
+        ids = s["tokenizer"].encode(str(record[key]))
+        if ids and s["append_eod"]:
+            ids.append(s["eod"])
+        out[key] = ids
+    return out
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                yield number, line
+
+
+def preprocess(cfg: PreprocessConfig, tokenizer: Tokenizer | None = None) -> PreprocessResult:
+    if not cfg.input.is_file():
+        raise TrainError(f"input file {cfg.input} not found (expected JSON lines, one document per line)")
+    if cfg.workers < 1:
+        raise TrainError(f"--workers must be at least 1, got {cfg.workers}")
+    tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
+    if cfg.append_eod and tokenizer.eod_id is None:
+        raise TrainError(f"--append-eod: the tokenizer {cfg.tokenizer} names no end-of-document (eos) token")
+    dtype = token_dtype(tokenizer.vocab_size)
+    prefixes = {key: f"{cfg.output_prefix}_{key}_document" for key in cfg.json_keys}
+    Path(cfg.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    writers = {key: IndexedDatasetWriter(prefix, dtype) for key, prefix in prefixes.items()}
+    tokens = dict.fromkeys(cfg.json_keys, 0)
+    skipped = dict.fromkeys(cfg.json_keys, 0)
+    documents = 0
+    init_args = (str(cfg.tokenizer), cfg.json_keys, cfg.append_eod, tokenizer.eod_id, str(cfg.input))
+    try:
+        for doc in _encoded(cfg, init_args):
+            documents += 1
+            for key, ids in doc.items():
+                if not ids:
+                    skipped[key] += 1  # Megatron's indices cannot hold an empty sequence usefully
+                    continue
+                writers[key].add_document(ids)
+                tokens[key] += len(ids)
+        for w in writers.values():
+            w.finalize()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    return PreprocessResult(prefixes, documents, tokens, skipped)
+
+
+def _encoded(cfg: PreprocessConfig, init_args: tuple) -> Iterator[dict[str, list[int]]]:
+    if cfg.workers == 1:
+        _init_worker(*init_args)
+        yield from map(_encode, _lines(cfg.input))
+        return
+    # spawn, not fork: the parent may hold threads (torch, tokenizers) that a fork would copy mid-flight.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(cfg.workers, initializer=_init_worker, initargs=init_args) as pool:
+        yield from pool.imap(_encode, _lines(cfg.input), chunksize=cfg.chunk_size)

@@ -1,0 +1,98 @@
+"""Tokenizers for preprocessing and generation: a Hugging Face tokenizer or a sentencepiece model.
+
+    tokenizer.json (a file, or a directory holding one)   -> the `tokenizers` library
+    a directory with other HF tokenizer files             -> transformers.AutoTokenizer (local files only)
+    *.model (sentencepiece)                               -> sentencepiece
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mtrain.errors import TrainError
+
+
+@dataclass
+class Tokenizer:
+    kind: str
+    path: Path
+    impl: Any
+    eod_id: int | None
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        if self.kind == "tokenizers":
+            return self.impl.encode(text).ids
+        if self.kind == "sentencepiece":
+            return self.impl.encode(text)
+        return self.impl(text)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.impl.decode(ids)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer at `path`; the end-of-document id is the tokenizer's eos token when it names one."""
+    path = Path(path)
+    if not path.exists():
+        raise TrainError(f"tokenizer {path} not found: give a tokenizer.json, a tokenizer directory or a "
+                         "sentencepiece .model file")
+    if path.is_file() and path.suffix == ".model":
+        return _sentencepiece(path)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return _tokenizers(path / "tokenizer.json", path)
+    if path.is_file() and path.suffix == ".json":
+        return _tokenizers(path, path.parent)
+    if path.is_dir() and (path / "tokenizer.model").is_file() and not (path / "tokenizer_config.json").is_file():
+        return _sentencepiece(path / "tokenizer.model")
+    if path.is_dir():
+        return _auto(path)
+    raise TrainError(f"{path}: not a tokenizer (expected tokenizer.json, a tokenizer directory or a .model file)")
+
+
+def _tokenizers(file: Path, directory: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    impl = HFTokenizer.from_file(str(file))
+    eos = _eos_from_config(directory)
+    eod = impl.token_to_id(eos) if eos else None
+    return Tokenizer("tokenizers", file, impl, eod, impl.get_vocab_size(with_added_tokens=True))
+
+
+def _eos_from_config(directory: Path) -> str | None:
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        f = directory / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token")
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if eos:
+                return eos
+    return None
+
+
+def _sentencepiece(file: Path) -> Tokenizer:
+    try:
+        import sentencepiece
+    except ImportError:
+        raise TrainError(f"{file} is a sentencepiece model: install sentencepiece (pip install 'mconvert[train]')") \
+            from None
+    impl = sentencepiece.SentencePieceProcessor(model_file=str(file))
+    eos = impl.eos_id()
+    return Tokenizer("sentencepiece", file, impl, eos if eos >= 0 else None, impl.get_piece_size())
+
+
+def _auto(directory: Path) -> Tokenizer:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise TrainError(f"{directory}: reading this tokenizer needs transformers (pip install 'mconvert[hub]')") \
+            from None
+    try:
+        impl = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as e:
+        raise TrainError(f"{directory}: not a tokenizer directory ({type(e).__name__}: {e})") from None
+    return Tokenizer("transformers", directory, impl, impl.eos_token_id, len(impl))

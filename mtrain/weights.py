@@ -1,0 +1,99 @@
+"""Full weights into a (possibly sharded) model: random initialization and weights from any mconvert IR.
+
+Both produce full tensors by model parameter name, one at a time; `load_full_weights` copies each into the
+model, slicing out the local shard of a DTensor parameter (FSDP, and TP later) without communication. A
+random initialization is therefore the same whatever the parallel layout: each tensor has its own generator
+seeded from (seed, name).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from mconvert.errors import format_names
+from mconvert.ir import ModelConfig, ModelIR
+from mtrain.errors import TrainError
+from mtrain.models import state_dict_adapter
+
+# Wrappers that insert a component into parameter names: activation checkpointing, torch.compile, DDP.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def clean_name(fqn: str) -> str:
+    for part in _WRAPPER_PARTS:
+        fqn = fqn.replace(part, "")
+    return fqn
+
+
+def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {clean_name(n): p for n, p in model.named_parameters()}
+
+
+def random_init(c: ModelConfig, seed: int, std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    """Megatron's scheme: N(0, std) weights, N(0, std/sqrt(2L)) for the projections that feed the residual
+    stream (attention output, MLP down), norms at 1, biases at 0."""
+    for name, shape in state_dict_adapter.model_shapes(c).items():
+        if name.endswith("bias"):
+            yield name, torch.zeros(shape)
+        elif "norm" in name:
+            yield name, torch.ones(shape)
+        else:
+            scaled = name.endswith(("attn.o.weight", "mlp.down.weight", "experts.down"))
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            yield name, torch.randn(shape, generator=g) * (std / math.sqrt(2 * c.num_layers) if scaled else std)
+
+
+def ir_weights(ir: ModelIR) -> Iterator[tuple[str, torch.Tensor]]:
+    """The IR's tensors under model names (experts stacked), read lazily one parameter at a time."""
+    return state_dict_adapter.from_ir(ir.config, lambda name: ir[name].load())
+
+
+def check_shapes(model: nn.Module, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """One error listing every missing, unexpected and misshapen tensor of `where` against the model."""
+    params = named_parameters(model)
+    missing = [n for n in params if n not in shapes]
+    extra = [n for n in shapes if n not in params]
+    wrong = [f"{n} is {list(shapes[n])} in the checkpoint, the model has {list(p.shape)}"
+             for n, p in params.items() if n in shapes and tuple(shapes[n]) != tuple(p.shape)]
+    if missing or extra or wrong:
+        parts = []
+        if missing:
+            parts.append(f"Missing tensors: {format_names(missing)}.")
+        if extra:
+            parts.append(f"Extra tensors: {format_names(extra)}.")
+        if wrong:
+            parts.append("Wrong shapes: " + "; ".join(wrong[:6]) + (f" … ({len(wrong) - 6} more)" if len(wrong) > 6
+                                                                     else "") + ".")
+        raise TrainError(f"{where} does not match the model ({describe(model_config(model))}): " + " ".join(parts)
+                         + " Use the checkpoint's own model config, or a checkpoint of this model.")
+
+
+def load_full_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy full tensors into the model's parameters (each rank keeps its shard). Names must be checked first."""
+    params = named_parameters(model)
+    with torch.no_grad():
+        for name, full in tensors:
+            p = params[name]
+            full = full.to(dtype=p.dtype, device=p.device)
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            p.copy_(full)
+
+
+def model_config(model: nn.Module) -> ModelConfig:
+    for m in model.modules():
+        if isinstance(getattr(m, "config", None), ModelConfig):
+            return m.config
+    raise TypeError("not an mtrain model")
+
+
+def describe(c: ModelConfig) -> str:
+    moe = f", {c.num_experts} experts top-{c.moe_top_k}" if c.is_moe else ""
+    return (f"{c.family}, {c.num_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads, "
+            f"{c.num_query_groups} query groups, ffn {c.ffn_hidden_size}, vocab {c.vocab_size}{moe}")

@@ -1,0 +1,40 @@
+"""Run several mtrain scenarios in one `torchrun` launch (start-up costs 6-10 s, so tests group their checks).
+
+    torchrun --standalone --nproc-per-node 2 tests/mtrain/dist_driver.py SPEC.json
+
+SPEC.json is a list of scenarios: {"cli": [args of the `mtrain` command]} runs the command line in-process;
+{"config": {raw config}, "out": "result.json"} runs the Trainer and has rank 0 write its losses.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from mtrain.cli import main  # noqa: E402
+from mtrain.config import from_dict  # noqa: E402
+from mtrain.train import Trainer  # noqa: E402
+
+
+def run(spec: dict) -> None:
+    if "cli" in spec:
+        main(spec["cli"], standalone_mode=False)
+        return
+    result = Trainer(from_dict(spec["config"])).run()
+    if dist.get_rank() == 0:
+        Path(spec["out"]).write_text(json.dumps({"losses": result.losses, "valid": result.valid_losses,
+                                                 "checkpoints": [str(p) for p in result.checkpoints]}))
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    try:
+        for scenario in json.loads(Path(sys.argv[1]).read_text()):
+            run(scenario)
+    finally:
+        dist.destroy_process_group()

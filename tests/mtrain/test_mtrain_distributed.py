@@ -1,0 +1,120 @@
+"""Data parallel with 2 gloo ranks (one torchrun launch): FSDP2 and DDP match one process step for step, and a
+checkpoint written by 2 ranks resumes in 1 with the same following losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mconvert import engine
+from mconvert.options import Options
+from mtrain import checkpoint
+from mtrain.config import from_dict
+from mtrain.train import Trainer
+from tests.mtrain.corpus import corpus, one_thread, tiny_config  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+
+
+def launch(spec: list[dict], tmp_path: Path) -> None:
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "tests/mtrain/dist_driver.py"), str(tmp_path / "spec.json")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+
+
+def tensorboard_scalars(directory: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):  # noqa: F811
+    """Two-rank runs (FSDP via the command line, DDP, FSDP in bf16 with recomputation) and the 1-rank reference."""
+    tmp = tmp_path_factory.mktemp("dp")
+    base = tiny_config(corpus, train={"steps": STEPS}, eval={"interval": 3, "steps": 1},
+                       checkpoint={"interval": 3, "keep_last": 5})
+    raw = base.to_dict()
+    (tmp / "run.yaml").write_text(yaml.safe_dump(raw))
+    spec = [
+        {"cli": ["pretrain", "--config", str(tmp / "run.yaml"), "--parallel.dp_mode", "fsdp",
+                 "--checkpoint.dir", str(tmp / "fsdp"), "--logging.tensorboard_dir", str(tmp / "tb")]},
+        {"config": _with(raw, parallel={"dp_mode": "ddp"}, checkpoint={"dir": str(tmp / "ddp")}),
+         "out": str(tmp / "ddp.json")},
+        {"config": _with(raw, train={"precision": "bf16", "recompute": "full"}, checkpoint={"dir": None}),
+         "out": str(tmp / "bf16.json")},
+    ]
+    launch(spec, tmp)
+    single = Trainer(from_dict(_with(raw, checkpoint={"dir": str(tmp / "single")}))).run()
+    return tmp, raw, single
+
+
+def _with(raw: dict, **sections) -> dict:
+    out = json.loads(json.dumps(raw))
+    for section, values in sections.items():
+        out[section] = {**out[section], **values}
+    return out
+
+
+def _losses(path: Path) -> dict[int, float]:
+    return {int(k): v for k, v in json.loads(path.read_text())["losses"].items()}
+
+
+def test_fsdp_and_ddp_match_one_process(runs):
+    tmp, _, single = runs
+    fsdp = tensorboard_scalars(tmp / "tb", "train/loss")  # written by the `mtrain pretrain` command
+    ddp = _losses(tmp / "ddp.json")
+    assert sorted(fsdp) == sorted(ddp) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert fsdp[step] == pytest.approx(single.losses[step], rel=2e-6), step
+        assert ddp[step] == pytest.approx(single.losses[step], rel=2e-6), step
+    assert single.losses[STEPS] < single.losses[1]
+    valid = tensorboard_scalars(tmp / "tb", "valid/loss")
+    assert sorted(valid) == [3, 6] and valid[6] == pytest.approx(single.valid_losses[6], rel=2e-6)
+
+
+def test_bf16_with_recomputation_under_fsdp_trains(runs):
+    tmp, _, single = runs
+    bf16 = _losses(tmp / "bf16.json")
+    for step in range(1, STEPS + 1):
+        assert abs(bf16[step] - single.losses[step]) < 0.05, (step, bf16[step], single.losses[step])
+    assert bf16[STEPS] < bf16[1]
+
+
+def test_two_rank_checkpoint_resumes_in_one_process(runs):
+    tmp, raw, single = runs
+    run = tmp / "resume-dp1"
+    shutil.copytree(tmp / "fsdp", run)
+    shutil.rmtree(run / "step_0000006")
+    (run / "latest").write_text("step_0000003\n")
+    meta = checkpoint.read_meta(run / "step_0000003")
+    assert meta["world_size"] == 2 and meta["step"] == 3 and meta["consumed_samples"] == 3 * 8
+    resumed = Trainer(from_dict(_with(raw, checkpoint={"dir": str(run)}))).run()
+    assert resumed.resumed_from == run / "step_0000003"
+    assert sorted(resumed.losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed.losses[step] == pytest.approx(single.losses[step], rel=2e-6), step
+
+
+def test_mconvert_reads_a_two_rank_checkpoint(runs):
+    tmp, _, _ = runs
+    two = engine.load(tmp / "fsdp", Options())
+    one = engine.load(tmp / "single", Options())
+    assert two.source.format == "mtrain" and two.source.iteration == STEPS and two.source.layout["data_parallel"] == 2
+    assert list(two.tensors) == list(one.tensors)
+    for name, t in two:
+        torch.testing.assert_close(t.load(), one[name].load(), atol=1e-5, rtol=1e-4)
