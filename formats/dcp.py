@@ -38,6 +38,8 @@ _SAFE_CLASSES = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id, as torch's own dcp.save records it
+    ("pathlib", "PurePosixPath"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     *(("torch.distributed.checkpoint.metadata", n) for n in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",

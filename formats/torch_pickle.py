@@ -12,6 +12,7 @@ import argparse
 import collections
 import contextlib
 import io
+import pathlib
 import pickle
 import re
 import signal
@@ -26,8 +27,9 @@ import torch
 from mconvert.errors import ConvertError
 
 
-class MegatronStandIn:
-    """An inert stand-in for a Megatron class found in a pickle (its enums): it only keeps its arguments."""
+class StandIn:
+    """An inert stand-in for a class found in a pickle that we need not rebuild (Megatron's enums and config
+    objects, numpy arrays in RNG state): it only keeps the arguments and state it was given."""
 
     def __init__(self, *args: Any) -> None:
         self.args = args
@@ -43,24 +45,37 @@ class MegatronStandIn:
         return f"{type(self).__name__}({', '.join(map(repr, self.args))})"
 
 
-# Megatron classes known to appear in pickled args (enums), each mapped to an inert stand-in of the same name.
-MEGATRON_GLOBALS = (
+# Classes known to appear in Megatron checkpoints (args, optimizer and RNG state, rerun state machine; the list
+# Megatron itself allows), each mapped to an inert stand-in of the same name: reading them runs none of their code.
+STAND_INS = (
     "megatron.core.enums.ModelType",
     "megatron.core.enums.Fp8Recipe",
     "megatron.core.transformer.enums.AttnBackend",
     "megatron.core.transformer.enums.AttnMaskType",
     "megatron.core.transformer.enums.AttnType",
+    "megatron.core.transformer.enums.CudaGraphModule",
     "megatron.core.transformer.enums.CudaGraphScope",
     "megatron.core.transformer.enums.InferenceCudaGraphScope",
     "megatron.core.transformer.enums.LayerType",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
     "megatron.model.enums.ModelType",
     "megatron.model.enums.AttnMaskType",
     "megatron.model.enums.PositionEmbeddingType",
+    # numpy arrays (numpy's RNG state): numpy 1 and 2 spell the module differently
+    "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray._reconstruct",
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy.dtypes.UInt32DType",
+    "torch._C.Generator",
 )
 
 
 def _stand_in(full_name: str) -> tuple[type, str]:
-    return type(full_name.rsplit(".", 1)[1], (MegatronStandIn,), {"__module__": "mconvert.standins"}), full_name
+    return type(full_name.rsplit(".", 1)[1], (StandIn,), {"__module__": "mconvert.standins"}), full_name
 
 
 SAFE_GLOBALS: list = [
@@ -68,7 +83,9 @@ SAFE_GLOBALS: list = [
     types.SimpleNamespace,
     signal.Signals,
     collections.OrderedDict,
-    *(_stand_in(name) for name in MEGATRON_GLOBALS),
+    io.BytesIO,  # Transformer Engine <= 1.13 extra state
+    pathlib.PosixPath,
+    *(_stand_in(name) for name in STAND_INS),
 ]
 
 _UNSAFE = re.compile(r"GLOBAL ([\w.]+)")
@@ -110,7 +127,7 @@ def safe_load(path: Path | str, *, mmap: bool = True) -> Any:
         if found:
             raise ConvertError(
                 f"{path}: refusing to unpickle: the file asks for the Python global `{found.group(1)}`, which is "
-                "not on the allow-list of safe types (tensors, dtypes, argparse.Namespace, Megatron's enums). "
+                "not on the allow-list of safe types (tensors, dtypes, argparse.Namespace, Megatron's classes). "
                 "A checkpoint can run arbitrary code through such a global; if you trust this file, re-save "
                 "it with plain tensors and dicts."
             ) from None

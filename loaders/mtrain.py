@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint as dcp
-
+from formats import hf_dir
+from formats.dcp import DcpReader
 from mconvert.errors import ConvertError, format_names
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
 from mconvert.options import Options
@@ -30,7 +29,7 @@ def _step_dir(path: Path) -> Path | None:
     return None
 
 
-@register_loader("mtrain", detect=lambda p: _step_dir(p) is not None)
+@register_loader("mtrain", detect=lambda p: _step_dir(p) is not None, options=("tokenizer",))
 def load(path: Path, options: Options) -> ModelIR:
     """mtrain checkpoints (DCP): a step directory, or a run's checkpoint directory (its latest step)."""
     step_dir = _step_dir(path)
@@ -39,7 +38,10 @@ def load(path: Path, options: Options) -> ModelIR:
                            "directory, or a `latest` file naming one)")
     meta = checkpoint.read_meta(step_dir)
     config = ModelConfig.from_dict(meta["model_config"])
-    stored = _stored_tensors(step_dir)
+    reader = DcpReader(step_dir)  # its allow-listed unpickler: torch's own reader would unpickle anything
+    prefix = checkpoint.MODEL_PREFIX
+    stored = {key[len(prefix):]: (entry.shape, entry.dtype) for key, entry in reader.tensors.items()
+              if key.startswith(prefix)}
     wanted = {model_name for model_name, _ in state_dict_adapter.ir_sources(config).values()}
     missing, extra = sorted(wanted - set(stored)), sorted(set(stored) - wanted)
     if missing or extra:
@@ -48,31 +50,16 @@ def load(path: Path, options: Options) -> ModelIR:
                            + (f"Extra tensors: {format_names(extra)}." if extra else ""))
     config = config.replace(dtype=dtype_name(stored["embed.weight"][1]))
     cache = LoadCache(max_items=2)
-    reader_path = str(step_dir)
 
     def lazy(name: str) -> LazyTensor:
         shape, dtype = stored[name]
-        return LazyTensor(shape, dtype, lambda: cache.get(name, lambda: _read(reader_path, name, shape, dtype)),
-                          f"{step_dir.name}:model.{name}")
+        return LazyTensor(shape, dtype, lambda: cache.get(name, lambda: reader.read(prefix + name)),
+                          f"{step_dir.name}:{prefix}{name}")
 
     tensors = state_dict_adapter.to_ir(
         config, {name: lazy(name) for name in wanted},
         take=lambda t, e: t.map(lambda x, e=e: x[e].clone(), shape=t.shape[1:], origin=f"{t.origin}[{e}]"))
-    tokenizer = step_dir / "tokenizer"
-    assets = {p.name: p for p in sorted(tokenizer.iterdir())} if tokenizer.is_dir() else {}
+    tokenizer = options.tokenizer or step_dir / "tokenizer"
+    assets = hf_dir.tokenizer_files(tokenizer) if tokenizer.is_dir() else {}
     layout = {"data_parallel": meta["world_size"]}
     return ModelIR(config, tensors, SourceInfo("mtrain", step_dir, layout, iteration=meta["step"]), assets)
-
-
-def _stored_tensors(step_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
-    prefix = checkpoint.MODEL_PREFIX
-    return {key[len(prefix):]: (tuple(m.size), m.properties.dtype) for key, m in metadata.state_dict_metadata.items()
-            if key.startswith(prefix) and hasattr(m, "size")}
-
-
-def _read(path: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    tensor = torch.empty(shape, dtype=dtype)
-    with checkpoint.single_process_ok():
-        dcp.load({"model": {name: tensor}}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    return tensor

@@ -66,7 +66,7 @@ class ModelConfig:
     proj_bias: bool = False
     mlp_bias: bool = False
     tie_embeddings: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # keys a query sees, itself included (HF's meaning)
     num_experts: int | None = None
     moe_top_k: int | None = None
     moe_aux_loss_coeff: float | None = None

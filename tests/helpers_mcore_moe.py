@@ -50,9 +50,17 @@ def megatron_on_cpu():
     grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
     grouped_gemm_util.ops = types.SimpleNamespace(gmm=cpu_grouped_gemm)
     moe_utils.te_general_gemm = None  # 0.16 leaves the name undefined without Transformer Engine
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    def window_mask(sq: int, skv: int, window):  # Megatron's own formula; it only hard-codes device="cuda"
+        ones = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(torch.triu(ones, diagonal=skv - sq - window[0]), diagonal=skv - sq + window[1])
+
+    utils.get_sliding_window_causal_mask = fused_softmax.get_sliding_window_causal_mask = window_mask
 
 
-def build(hf, grouped: bool, padded_vocab: int):
+def build(hf, grouped: bool, padded_vocab: int, window_size=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -66,7 +74,8 @@ def build(hf, grouped: bool, padded_vocab: int):
         layernorm_epsilon=hf.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, perform_initialization=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, moe_permute_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False)
+        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
+        window_size=window_size)  # as our checkpoint's args say: Megatron's meaning, not recomputed from HF
     spec = get_gpt_layer_local_spec(num_experts=hf.num_local_experts, moe_grouped_gemm=grouped,
                                     normalization="RMSNorm")
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
@@ -88,17 +97,19 @@ def check(hf_dir: str, core_dir: str) -> float:
         from megatron.core import dist_checkpointing
 
         args = safe_load(os.path.join(it_dir, "common.pt"))["args"]
-        model = build(hf, False, args.padded_vocab_size)
+        model = build(hf, False, args.padded_vocab_size, args.window_size)
         loaded = dist_checkpointing.load(model.sharded_state_dict(), it_dir)
         state = {k: v for k, v in loaded.items() if k in model.state_dict()}
         kind = "torch_dist"
     else:
         state = dict(safe_load(os.path.join(it_dir, "mp_rank_00", "model_optim_rng.pt"))["model"])
         args = safe_load(os.path.join(it_dir, "mp_rank_00", "model_optim_rng.pt"))["args"]
-        model = build(hf, bool(args.moe_grouped_gemm), args.padded_vocab_size)
+        model = build(hf, bool(args.moe_grouped_gemm), args.padded_vocab_size, args.window_size)
         kind = "torch"
     result = model.load_state_dict(state, strict=True)  # raises on any missing or extra key
-    print(f"{core_dir}: {kind}, {type(model.decoder.layers[0].mlp.experts).__name__} experts, strict load: {result}")
+    window = f", window {args.window_size}" if args.window_size else ""
+    print(f"{core_dir}: {kind}, {type(model.decoder.layers[0].mlp.experts).__name__} experts{window}, "
+          f"strict load: {result}")
     tokens = torch.randint(0, hf.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(24).expand(2, -1)
     causal = torch.triu(torch.ones(24, 24, dtype=torch.bool), 1)[None, None]

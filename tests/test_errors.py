@@ -170,3 +170,23 @@ def test_checkpoint_without_args(tmp_path):
     out = run_cli("--loader", "core", "--saver", "llama_mistral", "--load-dir", tmp_path / "core",
                   "--save-dir", tmp_path / "hf", expect_error=True)
     assert "model_optim_rng.pt: no 'args' entry; cannot tell the model shape" in out
+
+
+def test_mtrain_checkpoint_with_unsafe_metadata(tmp_path):
+    """The mtrain loader reads DCP metadata through the allow-list too (torch's reader would run the pickle)."""
+    from mconvert.ir import ModelConfig
+    from mtrain import checkpoint
+
+    step = tmp_path / "run" / "step_0000001"
+    step.mkdir(parents=True)
+    config = ModelConfig(family="llama", num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
+                         num_query_groups=1, head_dim=4, vocab_size=10, max_position_embeddings=16)
+    meta = {"format": checkpoint.FORMAT, "version": checkpoint.FORMAT_VERSION, "model_config": config.to_dict(),
+            "step": 1, "world_size": 1}
+    (step / checkpoint.META_FILE).write_text(__import__("json").dumps(meta))
+    marker = tmp_path / "pwned"
+    (step / ".metadata").write_bytes(b"\x80\x04cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.")
+    (tmp_path / "run" / checkpoint.LATEST_FILE).write_text("step_0000001\n")
+    out = run_cli("inspect", tmp_path / "run", expect_error=True)
+    assert "refusing to unpickle: it asks for the Python global `os.system`" in out
+    assert not marker.exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import make_hf_model, run_cli
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -35,3 +35,19 @@ def test_megatron_core_runs_our_moe_checkpoints(mixtral_dir, tmp_path):
     assert "torch, GroupedMLP experts, strict load: <All keys matched successfully>" in result.stdout
     assert "torch_dist, SequentialMLP experts, strict load: <All keys matched successfully>" in result.stdout
     assert sum(line.startswith("OK ") for line in result.stdout.splitlines()) == 3  # logits within 1e-5
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                    reason="megatron-core is not installed (pip install megatron-core)")
+def test_megatron_core_agrees_on_the_sliding_window(tmp_path):
+    """HF's sliding_window counts the query itself, Megatron's window_size does not: a window of 8 on 24 tokens
+    makes an off-by-one show in Megatron's own logits."""
+    src = make_hf_model(tmp_path / "hf", "mixtral", seed=7, sliding_window=8)
+    run_cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "core")
+    helper = Path(__file__).with_name("helpers_mcore_moe.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(helper), str(src), str(tmp_path / "core")], capture_output=True,
+                            text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "window (7, 0), strict load: <All keys matched successfully>" in result.stdout
+    assert result.stdout.count("OK ") == 1

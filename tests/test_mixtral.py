@@ -92,7 +92,7 @@ def test_megatron_args_carry_the_moe_settings(tmp_path):
     assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size, args.moe_aux_loss_coeff,
             args.moe_input_jitter_eps) == (4, 1, 96, 0.02, 0.01)
     assert (args.moe_grouped_gemm, args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (True, 2, 1)
-    assert (args.window_size, args.rotary_base, args.transformer_impl) == ((16, 0), 1000000, "transformer_engine")
+    assert (args.window_size, args.rotary_base, args.transformer_impl) == ((15, 0), 1000000, "transformer_engine")
     run_cli("--saver", "mixtral_hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     original = json.loads((src / "config.json").read_text())

@@ -195,7 +195,7 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
         proj_bias=bool(get("add_bias_linear", True)),
         mlp_bias=bool(get("add_bias_linear", True)),
         tie_embeddings=not get("untie_embeddings_and_output_weights", False),
-        sliding_window=int(window[0]) if window and int(window[0]) > 0 else None,
+        sliding_window=int(window[0]) + 1 if window and int(window[0]) >= 0 else None,  # see args_from_config
         num_experts=int(experts) if experts else None,
         moe_top_k=int(get("moe_router_topk", 2)) if experts else None,
         moe_aux_loss_coeff=_first(get("moe_aux_loss_coeff")) if experts else None,
@@ -255,7 +255,9 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         swiglu=c.gated, openai_gelu=c.activation == "gelu_tanh", squared_relu=False, bias_gelu_fusion=False,
         add_bias_linear=c.proj_bias, add_qkv_bias=c.qkv_bias,
         untie_embeddings_and_output_weights=not c.tie_embeddings,
-        window_size=(c.sliding_window, 0) if c.sliding_window else None,
+        # Megatron's window (left, right) lets a query see `left` earlier keys and itself; the IR's (and HF's)
+        # sliding_window counts the query too
+        window_size=(c.sliding_window - 1, 0) if c.sliding_window else None,
         num_experts=c.num_experts, moe_router_topk=c.moe_top_k or 2,
         moe_ffn_hidden_size=c.ffn_hidden_size if c.is_moe else None,
         # Megatron applies jitter whenever the value is not None, and Uniform(1, 1) fails: no jitter is None
