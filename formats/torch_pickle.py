@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from mconvert.errors import ConvertError
@@ -29,7 +30,7 @@ from mconvert.errors import ConvertError
 
 class StandIn:
     """An inert stand-in for a class found in a pickle that we need not rebuild (Megatron's enums and config
-    objects, numpy arrays in RNG state): it only keeps the arguments and state it was given."""
+    objects): it only keeps the arguments and state it was given."""
 
     def __init__(self, *args: Any) -> None:
         self.args = args
@@ -64,19 +65,23 @@ STAND_INS = (
     "megatron.model.enums.ModelType",
     "megatron.model.enums.AttnMaskType",
     "megatron.model.enums.PositionEmbeddingType",
-    # numpy arrays (numpy's RNG state): numpy 1 and 2 spell the module differently
-    "numpy.core.multiarray._reconstruct",
-    "numpy._core.multiarray._reconstruct",
-    "numpy.ndarray",
-    "numpy.dtype",
-    "numpy.dtypes.UInt32DType",
-    "torch._C.Generator",
 )
 
 
 def _stand_in(full_name: str) -> tuple[type, str]:
     return type(full_name.rsplit(".", 1)[1], (StandIn,), {"__module__": "mconvert.standins"}), full_name
 
+
+try:
+    from numpy._core.multiarray import _reconstruct as _np_reconstruct
+except ImportError:  # numpy 1
+    from numpy.core.multiarray import _reconstruct as _np_reconstruct
+
+# numpy arrays (numpy's RNG state in Megatron's rng_state), rebuilt for real as torch and Megatron allow; numpy
+# 1 and 2 spell the module differently.
+_NUMPY = [(np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype"),
+          (np.dtypes.UInt32DType, "numpy.dtypes.UInt32DType"),
+          *((_np_reconstruct, f"{module}.multiarray._reconstruct") for module in ("numpy.core", "numpy._core"))]
 
 SAFE_GLOBALS: list = [
     argparse.Namespace,
@@ -85,6 +90,8 @@ SAFE_GLOBALS: list = [
     collections.OrderedDict,
     io.BytesIO,  # Transformer Engine <= 1.13 extra state
     pathlib.PosixPath,
+    torch.Generator,
+    *_NUMPY,
     *(_stand_in(name) for name in STAND_INS),
 ]
 
@@ -92,16 +99,21 @@ _UNSAFE = re.compile(r"GLOBAL ([\w.]+)")
 _LOCK = threading.Lock()
 
 
+def _global_name(entry) -> str:
+    return entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
+
+
 @contextlib.contextmanager
 def _allowing(entries: list) -> Iterator[None]:
     """Allow `entries` for weights_only loads inside the block, leaving the process's own allow-list as it was.
 
-    (torch's `safe_globals` context removes its entries on exit even when someone else, e.g. megatron-core
-    at import, had registered them before; only what is missing is added here, and removed afterwards.)
+    Names the process already allows (e.g. megatron-core registers its real classes at import) keep their
+    registration: only entries for names not yet allowed are added, and removed afterwards. (torch's own
+    `safe_globals` context would remove entries on exit even when someone else had registered them.)
     """
     with _LOCK:
-        present = torch.serialization.get_safe_globals()
-        added = [e for e in entries if e not in present]
+        present = {_global_name(e) for e in torch.serialization.get_safe_globals()}
+        added = [e for e in entries if _global_name(e) not in present]
         torch.serialization.add_safe_globals(added)
         try:
             yield

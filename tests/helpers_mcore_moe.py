@@ -38,7 +38,12 @@ def cpu_grouped_gemm(x: torch.Tensor, w: torch.Tensor, batch_sizes: torch.Tensor
 def megatron_on_cpu():
     """Initialise a one-process gloo group and Megatron's parallel state, with CPU stand-ins (see above)."""
     os.environ.setdefault("MASTER_ADDR", "localhost")
-    os.environ.setdefault("MASTER_PORT", "29631")
+    if "MASTER_PORT" not in os.environ:  # a free port: other test runs may share the machine
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     torch.cuda.current_device = lambda: "cpu"  # Megatron moves the router to the current CUDA device
     torch.distributed.init_process_group(backend="gloo", rank=0, world_size=1)
     from megatron.core import parallel_state

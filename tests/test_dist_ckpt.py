@@ -127,8 +127,8 @@ def test_megatron_core_loads_our_torch_dist(tp, reference, tmp_path):
             "--save-dir", tmp_path / "d")
     helper = Path(__file__).with_name("helpers_mcore_load.py")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
-                             "--master-port", str(29500 + tp), str(helper), str(tmp_path / "d" / "iter_0000001"),
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp),
+                             str(helper), str(tmp_path / "d" / "iter_0000001"),
                              str(LLAMA / reference)], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("OK 27") == tp  # every rank compared all 27 tensors of its state dict
