@@ -53,9 +53,12 @@ def read_json(path: Path) -> dict:
     if not path.is_file():
         raise ConvertError(f"{path}: file not found")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConvertError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConvertError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
 
 
 def is_hf_dir(path: Path, model_types: tuple[str, ...]) -> bool:

@@ -78,6 +78,8 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConvertError(f"{path}: corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ConvertError(f"{path}: corrupt safetensors header: a JSON {type(header).__name__}, not an object")
     base = 8 + n
     metadata = header.pop("__metadata__", None) or {}
     infos: dict[str, TensorInfo] = {}

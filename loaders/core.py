@@ -17,7 +17,7 @@ from formats.torch_pickle import safe_load
 from loaders.core_dist import is_dist_checkpoint, load_dist
 from mconvert.errors import ConvertError, format_names
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
-from mconvert.mapping import Row, expand, to_ir
+from mconvert.mapping import Row, expand, take_copies, to_ir, verify_copies
 from mconvert.options import Options
 from mconvert.registry import register_loader
 from mconvert.rules import Ctx
@@ -197,8 +197,10 @@ def load(path: Path, options: Options) -> ModelIR:
                 rows += _chunk_source(files, config, table, name, pp, v, ep, starts[(pp, v)], counts[(pp, v)],
                                       (pp, v) == last, source)
     ctx = Ctx(config, padded)
-    tensors = to_ir(source, rows, ctx, where=str(it_dir), drop=DROP + _tied_copy(config, files),
-                    cache=LoadCache(4))
+    # With tied embeddings and PP > 1 the last stage keeps a copy of the embedding as output_layer.weight
+    copies = take_copies(source, r".*/output_layer\.weight") if config.tie_embeddings and files.pp > 1 else []
+    tensors = to_ir(source, rows, ctx, where=str(it_dir), drop=DROP, cache=LoadCache(4))
+    verify_copies(tensors, "embed.weight", copies, core.TIED_OUTPUT, ctx)
     layout = {"tp": files.tp, "pp": files.pp, "vpp": len(chunks) if chunks != ["model"] else 1, "ep": files.ep,
               "stage_layers": [sum(counts[(p, v)] for v in range(len(chunks))) for p in range(files.pp)],
               "transformer_impl": impl, "padded_vocab": padded}
@@ -265,11 +267,6 @@ def _chunk_source(files: RankFiles, config, table, name, pp, v, ep, start, count
         source[prefix + k] = [LazyTensor.of(m[k], f"{files.rel((tp, pp, ep))}:{name}.{k}")
                               for tp, m in enumerate(models)]
     return [Row(prefix + r.key, r.ir, r.rule) for r in rows]
-
-
-def _tied_copy(config, files: RankFiles) -> tuple[str, ...]:
-    """With tied embeddings and PP>1, the last stage's output_layer.weight is a copy of the embedding."""
-    return (r".*/output_layer\.weight",) if config.tie_embeddings and files.pp > 1 else ()
 
 
 def _config(files: RankFiles, options: Options, padded: int, dtype: str, it_dir: Path, assets):

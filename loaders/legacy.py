@@ -17,7 +17,7 @@ from formats.torch_pickle import safe_load
 from loaders.core import RankFiles, _tokenizer, find_iteration
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
-from mconvert.mapping import Row, expand, to_ir
+from mconvert.mapping import Row, expand, take_copies, to_ir, verify_copies
 from mconvert.options import Options
 from mconvert.registry import register_loader
 from mconvert.rules import Ctx
@@ -90,10 +90,12 @@ def load(path: Path, options: Options) -> ModelIR:
                                 embedding=(pp, v) == (0, 0), head=(pp, v) == last)
             rows += [Row(prefix + r.key, r.ir, r.rule) for r in chunk_rows]
     # With tied embeddings the last stage may keep its own copy for the head: Megatron writes it when that stage
-    # lacks the embedding (PP > 1); HF's script writes it at PP 1 too. It duplicates embed.weight: dropped.
-    tied = (".*/" + re.escape(legacy.TIED_HEAD_KEY),) if config.tie_embeddings else ()
-    tensors = to_ir(source, rows, Ctx(config, padded), where=str(it_dir), drop=legacy.DROP + tied,
-                    cache=LoadCache(4))
+    # lacks the embedding (PP > 1); HF's script writes it at PP 1 too. It duplicates embed.weight.
+    # They are checked against it rather than read.
+    ctx = Ctx(config, padded)
+    copies = take_copies(source, ".*/" + re.escape(legacy.TIED_HEAD_KEY)) if config.tie_embeddings else []
+    tensors = to_ir(source, rows, ctx, where=str(it_dir), drop=legacy.DROP, cache=LoadCache(4))
+    verify_copies(tensors, "embed.weight", copies, legacy.TIED_HEAD, ctx)
     layout = {"tp": files.tp, "pp": files.pp, "vpp": len(chunks) if chunks != ["model"] else 1,
               "stage_layers": [sum(counts[(p, v)] for v in range(len(chunks))) for p in range(files.pp)],
               "checkpoint_version": version, "padded_vocab": padded}

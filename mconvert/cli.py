@@ -21,6 +21,7 @@ from mconvert.layout import ParallelLayout
 from mconvert.options import Options
 from mconvert.progress import Progress, human_bytes
 
+POSITIVE = click.IntRange(min=1)
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
           "fp16": "float16", "float16": "float16"}
 # Options that only some loaders/savers understand; giving one to a plugin that ignores it is an error.
@@ -59,19 +60,19 @@ def _fail_cleanly(func):
 @click.option("--load-dir", type=click.Path(path_type=Path), help="Source checkpoint directory (or a hub id in "
               "the local Hugging Face cache).")
 @click.option("--save-dir", type=click.Path(path_type=Path), help="Output directory; written atomically.")
-@click.option("--tp", "--target-tensor-parallel-size", "tp", type=int, default=1, show_default=True,
+@click.option("--tp", "--target-tensor-parallel-size", "tp", type=POSITIVE, default=1, show_default=True,
               help="Tensor-parallel size of the output.")
-@click.option("--pp", "--target-pipeline-parallel-size", "pp", type=int, default=1, show_default=True,
+@click.option("--pp", "--target-pipeline-parallel-size", "pp", type=POSITIVE, default=1, show_default=True,
               help="Pipeline-parallel size of the output.")
-@click.option("--vpp", type=int, default=1, show_default=True,
+@click.option("--vpp", type=POSITIVE, default=1, show_default=True,
               help="Virtual pipeline chunks per stage (interleaved schedule).")
-@click.option("--ep", "--target-expert-parallel-size", "ep", type=int, default=1, show_default=True,
+@click.option("--ep", "--target-expert-parallel-size", "ep", type=POSITIVE, default=1, show_default=True,
               help="Expert-parallel size of the output (MoE models).")
-@click.option("--etp", "--target-expert-tensor-parallel-size", "--expert-tensor-parallel-size", "etp", type=int,
+@click.option("--etp", "--target-expert-tensor-parallel-size", "--expert-tensor-parallel-size", "etp", type=POSITIVE,
               help="Expert tensor-parallel size of the output (MoE models; must divide --tp). Default: --tp.")
-@click.option("--first-stage-layers", "--decoder-first-pipeline-num-layers", "first_stage_layers", type=int,
+@click.option("--first-stage-layers", "--decoder-first-pipeline-num-layers", "first_stage_layers", type=POSITIVE,
               help="Layers on the first pipeline stage (uneven split).")
-@click.option("--last-stage-layers", "--decoder-last-pipeline-num-layers", "last_stage_layers", type=int,
+@click.option("--last-stage-layers", "--decoder-last-pipeline-num-layers", "last_stage_layers", type=POSITIVE,
               help="Layers on the last pipeline stage (uneven split).")
 @click.option("--transformer-impl", "--saver-transformer-impl", "transformer_impl",
               type=click.Choice(["local", "te", "transformer_engine"]), default="local", show_default=True,
@@ -87,13 +88,15 @@ def _fail_cleanly(func):
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Cast all weights (default: keep the source's).")
 @click.option("--bf16", "dtype", flag_value="bf16", help="Same as --dtype bf16.")
 @click.option("--fp16", "dtype", flag_value="fp16", help="Same as --dtype fp16.")
-@click.option("--make-vocab-size-divisible-by", type=int, default=128, show_default=True,
+@click.option("--make-vocab-size-divisible-by", type=POSITIVE, default=128, show_default=True,
               help="Megatron pads the vocabulary to a multiple of this times TP.")
-@click.option("--true-vocab-size", type=int, help="Real vocabulary size of a padded (Megatron) source.")
+@click.option("--true-vocab-size", type=POSITIVE,
+              help="Real vocabulary size of a padded (Megatron) source.")
 @click.option("--tokenizer", "--tokenizer-model", "tokenizer", type=click.Path(exists=True, path_type=Path),
               help="Directory with tokenizer files to put beside the output.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard (HF savers).")
-@click.option("--iteration", type=int, help="Iteration number to write (Megatron savers); default: the source's, "
+@click.option("--iteration", type=click.IntRange(min=0),
+              help="Iteration number to write (Megatron savers); default: the source's, "
               "else 1.")
 @click.option("--model-type", type=click.Choice(["GPT"]), default="GPT", hidden=True,
               help="Accepted for Megatron compatibility; only GPT models exist here.")
@@ -172,7 +175,7 @@ def _options(o: dict) -> Options:
 @main.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--loader", help="Format of PATH; detected when omitted.")
-@click.option("--true-vocab-size", type=int, help="Real vocabulary size of a padded (Megatron) source.")
+@click.option("--true-vocab-size", type=POSITIVE, help="Real vocabulary size of a padded (Megatron) source.")
 @click.option("--tensors/--no-tensors", default=True, show_default=True, help="Print the table of tensors.")
 @_fail_cleanly
 def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors: bool) -> None:
@@ -187,7 +190,7 @@ def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors
 @click.argument("b", type=click.Path(path_type=Path))
 @click.option("--loader-a", help="Format of A; detected when omitted.")
 @click.option("--loader-b", help="Format of B; detected when omitted.")
-@click.option("--true-vocab-size", type=int, help="Real vocabulary size, for padded (Megatron) checkpoints.")
+@click.option("--true-vocab-size", type=POSITIVE, help="Real vocabulary size, for padded (Megatron) checkpoints.")
 @_fail_cleanly
 def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, true_vocab_size: int | None) -> None:
     """Compare two checkpoints of the same model tensor by tensor (any formats, any layouts).

@@ -8,6 +8,7 @@ directory, so the destination either holds a complete checkpoint or is left as i
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -76,16 +77,28 @@ def tree_size(root: Path) -> tuple[int, int]:
     return sum(p.stat().st_size for p in files), len(files)
 
 
+def resolve_source(path: Path | str) -> Path:
+    """The checkpoint location: an existing path, or a hub id (`org/name`) found in the local HF cache."""
+    if Path(path).exists():
+        return Path(path)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+        from formats.hf_dir import resolve
+
+        return resolve(path)  # a clear error when the id is not in the cache
+    raise ConvertError(f"{path}: no such file or directory")
+
+
 def resolve_loader(name: str | None, path: Path) -> Plugin:
-    return get_loader(name) if name else detect_loader(path)
+    return get_loader(name) if name else detect_loader(resolve_source(path))
 
 
 def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
     """Read any checkpoint into the IR (format detected when `loader` is None), checked against its config."""
+    path = resolve_source(path)
     plugin = resolve_loader(loader, path)
     ir = plugin.func(path, options)
     ir.check()
-    if options.dtype and options.dtype != ir.config.dtype:
+    if options.dtype:  # every tensor: a checkpoint may mix dtypes (bf16 weights, fp32 norms)
         ir = ir.cast(options.dtype)
     return ir
 

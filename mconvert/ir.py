@@ -122,6 +122,11 @@ class ModelConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConvertError(f"unknown ModelConfig field(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ConvertError(f"ModelConfig needs field(s) {', '.join(missing)}")
         return cls(**data)
 
     @classmethod

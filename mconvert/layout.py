@@ -43,6 +43,9 @@ class ParallelLayout:
         if self.tp % self.expert_tp:
             # A Megatron rank's expert-TP rank is its TP rank modulo etp only when etp divides tp.
             raise ConvertError(f"--etp {self.etp} must divide --tp {self.tp}")
+        if self.pp == 1 and self.vpp > 1:
+            raise ConvertError(f"--vpp {self.vpp} needs --pp > 1: virtual pipeline chunks interleave pipeline "
+                               "stages (Megatron refuses virtual pipelining without pipeline parallelism)")
         if self.pp == 1 and (self.first_stage_layers or self.last_stage_layers):
             raise ConvertError("--first-stage-layers/--last-stage-layers need --pp > 1")
 

@@ -152,3 +152,29 @@ def check_plan(ir_names: Iterable[str], plans: Sequence[tuple[str, list[Row]]], 
         parts = [f"would drop {format_names(dropped)}" if dropped else "",
                  f"would write experts more than once: {format_names(twice, 4)}" if twice else ""]
         raise ConvertError(f"{where}: refusing to write: the layout " + "; ".join(p for p in parts if p))
+
+
+def take_copies(source: dict[str, Sequence[LazyTensor]], pattern: str) -> list[list[LazyTensor]]:
+    """Remove from `source` the keys matching `pattern` (stored duplicates of another tensor); return their pieces."""
+    found = [k for k in source if re.fullmatch(pattern, k)]
+    return [list(source.pop(k)) for k in found]
+
+
+def verify_copies(tensors: dict[str, LazyTensor], name: str, copies: list[list[LazyTensor]], rule: Rule,
+                  ctx: Ctx) -> None:
+    """Make reading IR tensor `name` also check that each stored copy of it (e.g. the last pipeline stage's
+    output layer when embeddings are tied) holds the same values, instead of silently ignoring the copies."""
+    if not copies:
+        return
+    base = tensors[name]
+
+    def thunk() -> torch.Tensor:
+        value = base.load()
+        for pieces in copies:
+            copy = rule.backward([p.load() for p in pieces], ctx)[0]
+            if copy.shape != value.shape or not torch.equal(copy, value):
+                raise ConvertError(f"{pieces[0].origin}: this copy of {name} (kept for the tied output layer) "
+                                   f"differs from {base.origin}; the checkpoint is inconsistent")
+        return value
+
+    tensors[name] = LazyTensor(base.shape, base.dtype, thunk, base.origin)

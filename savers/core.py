@@ -33,11 +33,11 @@ LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_st
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`
     or `zarr` (--ckpt-format)."""
+    check_expert_layout(ir, options)
     if options.ckpt_format != "torch":
         return save_dist(ir, out, options, progress)
     c, layout = ir.config, options.layout
     layout.check_model(c)
-    check_expert_layout(ir, options)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
                                  divisible_by=options.make_vocab_size_divisible_by, impl=options.transformer_impl,

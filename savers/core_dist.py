@@ -33,7 +33,8 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
                                  divisible_by=options.make_vocab_size_divisible_by,
-                                 impl=options.transformer_impl, ckpt_format=backend)
+                                 impl=options.transformer_impl, ckpt_format=backend,
+                                 expert_layout=options.expert_layout)
     iteration = megatron_files.iteration(ir, options)
     it_dir = out / core.iteration_dir(iteration)
     it_dir.mkdir(parents=True)

@@ -21,7 +21,9 @@ from mconvert.schemas import core
 
 def iteration(ir: ModelIR, options: Options) -> int:
     """--iteration, else the source's iteration, else 1 (what Megatron's converter writes)."""
-    return options.iteration if options.iteration is not None else (ir.source.iteration or 1)
+    if options.iteration is not None:
+        return options.iteration
+    return ir.source.iteration if ir.source.iteration is not None else 1
 
 
 def write_stage(ir: ModelIR, ctx: Ctx, plans: list[tuple[Chunk, list[Row]]], dirs: list[Path], progress: Progress,

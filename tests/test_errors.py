@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from formats.torch_pickle import safe_load
 from formats.torch_zip import TorchFileWriter
 from tests.conftest import run_cli
 
@@ -78,7 +79,7 @@ def test_existing_output_needs_force(llama_dir, tmp_path):
 def test_unsafe_pickle_is_refused(llama_dir, tmp_path):
     convert(llama_dir, tmp_path / "core")
     target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
-    state = torch.load(target, weights_only=False)
+    state = safe_load(target, mmap=False)
     state["args"].evil = os.system  # a callable global: unpickling it would hand the file a way to run code
     torch.save(state, target)
     out = run_cli("--loader", "core", "--saver", "llama_mistral", "--load-dir", tmp_path / "core",
@@ -98,7 +99,7 @@ def test_missing_rank_file(llama_dir, tmp_path):
 def test_shapes_disagreeing_across_tp_ranks(llama_dir, tmp_path):
     convert(llama_dir, tmp_path / "core", "--tp", "2")
     target = tmp_path / "core" / "iter_0000001" / "mp_rank_01" / "model_optim_rng.pt"
-    state = torch.load(target, weights_only=False)
+    state = safe_load(target, mmap=False)
     key = "decoder.layers.0.input_layernorm.weight"
     state["model"][key] = state["model"][key] + 1
     torch.save(state, target)
@@ -190,3 +191,56 @@ def test_mtrain_checkpoint_with_unsafe_metadata(tmp_path):
     out = run_cli("inspect", tmp_path / "run", expect_error=True)
     assert "refusing to unpickle: it asks for the Python global `os.system`" in out
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("setting,value", [("moe_router_pre_softmax", True), ("moe_router_score_function", "sigmoid"),
+                                           ("position_embedding_type", "yarn"), ("qk_layernorm", True)])
+def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_path):
+    """A Megatron model that computes something else is refused by name, not converted into a different model."""
+    convert(mixtral_dir, tmp_path / "core")
+    target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    state = safe_load(target, mmap=False)
+    setattr(state["args"], setting, value)
+    torch.save(state, target)
+    out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
+    assert f"Megatron settings that change what the model computes and that mconvert cannot carry (yet): " \
+           f"{setting}={value!r}; refusing" in out
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("config,message", [
+    ([1], "config.json: expected a JSON object, found list"),
+    ({"model_type": "llama", "num_attention_heads": "eight", "hidden_size": 64, "num_hidden_layers": 2,
+      "intermediate_size": 128, "vocab_size": 300}, "config.json: a field has a value of the wrong kind"),
+])
+def test_malformed_config_json(llama_dir, tmp_path, config, message):
+    src = tmp_path / "src"
+    shutil.copytree(llama_dir, src)
+    (src / "config.json").write_text(json.dumps(config))
+    out = run_cli("--loader", "llama_mistral", "--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "o",
+                  expect_error=True)
+    assert message in out
+
+
+def test_safetensors_header_that_is_not_an_object(tmp_path):
+    import struct
+
+    from formats.safetensors_io import SafetensorsFile
+    from mconvert.errors import ConvertError
+
+    (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", 2) + b"[]")
+    with pytest.raises(ConvertError, match="corrupt safetensors header: a JSON list, not an object"):
+        SafetensorsFile(tmp_path / "x.safetensors")
+
+
+def test_bad_numbers_and_paths(llama_dir, tmp_path):
+    out = run_cli("--saver", "core", "--make-vocab-size-divisible-by", "0", "--load-dir", llama_dir,
+                  "--save-dir", tmp_path / "o", expect_error=True)
+    assert "Invalid value for '--make-vocab-size-divisible-by': 0 is not in the range x>=1" in out
+    out = run_cli("--saver", "core", "--vpp", "2", "--load-dir", llama_dir, "--save-dir", tmp_path / "o",
+                  expect_error=True)
+    assert "--vpp 2 needs --pp > 1" in out
+    out = run_cli("--saver", "core", "--load-dir", tmp_path / "nowhere", "--save-dir", tmp_path / "o",
+                  expect_error=True)
+    assert f"{tmp_path / 'nowhere'}: no such file or directory" in out
+    assert not (tmp_path / "o").exists()

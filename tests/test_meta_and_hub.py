@@ -90,6 +90,10 @@ def test_hub_id_from_the_local_cache(llama_dir, tmp_path):
     subprocess.run([*cmd, "tiny-org/tiny-llama", "--save-dir", str(tmp_path / "core")], env=env, check=True,
                    capture_output=True)
     assert_same_tensors(ir_tensors(llama_dir), ir_tensors(tmp_path / "core"))
+    detected = [sys.executable, "-m", "mconvert", "--saver", "core", "--load-dir", "tiny-org/tiny-llama",
+                "--save-dir", str(tmp_path / "core_detected")]  # the format is detected from the cached files
+    subprocess.run(detected, env=env, check=True, capture_output=True)
+    assert_same_tensors(ir_tensors(llama_dir), ir_tensors(tmp_path / "core_detected"))
     absent = subprocess.run([*cmd, "tiny-org/absent", "--save-dir", str(tmp_path / "core2")], env=env,
                             capture_output=True, text=True)
     assert absent.returncode == 1

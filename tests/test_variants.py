@@ -83,3 +83,30 @@ def test_transformer_engine_names(llama_dir, tmp_path):
     assert extra.dtype == torch.uint8 and extra.numel() == 0  # what Transformer Engine >= 2.5 writes without FP8
     assert state["args"].transformer_impl == "transformer_engine"
     assert_same_tensors(ir_tensors(llama_dir), ir_tensors(tmp_path / "te"))
+
+
+def test_llama_saver_refuses_what_llama_cannot_express():
+    from mconvert.errors import ConvertError
+    from mconvert.ir import ModelConfig
+    from mconvert.schemas import hf_llama
+
+    config = ModelConfig(family="llama", num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
+                         num_query_groups=1, head_dim=4, vocab_size=10, max_position_embeddings=16, activation="gelu",
+                         norm="layernorm")
+    with pytest.raises(ConvertError, match=r"HF Llama cannot hold this model: activation gelu \(Llama and Mistral "
+                                           r"use SwiGLU\), layernorm \(they use RMSNorm\)"):
+        hf_llama.config_to_hf(config)
+
+
+def test_tied_output_copy_is_checked_not_ignored(tmp_path):
+    """The last stage's output_layer copy of tied embeddings must agree with the embedding it duplicates."""
+    src = make_hf_model(tmp_path / "src", "llama", seed=8, tie_word_embeddings=True)
+    run_cli("--saver", "core", "--pp", "2", "--load-dir", src, "--save-dir", tmp_path / "pp2")
+    assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "pp2"))
+    target = tmp_path / "pp2/iter_0000001/mp_rank_00_001/model_optim_rng.pt"
+    state = safe_load(target, mmap=False)
+    state["model"]["output_layer.weight"] = torch.zeros_like(state["model"]["output_layer.weight"])
+    torch.save(state, target)
+    out = run_cli("compare", src, tmp_path / "pp2", expect_error=True)
+    assert "mp_rank_00_001/model_optim_rng.pt:model.output_layer.weight: this copy of embed.weight (kept for the " \
+           "tied output layer) differs from" in out

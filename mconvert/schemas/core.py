@@ -141,6 +141,30 @@ def true_vocab_size(args: Any, given: int | None, assets: dict, padded: int, whe
     return vocab, notes
 
 
+# Megatron settings with no place in the IR: (arg, MoE-only, accepted value). Anything else is refused, never
+# silently dropped; defaults (and None, "unset") are accepted.
+_SETTINGS = (
+    ("rotary_interleaved", False, lambda v: not v),
+    ("rotary_percent", False, lambda v: v is None or float(v) == 1.0),
+    ("rotary_seq_len_interpolation_factor", False, lambda v: v in (None, 1, 1.0)),
+    ("no_rope_freq", False, lambda v: not v),
+    ("qk_layernorm", False, lambda v: not v),
+    ("layernorm_zero_centered_gamma", False, lambda v: not v),
+    ("apply_layernorm_1p", False, lambda v: not v),
+    ("apply_residual_connection_post_layernorm", False, lambda v: not v),
+    ("squared_relu", False, lambda v: not v),
+    ("window_attn_skip_freq", False, lambda v: v in (None, 1)),
+    ("moe_shared_expert_intermediate_size", True, lambda v: not v),
+    ("moe_layer_freq", True, lambda v: v is None or _every_layer(v)),
+    ("moe_router_enable_expert_bias", True, lambda v: not v),
+    ("moe_router_pre_softmax", True, lambda v: not v),
+    ("moe_router_score_function", True, lambda v: v in (None, "softmax")),
+    ("moe_router_topk_scaling_factor", True, lambda v: v in (None, 1, 1.0)),
+    ("moe_router_num_groups", True, lambda v: not v),
+    ("moe_router_group_topk", True, lambda v: not v),
+)
+
+
 def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtype: str,
                      where: str) -> ModelConfig:
     """The IR config from a Megatron `args` namespace (names as Megatron stores them)."""
@@ -149,23 +173,21 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
         value = getattr(args, name, None)
         return default if value is None else value
 
-    unsupported = [f"{n}={get(n)!r}" for n, ok in (
-        ("rotary_interleaved", not get("rotary_interleaved", False)),
-        ("rotary_percent", float(get("rotary_percent", 1.0)) == 1.0),
-        ("qk_layernorm", not get("qk_layernorm", False)),
-        ("layernorm_zero_centered_gamma", not (get("layernorm_zero_centered_gamma") or get("apply_layernorm_1p"))),
-        ("squared_relu", not get("squared_relu", False)),
-        ("moe_shared_expert_intermediate_size", not get("moe_shared_expert_intermediate_size")),
-        ("moe_layer_freq", _every_layer(get("moe_layer_freq", 1))),
-        ("moe_router_enable_expert_bias", not get("moe_router_enable_expert_bias", False)),
-    ) if not ok]
+    moe = bool(get("num_experts"))
+    unsupported = [f"{name}={get(name)!r}" for name, applies, ok in _SETTINGS
+                   if (moe or not applies) and not ok(get(name))]
+    position = get("position_embedding_type", "learned_absolute")
+    if position not in ("rope", "learned_absolute"):
+        unsupported.append(f"position_embedding_type={position!r}")
     if unsupported:
-        raise ConvertError(f"{where}: Megatron settings not supported yet: {', '.join(unsupported)}")
+        raise ConvertError(f"{where}: Megatron settings that change what the model computes and that mconvert "
+                           f"cannot carry (yet): {', '.join(unsupported)}; refusing rather than converting to a "
+                           "different model")
     try:
         hidden, heads, layers = int(args.hidden_size), int(args.num_attention_heads), int(args.num_layers)
     except AttributeError as e:
         raise ConvertError(f"{where}: args lack {e.name!r}; is this a Megatron GPT checkpoint?") from None
-    rope = get("position_embedding_type", "learned_absolute") == "rope"
+    rope = position == "rope"
     experts = get("num_experts")
     window = get("window_size")
     ffn = get("moe_ffn_hidden_size") if experts else None

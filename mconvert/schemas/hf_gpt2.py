@@ -101,6 +101,13 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         raise ConvertError(f"{where}: GPT-2 settings that Megatron and the IR cannot express: "
                            f"{', '.join(unsupported)}")
     hf = {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257} | hf
+    try:
+        return _config(hf, act, where)
+    except (TypeError, ValueError) as e:
+        raise ConvertError(f"{where}: a field has a value of the wrong kind: {e}") from None
+
+
+def _config(hf: dict[str, Any], act: str, where: str) -> ModelConfig:
     hidden, heads = int(hf["n_embd"]), int(hf["n_head"])
     if hidden % heads:
         raise ConvertError(f"{where}: n_embd={hidden} is not a multiple of n_head={heads}")

@@ -86,11 +86,22 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         )
     except KeyError as e:
         raise ConvertError(f"{where}: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ConvertError(f"{where}: a field has a value of the wrong kind: {e}") from None
 
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     if c.family not in MODEL_TYPES:
         raise ConvertError(f"the Llama/Mistral saver cannot write a {c.family} model; use the saver for that family")
+    unsupported = [what for what, bad in (
+        (f"activation {c.activation} (Llama and Mistral use SwiGLU)", c.activation != "swiglu"),
+        (f"{c.norm} (they use RMSNorm)", c.norm != "rmsnorm"),
+        ("learned position embeddings (they use rotary)", c.position_embedding != "rope"),
+        ("experts (save it as mixtral)", c.is_moe),
+    ) if bad]
+    if unsupported:
+        raise ConvertError(f"HF {MODEL_TYPES[c.family].removesuffix('ForCausalLM')} cannot hold this model: "
+                           f"{', '.join(unsupported)}")
     if c.qkv_bias != c.proj_bias:
         raise ConvertError("HF Llama has one attention_bias flag for q/k/v and o; this model has bias on "
                            f"{'q/k/v only' if c.qkv_bias else 'o only'}")

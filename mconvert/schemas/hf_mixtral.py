@@ -105,6 +105,8 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         )
     except KeyError as e:
         raise ConvertError(f"{where}: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ConvertError(f"{where}: a field has a value of the wrong kind: {e}") from None
 
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
