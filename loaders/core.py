@@ -12,9 +12,17 @@ from typing import Any
 
 import torch
 
-from formats import hf_dir
-from formats.torch_pickle import safe_load
-from loaders.core_dist import is_dist_checkpoint, load_dist
+from loaders.core_dist import load_dist
+from loaders.megatron_files import (
+    RankFiles,
+    check_layer_count,
+    chunk_starts,
+    find_iteration,
+    first_model,
+    is_dist_checkpoint,
+    tokenizer,
+)
+from loaders.megatron_files import config as megatron_config
 from mconvert.errors import ConvertError, format_names
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import Row, expand, take_copies, to_ir, verify_copies
@@ -28,32 +36,6 @@ LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.")
 DROP = (r".*\._extra_state", r".*rotary_pos_emb\.inv_freq")
 
 
-def find_iteration(path: Path) -> tuple[Path, int | None]:
-    """The directory holding the rank folders, and its iteration (None for `release`)."""
-    path = Path(path)
-    tracker = path / core.TRACKER
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        if text == "release":
-            it_dir, iteration = path / "release", None
-        elif text.isdigit():
-            it_dir, iteration = path / core.iteration_dir(int(text)), int(text)
-        else:
-            raise ConvertError(f"{tracker}: expected an iteration number or 'release', found {text[:40]!r}")
-        if not it_dir.is_dir():
-            raise ConvertError(f"{tracker} names iteration {text}, but {it_dir} does not exist")
-        return it_dir, iteration
-    if _rank_dirs(path) or is_dist_checkpoint(path):
-        m = re.fullmatch(r"iter_(\d{7})", path.name)
-        return path, int(m.group(1)) if m else None
-    raise ConvertError(f"{path}: not a Megatron checkpoint: no {core.TRACKER}, no mp_rank_* folders and no "
-                       "metadata.json")
-
-
-def _rank_dirs(path: Path) -> list[Path]:
-    return sorted(p for p in path.glob("mp_rank_*") if p.is_dir() and core.RANK_DIR.fullmatch(p.name))
-
-
 def is_core_checkpoint(path: Path) -> bool:
     try:
         it_dir, _ = find_iteration(path)
@@ -61,91 +43,8 @@ def is_core_checkpoint(path: Path) -> bool:
         return False
     if is_dist_checkpoint(it_dir):
         return True
-    dirs = _rank_dirs(it_dir)
-    if not dirs or not (dirs[0] / core.CHECKPOINT_FILE).is_file():
-        return False
-    try:  # core keys are flat (`embedding.`, `decoder.`); legacy ones nest under `language_model`
-        state = safe_load(dirs[0] / core.CHECKPOINT_FILE)
-        model = state.get("model", state.get("model0", {}))
-        return any(k.startswith(("decoder.", "embedding.", "output_layer")) for k in model)
-    except ConvertError:
-        return False
-
-
-class RankFiles:
-    """The rank files of one iteration, indexed by (tp, pp, ep), checked against the sizes in `args`."""
-
-    def __init__(self, it_dir: Path) -> None:
-        dirs = _rank_dirs(it_dir)
-        if not dirs:
-            raise ConvertError(f"{it_dir}: no mp_rank_* folders")
-        first = self._load(dirs[0])
-        self.args = first.get("args")
-        if self.args is None:
-            raise ConvertError(f"{dirs[0] / core.CHECKPOINT_FILE}: no 'args' entry; cannot tell the model shape")
-        # checkpoint_version < 3.0 files call it model_parallel_size
-        self.tp = int(getattr(self.args, "tensor_model_parallel_size", None) or
-                      getattr(self.args, "model_parallel_size", None) or 1)
-        self.pp = int(getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
-        self.ep = int(getattr(self.args, "expert_model_parallel_size", 1) or 1)
-        from mconvert.layout import ParallelLayout
-
-        grid = ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep)
-        want = {core.rank_dir(t, p, e, grid): (t, p, e)
-                for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)}
-        have = {d.name for d in dirs}
-        missing = sorted(set(want) - have) + sorted(n for n in want if n in have and
-                                                    not (it_dir / n / core.CHECKPOINT_FILE).is_file())
-        if missing:
-            listed = ", ".join(f"{m}/{core.CHECKPOINT_FILE}" for m in missing)
-            raise ConvertError(f"{it_dir}: missing rank file(s) {listed} (args say TP={self.tp}, PP={self.pp}, "
-                               f"EP={self.ep})")
-        extra = sorted(have - set(want))
-        if extra:
-            raise ConvertError(f"{it_dir}: unexpected rank folder(s) {', '.join(extra)} for TP={self.tp}, "
-                               f"PP={self.pp}, EP={self.ep} (from args)")
-        self.files = {idx: it_dir / name / core.CHECKPOINT_FILE for name, idx in want.items()}
-        _check_distinct(list(self.files.values()))
-        self.states = {idx: first if self.files[idx].parent == dirs[0] else self._load(self.files[idx].parent)
-                       for idx in self.files}
-        self.it_dir = it_dir
-
-    @staticmethod
-    def _load(d: Path) -> dict[str, Any]:
-        state = safe_load(d / core.CHECKPOINT_FILE)
-        if not isinstance(state, dict):
-            raise ConvertError(f"{d / core.CHECKPOINT_FILE}: expected a dict, found {type(state).__name__}")
-        return state
-
-    def chunk_names(self) -> list[str]:
-        state = self.states[(0, 0, 0)]
-        names = sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
-        if "model" in state:
-            return ["model"]
-        if not names:
-            raise ConvertError(f"{self.files[(0, 0, 0)]}: no 'model' entry")
-        return names
-
-    def model(self, tp: int, pp: int, ep: int, name: str) -> dict[str, Any]:
-        state = self.states[(tp, pp, ep)]
-        if name not in state:
-            raise ConvertError(f"{self.files[(tp, pp, ep)]}: no {name!r} entry (other ranks have it)")
-        return state[name]
-
-    def rel(self, idx: tuple[int, int, int]) -> str:
-        f = self.files[idx]
-        return f"{f.parent.parent.name}/{f.parent.name}/{f.name}"
-
-
-def _check_distinct(paths: list[Path]) -> None:
-    """Two rank folders linked to one file would silently repeat its experts (or layers) in place of others."""
-    seen: dict[tuple[int, int], Path] = {}
-    for p in paths:
-        st = p.stat()
-        other = seen.setdefault((st.st_dev, st.st_ino), p)
-        if other != p:
-            raise ConvertError(f"{other.parent.name}/{other.name} and {p.parent.name}/{p.name} are the same file "
-                               "(linked): every rank must have its own")
+    model = first_model(it_dir)  # core keys are flat (`embedding.`, `decoder.`); legacy ones nest
+    return model is not None and any(k.startswith(("decoder.", "embedding.", "output_layer")) for k in model)
 
 
 def _num_local_layers(model: dict[str, Any]) -> int:
@@ -165,14 +64,8 @@ def load(path: Path, options: Options) -> ModelIR:
     # Global layer order is chunk-major: chunk v of every stage, then chunk v+1 (see mconvert.layout).
     counts = {(pp, v): _num_local_layers(files.model(0, pp, 0, name))
               for v, name in enumerate(chunks) for pp in range(files.pp)}
-    starts, next_layer = {}, 0
-    for v in range(len(chunks)):
-        for pp in range(files.pp):
-            starts[(pp, v)] = next_layer
-            next_layer += counts[(pp, v)]
-    num_layers = int(getattr(files.args, "num_layers", next_layer) or next_layer)
-    if next_layer != num_layers:
-        raise ConvertError(f"{it_dir}: the rank files hold {next_layer} layers, args.num_layers says {num_layers}")
+    starts, total = chunk_starts(counts, files.pp, len(chunks))
+    check_layer_count(files, total)
     first_model = files.model(0, 0, 0, chunks[0])
     impl = "te" if any(k.endswith("linear_qkv.layer_norm_weight") for k in first_model) else "local"
     embed_key = "embedding.word_embeddings.weight"
@@ -181,8 +74,8 @@ def load(path: Path, options: Options) -> ModelIR:
     embed = first_model[embed_key]
     padded = embed.shape[0] * files.tp
     notes: list[str] = []
-    assets = _tokenizer(options, it_dir, files.args, notes)
-    config, config_notes = _config(files, options, padded, dtype_name(embed.dtype), it_dir, assets)
+    assets = tokenizer(options, it_dir, files.args, notes)
+    config, config_notes = megatron_config(files.args, options, padded, dtype_name(embed.dtype), it_dir, assets)
     notes += config_notes
     expert_layout, etp = _experts(files, chunks, config, notes) if config.is_moe else (None, files.tp)
     table = core.table(impl, moe=config.is_moe, expert_layout=expert_layout or "sequential",
@@ -267,24 +160,3 @@ def _chunk_source(files: RankFiles, config, table, name, pp, v, ep, start, count
         source[prefix + k] = [LazyTensor.of(m[k], f"{files.rel((tp, pp, ep))}:{name}.{k}")
                               for tp, m in enumerate(models)]
     return [Row(prefix + r.key, r.ir, r.rule) for r in rows]
-
-
-def _config(files: RankFiles, options: Options, padded: int, dtype: str, it_dir: Path, assets):
-    args = files.args
-    vocab, notes = core.true_vocab_size(args, options.true_vocab_size, assets, padded, where=str(it_dir))
-    stored = getattr(args, "params_dtype", None)
-    if isinstance(stored, torch.dtype) and stored != getattr(torch, dtype):
-        notes.append(f"args.params_dtype is {stored} but the tensors are {dtype}; using the tensors' dtype")
-    config = core.config_from_args(args, vocab_size=vocab, padded_vocab_size=padded, dtype=dtype, where=str(it_dir))
-    return config, notes
-
-
-def _tokenizer(options: Options, it_dir: Path, args, notes: list[str]) -> dict[str, Path]:
-    for candidate in (options.tokenizer, it_dir / "tokenizer", getattr(args, "tokenizer_model", None)):
-        if candidate and Path(candidate).is_dir():
-            found = hf_dir.tokenizer_files(Path(candidate))
-            if found:
-                if candidate == getattr(args, "tokenizer_model", None):
-                    notes.append(f"tokenizer files taken from args.tokenizer_model = {candidate}")
-                return found
-    return {}

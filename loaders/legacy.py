@@ -13,38 +13,20 @@ from typing import Any
 
 import torch
 
-from formats.torch_pickle import safe_load
-from loaders.core import RankFiles, _tokenizer, find_iteration
+from loaders.megatron_files import RankFiles, check_layer_count, chunk_starts, find_iteration, first_model, tokenizer
+from loaders.megatron_files import config as megatron_config
 from mconvert.errors import ConvertError
-from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
+from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import Row, expand, take_copies, to_ir, verify_copies
 from mconvert.options import Options
 from mconvert.registry import register_loader
 from mconvert.rules import Ctx
-from mconvert.schemas import core, legacy
-
-GPT2_BPE_VOCAB = 50257  # the GPT2BPETokenizer's vocabulary, when the args do not record the true size
-
-
-def _first_model(path: Path) -> dict | None:
-    try:
-        it_dir, _ = find_iteration(Path(path))
-    except ConvertError:
-        return None
-    dirs = sorted(p for p in it_dir.glob("mp_rank_*") if core.RANK_DIR.fullmatch(p.name))
-    if not dirs or not (dirs[0] / core.CHECKPOINT_FILE).is_file():
-        return None
-    try:
-        state = safe_load(dirs[0] / core.CHECKPOINT_FILE)
-    except ConvertError:
-        return None
-    model = state.get("model", state.get("model0")) if isinstance(state, dict) else None
-    return model if isinstance(model, dict) else None
+from mconvert.schemas import legacy
 
 
 def is_legacy_checkpoint(path: Path) -> bool:
     """Legacy files nest their weights under `language_model` (core's keys are flat: `decoder.`, `embedding.`)."""
-    model = _first_model(path)
+    model = first_model(path)
     return model is not None and any(k == "language_model" or k.startswith("language_model.") for k in model)
 
 
@@ -60,19 +42,18 @@ def load(path: Path, options: Options) -> ModelIR:
               for tp in range(files.tp) for pp in range(files.pp) for name in chunks}
     counts = {(pp, v): _num_local_layers(models[(0, pp, name)]) for v, name in enumerate(chunks)
               for pp in range(files.pp)}
-    starts, next_layer = {}, 0
-    for v in range(len(chunks)):  # chunk-major, as Megatron places virtual pipeline chunks
-        for pp in range(files.pp):
-            starts[(pp, v)], next_layer = next_layer, next_layer + counts[(pp, v)]
-    num_layers = int(getattr(files.args, "num_layers", next_layer) or next_layer)
-    if next_layer != num_layers:
-        raise ConvertError(f"{it_dir}: the rank files hold {next_layer} layers, args.num_layers says {num_layers}")
+    starts, total = chunk_starts(counts, files.pp, len(chunks))
+    check_layer_count(files, total)
     embed_key = f"{legacy.EMBEDDING}.word_embeddings.weight"
     first = models[(0, 0, chunks[0])]
     if embed_key not in first:
         raise ConvertError(f"{files.rel((0, 0, 0))}: no model.{embed_key} in the first pipeline stage")
     padded = first[embed_key].shape[0] * files.tp
-    config, notes = _config(files, options, padded, dtype_name(first[embed_key].dtype), it_dir)
+    notes: list[str] = []
+    assets = tokenizer(options, it_dir, files.args, notes)
+    config, config_notes = megatron_config(files.args, options, padded, dtype_name(first[embed_key].dtype), it_dir,
+                                           assets)
+    notes += config_notes
     if order < 2 and config.num_query_groups != config.num_attention_heads:
         raise ConvertError(f"{files.rel((0, 0, 0))}: checkpoint_version {version} predates grouped-query attention, "
                            f"but the args say num_query_groups={config.num_query_groups}")
@@ -99,7 +80,6 @@ def load(path: Path, options: Options) -> ModelIR:
     layout = {"tp": files.tp, "pp": files.pp, "vpp": len(chunks) if chunks != ["model"] else 1,
               "stage_layers": [sum(counts[(p, v)] for v in range(len(chunks))) for p in range(files.pp)],
               "checkpoint_version": version, "padded_vocab": padded}
-    assets = _tokenizer(options, it_dir, files.args, notes)
     return ModelIR(config, tensors, SourceInfo("legacy (Megatron-LM legacy GPT)", it_dir, layout, iteration, notes),
                    assets)
 
@@ -152,26 +132,3 @@ def _tp_pieces(files: RankFiles, models: list[dict[str, LazyTensor]], pp: int) -
 def _num_local_layers(model: dict[str, LazyTensor]) -> int:
     found = {int(m.group(1)) for k in model for m in [legacy.LAYER_KEY.match(k)] if m}
     return max(found) + 1 if found else 0
-
-
-def _config(files: RankFiles, options: Options, padded: int, dtype: str,
-            it_dir: Path) -> tuple[ModelConfig, list[str]]:
-    args, notes = files.args, []
-    # HF's megatron_gpt2 script records the true size as orig_vocab_size; Megatron as vocab_size (when given).
-    vocab = options.true_vocab_size or getattr(args, "vocab_size", None) or getattr(args, "orig_vocab_size", None)
-    if vocab is None and getattr(args, "tokenizer_type", None) == "GPT2BPETokenizer" and padded >= GPT2_BPE_VOCAB:
-        vocab = GPT2_BPE_VOCAB
-        notes.append(f"the true vocabulary size is not recorded; using {GPT2_BPE_VOCAB}, the size of the "
-                     "GPT2BPETokenizer named by args.tokenizer_type (pass --true-vocab-size to change)")
-    if vocab is None:
-        vocab = padded
-        notes.append(f"the true vocabulary size is not recorded; keeping all {padded} (padded) rows — pass "
-                     "--true-vocab-size to strip the padding")
-    elif vocab > padded:
-        raise ConvertError(f"{it_dir}: vocabulary size {vocab} exceeds the {padded} embedding rows")
-    stored = getattr(args, "params_dtype", None)
-    if isinstance(stored, torch.dtype) and stored != getattr(torch, dtype):
-        notes.append(f"args.params_dtype is {stored} but the tensors are {dtype}; using the tensors' dtype")
-    config = core.config_from_args(args, vocab_size=int(vocab), padded_vocab_size=padded, dtype=dtype,
-                                   where=str(it_dir))
-    return config, notes

@@ -259,6 +259,10 @@ def test_vocab_padding_and_true_vocab(gpt2_dir, gpt2_legacy, tmp_path):
     for rel in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"):
         rewrite(rank_file(unknown, rel), lambda s: (delattr(s["args"], "vocab_size"),
                                                      delattr(s["args"], "orig_vocab_size")))
+    out = run_cli("inspect", unknown, "--no-tensors")  # the tokenizer travelling with the checkpoint tells
+    assert "note: vocabulary size 300 taken from the checkpoint's tokenizer" in out
+    assert_same_tensors(ir_tensors(gpt2_dir), ir_tensors(unknown))
+    shutil.rmtree(unknown / "iter_0000001" / "tokenizer")
     out = run_cli("inspect", unknown, "--no-tensors")
     assert "note: the true vocabulary size is not recorded; keeping all 512 (padded) rows" in out
     assert_same_tensors(ir_tensors(gpt2_dir), ir_tensors(unknown, true_vocab_size=300))
@@ -270,6 +274,7 @@ def test_gpt2_bpe_vocab_is_assumed_when_unrecorded(tmp_path):
     to_legacy(src, tmp_path / "legacy")
     rewrite(rank_file(tmp_path / "legacy", "mp_rank_00"), lambda s: (delattr(s["args"], "vocab_size"),
                                                                       delattr(s["args"], "orig_vocab_size")))
+    shutil.rmtree(next((tmp_path / "legacy").glob("*/tokenizer")))  # nothing else to tell the size
     out = run_cli("inspect", tmp_path / "legacy", "--no-tensors")
     assert "note: the true vocabulary size is not recorded; using 50257, the size of the GPT2BPETokenizer named by " \
            "args.tokenizer_type (pass --true-vocab-size to change)" in out

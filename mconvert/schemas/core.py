@@ -122,17 +122,24 @@ def extra_state_modules(impl: Impl, *, expert_layout: ExpertLayout | None = None
     return tuple(f"decoder.layers.{{l}}.{m}" for m in modules) + moe
 
 
+GPT2_BPE_VOCAB = 50257  # the GPT2BPETokenizer's vocabulary
+
+
 def true_vocab_size(args: Any, given: int | None, assets: dict, padded: int, where: str) -> tuple[int, list[str]]:
-    """The unpadded vocabulary: --true-vocab-size, else args.vocab_size, else the tokenizer's size (as Megatron
-    padded it), else all `padded` rows. Returns it with a note on any guess."""
+    """The unpadded vocabulary, from the first that says: --true-vocab-size, args.vocab_size (Megatron),
+    args.orig_vocab_size (HF's megatron_gpt2 script), the checkpoint's tokenizer (what Megatron padded from),
+    GPT2BPETokenizer's 50257 when args name that tokenizer; else all `padded` rows. Notes say what was guessed."""
     from formats.hf_dir import tokenizer_vocab_size
 
-    if given:
-        vocab, notes = given, []
-    elif getattr(args, "vocab_size", None):
-        vocab, notes = int(args.vocab_size), []
+    recorded = given or getattr(args, "vocab_size", None) or getattr(args, "orig_vocab_size", None)
+    if recorded:
+        vocab, notes = int(recorded), []
     elif (from_tokenizer := tokenizer_vocab_size(assets)) is not None:
         vocab, notes = from_tokenizer, [f"vocabulary size {from_tokenizer} taken from the checkpoint's tokenizer"]
+    elif getattr(args, "tokenizer_type", None) == "GPT2BPETokenizer" and padded >= GPT2_BPE_VOCAB:
+        vocab, notes = GPT2_BPE_VOCAB, [f"the true vocabulary size is not recorded; using {GPT2_BPE_VOCAB}, the size "
+                                        "of the GPT2BPETokenizer named by args.tokenizer_type (pass "
+                                        "--true-vocab-size to change)"]
     else:
         vocab, notes = padded, [f"the true vocabulary size is not recorded; keeping all {padded} (padded) rows — "
                                 "pass --true-vocab-size to strip the padding"]

@@ -1,0 +1,177 @@
+"""Reading Megatron's per-rank checkpoint files, shared by the `core` and `legacy` loaders: the iteration folder
+and tracker, the rank files checked against the parallel sizes in `args`, the layer placement of pipeline and
+virtual chunks, the config from `args`, and the tokenizer travelling with the checkpoint."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from formats import hf_dir
+from formats.torch_pickle import safe_load
+from loaders.core_dist import is_dist_checkpoint
+from mconvert.errors import ConvertError
+from mconvert.ir import ModelConfig
+from mconvert.layout import ParallelLayout
+from mconvert.options import Options
+from mconvert.schemas import core
+
+
+def find_iteration(path: Path) -> tuple[Path, int | None]:
+    """The directory holding the rank folders, and its iteration (None for `release`)."""
+    path = Path(path)
+    tracker = path / core.TRACKER
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == "release":
+            it_dir, iteration = path / "release", None
+        elif text.isdigit():
+            it_dir, iteration = path / core.iteration_dir(int(text)), int(text)
+        else:
+            raise ConvertError(f"{tracker}: expected an iteration number or 'release', found {text[:40]!r}")
+        if not it_dir.is_dir():
+            raise ConvertError(f"{tracker} names iteration {text}, but {it_dir} does not exist")
+        return it_dir, iteration
+    if _rank_dirs(path) or is_dist_checkpoint(path):
+        m = re.fullmatch(r"iter_(\d{7})", path.name)
+        return path, int(m.group(1)) if m else None
+    raise ConvertError(f"{path}: not a Megatron checkpoint: no {core.TRACKER}, no mp_rank_* folders and no "
+                       "metadata.json")
+
+
+def _rank_dirs(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("mp_rank_*") if p.is_dir() and core.RANK_DIR.fullmatch(p.name))
+
+
+def first_model(path: Path) -> dict | None:
+    """The first chunk's model dict of rank 0 of a `torch`-format checkpoint, or None (for format detection)."""
+    try:
+        it_dir, _ = find_iteration(Path(path))
+    except ConvertError:
+        return None
+    dirs = _rank_dirs(it_dir)
+    if not dirs or not (dirs[0] / core.CHECKPOINT_FILE).is_file():
+        return None
+    try:
+        state = safe_load(dirs[0] / core.CHECKPOINT_FILE)
+    except ConvertError:
+        return None
+    model = state.get("model", state.get("model0")) if isinstance(state, dict) else None
+    return model if isinstance(model, dict) else None
+
+
+class RankFiles:
+    """The rank files of one iteration, indexed by (tp, pp, ep), checked against the sizes in `args`."""
+
+    def __init__(self, it_dir: Path) -> None:
+        dirs = _rank_dirs(it_dir)
+        if not dirs:
+            raise ConvertError(f"{it_dir}: no mp_rank_* folders")
+        first = self._load(dirs[0])
+        self.args = first.get("args")
+        if self.args is None:
+            raise ConvertError(f"{dirs[0] / core.CHECKPOINT_FILE}: no 'args' entry; cannot tell the model shape")
+        # checkpoint_version < 3.0 files call it model_parallel_size
+        self.tp = int(getattr(self.args, "tensor_model_parallel_size", None) or
+                      getattr(self.args, "model_parallel_size", None) or 1)
+        self.pp = int(getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
+        self.ep = int(getattr(self.args, "expert_model_parallel_size", 1) or 1)
+        grid = ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep)
+        want = {core.rank_dir(t, p, e, grid): (t, p, e)
+                for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)}
+        have = {d.name for d in dirs}
+        missing = sorted(set(want) - have) + sorted(n for n in want if n in have and
+                                                    not (it_dir / n / core.CHECKPOINT_FILE).is_file())
+        if missing:
+            listed = ", ".join(f"{m}/{core.CHECKPOINT_FILE}" for m in missing)
+            raise ConvertError(f"{it_dir}: missing rank file(s) {listed} (args say TP={self.tp}, PP={self.pp}, "
+                               f"EP={self.ep})")
+        extra = sorted(have - set(want))
+        if extra:
+            raise ConvertError(f"{it_dir}: unexpected rank folder(s) {', '.join(extra)} for TP={self.tp}, "
+                               f"PP={self.pp}, EP={self.ep} (from args)")
+        self.files = {idx: it_dir / name / core.CHECKPOINT_FILE for name, idx in want.items()}
+        _check_distinct(list(self.files.values()))
+        self.states = {idx: first if self.files[idx].parent == dirs[0] else self._load(self.files[idx].parent)
+                       for idx in self.files}
+        self.it_dir = it_dir
+
+    @staticmethod
+    def _load(d: Path) -> dict[str, Any]:
+        state = safe_load(d / core.CHECKPOINT_FILE)
+        if not isinstance(state, dict):
+            raise ConvertError(f"{d / core.CHECKPOINT_FILE}: expected a dict, found {type(state).__name__}")
+        return state
+
+    def chunk_names(self) -> list[str]:
+        state = self.states[(0, 0, 0)]
+        names = sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+        if "model" in state:
+            return ["model"]
+        if not names:
+            raise ConvertError(f"{self.files[(0, 0, 0)]}: no 'model' entry")
+        return names
+
+    def model(self, tp: int, pp: int, ep: int, name: str) -> dict[str, Any]:
+        state = self.states[(tp, pp, ep)]
+        if name not in state:
+            raise ConvertError(f"{self.files[(tp, pp, ep)]}: no {name!r} entry (other ranks have it)")
+        return state[name]
+
+    def rel(self, idx: tuple[int, int, int]) -> str:
+        f = self.files[idx]
+        return f"{f.parent.parent.name}/{f.parent.name}/{f.name}"
+
+
+def _check_distinct(paths: list[Path]) -> None:
+    """Two rank folders linked to one file would silently repeat its experts (or layers) in place of others."""
+    seen: dict[tuple[int, int], Path] = {}
+    for p in paths:
+        st = p.stat()
+        other = seen.setdefault((st.st_dev, st.st_ino), p)
+        if other != p:
+            raise ConvertError(f"{other.parent.name}/{other.name} and {p.parent.name}/{p.name} are the same file "
+                               "(linked): every rank must have its own")
+
+
+def chunk_starts(counts: dict[tuple[int, int], int], pp: int, chunks: int) -> tuple[dict[tuple[int, int], int], int]:
+    """First global layer of each (stage, virtual chunk), given the layers each holds, and the total.
+
+    Layers are placed chunk-major, as Megatron places virtual pipeline chunks (see mconvert.layout).
+    """
+    starts, next_layer = {}, 0
+    for v in range(chunks):
+        for p in range(pp):
+            starts[(p, v)], next_layer = next_layer, next_layer + counts[(p, v)]
+    return starts, next_layer
+
+
+def check_layer_count(files: RankFiles, total: int) -> None:
+    num_layers = int(getattr(files.args, "num_layers", total) or total)
+    if total != num_layers:
+        raise ConvertError(f"{files.it_dir}: the rank files hold {total} layers, args.num_layers says {num_layers}")
+
+
+def config(args: Any, options: Options, padded: int, dtype: str, it_dir: Path,
+           assets: dict[str, Path]) -> tuple[ModelConfig, list[str]]:
+    """The IR config from `args`, with notes on what had to be inferred (true vocabulary, dtype)."""
+    vocab, notes = core.true_vocab_size(args, options.true_vocab_size, assets, padded, where=str(it_dir))
+    stored = getattr(args, "params_dtype", None)
+    if isinstance(stored, torch.dtype) and stored != getattr(torch, dtype):
+        notes.append(f"args.params_dtype is {stored} but the tensors are {dtype}; using the tensors' dtype")
+    return core.config_from_args(args, vocab_size=vocab, padded_vocab_size=padded, dtype=dtype,
+                                 where=str(it_dir)), notes
+
+
+def tokenizer(options: Options, it_dir: Path, args, notes: list[str]) -> dict[str, Path]:
+    for candidate in (options.tokenizer, it_dir / "tokenizer", getattr(args, "tokenizer_model", None)):
+        if candidate and Path(candidate).is_dir():
+            found = hf_dir.tokenizer_files(Path(candidate))
+            if found:
+                if candidate == getattr(args, "tokenizer_model", None):
+                    notes.append(f"tokenizer files taken from args.tokenizer_model = {candidate}")
+                return found
+    return {}
