@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from formats.torch_pickle import safe_load
 from formats.torch_zip import save as torch_save
 from mconvert.errors import ConvertError
 
@@ -90,9 +89,6 @@ class ZarrReader:
             raise ConvertError(f"{self.root / key}: cannot read the array (missing or truncated chunk?): {e}") \
                 from None
         return _to_torch(np.asarray(data))
-
-    def read_object(self, key: str):
-        return safe_load(self.root / f"{key}.pt", mmap=False)
 
 
 class ZarrWriter:

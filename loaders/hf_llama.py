@@ -7,6 +7,7 @@ from pathlib import Path
 
 from formats import hf_dir
 from formats.torch_pickle import safe_load
+from loaders.hf_files import load_hf
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import expand, to_ir
@@ -31,17 +32,8 @@ def load(path: Path, options: Options) -> ModelIR:
     root = Path(path) if _is_meta(Path(path)) else hf_dir.resolve(path)
     if _is_meta(root):
         return load_meta(root, options)
-    hf = hf_dir.read_json(root / "config.json")
-    config = hf_llama.config_from_hf(hf, str(root / "config.json"))
-    source = hf_dir.open_weights(root)
-    if "model.embed_tokens.weight" in source:
-        config = config.replace(dtype=dtype_name(source["model.embed_tokens.weight"].dtype))
-    drop = hf_llama.DROP + (("lm_head\\.weight",) if config.tie_embeddings else ())
-    rows = expand(hf_llama.TABLE, config)
-    ctx = Ctx(config, config.vocab_size)
-    tensors = to_ir({k: [v] for k, v in source.items()}, rows, ctx, where=str(root), drop=drop)
-    assets = hf_dir.tokenizer_files(options.tokenizer or root)
-    return ModelIR(config, tensors, SourceInfo("llama_mistral (Hugging Face)", root), assets)
+    return load_hf(root, options, name="llama_mistral", config_from_hf=hf_llama.config_from_hf, table=hf_llama.TABLE,
+                   embed_key="model.embed_tokens.weight", drop=hf_llama.DROP)
 
 
 def load_meta(root: Path, options: Options) -> ModelIR:

@@ -18,7 +18,7 @@ from click.core import ParameterSource
 from mconvert import engine, registry
 from mconvert.errors import ConvertError
 from mconvert.layout import ParallelLayout
-from mconvert.options import Options
+from mconvert.options import LAYOUT_OPTIONS, Options
 from mconvert.progress import Progress, human_bytes
 
 POSITIVE = click.IntRange(min=1)
@@ -28,7 +28,6 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
 PLUGIN_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers", "transformer_impl",
                   "expert_layout", "ckpt_format", "make_vocab_size_divisible_by", "iteration", "true_vocab_size",
                   "max_shard_size")
-LAYOUT_OPTIONS = {"tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers"}
 
 
 def parse_size(text: str) -> int:
@@ -139,7 +138,7 @@ def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, quiet, **
     click.echo(
         f"converted {load_dir} ({source.name}: {ir.config.family}, {ir.config.num_layers} layers, "
         f"{ir.num_params:,} parameters) -> {save_dir} ({target.name}"
-        f"{', ' + options.layout.describe() if target.options & LAYOUT_OPTIONS else ''}): "
+        f"{', ' + options.layout.describe() if target.options & set(LAYOUT_OPTIONS) else ''}): "
         f"{summary.files} files, {human_bytes(summary.bytes_written)} in {summary.seconds:.2f} s "
         f"({human_bytes(rate)}/s)",
         err=True,

@@ -92,10 +92,3 @@ def expected_shapes(c: ModelConfig) -> dict[str, Shape]:
     for layer in range(c.num_layers):
         shapes |= layer_shapes(layer, c)
     return shapes | head_shapes(c)
-
-
-def layer_of(name: str) -> int | None:
-    """The layer index of an IR name, or None for embeddings and head tensors."""
-    if name.startswith("layers."):
-        return int(name.split(".", 2)[1])
-    return None

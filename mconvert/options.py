@@ -9,6 +9,9 @@ from typing import Literal
 from mconvert.ir import DType
 from mconvert.layout import ParallelLayout
 
+# The command-line options that describe a Megatron output layout (savers that take them list them all).
+LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers")
+
 TransformerImpl = Literal["local", "te"]
 CkptFormat = Literal["torch", "torch_dist", "zarr"]
 # Megatron MoE expert weights: SequentialMLP (one module per expert), TE grouped GEMM (`weight{j}` per expert),
@@ -28,4 +31,3 @@ class Options:
     tokenizer: Path | None = None  # tokenizer files to carry into the output
     max_shard_size: int = 5 * 1024**3  # bytes per safetensors shard (HF savers)
     iteration: int | None = None  # Megatron iteration to write; default: the source's, else 1
-    workers: int = 2  # I/O threads

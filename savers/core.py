@@ -15,7 +15,7 @@ from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.layout import Chunk
 from mconvert.mapping import Row, check_plan, expand
-from mconvert.options import Options
+from mconvert.options import LAYOUT_OPTIONS, Options
 from mconvert.progress import Progress
 from mconvert.registry import register_saver
 from mconvert.rules import Ctx
@@ -24,12 +24,10 @@ from mconvert.transforms import padded_vocab_size
 from savers import megatron_files
 from savers.core_dist import save_dist
 
-LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers")
-
 
 @register_saver("core", aliases=("megatron", "mcore"),
                 options=(*LAYOUT_OPTIONS, "transformer_impl", "expert_layout", "ckpt_format",
-                         "make_vocab_size_divisible_by", "iteration", "dtype"))
+                         "make_vocab_size_divisible_by", "iteration"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`
     or `zarr` (--ckpt-format)."""

@@ -22,7 +22,7 @@ SAVERS = {
 }
 
 
-@register_saver("hf", aliases=("huggingface",), options=("max_shard_size", "tokenizer", "dtype"))
+@register_saver("hf", aliases=("huggingface",), options=("max_shard_size", "tokenizer"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Hugging Face directory in the model family's own format (llama_mistral, gpt2_hf, ...)."""
     family = ir.config.family

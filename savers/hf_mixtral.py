@@ -12,7 +12,7 @@ from mconvert.schemas import hf_mixtral
 from savers.hf_files import save_hf
 
 
-@register_saver("mixtral_hf", aliases=("mixtral",), options=("max_shard_size", "tokenizer", "dtype"))
+@register_saver("mixtral_hf", aliases=("mixtral",), options=("max_shard_size", "tokenizer"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Sharded safetensors + index (one tensor per expert), config.json, generation_config.json, tokenizer."""
     save_hf(ir, out, options, progress, table=hf_mixtral.TABLE, config_to_hf=hf_mixtral.config_to_hf,

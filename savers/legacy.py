@@ -26,7 +26,7 @@ from savers import megatron_files
 
 @register_saver("legacy", aliases=("megatron_legacy",),
                 options=("tp", "pp", "vpp", "first_stage_layers", "last_stage_layers", "make_vocab_size_divisible_by",
-                         "iteration", "dtype"))
+                         "iteration"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-LM legacy GPT, `torch` format, checkpoint_version 3.0 (mp_rank_TT[_PPP]/model_optim_rng.pt)."""
     c, layout = ir.config, options.layout

@@ -1,0 +1,35 @@
+"""What the Hugging Face loaders share: config.json to IR config, weights to lazy IR tensors, tokenizer files."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from formats import hf_dir
+from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo, dtype_name
+from mconvert.mapping import expand, to_ir
+from mconvert.options import Options
+from mconvert.rules import Ctx, Table
+
+
+def load_hf(path: Path, options: Options, *, name: str, config_from_hf: Callable[[dict, str], ModelConfig],
+            table: Table | Callable[[dict[str, LazyTensor]], Table], embed_key: str, drop: tuple[str, ...],
+            fix_source: Callable[[dict[str, LazyTensor]], dict[str, LazyTensor]] = lambda s: s,
+            layout: Callable[[dict[str, LazyTensor]], dict[str, Any]] = lambda s: {}) -> ModelIR:
+    """An HF model directory (or hub id) through one family's table, strictly.
+
+    The weights' dtype wins over config.json's; with tied embeddings a stored `lm_head.weight` is the embedding
+    again and is not read. `table` may depend on the stored keys (a family stored in two layouts).
+    """
+    root = hf_dir.resolve(path)
+    config = config_from_hf(hf_dir.read_json(root / "config.json"), str(root / "config.json"))
+    source = fix_source(hf_dir.open_weights(root))
+    if embed_key in source:
+        config = config.replace(dtype=dtype_name(source[embed_key].dtype))
+    drop = drop + ((r"lm_head\.weight",) if config.tie_embeddings else ())
+    rows = expand(table(source) if callable(table) else table, config)
+    tensors = to_ir({k: [v] for k, v in source.items()}, rows, Ctx(config, config.vocab_size), where=str(root),
+                    drop=drop)
+    assets = hf_dir.tokenizer_files(options.tokenizer or root)
+    return ModelIR(config, tensors, SourceInfo(f"{name} (Hugging Face)", root, layout(source)), assets)
