@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
 
 
@@ -72,3 +74,29 @@ def rope_decoder_config(c: ModelConfig, architecture: str, model_type: str) -> d
         "vocab_size": c.vocab_size,
         **rope_to_hf(c),
     }
+
+
+def rope_decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields every RoPE/RMSNorm/SwiGLU family reads alike from config.json (defaults already merged)."""
+    heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    theta, scaling = rope_from_hf(hf)
+    return dict(
+        num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden, ffn_hidden_size=int(hf["intermediate_size"]),
+        num_attention_heads=heads, num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads), vocab_size=int(hf["vocab_size"]),
+        max_position_embeddings=int(hf["max_position_embeddings"]), norm="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu", position_embedding="rope",
+        rope_theta=theta, rope_scaling=scaling, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=config_dtype(hf), bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def parse(where: str, build: Callable[[], ModelConfig]) -> ModelConfig:
+    """Run `build`, turning a missing or mistyped config.json field into an error naming the file."""
+    try:
+        return build()
+    except KeyError as e:
+        raise ConvertError(f"{where}: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ConvertError(f"{where}: a field has a value of the wrong kind: {e}") from None

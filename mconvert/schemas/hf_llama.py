@@ -7,7 +7,7 @@ from typing import Any
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
 from mconvert.rules import Rule, Table
-from mconvert.schemas.hf_common import config_dtype, rope_decoder_config, rope_from_hf
+from mconvert.schemas.hf_common import parse, rope_decoder_config, rope_decoder_fields
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -53,41 +53,10 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     defaults = {"num_key_value_heads": 8 if mistral else None, "sliding_window": 4096 if mistral else None,
                 "max_position_embeddings": 131072 if mistral else 2048}
     hf = defaults | hf
-    try:
-        heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        theta, scaling = rope_from_hf(hf)
-        bias = bool(hf.get("attention_bias", False))
-        return ModelConfig(
-            family=model_type,
-            num_layers=int(hf["num_hidden_layers"]),
-            hidden_size=hidden,
-            ffn_hidden_size=int(hf["intermediate_size"]),
-            num_attention_heads=heads,
-            num_query_groups=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            vocab_size=int(hf["vocab_size"]),
-            max_position_embeddings=int(hf["max_position_embeddings"]),
-            norm="rmsnorm",
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            activation="swiglu",
-            position_embedding="rope",
-            rope_theta=theta,
-            rope_scaling=scaling,
-            qkv_bias=bias,
-            proj_bias=bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=hf["sliding_window"] if mistral else None,
-            dtype=config_dtype(hf),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
-        )
-    except KeyError as e:
-        raise ConvertError(f"{where}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise ConvertError(f"{where}: a field has a value of the wrong kind: {e}") from None
+    bias = bool(hf.get("attention_bias", False))
+    return parse(where, lambda: ModelConfig(
+        family=model_type, **rope_decoder_fields(hf), qkv_bias=bias, proj_bias=bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)), sliding_window=hf["sliding_window"] if mistral else None))
 
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:

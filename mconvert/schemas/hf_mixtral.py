@@ -20,7 +20,7 @@ from mconvert.errors import ConvertError
 from mconvert.expert_rules import STACK, STACK_GATE_UP
 from mconvert.ir import ModelConfig
 from mconvert.rules import Rule, Table
-from mconvert.schemas.hf_common import config_dtype, rope_decoder_config, rope_from_hf
+from mconvert.schemas.hf_common import parse, rope_decoder_config, rope_decoder_fields
 
 MODEL_TYPE = "mixtral"
 ARCHITECTURE = "MixtralForCausalLM"
@@ -75,38 +75,11 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise ConvertError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported for mixtral (expected 'silu')")
     hf = DEFAULTS | hf
-    try:
-        heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
-        theta, scaling = rope_from_hf(hf)
-        return ModelConfig(
-            family="mixtral",
-            num_layers=int(hf["num_hidden_layers"]),
-            hidden_size=hidden,
-            ffn_hidden_size=int(hf["intermediate_size"]),
-            num_attention_heads=heads,
-            num_query_groups=int(hf["num_key_value_heads"] or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            vocab_size=int(hf["vocab_size"]),
-            max_position_embeddings=int(hf["max_position_embeddings"]),
-            norm_eps=float(hf["rms_norm_eps"]),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_embeddings=bool(hf["tie_word_embeddings"]),
-            sliding_window=hf["sliding_window"],
-            num_experts=int(hf["num_local_experts"]),
-            moe_top_k=int(hf["num_experts_per_tok"]),
-            moe_aux_loss_coeff=float(hf["router_aux_loss_coef"]),
-            # the IR says None for "no jitter" (Megatron's spelling); HF says 0.0
-            moe_jitter_eps=float(hf["router_jitter_noise"]) or None,
-            dtype=config_dtype(hf),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
-        )
-    except KeyError as e:
-        raise ConvertError(f"{where}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise ConvertError(f"{where}: a field has a value of the wrong kind: {e}") from None
+    return parse(where, lambda: ModelConfig(
+        family="mixtral", **rope_decoder_fields(hf), sliding_window=hf["sliding_window"],
+        num_experts=int(hf["num_local_experts"]), moe_top_k=int(hf["num_experts_per_tok"]),
+        moe_aux_loss_coeff=float(hf["router_aux_loss_coef"]),
+        moe_jitter_eps=float(hf["router_jitter_noise"]) or None))  # None is "no jitter" (Megatron's); HF says 0.0
 
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
