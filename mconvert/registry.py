@@ -34,8 +34,8 @@ _loaded = False
 
 def _register(table: dict[str, Plugin], kind: str, name: str, aliases, detect, options):
     def decorator(func: Callable) -> Callable:
-        doc = (func.__doc__ or "").strip().splitlines()
-        plugin = Plugin(name, func, tuple(aliases), detect, frozenset(options), doc[0] if doc else "")
+        first_paragraph = (func.__doc__ or "").strip().split("\n\n")[0]
+        plugin = Plugin(name, func, tuple(aliases), detect, frozenset(options), " ".join(first_paragraph.split()))
         for key in (name, *aliases):
             if key in table and table[key].func is not func:
                 raise ValueError(f"{kind} name {key!r} is registered twice")

@@ -14,6 +14,6 @@ from savers.hf_files import save_hf
 
 @register_saver("gpt2_hf", aliases=("gpt2",), options=("max_shard_size", "tokenizer"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
-    """Safetensors (Conv1D [in, out] weights), config.json, generation_config.json and the tokenizer files."""
+    """Hugging Face GPT-2 (GPT2LMHeadModel): safetensors with Conv1D [in, out] weights, config, tokenizer."""
     save_hf(ir, out, options, progress, table=hf_gpt2.TABLE, config_to_hf=hf_gpt2.config_to_hf,
             where="saver gpt2_hf")

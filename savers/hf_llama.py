@@ -14,6 +14,6 @@ from savers.hf_files import save_hf
 
 @register_saver("llama_mistral", aliases=("llama", "mistral"), options=("max_shard_size", "tokenizer"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
-    """Sharded safetensors + index, config.json, generation_config.json and the tokenizer files."""
+    """Hugging Face Llama / Mistral: sharded safetensors + index, config, generation config, tokenizer."""
     save_hf(ir, out, options, progress, table=hf_llama.TABLE, config_to_hf=hf_llama.config_to_hf,
             where="saver llama_mistral")

@@ -14,6 +14,6 @@ from savers.hf_files import save_hf
 
 @register_saver("mixtral_hf", aliases=("mixtral",), options=("max_shard_size", "tokenizer"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
-    """Sharded safetensors + index (one tensor per expert), config.json, generation_config.json, tokenizer."""
+    """Hugging Face Mixtral: sharded safetensors + index (one tensor per expert), config, tokenizer."""
     save_hf(ir, out, options, progress, table=hf_mixtral.TABLE, config_to_hf=hf_mixtral.config_to_hf,
             where="saver mixtral_hf")
