@@ -1,0 +1,161 @@
+"""Every parallel layout trains like one process: same losses and gradients (fp32), step after step.
+
+Two torchrun launches hold all the multi-process runs (start-up is the expensive part):
+
+    4 ranks   DP2 x TP2, PP2 x TP2 (tied embeddings, saving checkpoints), EP2 x TP2 (Mixtral)
+    2 ranks   TP2, TP2 + SP, PP2 1F1B, PP2 GPipe with uneven stages, PP2 interleaved (4 virtual stages),
+              PP2 zero bubble, EP2, CP2 (Llama and Mixtral), and a resume under DP2 of the TP2 x PP2 checkpoint
+
+Each run records its gradients at the first and last step and its final weights (tests/mtrain/recording.py);
+the same config in one process is the reference. The TP2 x PP2 checkpoint also resumes in one process and
+converts with mconvert to Hugging Face and to Megatron-core TP2 PP2 holding the trainer's weights exactly.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mconvert import engine
+from mconvert.ir import ModelConfig
+from mconvert.options import Options
+from mtrain import checkpoint
+from mtrain.config import from_dict
+from mtrain.models import state_dict_adapter
+from tests.conftest import run_cli
+from tests.mtrain.corpus import TINY_LLAMA, TINY_MIXTRAL, corpus, one_thread, tiny_config  # noqa: F401
+from tests.mtrain.launch import launch, losses, with_sections
+from tests.mtrain.recording import RecordingTrainer, merge
+
+STEPS = 4
+LLAMA = TINY_LLAMA
+LLAMA4 = TINY_LLAMA | {"num_layers": 4}  # pipeline stages and virtual stages need layers
+TIED4 = LLAMA4 | {"tie_embeddings": True}  # the last stage keeps a copy of the embedding for the head
+MIXTRAL = TINY_MIXTRAL
+
+# name: (model, parallel section, launch)
+LAYOUTS = {
+    "dp2_tp2": (LLAMA, {"tp": 2}, 4),
+    "pp2_tp2_tied": (TIED4, {"tp": 2, "pp": 2}, 4),
+    "ep2_tp2": (MIXTRAL, {"ep": 2, "tp": 2}, 4),
+    "tp2": (LLAMA, {"tp": 2}, 2),
+    "tp2_sp": (LLAMA, {"tp": 2, "sequence_parallel": True}, 2),
+    "pp2_1f1b": (LLAMA4, {"pp": 2}, 2),
+    "pp2_gpipe_uneven": (LLAMA4, {"pp": 2, "pp_schedule": "GPipe", "first_stage_layers": 1}, 2),
+    "pp2_interleaved": (LLAMA4, {"pp": 2, "vpp": 2}, 2),
+    "pp2_zero_bubble": (LLAMA4, {"pp": 2, "vpp": 2, "pp_schedule": "InterleavedZeroBubble"}, 2),
+    "ep2": (MIXTRAL, {"ep": 2}, 2),
+    "cp2": (LLAMA, {"cp": 2}, 2),
+    "cp2_mixtral": (MIXTRAL, {"cp": 2}, 2),
+}
+SAVER = "pp2_tp2_tied"  # saves at steps 2 and 4; step 2 is resumed under DP2 and in one process
+
+
+def config_raw(corpus_prefix: str, model: dict, **sections) -> dict:  # noqa: F811
+    return tiny_config(corpus_prefix, model=model, train={"steps": STEPS}, **sections).to_dict()
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):  # noqa: F811
+    """Both launches, then the one-process references: {name: (losses, record, reference losses, record)}."""
+    tmp = tmp_path_factory.mktemp("parallel")
+    specs: dict[int, list[dict]] = {4: [], 2: []}
+    for name, (model, parallel, nproc) in LAYOUTS.items():
+        ckpt = {"dir": str(tmp / "saved"), "interval": 2, "keep_last": 5} if name == SAVER else {}
+        raw = with_sections(config_raw(corpus, model, checkpoint=ckpt), parallel=parallel)
+        specs[nproc].append({"config": raw, "out": str(tmp / f"{name}.json"), "record": str(tmp / name),
+                             "grads_at": [1, STEPS]})
+    launch(specs[4], tmp, nproc=4, name="four")
+    # The TP2 x PP2 run's step-2 checkpoint, resumed under DP2 (2 ranks) and in one process.
+    for copy in ("resume-dp2", "resume-dp1"):
+        _checkpoint_at_step_2(tmp / "saved", tmp / copy)
+    specs[2].append({"config": config_raw(corpus, TIED4, checkpoint={"dir": str(tmp / "resume-dp2")}),
+                     "out": str(tmp / "resume-dp2.json")})
+    launch(specs[2], tmp, nproc=2, name="two")
+
+    references = {}
+    out = {}
+    for name, (model, _, _) in LAYOUTS.items():
+        key = repr(model)
+        if key not in references:
+            trainer = RecordingTrainer(from_dict(config_raw(corpus, model)), grads_at=(1, STEPS))
+            references[key] = trainer.run_and_record()
+        result, record = references[key]
+        out[name] = (losses(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))), result.losses,
+                     record)
+    return tmp, out, corpus
+
+
+def _checkpoint_at_step_2(saved: Path, dest: Path) -> None:
+    shutil.copytree(saved, dest)
+    shutil.rmtree(dest / "step_0000004")
+    (dest / "latest").write_text("step_0000002\n")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor, floor: float) -> float:
+    """max |got - want| over the tensor's own scale (at least `floor`: some gradients are zero in exact
+    arithmetic, e.g. of a key bias, and only rounding noise remains)."""
+    return float((got - want).abs().max() / max(float(want.abs().max()), floor))
+
+
+def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    assert sorted(got) == sorted(want)
+    floor = 1e-3 * max(float(t.abs().max()) for t in want.values())
+    return max((relative_error(got[n], want[n], floor), n) for n in want)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_losses_match_one_process(runs, name):
+    _, out, _ = runs
+    got, _, want, _ = out[name]
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6), (name, step)
+    assert got[STEPS] < got[1]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_gradients_and_weights_match_one_process(runs, name):
+    """The first step's gradients agree to ~1e-6 of each tensor's scale. Later, Adam's g/sqrt(v) amplifies the
+    last-bit differences of near-zero gradient entries, so the bounds widen (still far below any real error)."""
+    _, out, _ = runs
+    _, got, _, want = out[name]
+    first, name_1 = worst(got["grads"][1], want["grads"][1])
+    last, name_n = worst(got["grads"][STEPS], want["grads"][STEPS])
+    final, name_w = worst(got["weights"], want["weights"])
+    assert first < 1e-6, (name, name_1, first)
+    assert last < 2e-5, (name, name_n, last)
+    assert final < 1e-4, (name, name_w, final)
+
+
+def test_tp2_pp2_checkpoint_resumes_under_dp2_and_in_one_process(runs):
+    tmp, out, corpus = runs  # noqa: F811
+    saver_losses = out[SAVER][0]
+    meta = checkpoint.read_meta(tmp / "saved" / "step_0000002")
+    assert meta["world_size"] == 4 and meta["parallel"]["tp"] == 2 and meta["parallel"]["pp"] == 2
+    dp2 = losses(tmp / "resume-dp2.json")
+    one = RecordingTrainer(from_dict(config_raw(corpus, TIED4, checkpoint={"dir": str(tmp / "resume-dp1")})))
+    result, _ = one.run_and_record()
+    assert result.resumed_from == tmp / "resume-dp1" / "step_0000002"
+    assert sorted(dp2) == sorted(result.losses) == [3, 4]
+    for step in (3, 4):
+        assert dp2[step] == pytest.approx(saver_losses[step], rel=1e-6), step
+        assert result.losses[step] == pytest.approx(saver_losses[step], rel=1e-6), step
+
+
+def test_tp2_pp2_checkpoint_converts_to_hf_and_core_with_the_trainers_weights(runs):
+    tmp, out, _ = runs
+    weights = out[SAVER][1]["weights"]  # what the trainer's model held at the end (step 4)
+    want = state_dict_adapter.to_ir(ModelConfig(**TIED4), weights)
+    run_cli("--saver", "llama_mistral", "--load-dir", tmp / "saved", "--save-dir", tmp / "hf")
+    run_cli("--saver", "core", "--tp", "2", "--pp", "2", "--load-dir", tmp / "saved", "--save-dir", tmp / "core")
+    assert sorted(p.name for p in (tmp / "core" / "iter_0000004").glob("mp_rank_*")) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    for path, loader in ((tmp / "hf", "llama_mistral"), (tmp / "core", "core")):
+        ir = engine.load(path, Options(), loader)
+        assert sorted(n for n, _ in ir) == sorted(want), path
+        for name, tensor in ir:
+            assert torch.equal(tensor.load(), want[name]), (path, name)
