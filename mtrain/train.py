@@ -184,7 +184,7 @@ class Trainer:
         args = (inputs,) if self.parallel.has_first_stage else ()
         last = self.parallel.has_last_stage
         losses: list[torch.Tensor] = []
-        with self._loss_context():
+        with self._loss_context(), self._autocast():
             run = self.schedule.step if train else self.schedule.eval
             run(*args, target=labels if last else None, losses=losses if last else None,
                 **({"return_outputs": False} if train else {}))
@@ -200,9 +200,13 @@ class Trainer:
         """Under tensor parallel the loss runs on vocab-sharded logits (forward and backward in this context)."""
         return loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext()
 
+    def _autocast(self):
+        """bf16 compute when FSDP does not already cast (one process, or without data parallelism)."""
+        return torch.autocast(self.env.device.type, dtype=torch.bfloat16) if self.autocast \
+            else contextlib.nullcontext()
+
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        ctx = torch.autocast(self.env.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
-        with ctx:
+        with self._autocast():
             logits = self.model(inputs)
         return self._cross_entropy(logits, labels)
 

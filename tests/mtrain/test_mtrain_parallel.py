@@ -13,6 +13,7 @@ converts with mconvert to Hugging Face and to Megatron-core TP2 PP2 holding the 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -51,11 +52,14 @@ LAYOUTS = {
     "cp2": (LLAMA, {"cp": 2}, 2),
     "cp2_mixtral": (MIXTRAL, {"cp": 2}, 2),
 }
+# bf16 compute (fp32 master weights): FSDP's mixed precision with TP, autocast through a pipeline schedule
+BF16 = {"dp2_tp2_bf16": (LLAMA, {"tp": 2}, 4), "pp2_bf16": (LLAMA4, {"pp": 2}, 2)}
 SAVER = "pp2_tp2_tied"  # saves at steps 2 and 4; step 2 is resumed under DP2 and in one process
 
 
 def config_raw(corpus_prefix: str, model: dict, **sections) -> dict:  # noqa: F811
-    return tiny_config(corpus_prefix, model=model, train={"steps": STEPS}, **sections).to_dict()
+    sections = {"train": {"steps": STEPS}, "eval": {"interval": 2, "steps": 1}} | sections
+    return tiny_config(corpus_prefix, model=model, **sections).to_dict()
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,9 @@ def runs(corpus, tmp_path_factory):  # noqa: F811
         raw = with_sections(config_raw(corpus, model, checkpoint=ckpt), parallel=parallel)
         specs[nproc].append({"config": raw, "out": str(tmp / f"{name}.json"), "record": str(tmp / name),
                              "grads_at": [1, STEPS]})
+    for name, (model, parallel, nproc) in BF16.items():
+        raw = with_sections(config_raw(corpus, model, train={"steps": STEPS, "precision": "bf16"}), parallel=parallel)
+        specs[nproc].append({"config": raw, "out": str(tmp / f"{name}.json")})
     launch(specs[4], tmp, nproc=4, name="four")
     # The TP2 x PP2 run's step-2 checkpoint, resumed under DP2 (2 ranks) and in one process.
     for copy in ("resume-dp2", "resume-dp1"):
@@ -84,9 +91,16 @@ def runs(corpus, tmp_path_factory):  # noqa: F811
             trainer = RecordingTrainer(from_dict(config_raw(corpus, model)), grads_at=(1, STEPS))
             references[key] = trainer.run_and_record()
         result, record = references[key]
-        out[name] = (losses(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))), result.losses,
-                     record)
+        out[name] = (_losses_and_valid(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))),
+                     (result.losses, result.valid_losses), record)
+    for name, (model, parallel, nproc) in BF16.items():
+        out[name] = (_losses_and_valid(tmp / f"{name}.json"), references[repr(model)][0].losses)
     return tmp, out, corpus
+
+
+def _losses_and_valid(path: Path) -> tuple[dict[int, float], dict[int, float]]:
+    raw = json.loads(path.read_text())
+    return ({int(k): v for k, v in raw["losses"].items()}, {int(k): v for k, v in raw["valid"].items()})
 
 
 def _checkpoint_at_step_2(saved: Path, dest: Path) -> None:
@@ -109,11 +123,24 @@ def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_losses_match_one_process(runs, name):
+    """Training losses at every step and validation losses (every 2 steps) to 1e-6 relative."""
     _, out, _ = runs
-    got, _, want, _ = out[name]
-    assert sorted(got) == list(range(1, STEPS + 1))
+    (got, got_valid), _, (want, want_valid), _ = out[name]
+    assert sorted(got) == list(range(1, STEPS + 1)) and sorted(got_valid) == sorted(want_valid) == [2, 4]
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-6), (name, step)
+    for step in want_valid:
+        assert got_valid[step] == pytest.approx(want_valid[step], rel=1e-6), (name, step)
+    assert got[STEPS] < got[1]
+
+
+@pytest.mark.parametrize("name", list(BF16))
+def test_bf16_trains_under_parallel_layouts(runs, name):
+    _, out, _ = runs
+    (got, _), fp32 = out[name]
+    for step in fp32:
+        assert abs(got[step] - fp32[step]) < 0.05, (step, got[step], fp32[step])
+        assert got[step] != fp32[step]  # bf16 did apply
     assert got[STEPS] < got[1]
 
 
@@ -133,7 +160,7 @@ def test_gradients_and_weights_match_one_process(runs, name):
 
 def test_tp2_pp2_checkpoint_resumes_under_dp2_and_in_one_process(runs):
     tmp, out, corpus = runs  # noqa: F811
-    saver_losses = out[SAVER][0]
+    saver_losses = out[SAVER][0][0]
     meta = checkpoint.read_meta(tmp / "saved" / "step_0000002")
     assert meta["world_size"] == 4 and meta["parallel"]["tp"] == 2 and meta["parallel"]["pp"] == 2
     dp2 = losses(tmp / "resume-dp2.json")
