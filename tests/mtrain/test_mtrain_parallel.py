@@ -2,9 +2,11 @@
 
 Two torchrun launches hold all the multi-process runs (start-up is the expensive part):
 
-    4 ranks   DP2 x TP2, PP2 x TP2 (tied embeddings, saving checkpoints), EP2 x TP2 (Mixtral)
+    4 ranks   DP2 x TP2, PP2 x TP2 (tied embeddings, saving checkpoints), EP2 x TP2 (Mixtral),
+              PP2 interleaved x CP2 (Mixtral), DP2 x TP2 in bf16
     2 ranks   TP2, TP2 + SP, PP2 1F1B, PP2 GPipe with uneven stages, PP2 interleaved (4 virtual stages),
-              PP2 zero bubble, EP2, CP2 (Llama and Mixtral), and a resume under DP2 of the TP2 x PP2 checkpoint
+              PP2 zero bubble, EP2, CP2 (Llama and Mixtral), GPT-2 under TP2 + SP, PP2 in bf16, and a resume
+              under DP2 of the TP2 x PP2 checkpoint
 
 Each run records its gradients at the first and last step and its final weights (tests/mtrain/recording.py);
 the same config in one process is the reference. The TP2 x PP2 checkpoint also resumes in one process and
@@ -36,12 +38,19 @@ LLAMA = TINY_LLAMA
 LLAMA4 = TINY_LLAMA | {"num_layers": 4}  # pipeline stages and virtual stages need layers
 TIED4 = LLAMA4 | {"tie_embeddings": True}  # the last stage keeps a copy of the embedding for the head
 MIXTRAL = TINY_MIXTRAL
+MIXTRAL4 = MIXTRAL | {"num_layers": 4}
+# GPT-2: LayerNorm, biases, learned positions (split over the sequence under SP), tied embeddings
+GPT2 = dict(family="gpt2", num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4,
+            num_query_groups=4, head_dim=8, vocab_size=64, max_position_embeddings=64, norm="layernorm",
+            activation="gelu_tanh", position_embedding="learned", qkv_bias=True, proj_bias=True, mlp_bias=True,
+            tie_embeddings=True)
 
 # name: (model, parallel section, launch)
 LAYOUTS = {
     "dp2_tp2": (LLAMA, {"tp": 2}, 4),
     "pp2_tp2_tied": (TIED4, {"tp": 2, "pp": 2}, 4),
     "ep2_tp2": (MIXTRAL, {"ep": 2, "tp": 2}, 4),
+    "pp2_vpp2_cp2_mixtral": (MIXTRAL4, {"pp": 2, "vpp": 2, "cp": 2}, 4),
     "tp2": (LLAMA, {"tp": 2}, 2),
     "tp2_sp": (LLAMA, {"tp": 2, "sequence_parallel": True}, 2),
     "pp2_1f1b": (LLAMA4, {"pp": 2}, 2),
@@ -51,6 +60,7 @@ LAYOUTS = {
     "ep2": (MIXTRAL, {"ep": 2}, 2),
     "cp2": (LLAMA, {"cp": 2}, 2),
     "cp2_mixtral": (MIXTRAL, {"cp": 2}, 2),
+    "gpt2_tp2_sp": (GPT2, {"tp": 2, "sequence_parallel": True}, 2),
 }
 # bf16 compute (fp32 master weights): FSDP's mixed precision with TP, autocast through a pipeline schedule
 BF16 = {"dp2_tp2_bf16": (LLAMA, {"tp": 2}, 4), "pp2_bf16": (LLAMA4, {"pp": 2}, 2)}
@@ -115,10 +125,11 @@ def relative_error(got: torch.Tensor, want: torch.Tensor, floor: float) -> float
     return float((got - want).abs().max() / max(float(want.abs().max()), floor))
 
 
-def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], skip: tuple[str, ...] = ()
+          ) -> tuple[float, str]:
     assert sorted(got) == sorted(want)
     floor = 1e-3 * max(float(t.abs().max()) for t in want.values())
-    return max((relative_error(got[n], want[n], floor), n) for n in want)
+    return max((relative_error(got[n], want[n], floor), n) for n in want if not n.endswith(skip))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -152,7 +163,9 @@ def test_gradients_and_weights_match_one_process(runs, name):
     _, got, _, want = out[name]
     first, name_1 = worst(got["grads"][1], want["grads"][1])
     last, name_n = worst(got["grads"][STEPS], want["grads"][STEPS])
-    final, name_w = worst(got["weights"], want["weights"])
+    # A key bias shifts every score of a query alike: its exact gradient is 0, and Adam turns the rounding noise
+    # left in its place into full-size steps of either sign, so only its gradient (noise-sized) is compared.
+    final, name_w = worst(got["weights"], want["weights"], skip=("attn.k.bias",))
     assert first < 1e-6, (name, name_1, first)
     assert last < 2e-5, (name, name_n, last)
     assert final < 1e-4, (name, name_w, final)
