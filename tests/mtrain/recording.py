@@ -30,6 +30,16 @@ def full_tensors(parts, grad: bool) -> dict[str, torch.Tensor]:
     return out
 
 
+def local_shapes(parts) -> dict[str, tuple[list[int], str]]:
+    """name -> (shape of this rank's shard, placements) of every parameter this rank holds."""
+    out = {}
+    for part in parts:
+        for name, p in weights.named_parameters(part).items():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            out[name] = (list(local.shape), str(getattr(p, "placements", "plain tensor")))
+    return out
+
+
 class RecordingTrainer(Trainer):
     def __init__(self, config, *, grads_at: tuple[int, ...] = (), **kwargs):
         self.grads_at, self.grads = set(grads_at), {}
@@ -46,17 +56,19 @@ class RecordingTrainer(Trainer):
         """Run; return (result, record) and save the record to `path` (one file per rank) when given."""
         parts = self.parts
         result = self.run()
-        record = {"grads": self.grads, "weights": full_tensors(parts, grad=False)}
+        record = {"grads": self.grads, "weights": full_tensors(parts, grad=False), "local": local_shapes(parts)}
         if path is not None:
             torch.save(record, path)
         return result, record
 
 
 def merge(paths: list[Path]) -> dict:
-    """The union of the ranks' records (replicated tensors appear in several files and must agree)."""
-    merged: dict = {"grads": {}, "weights": {}}
+    """The union of the ranks' records (replicated tensors appear in several files and must agree), and "ranks":
+    each rank's own shard shapes."""
+    merged: dict = {"grads": {}, "weights": {}, "ranks": []}
     for path in paths:
         record = torch.load(path, weights_only=True)
+        merged["ranks"].append(record["local"])
         for step, tensors in record["grads"].items():
             merged["grads"].setdefault(step, {}).update(tensors)
         merged["weights"].update(record["weights"])

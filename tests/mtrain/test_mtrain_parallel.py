@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from mconvert import engine
 from mconvert.ir import ModelConfig
@@ -91,6 +92,11 @@ def runs(corpus, tmp_path_factory):  # noqa: F811
         _checkpoint_at_step_2(tmp / "saved", tmp / copy)
     specs[2].append({"config": config_raw(corpus, TIED4, checkpoint={"dir": str(tmp / "resume-dp2")}),
                      "out": str(tmp / "resume-dp2.json")})
+    # The command line takes the layout as overrides.
+    (tmp / "run.yaml").write_text(yaml.safe_dump(config_raw(corpus, LLAMA)))
+    specs[2].append({"cli": ["pretrain", "--config", str(tmp / "run.yaml"), "--parallel.tp", "2",
+                             "--parallel.sequence_parallel", "true", "--train.steps", "2",
+                             "--checkpoint.dir", str(tmp / "cli")]})
     launch(specs[2], tmp, nproc=2, name="two")
 
     references = {}
@@ -171,6 +177,45 @@ def test_gradients_and_weights_match_one_process(runs, name):
     assert final < 1e-4, (name, name_w, final)
 
 
+# What rank 0 holds (shape of its shard, placements): proof that each layout really splits the model.
+RANK0 = {
+    "tp2": {"layers.0.attn.q.weight": ([16, 32], "(Shard(dim=0),)"),  # 4 heads of 8 -> 2 heads
+            "layers.0.attn.o.weight": ([32, 16], "(Shard(dim=1),)"),
+            "layers.0.attn_norm.weight": ([32], "(Replicate(),)"), "embed.weight": ([32, 32], "(Shard(dim=0),)"),
+            "lm_head.weight": ([32, 32], "(Shard(dim=0),)")},
+    # FSDP shards TP's shard again: rows of the TP shard, strided over the whole tensor
+    "dp2_tp2": {"layers.0.attn.q.weight": ([8, 32], "(_StridedShard(dim=0, sf=2), Shard(dim=0))"),
+                "layers.0.mlp.down.weight": ([16, 32], "(Shard(dim=0), Shard(dim=1))")},
+    "ep2": {"layers.0.moe.experts.gate": ([2, 64, 32], "(Shard(dim=0),)"),  # experts 0, 1 of 4
+            "layers.0.moe.router.weight": ([2, 32], "(Shard(dim=0),)")},  # FSDP over the 2 data ranks
+    "ep2_tp2": {"layers.0.moe.experts.gate": ([2, 32, 32], "(Shard(dim=0), Shard(dim=1))"),
+                "layers.0.moe.experts.down": ([2, 32, 32], "(Shard(dim=0), Shard(dim=2))")},
+    "cp2": {"layers.0.attn.q.weight": ([16, 32], "(Shard(dim=0),)")},  # FSDP over the context-parallel ranks
+}
+
+
+@pytest.mark.parametrize("name", list(RANK0))
+def test_each_rank_holds_its_shard(runs, name):
+    _, out, _ = runs
+    rank0 = out[name][1]["ranks"][0]
+    for param, expected in RANK0[name].items():
+        assert tuple(rank0[param]) == expected, (param, rank0[param])
+    if LAYOUTS[name][1].get("tp", 1) > 1:  # every parameter a DTensor (norms too), as foreach optimizers need
+        assert all(placement != "plain tensor" for _, placement in rank0.values())
+
+
+@pytest.mark.parametrize("name, stages", [("pp2_1f1b", [[0, 1], [2, 3]]), ("pp2_gpipe_uneven", [[0], [1, 2, 3]]),
+                                          ("pp2_interleaved", [[0, 2], [1, 3]])])
+def test_pipeline_ranks_hold_their_layers(runs, name, stages):
+    """Stage layers follow mconvert's layout (interleaved: rank 0 has stages 0 and 2 = layers 0 and 2)."""
+    _, out, _ = runs
+    for rank, layers in enumerate(stages):
+        held = {int(n.split(".")[1]) for n in out[name][1]["ranks"][rank] if n.startswith("layers.")}
+        assert sorted(held) == layers, (name, rank, held)
+    assert "embed.weight" in out[name][1]["ranks"][0] and "lm_head.weight" in out[name][1]["ranks"][1]
+    assert "embed.weight" not in out[name][1]["ranks"][1] and "final_norm.weight" not in out[name][1]["ranks"][0]
+
+
 def test_tp2_pp2_checkpoint_resumes_under_dp2_and_in_one_process(runs):
     tmp, out, corpus = runs  # noqa: F811
     saver_losses = out[SAVER][0][0]
@@ -199,3 +244,12 @@ def test_tp2_pp2_checkpoint_converts_to_hf_and_core_with_the_trainers_weights(ru
         assert sorted(n for n, _ in ir) == sorted(want), path
         for name, tensor in ir:
             assert torch.equal(tensor.load(), want[name]), (path, name)
+
+
+def test_command_line_sets_the_layout(runs):
+    tmp, _, _ = runs
+    meta = checkpoint.read_meta(tmp / "cli" / "step_0000002")
+    assert meta["parallel"]["tp"] == 2 and meta["parallel"]["sequence_parallel"] is True
+    assert meta["parallel"]["dp"] == 1 and meta["world_size"] == 2
+    ir = engine.load(tmp / "cli", Options())
+    assert ir.source.layout == {"data_parallel": 1, "tp": 2}
