@@ -72,11 +72,10 @@ def config(args, prefix: str, parallel: dict, moe: bool) -> dict:
 
 def worker(spec_file: str) -> None:
     """One run (under torchrun, or alone): a warm-up step, then timed steps; rank 0 prints the step times."""
+    from mtrain.config import from_dict
     from mtrain.train import Trainer
 
     spec = json.loads(Path(spec_file).read_text())
-    from mtrain.config import from_dict
-
     trainer = Trainer(from_dict(spec["config"]), out=lambda _: None)
     try:
         trainer.train_step()

@@ -73,7 +73,7 @@ class ParallelModel:
 
 def build_parallel_model(config: ModelConfig, dims: ParallelDims, mesh: DeviceMesh | None, *, device: torch.device,
                          dp_mode: DPMode = "fsdp", precision: Precision = "fp32", recompute: Recompute = "none",
-                         compile: bool = False, moe_capacity_factor: float | None = None) -> ParallelModel:
+                         compile_layers: bool = False, moe_capacity_factor: float | None = None) -> ParallelModel:
     """This rank's parallelized parts with uninitialized weights (fp32) and initialized buffers on `device`."""
     coords = Coords.of(mesh)
     if dims.pp > 1:
@@ -95,7 +95,7 @@ def build_parallel_model(config: ModelConfig, dims: ParallelDims, mesh: DeviceMe
         if dims.cp > 1:
             apply_context_parallel(part, mesh["cp"])
         apply_recompute(part, recompute)
-        if compile:
+        if compile_layers:
             for block in part.layers.values():
                 block.compile()
         if mesh is not None and mesh["dp_cp"].size() > 1:

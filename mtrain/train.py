@@ -80,15 +80,15 @@ class Trainer:
                              f"{model_config.max_position_embeddings} learned positions")
         dims = self.dims = ParallelDims.from_config(config.parallel, self.env.world)
         dims.check_model(model_config)
-        micro_batches = t.global_batch_size // (t.micro_batch_size * dims.dp)
-        dims.check_batches(config.data.seq_len, micro_batches)
+        dims.check_batches(config.data.seq_len, t.global_batch_size, t.micro_batch_size)
         e = config.eval  # the data first: a wrong path fails before any weights are read
         splits = build_splits(config.data, {"train": t.steps * t.global_batch_size,
                                             "valid": e.steps * t.global_batch_size if e.interval else 0})
         mesh = dims.build_mesh(self.env.device.type)
         self.parallel = build_parallel_model(
             model_config, dims, mesh, device=self.env.device, dp_mode=config.parallel.dp_mode,
-            precision=t.precision, recompute=t.recompute, compile=t.compile, moe_capacity_factor=t.moe_capacity_factor)
+            precision=t.precision, recompute=t.recompute, compile_layers=t.compile,
+            moe_capacity_factor=t.moe_capacity_factor)
         self.parts = self.parallel.parts
         self.model = self.parts[0]  # the whole model without pipeline parallel
         self.coords = self.parallel.coords

@@ -152,9 +152,3 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     for m in model.modules():
         if isinstance(m, MoE):
             m.aux_loss_scale = scale
-
-
-def aux_loss(model: nn.Module) -> float | None:
-    """The mean auxiliary loss over MoE layers at the last forward (None for dense models)."""
-    losses = [m.last_aux_loss for m in model.modules() if isinstance(m, MoE) and m.last_aux_loss is not None]
-    return float(torch.stack(losses).mean()) if losses else None

@@ -97,8 +97,12 @@ class ParallelDims:
             raise TrainError("the parallel layout does not fit the model: " + "; ".join(problems))
         self.chunks(c.num_layers)
 
-    def check_batches(self, seq_len: int, micro_batches: int) -> None:
-        """Sequence and micro-batch counts the layout needs."""
+    def check_batches(self, seq_len: int, global_batch: int, micro_batch: int) -> None:
+        """Sequence length and micro-batch counts the layout needs."""
+        if global_batch % (micro_batch * self.dp):
+            raise TrainError(f"train.global_batch_size {global_batch} is not a multiple of train.micro_batch_size "
+                             f"{micro_batch} x {self.dp} data-parallel ranks")
+        micro_batches = global_batch // (micro_batch * self.dp)
         if self.cp > 1 and seq_len % (2 * self.cp):
             raise TrainError(f"data.seq_len {seq_len} is not divisible by 2 x parallel.cp = {2 * self.cp}: each "
                              "context-parallel rank takes two equal chunks of every sequence")

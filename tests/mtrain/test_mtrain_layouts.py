@@ -144,16 +144,18 @@ LAYOUT_ERRORS = [
      "over 2 stages; choose parallel.pp dividing the layers or set parallel.first_stage_layers/last_stage_layers"),
     (lambda: dims(2, pp=2, vpp=2).check_model(LLAMA),
      "parallel.vpp 2 must divide the layers of every pipeline stage [1, 1]"),
-    (lambda: dims(2, cp=2).check_batches(30, 4),
+    (lambda: dims(3).check_batches(32, 8, 2),
+     "train.global_batch_size 8 is not a multiple of train.micro_batch_size 2 x 3 data-parallel ranks"),
+    (lambda: dims(2, cp=2).check_batches(30, 8, 2),
      "data.seq_len 30 is not divisible by 2 x parallel.cp = 4: each context-parallel rank takes two equal chunks of "
      "every sequence"),
-    (lambda: dims(8, cp=2, tp=4, sequence_parallel=True).check_batches(12, 4),
+    (lambda: dims(8, cp=2, tp=4, sequence_parallel=True).check_batches(12, 8, 2),
      "data.seq_len 12 / parallel.cp 2 = 6 tokens per rank is not divisible by parallel.tp 4, as sequence parallel "
      "needs"),
-    (lambda: dims(4, pp=4).check_batches(32, 2),
+    (lambda: dims(4, pp=4).check_batches(32, 4, 2),
      "parallel.pp 4 with the 1F1B schedule needs at least 4 micro-batches per step; train.global_batch_size / "
      "(train.micro_batch_size x 1 data-parallel ranks) gives 2"),
-    (lambda: dims(4, pp=4, vpp=2).check_batches(32, 9),
+    (lambda: dims(4, pp=4, vpp=2).check_batches(32, 9, 1),
      "the Interleaved1F1B schedule needs the micro-batches per step (9) to be a multiple of 2 (rounds of "
      "parallel.pp 4); use a multiple of 4"),
 ]
