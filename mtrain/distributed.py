@@ -52,6 +52,6 @@ def weighted_mean(value: float, weight: float, env: DistEnv) -> float:
     """sum(value * weight) / sum(weight) over all ranks (ranks without the value give weight 0)."""
     if env.world == 1:
         return value
-    t = torch.tensor([value * weight, weight], dtype=torch.float64)
+    t = torch.tensor([value * weight, weight], dtype=torch.float64, device=env.device)  # NCCL: on the GPU
     dist.all_reduce(t)  # SUM: gloo has no AVG
     return float(t[0] / t[1])

@@ -238,7 +238,8 @@ class Trainer:
             return None
         losses = [m.last_aux_loss for part in self.parts for m in part.modules()
                   if isinstance(m, moe.MoE) and m.last_aux_loss is not None]
-        stats = torch.tensor([float(sum(losses)) if losses else 0.0, float(len(losses))], dtype=torch.float64)
+        stats = torch.tensor([float(sum(losses)) if losses else 0.0, float(len(losses))], dtype=torch.float64,
+                             device=self.env.device)
         if self.env.world > 1:
             dist.all_reduce(stats)
         return float(stats[0] / stats[1]) if stats[1] else None

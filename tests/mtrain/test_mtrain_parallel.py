@@ -2,7 +2,7 @@
 
 Two torchrun launches hold all the multi-process runs (start-up is the expensive part):
 
-    4 ranks   DP2 x TP2, PP2 x TP2 (tied embeddings, saving checkpoints), EP2 x TP2 (Mixtral),
+    4 ranks   DP2 x TP2, PP2 x TP2 (tied embeddings, saving checkpoints), PP2 x TP2 + SP, EP2 x TP2 (Mixtral),
               PP2 interleaved x CP2 (Mixtral), DP2 x TP2 in bf16
     2 ranks   TP2, TP2 + SP, PP2 1F1B, PP2 GPipe with uneven stages, PP2 interleaved (4 virtual stages),
               PP2 zero bubble, EP2, CP2 (Llama and Mixtral), GPT-2 under TP2 + SP, PP2 in bf16, and a resume
@@ -50,6 +50,7 @@ GPT2 = dict(family="gpt2", num_layers=2, hidden_size=32, ffn_hidden_size=128, nu
 LAYOUTS = {
     "dp2_tp2": (LLAMA, {"tp": 2}, 4),
     "pp2_tp2_tied": (TIED4, {"tp": 2, "pp": 2}, 4),
+    "pp2_tp2_sp": (LLAMA4, {"tp": 2, "pp": 2, "sequence_parallel": True}, 4),  # stages pass (B, T/2, h)
     "ep2_tp2": (MIXTRAL, {"ep": 2, "tp": 2}, 4),
     "pp2_vpp2_cp2_mixtral": (MIXTRAL4, {"pp": 2, "vpp": 2, "cp": 2}, 4),
     "tp2": (LLAMA, {"tp": 2}, 2),
