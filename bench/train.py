@@ -1,6 +1,7 @@
-"""Training throughput of mtrain against a minimal plain-PyTorch loop, in one process.
+"""Training throughput: mtrain against a minimal plain-PyTorch loop (one process), and mtrain's parallel layouts.
 
     python bench/train.py [--rounds 5] [--steps 4] [--layers 6] [--hidden 384] [--seq 256] [--batch 4]
+    python bench/train.py --layouts [--ranks 2] [--rounds 3] [--steps 4] ...     (see bench/train_layouts.py)
 
 The model is a small GPT (GPT-2 style: learned positions, LayerNorm, GELU, tied embeddings). Three variants
 train it from the same initial weights with AdamW and gradient clipping:
@@ -110,6 +111,10 @@ def make_data(root: Path, vocab: int, tokens: int, seed: int = 0) -> str:
 
 
 def main() -> None:
+    if "--layouts" in sys.argv or "--worker" in sys.argv:
+        from train_layouts import main as layouts_main  # noqa: E402  (bench/ is on sys.path as the script's dir)
+
+        return layouts_main([a for a in sys.argv[1:] if a != "--layouts"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per variant per round")

@@ -2,8 +2,9 @@
 
 Accepts a step directory (`run/step_0000200`) or the checkpoint directory (`run`, whose `latest` names the
 newest complete step). Tensors are read lazily, one parameter at a time, without a process group, and
-whatever number of data-parallel ranks wrote them. The stacked expert weights of a MoE model are split
-into the IR's per-expert tensors (mtrain's state_dict_adapter, the same table the trainer uses).
+whatever layout wrote them (any data, tensor, pipeline, expert or context parallel sizes: DCP stores whole
+tensors). The stacked expert weights of a MoE model are split into the IR's per-expert tensors (mtrain's
+state_dict_adapter, the same table the trainer uses).
 """
 
 from __future__ import annotations
@@ -61,5 +62,7 @@ def load(path: Path, options: Options) -> ModelIR:
         take=lambda t, e: t.map(lambda x, e=e: x[e].clone(), shape=t.shape[1:], origin=f"{t.origin}[{e}]"))
     tokenizer = options.tokenizer or step_dir / "tokenizer"
     assets = hf_dir.tokenizer_files(tokenizer) if tokenizer.is_dir() else {}
-    layout = {"data_parallel": meta["world_size"]}
+    parallel = meta.get("parallel") or {}  # the layout the trainer ran (format version 2)
+    layout = {"data_parallel": parallel.get("dp", meta["world_size"])}
+    layout |= {key: parallel[key] for key in ("tp", "pp", "vpp", "ep", "cp") if parallel.get(key, 1) > 1}
     return ModelIR(config, tensors, SourceInfo("mtrain", step_dir, layout, iteration=meta["step"]), assets)

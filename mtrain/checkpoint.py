@@ -2,14 +2,20 @@
 
     {dir}/latest                      "step_0000200": the newest complete checkpoint
     {dir}/step_0000200/
-        .metadata, __{rank}_0.distcp  DCP: model.* (parameters, unsharded names) and optimizer.* (AdamW state)
-        mtrain.json                   format, step, consumed samples, world size, model config, training config
+        .metadata, __{rank}_0.distcp  DCP: model.* (parameters, unsharded names) and optimizer.* (AdamW state
+                                      by parameter name: optimizer.state.{name}.exp_avg, …)
+        mtrain.json                   format, step, consumed samples, world size, parallel layout, model config,
+                                      training config
         rng/rank_00000.pt             each rank's RNG states (torch, numpy, python)
         tokenizer/                    the tokenizer files, when the config names a tokenizer
 
 A checkpoint is written into `.step_0000200.partial/` and renamed into place only when every rank has
 finished and the files are synced; `latest` is then replaced through a rename as well. A crash mid-save leaves
 a `.partial` directory (removed by the next save) and the previous checkpoint untouched.
+
+DCP stores every tensor whole (each rank writes its shards), so a checkpoint loads under any layout: other data,
+tensor, pipeline, expert or context parallel sizes. Each rank passes its part(s) of the model (pipeline stages);
+a tensor held by several ranks (replicas, the tied embedding's copy on the last stage) is written once.
 """
 
 from __future__ import annotations
@@ -28,19 +34,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from mconvert.ir import ModelConfig
 from mtrain import weights
 from mtrain.errors import TrainError
+from mtrain.optim import Optimizers
 
 FORMAT = "mtrain"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: optimizer state by parameter name (flattened), parallel layout recorded
+READABLE_VERSIONS = (1, 2)  # the model tensors of version 1 are stored the same way
 META_FILE = "mtrain.json"
 LATEST_FILE = "latest"
 MODEL_PREFIX = "model."
@@ -78,9 +82,9 @@ def read_meta(path: Path) -> dict:
         raise TrainError(f"{path} is not an mtrain checkpoint (no {META_FILE}); give a step directory or the "
                          "checkpoint directory holding `latest`")
     meta = json.loads(f.read_text())
-    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+    if meta.get("format") != FORMAT or meta.get("version") not in READABLE_VERSIONS:
         raise TrainError(f"{f}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
-                         f"{FORMAT!r} version {FORMAT_VERSION}")
+                         f"{FORMAT!r} version {' or '.join(map(str, READABLE_VERSIONS))}")
     return meta
 
 
@@ -117,8 +121,8 @@ class Checkpointer:
         self.root = Path(root)
         self.keep_last = keep_last
 
-    def save(self, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             model_config: ModelConfig, config: dict, tokenizer: str | None = None) -> Path:
+    def save(self, state: TrainState, parts: list[nn.Module], optimizers: Optimizers, model_config: ModelConfig,
+             config: dict, tokenizer: str | None = None, layout: dict | None = None) -> Path:
         """Write a checkpoint of every rank's shards (a collective: all ranks call it)."""
         name = step_name(state.step)
         final, partial = self.root / name, self.root / f".{name}.partial"
@@ -128,14 +132,14 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
             partial.mkdir()
         _barrier()
-        state_dict = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        state_dict = {"model": model_state(parts), "optimizer": optimizers.state_dict()}
         with single_process_ok():
             dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True))
         _save_rng(partial / "rng" / f"rank_{_rank():05d}.pt")
         _barrier()
         if _rank() == 0:
             meta = dict(format=FORMAT, version=FORMAT_VERSION, step=state.step,
-                        consumed_samples=state.consumed_samples, world_size=_world(),
+                        consumed_samples=state.consumed_samples, world_size=_world(), parallel=layout,
                         model_config=model_config.to_dict(), config=config,
                         tokenizer="tokenizer" if tokenizer else None)
             _write_synced(partial / META_FILE, json.dumps(meta, indent=2))
@@ -158,22 +162,38 @@ class Checkpointer:
         for old in complete[:-self.keep_last] if self.keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> TrainState:
-        """Restore model (and optimizer, RNG) from `path`, whatever the number of ranks that wrote it."""
+    def load(self, path: Path, parts: list[nn.Module], optimizers: Optimizers | None,
+             layout: dict | None = None) -> TrainState:
+        """Restore model (and optimizer, RNG) from `path`, whatever the layout that wrote it. The RNG states are
+        restored only under the layout that saved them (each rank's state belongs to its place in the layout)."""
         meta = read_meta(path)
-        weights.check_shapes(model, stored_shapes(path), f"checkpoint {path}")
-        state_dict = {"model": get_model_state_dict(model)}
-        if optimizer is not None:
-            state_dict["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        weights.check_shapes(parts[0], stored_shapes(path), f"checkpoint {path}")
+        if optimizers is not None and meta["version"] < 2:
+            raise TrainError(f"checkpoint {path} (mtrain format version 1) keeps its optimizer state in the older "
+                             "layout; finetune from it (mtrain finetune --load) instead of resuming")
+        state_dict = {"model": model_state(parts)}
+        if optimizers is not None:
+            state_dict["optimizer"] = optimizers.state_dict()
         with single_process_ok():
             dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(path)))
-        set_model_state_dict(model, state_dict["model"])
-        if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, state_dict["optimizer"])
+        for part in parts:
+            own = get_model_state_dict(part)
+            set_model_state_dict(part, {k: state_dict["model"][k] for k in own})
+        if optimizers is not None:
+            optimizers.load_state_dict(state_dict["optimizer"])
         rng = path / "rng" / f"rank_{_rank():05d}.pt"
-        if meta["world_size"] == _world() and rng.is_file():
+        same_layout = meta["world_size"] == _world() and meta.get("parallel") == layout
+        if same_layout and rng.is_file():
             _load_rng(rng)
         return TrainState(step=meta["step"], consumed_samples=meta["consumed_samples"])
+
+
+def model_state(parts: list[nn.Module]) -> dict:
+    """The parameters of this rank's parts under their model names (DTensor shards stay sharded)."""
+    out: dict = {}
+    for part in parts:
+        out.update(get_model_state_dict(part))
+    return out
 
 
 def _save_rng(path: Path) -> None:

@@ -6,7 +6,7 @@
     optim:      AdamW and the learning-rate schedule
     eval:       validation interval and size
     checkpoint: where and how often to save, what to resume or finetune from
-    parallel:   data-parallel mode (tensor/pipeline/expert/context parallel come with issue 7)
+    parallel:   the layout: data (FSDP2/DDP), tensor (+sequence), pipeline (+virtual stages), expert, context
     logging:    log interval, TensorBoard
 
 Unknown sections and fields are errors that list the valid ones; values are checked against the field types.
@@ -45,10 +45,13 @@ class TrainSection:
     global_batch_size: int = 32
     seed: int = 1234  # weight initialization and any randomness in the model
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights and optimizer state
-    recompute: Literal["none", "full"] = "none"  # full: recompute each layer's activations in backward
+    # Activation recomputation in backward: full: each layer's activations; selective: the attention core only
+    recompute: Literal["none", "selective", "full"] = "none"
     deterministic: bool = False
     init_std: float = 0.02
     exit_after_steps: int | None = None  # stop (with a checkpoint) after this many steps in this run
+    compile: bool = False  # torch.compile each layer (slow to start on CPU)
+    moe_capacity_factor: float | None = None  # MoE: experts take at most factor * fair share of tokens; None: dropless
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,9 +84,28 @@ class CheckpointConfig:
     loader: str | None = None  # mconvert loader of `finetune` (detected when None)
 
 
+PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS"]
+SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")  # one stage per pipeline rank; the others need vpp > 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    """The parallel layout. The data-parallel size is what is left: world / (tp * pp * cp)."""
+
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"  # ddp: only with data parallelism alone
+    tp: int = 1  # tensor parallel: heads, ffn and vocabulary split over tp ranks
+    sequence_parallel: bool = False  # with tp > 1: activations outside attention/MLP split over the sequence too
+    pp: int = 1  # pipeline stages
+    vpp: int = 1  # virtual stages (model chunks) per pipeline rank, for the interleaved schedules
+    pp_schedule: PipelineSchedule | None = None  # default: 1F1B, or Interleaved1F1B when vpp > 1
+    first_stage_layers: int | None = None  # uneven pipeline: layers of the first / last stage
+    last_stage_layers: int | None = None
+    ep: int = 1  # expert parallel (MoE): the experts split over ep of the data-parallel ranks
+    cp: int = 1  # context parallel: each sequence split over cp ranks
+
+    @property
+    def schedule(self) -> str:
+        return self.pp_schedule or ("Interleaved1F1B" if self.vpp > 1 else "1F1B")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -299,6 +321,30 @@ def validate(c: Config) -> None:
         raise TrainError(f"data.seq_len must be positive, got {c.data.seq_len}")
     if c.optim.min_lr > c.optim.lr:
         raise TrainError(f"optim.min_lr {c.optim.min_lr} is above optim.lr {c.optim.lr}")
+    if t.moe_capacity_factor is not None and t.moe_capacity_factor <= 0:
+        raise TrainError(f"train.moe_capacity_factor must be positive (or null: dropless), got {t.moe_capacity_factor}")
+    validate_parallel(c.parallel)
+
+
+def validate_parallel(p: ParallelConfig) -> None:
+    """The checks that need neither the model nor the world size (those are in mtrain/parallel/dims.py)."""
+    for name in ("tp", "pp", "vpp", "ep", "cp"):
+        if getattr(p, name) < 1:
+            raise TrainError(f"parallel.{name} must be at least 1, got {getattr(p, name)}")
+    if p.sequence_parallel and p.tp == 1:
+        raise TrainError("parallel.sequence_parallel needs parallel.tp > 1 (it splits tensor-parallel activations)")
+    if p.pp == 1 and (p.vpp > 1 or p.first_stage_layers is not None or p.last_stage_layers is not None):
+        raise TrainError("parallel.vpp, parallel.first_stage_layers and parallel.last_stage_layers need "
+                         "parallel.pp > 1")
+    single = p.schedule in SINGLE_STAGE_SCHEDULES
+    if p.vpp > 1 and single:
+        raise TrainError(f"parallel.pp_schedule {p.schedule} runs one stage per pipeline rank; with parallel.vpp "
+                         f"{p.vpp} use Interleaved1F1B, InterleavedZeroBubble or LoopedBFS")
+    if p.vpp == 1 and not single and p.pp > 1:
+        raise TrainError(f"parallel.pp_schedule {p.schedule} interleaves virtual stages: set parallel.vpp >= 2, "
+                         "or use 1F1B or GPipe")
+    if p.dp_mode == "ddp" and (p.tp, p.pp, p.ep, p.cp) != (1, 1, 1, 1):
+        raise TrainError("parallel.dp_mode ddp works with data parallelism alone; use fsdp with tp, pp, ep or cp")
 
 
 def dump(c: Config) -> str:

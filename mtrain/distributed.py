@@ -1,4 +1,7 @@
-"""Process-group setup: one process, or `torchrun` ranks (gloo on CPU, NCCL on GPUs) on a data-parallel mesh."""
+"""Process-group setup: one process, or `torchrun` ranks (gloo on CPU, NCCL on GPUs).
+
+The device mesh of the parallel layout is built from the config by mtrain/parallel/dims.py.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 @dataclass(frozen=True)
@@ -15,7 +17,6 @@ class DistEnv:
     rank: int
     world: int
     device: torch.device
-    mesh: DeviceMesh | None  # None when training in one process
     owns_group: bool  # this module created the process group (and destroys it)
 
     @property
@@ -39,10 +40,7 @@ def init() -> DistEnv:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world == 1:
-        return DistEnv(0, 1, device, None, owns)
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-    return DistEnv(dist.get_rank(), world, device, mesh, owns)
+    return DistEnv(dist.get_rank() if world > 1 else 0, world, device, owns)
 
 
 def shutdown(env: DistEnv) -> None:
@@ -50,9 +48,10 @@ def shutdown(env: DistEnv) -> None:
         dist.destroy_process_group()
 
 
-def mean_across_ranks(value: torch.Tensor, env: DistEnv) -> float:
-    if env.mesh is not None:
-        value = value.detach().clone()
-        dist.all_reduce(value)  # SUM: gloo has no AVG
-        value /= env.world
-    return float(value)
+def weighted_mean(value: float, weight: float, env: DistEnv) -> float:
+    """sum(value * weight) / sum(weight) over all ranks (ranks without the value give weight 0)."""
+    if env.world == 1:
+        return value
+    t = torch.tensor([value * weight, weight], dtype=torch.float64, device=env.device)  # NCCL: on the GPU
+    dist.all_reduce(t)  # SUM: gloo has no AVG
+    return float(t[0] / t[1])

@@ -6,8 +6,17 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from mtrain.config import OptimConfig
+
+# Optimizer state keyed by parameter name ("state.layers.3.attn.q.weight.exp_avg"), the same whatever the layout
+# and however the parameters are split into pipeline stages: a checkpoint resumes under any layout.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -33,3 +42,39 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+
+
+class Optimizers:
+    """One AdamW per model part (pipeline stage), driven as one."""
+
+    def __init__(self, parts: list[nn.Module], cfg: OptimConfig):
+        self.parts = parts
+        self.optimizers = [build_optimizer(part, cfg) for part in parts]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        """Every part's state under parameter names (sharded tensors stay sharded)."""
+        out: dict = {}
+        for part, opt in zip(self.parts, self.optimizers):
+            out.update(get_optimizer_state_dict(part, opt, options=FLAT))
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Each part takes its own parameters' state from `state` (as returned by state_dict, then filled)."""
+        for part, opt in zip(self.parts, self.optimizers):
+            set_optimizer_state_dict(part, opt, state, options=FLAT)

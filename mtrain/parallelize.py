@@ -1,16 +1,23 @@
-"""Parallelism and memory savers applied from outside to a model built on the meta device.
+"""Parallelism and memory savers applied from outside to models built on the meta device.
 
-    with torch.device("meta"): model = Transformer(config)
-    parallelize(model, mesh, ...)      # activation recomputation, then FSDP2 or DDP over the "dp" mesh
-    model.to_empty(device=...); model.init_buffers(); weights.load_full_weights(model, ...)
+    parallel = build_parallel_model(config, dims, mesh, device=..., ...)
+        for each pipeline stage of this rank (the whole model without PP), still on the meta device:
+            tensor/sequence parallel (parallel/tensor_parallel.py)
+            expert parallel and expert tensor parallel (parallel/expert_parallel.py)
+            context parallel (parallel/context_parallel.py)
+            activation recomputation, torch.compile of each layer
+            FSDP2 over the "dp_cp" ranks (or DDP for data parallelism alone)
+            to_empty(device), init_buffers()
+    weights.load_full_weights(parallel.parts, ...)
 
-Data parallel is FSDP2 (`fully_shard` per layer and at the root: parameters, gradients and optimizer state
-sharded over the ranks; bf16 compute with fp32 master weights through its MixedPrecisionPolicy) or DDP
-(`replicate`). Tensor, pipeline, expert and context parallel (issue 7) are applied here too, before FSDP.
+FSDP2 shards parameters, gradients and optimizer state over the ranks (bf16 compute with fp32 master weights
+through its MixedPrecisionPolicy); expert weights stay out of it (they are split by EP and synced by
+ExpertGradients). The pipeline schedule is built by the trainer, which knows its loss and micro-batches.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -19,52 +26,132 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 
 from mconvert.ir import ModelConfig
-from mtrain.models.model import Transformer
+from mtrain.models.model import SequenceShard, Transformer
+from mtrain.models.moe import MoE
+from mtrain.parallel.context_parallel import apply_context_parallel
+from mtrain.parallel.dims import Coords, ParallelDims
+from mtrain.parallel.expert_parallel import ExpertGradients, apply_expert_parallel, expert_parameters
+from mtrain.parallel.pipeline import TiedEmbeddings, build_stages
+from mtrain.parallel.tensor_parallel import apply_tensor_parallel
 
 DPMode = Literal["fsdp", "ddp"]
 Precision = Literal["fp32", "bf16"]
-Recompute = Literal["none", "full"]
+Recompute = Literal["none", "selective", "full"]
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of the model: one part per local pipeline stage (one part without PP)."""
+
+    config: ModelConfig
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    parts: list[Transformer]
+    stage_ids: list[int]
+    coords: Coords = field(default_factory=Coords)
+    tied: TiedEmbeddings | None = None
+    experts: ExpertGradients | None = None
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(p.embeds_tokens for p in self.parts)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(p.final_norm is not None for p in self.parts)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    def finish_gradients(self) -> None:
+        """After backward: sum the tied embedding copies' gradients, turn expert gradients into the global mean's."""
+        if self.tied is not None:
+            self.tied.sync_gradients()
+        if self.experts is not None:
+            self.experts.sync()
+
+
+def build_parallel_model(config: ModelConfig, dims: ParallelDims, mesh: DeviceMesh | None, *, device: torch.device,
+                         dp_mode: DPMode = "fsdp", precision: Precision = "fp32", recompute: Recompute = "none",
+                         compile_layers: bool = False, moe_capacity_factor: float | None = None) -> ParallelModel:
+    """This rank's parallelized parts with uninitialized weights (fp32) and initialized buffers on `device`."""
+    coords = Coords.of(mesh)
+    if dims.pp > 1:
+        stages = build_stages(config, dims, coords.pp)
+    else:
+        with torch.device("meta"):
+            stages = [(0, Transformer(config))]
+    sharded_experts = config.is_moe and (dims.ep > 1 or dims.tp > 1)
+    for _, part in stages:
+        part.sequence = SequenceShard(cp=dims.cp, cp_rank=coords.cp, sp=dims.tp if dims.sequence_parallel else 1)
+        for m in part.modules():
+            if isinstance(m, MoE):
+                m.capacity_factor = moe_capacity_factor
+        if dims.tp > 1:
+            apply_tensor_parallel(part, mesh["tp"], dims.sequence_parallel)
+        if sharded_experts:
+            for m in [m for m in part.modules() if isinstance(m, MoE)]:
+                apply_expert_parallel(m, mesh, dims.ep, dims.tp)
+        if dims.cp > 1:
+            apply_context_parallel(part, mesh["cp"])
+        apply_recompute(part, recompute)
+        if compile_layers:
+            for block in part.layers.values():
+                block.compile()
+        if mesh is not None and mesh["dp_cp"].size() > 1:
+            if dp_mode == "fsdp":
+                ignored = set(expert_parameters([part])) if sharded_experts else set()
+                apply_fsdp(part, mesh["dp_cp"], precision, ignored)
+            else:
+                apply_ddp(part, mesh["dp"])
+        part.to_empty(device=device)
+        part.init_buffers()
+    parts = [part for _, part in stages]
+    model = ParallelModel(config, dims, mesh, parts, [i for i, _ in stages], coords)
+    if dims.pp > 1 and config.tie_embeddings:
+        model.tied = TiedEmbeddings(parts, mesh, dims)
+    if sharded_experts:
+        model.experts = ExpertGradients(expert_parameters(parts), mesh, dims.dp * dims.cp)
+    return model
 
 
 def build_model(config: ModelConfig, *, device: torch.device, mesh: DeviceMesh | None = None,
                 dp_mode: DPMode = "fsdp", precision: Precision = "fp32", recompute: Recompute = "none") -> Transformer:
-    """A parallelized model with uninitialized weights (fp32) and initialized buffers on `device`."""
+    """A whole model (one process, or data parallel over the 1-D `mesh`) with uninitialized weights."""
     with torch.device("meta"):
         model = Transformer(config)
-    parallelize(model, mesh, dp_mode=dp_mode, precision=precision, recompute=recompute)
+    apply_recompute(model, recompute)
+    if mesh is not None and dp_mode == "fsdp":
+        apply_fsdp(model, mesh, precision, set())
+    elif mesh is not None:
+        apply_ddp(model, mesh)
     model.to_empty(device=device)
     model.init_buffers()
     return model
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh | None, *, dp_mode: DPMode, precision: Precision,
-                recompute: Recompute) -> None:
-    if recompute == "full":
-        apply_recompute(model)
-    if mesh is None:
+def apply_recompute(model: Transformer, mode: Recompute) -> None:
+    """Recompute activations in backward instead of keeping them: `full` reruns each layer, `selective` only the
+    attention core (Megatron's selective recomputation: softmax(q k^T) v, the largest activation per FLOP)."""
+    if mode == "none":
         return
-    if dp_mode == "fsdp":
-        apply_fsdp(model, mesh, precision)
-    else:
-        apply_ddp(model, mesh)
-
-
-def apply_recompute(model: Transformer) -> None:
-    """Recompute each layer's activations in backward instead of keeping them (saves memory, costs a forward)."""
     for name, block in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=True)
+        if mode == "full":
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=True)
+        else:
+            block.attn.core = checkpoint_wrapper(block.attn.core, preserve_rng_state=True)
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh, precision: Precision) -> None:
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, precision: Precision, ignored: set[nn.Parameter]) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None,
                               reduce_dtype=torch.float32)
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored & set(block.parameters()) or None)
     # The root group holds the embeddings, final norm and head; it stays gathered after forward because
     # backward needs it first.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored or None)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -78,3 +165,4 @@ def uses_fsdp_mixed_precision(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+

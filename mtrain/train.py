@@ -1,9 +1,15 @@
 """The training loop: pretrain from scratch or finetune from any checkpoint mconvert reads.
 
     Trainer(config).run()
-      setup:   process group -> model on meta -> parallelize -> weights (resume > finetune source > random)
-      step:    micro-batches with gradient accumulation -> clip -> AdamW at the scheduled LR
+      setup:   process group -> layout and mesh -> model parts on meta -> parallelize -> weights
+               (resume > finetune source > random)
+      step:    micro-batches with gradient accumulation (or through the pipeline schedule) -> gradient sync of
+               tied embeddings and experts -> clip -> AdamW at the scheduled LR
       every N: log, validate, checkpoint; at the end: validate and checkpoint
+
+The loss of a step is the mean over every token of the global batch, whatever the layout: each data- and
+context-parallel rank averages its own tokens, FSDP averages gradients over those ranks, tensor-parallel ranks
+compute the same loss from vocab-sharded logits, and pipeline micro-batches are accumulated like the trainer's.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from mconvert import engine
 from mconvert.ir import ModelConfig, ModelIR
@@ -28,8 +36,12 @@ from mtrain.data.loader import RankBatches, build_splits
 from mtrain.errors import TrainError
 from mtrain.metrics import Metrics
 from mtrain.models import moe, state_dict_adapter
-from mtrain.optim import build_optimizer, lr_at
-from mtrain.parallelize import build_model, uses_fsdp_mixed_precision
+from mtrain.optim import Optimizers, lr_at
+from mtrain.parallel import grads
+from mtrain.parallel.context_parallel import split_sequence
+from mtrain.parallel.dims import ParallelDims, group
+from mtrain.parallel.pipeline import build_schedule
+from mtrain.parallelize import build_parallel_model, uses_fsdp_mixed_precision
 
 
 @dataclass
@@ -55,7 +67,6 @@ class Trainer:
 
     def _setup(self) -> None:
         config = self.config
-        torch.manual_seed(config.train.seed + self.env.rank)
         self.out("mtrain configuration:\n" + dump(config).rstrip())
 
         t = config.train
@@ -67,32 +78,52 @@ class Trainer:
         if model_config.position_embedding == "learned" and config.data.seq_len > model_config.max_position_embeddings:
             raise TrainError(f"data.seq_len {config.data.seq_len} is longer than the model's "
                              f"{model_config.max_position_embeddings} learned positions")
+        dims = self.dims = ParallelDims.from_config(config.parallel, self.env.world)
+        dims.check_model(model_config)
+        dims.check_batches(config.data.seq_len, t.global_batch_size, t.micro_batch_size)
         e = config.eval  # the data first: a wrong path fails before any weights are read
         splits = build_splits(config.data, {"train": t.steps * t.global_batch_size,
                                             "valid": e.steps * t.global_batch_size if e.interval else 0})
-        self.model = build_model(model_config, device=self.env.device, mesh=self.env.mesh,
-                                 dp_mode=config.parallel.dp_mode, precision=t.precision, recompute=t.recompute)
-        self.optimizer = build_optimizer(self.model, config.optim)
+        mesh = dims.build_mesh(self.env.device.type)
+        self.parallel = build_parallel_model(
+            model_config, dims, mesh, device=self.env.device, dp_mode=config.parallel.dp_mode,
+            precision=t.precision, recompute=t.recompute, compile_layers=t.compile,
+            moe_capacity_factor=t.moe_capacity_factor)
+        self.parts = self.parallel.parts
+        self.model = self.parts[0]  # the whole model without pipeline parallel
+        self.coords = self.parallel.coords
+        # Ranks that see the same tokens draw the same random numbers (router jitter must agree across tp).
+        torch.manual_seed(t.seed + self.coords.dp * dims.cp + self.coords.cp)
+        self.optimizer = Optimizers(self.parts, config.optim)
         self.state = checkpoint.TrainState()
         self.resumed_from = resume
         if resume is not None:
-            self.state = self.checkpointer.load(resume, self.model, self.optimizer)
+            self.state = self.checkpointer.load(resume, self.parts, self.optimizer, dims.to_dict())
             self.out(f"resumed from {resume} at step {self.state.step} ({self.state.consumed_samples} samples)")
         elif source is not None:
             weights.check_shapes(self.model, _ir_model_shapes(source), f"checkpoint {source.source.path}")
-            weights.load_full_weights(self.model, weights.ir_weights(source))
+            weights.load_full_weights(self.parts, weights.ir_weights(source, weights.local_names(self.parts)))
             self.out(f"finetuning from {source.source.path} ({source.source.format}); step 0, fresh optimizer")
         else:
-            weights.load_full_weights(self.model, weights.random_init(model_config, t.seed, t.init_std))
+            weights.load_full_weights(self.parts, weights.random_init(model_config, t.seed, t.init_std,
+                                                                      weights.local_names(self.parts)))
+        mode = config.parallel.dp_mode if dims.dp > 1 else "single"
         self.out(f"model: {weights.describe(model_config)}; {_num_params(model_config):,} parameters; "
-                 f"{self.env.world} data-parallel rank(s) ({config.parallel.dp_mode if self.env.mesh else 'single'})")
+                 f"{self.env.world} rank(s): {dims.describe()} (data parallel: {mode})")
 
         self.batches = RankBatches(splits["train"], global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
-                                   rank=self.env.rank, world=self.env.world, vocab_size=model_config.vocab_size,
+                                   rank=self.coords.dp, world=dims.dp, vocab_size=model_config.vocab_size,
                                    consumed_samples=self.state.consumed_samples)
         self.valid = splits["valid"]
-        moe.set_aux_loss_scale(self.model, 1.0 / self.batches.micro_batches)
+        for part in self.parts:
+            moe.set_aux_loss_scale(part, 1.0 / self.batches.micro_batches)
         self.autocast = t.precision == "bf16" and not uses_fsdp_mixed_precision(self.model)
+        self.pp_group = group(mesh, "pp")
+        self.schedule = None
+        if dims.pp > 1:
+            n = self.batches.micro_batches
+            self.schedule = build_schedule(self.parts, self.parallel.stage_ids, dims, self.pp_group, self.env.device,
+                                           n, lambda out, target: self._cross_entropy(out, target) / n)
         self.metrics = Metrics(enabled=self.env.is_main, total_steps=t.steps, interval=config.logging.interval,
                                tensorboard_dir=config.logging.tensorboard_dir, out=self.out)
 
@@ -114,33 +145,79 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         start = time.perf_counter()
-        self.model.train()
-        micro = self.batches.next()
-        total = torch.zeros(())
-        for i, (inputs, labels) in enumerate(micro):
-            self._sync_gradients(last=i == len(micro) - 1)
-            loss = self._loss(inputs.to(self.env.device), labels.to(self.env.device))
-            (loss / len(micro)).backward()
-            total += loss.detach().cpu()
+        loss = self.forward_backward()
         grad_norm = self._clip_gradients()
         lr = lr_at(self.state.step, self.config.optim, self.config.train.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.optimizer.set_lr(lr)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         self.state.step += 1
         self.state.consumed_samples = self.batches.consumed_samples
-        loss = distributed.mean_across_ranks(total / len(micro), self.env)
         elapsed = time.perf_counter() - start
         tokens = self.config.train.global_batch_size * self.config.data.seq_len
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "aux_loss": moe.aux_loss(self.model),
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "aux_loss": self._aux_loss(),
                 "tokens_per_s": tokens / elapsed, "step_time": elapsed}
 
+    def forward_backward(self) -> float:
+        """Gradients of the next global batch's mean loss (synced over the layout); returns that loss."""
+        for part in self.parts:
+            part.train()
+        micro = self.batches.next()
+        if self.schedule is not None:
+            loss = self._pipeline_step(micro)
+        else:
+            total = torch.zeros((), dtype=torch.float64)
+            for i, (inputs, labels) in enumerate(micro):
+                self._sync_gradients(last=i == len(micro) - 1)
+                inputs, labels = self._local_tokens(inputs, labels)
+                with self._loss_context():
+                    loss = self._loss(inputs, labels)
+                    (loss / len(micro)).backward()
+                total += _value(loss)
+            loss = float(total / len(micro))
+        self.parallel.finish_gradients()
+        return self._mean_loss(loss, has_loss=self.parallel.has_last_stage)
+
+    def _pipeline_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], train: bool = True) -> float:
+        """One pass of the schedule over the micro-batches (the loss function divides by their number)."""
+        inputs, labels = self._local_tokens(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))
+        args = (inputs,) if self.parallel.has_first_stage else ()
+        last = self.parallel.has_last_stage
+        losses: list[torch.Tensor] = []
+        with self._loss_context(), self._autocast():
+            run = self.schedule.step if train else self.schedule.eval
+            run(*args, target=labels if last else None, losses=losses if last else None,
+                **({"return_outputs": False} if train else {}))
+        return float(sum(_value(x) for x in losses)) if last else 0.0
+
+    def _local_tokens(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of the sequences (context parallel), on its device."""
+        cp, rank = self.dims.cp, self.coords.cp
+        return (split_sequence(inputs, cp, rank).to(self.env.device),
+                split_sequence(labels, cp, rank).to(self.env.device))
+
+    def _loss_context(self):
+        """Under tensor parallel the loss runs on vocab-sharded logits (forward and backward in this context)."""
+        return loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext()
+
+    def _autocast(self):
+        """bf16 compute when FSDP does not already cast (one process, or without data parallelism)."""
+        return torch.autocast(self.env.device.type, dtype=torch.bfloat16) if self.autocast \
+            else contextlib.nullcontext()
+
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        ctx = torch.autocast(self.env.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
-        with ctx:
+        with self._autocast():
             logits = self.model(inputs)
+        return self._cross_entropy(logits, labels)
+
+    @staticmethod
+    def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    def _mean_loss(self, loss: float, has_loss: bool) -> float:
+        """The mean over the data- and context-parallel ranks (tensor-parallel ranks hold copies; only the last
+        pipeline stage has a loss)."""
+        return distributed.weighted_mean(loss, 1.0 if has_loss and self.coords.tp == 0 else 0.0, self.env)
 
     def _sync_gradients(self, last: bool) -> None:
         """FSDP: reduce-scatter gradients only after the last micro-batch of a step."""
@@ -148,13 +225,24 @@ class Trainer:
             self.model.set_requires_gradient_sync(last)
 
     def _clip_gradients(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()  # the norm of the whole gradient, not of this rank's shard
+        params = self.parallel.parameters()
+        skip = self.parallel.tied.duplicate if self.parallel.tied else None
+        norm = grads.grad_norm(params, self.pp_group, skip)
         if self.config.optim.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.config.optim.grad_clip, norm, foreach=True)
+            grads.clip_gradients(params, self.config.optim.grad_clip, norm)
         return float(norm)
+
+    def _aux_loss(self) -> float | None:
+        """The mean auxiliary loss of the MoE layers at the last forward, over all layers and data ranks."""
+        if not self.model_config.is_moe:
+            return None
+        losses = [m.last_aux_loss for part in self.parts for m in part.modules()
+                  if isinstance(m, moe.MoE) and m.last_aux_loss is not None]
+        stats = torch.tensor([float(sum(losses)) if losses else 0.0, float(len(losses))], dtype=torch.float64,
+                             device=self.env.device)
+        if self.env.world > 1:
+            dist.all_reduce(stats)
+        return float(stats[0] / stats[1]) if stats[1] else None
 
     # -- validation ---------------------------------------------------------------------------------------------
 
@@ -162,15 +250,22 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the first eval.steps global batches of the validation split (the same each time)."""
         t = self.config.train
-        self.model.eval()
+        for part in self.parts:
+            part.eval()
         batches = RankBatches(self.valid, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
-                              rank=self.env.rank, world=self.env.world, vocab_size=self.model_config.vocab_size)
-        total, count = torch.zeros(()), 0
+                              rank=self.coords.dp, world=self.dims.dp, vocab_size=self.model_config.vocab_size)
+        total, count = 0.0, 0
         for _ in range(self.config.eval.steps):
-            for inputs, labels in batches.next():
-                total += self._loss(inputs.to(self.env.device), labels.to(self.env.device)).cpu()
+            micro = batches.next()
+            if self.schedule is not None:
+                total += self._pipeline_step(micro, train=False) * len(micro)
+                count += len(micro)
+                continue
+            for inputs, labels in micro:
+                with self._loss_context():
+                    total += _value(self._loss(*self._local_tokens(inputs, labels)))
                 count += 1
-        return distributed.mean_across_ranks(total / count, self.env)
+        return self._mean_loss(total / count, has_loss=self.parallel.has_last_stage)
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -210,8 +305,8 @@ class Trainer:
         return loss
 
     def _save(self) -> Path:
-        path = self.checkpointer.save(self.state, self.model, self.optimizer, self.model_config,
-                                      self.config.to_dict(), self.config.data.tokenizer)
+        path = self.checkpointer.save(self.state, self.parts, self.optimizer, self.model_config,
+                                      self.config.to_dict(), self.config.data.tokenizer, self.dims.to_dict())
         self.out(f"saved checkpoint {path}")
         return path
 
@@ -220,6 +315,12 @@ class Trainer:
             self.metrics.close()
         self._deterministic.__exit__(None, None, None)
         distributed.shutdown(self.env)
+
+
+def _value(loss: torch.Tensor) -> float:
+    """A loss as a number (under loss_parallel it is a replicated DTensor)."""
+    loss = loss.detach()
+    return float(loss.to_local() if isinstance(loss, DTensor) else loss)
 
 
 def _ir_model_shapes(ir: ModelIR) -> dict[str, tuple[int, ...]]:

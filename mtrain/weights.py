@@ -1,16 +1,16 @@
 """Full weights into a (possibly sharded) model: random initialization and weights from any mconvert IR.
 
 Both produce full tensors by model parameter name, one at a time; `load_full_weights` copies each into the
-model, slicing out the local shard of a DTensor parameter (FSDP, and TP later) without communication. A
-random initialization is therefore the same whatever the parallel layout: each tensor has its own generator
-seeded from (seed, name).
+parts of the model this rank holds (pipeline stages), slicing out the local shard of a DTensor parameter (FSDP,
+tensor and expert parallel) without communication. A random initialization is therefore the same whatever the
+parallel layout: each tensor has its own generator seeded from (seed, name).
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -35,10 +35,13 @@ def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {clean_name(n): p for n, p in model.named_parameters()}
 
 
-def random_init(c: ModelConfig, seed: int, std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+def random_init(c: ModelConfig, seed: int, std: float = 0.02, names: Collection[str] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
     """Megatron's scheme: N(0, std) weights, N(0, std/sqrt(2L)) for the projections that feed the residual
-    stream (attention output, MLP down), norms at 1, biases at 0."""
+    stream (attention output, MLP down), norms at 1, biases at 0. Only `names` when given."""
     for name, shape in state_dict_adapter.model_shapes(c).items():
+        if names is not None and name not in names:
+            continue
         if name.endswith("bias"):
             yield name, torch.zeros(shape)
         elif "norm" in name:
@@ -49,18 +52,19 @@ def random_init(c: ModelConfig, seed: int, std: float = 0.02) -> Iterator[tuple[
             yield name, torch.randn(shape, generator=g) * (std / math.sqrt(2 * c.num_layers) if scaled else std)
 
 
-def ir_weights(ir: ModelIR) -> Iterator[tuple[str, torch.Tensor]]:
-    """The IR's tensors under model names (experts stacked), read lazily one parameter at a time."""
-    return state_dict_adapter.from_ir(ir.config, lambda name: ir[name].load())
+def ir_weights(ir: ModelIR, names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The IR's tensors under model names (experts stacked), read lazily one parameter at a time (only `names`)."""
+    return state_dict_adapter.from_ir(ir.config, lambda name: ir[name].load(), names)
 
 
 def check_shapes(model: nn.Module, shapes: dict[str, tuple[int, ...]], where: str) -> None:
-    """One error listing every missing, unexpected and misshapen tensor of `where` against the model."""
-    params = named_parameters(model)
+    """One error listing every missing, unexpected and misshapen tensor of `where` against the whole model
+    (`model` may be one pipeline stage: the expected names and shapes come from its config)."""
+    params = state_dict_adapter.model_shapes(model_config(model))
     missing = [n for n in params if n not in shapes]
     extra = [n for n in shapes if n not in params]
-    wrong = [f"{n} is {list(shapes[n])} in the checkpoint, the model has {list(p.shape)}"
-             for n, p in params.items() if n in shapes and tuple(shapes[n]) != tuple(p.shape)]
+    wrong = [f"{n} is {list(shapes[n])} in the checkpoint, the model has {list(shape)}"
+             for n, shape in params.items() if n in shapes and tuple(shapes[n]) != tuple(shape)]
     if missing or extra or wrong:
         parts = []
         if missing:
@@ -74,16 +78,25 @@ def check_shapes(model: nn.Module, shapes: dict[str, tuple[int, ...]], where: st
                          + " Use the checkpoint's own model config, or a checkpoint of this model.")
 
 
-def load_full_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy full tensors into the model's parameters (each rank keeps its shard). Names must be checked first."""
-    params = named_parameters(model)
+def local_names(parts: nn.Module | list[nn.Module]) -> set[str]:
+    """The parameter names held by this rank's part(s) of the model."""
+    return {n for part in (parts if isinstance(parts, list) else [parts]) for n in named_parameters(part)}
+
+
+def load_full_weights(parts: nn.Module | list[nn.Module], tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy full tensors into the parameters of this rank's part(s) (each keeps its shard; tensors of other
+    pipeline stages are skipped). Names must be checked first (check_shapes)."""
+    params: dict[str, list[nn.Parameter]] = {}
+    for part in parts if isinstance(parts, list) else [parts]:
+        for name, p in named_parameters(part).items():
+            params.setdefault(name, []).append(p)
     with torch.no_grad():
         for name, full in tensors:
-            p = params[name]
-            full = full.to(dtype=p.dtype, device=p.device)
-            if isinstance(p, DTensor):
-                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-            p.copy_(full)
+            for p in params.get(name, ()):
+                value = full.to(dtype=p.dtype, device=p.device)
+                if isinstance(p, DTensor):
+                    value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+                p.copy_(value)
 
 
 def model_config(model: nn.Module) -> ModelConfig:

@@ -5,12 +5,24 @@
 
 Parameter names are the IR names (see mconvert/ir_names.py), except the MoE experts, which are stacked in one
 module (state_dict_adapter.py maps them). Build the model on the meta device, apply parallelism from outside
-(parallelize.py), then `to_empty()` and `init_buffers()`; weights come from weights.py. Layers live in a
-ModuleDict keyed by their global index, so a pipeline stage can drop layers and keep checkpoint names, and
-`embed`, `final_norm`, `lm_head` may be None on stages that do not hold them (issue 7).
+(parallelize.py), then `to_empty()` and `init_buffers()`; weights come from weights.py.
+
+A pipeline stage is a Transformer built with `layers=` (global indices: layers live in a ModuleDict keyed by
+them, so checkpoint names do not depend on the stage) and `first=`/`last=`: only the first stage embeds tokens,
+only the last has `final_norm` and the head. With tied embeddings the last stage keeps its own `embed` (its
+weight is the head's; the trainer keeps both copies equal by summing their gradients).
+
+Hooks for parallelism, with plain single-process defaults: `sequence` says which positions this rank's tokens
+have (context parallel) and how much shorter hidden states are than tokens (sequence parallel);
+`Attention.core` is the attention kernel (context parallel swaps in one that gathers keys and values);
+`MoE.dispatch` runs the experts (expert parallel swaps in the all-to-all).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +52,35 @@ def make_norm(c: ModelConfig) -> nn.Module:
     return RMSNorm(c.hidden_size, c.norm_eps)
 
 
+class LayerContext(NamedTuple):
+    """What every layer needs besides the hidden states: rotary angles, token positions, the window."""
+
+    rot: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin: each (T, hd)
+    positions: torch.Tensor  # (T,) position of each local token in its sequence
+    window: int | None  # sliding-window length
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean (Tq, Tk) mask: query at position i sees keys at j with i - window < j <= i (HF Mistral's window:
+    the token and window-1 before it); causal only when window is None."""
+    i, j = q_pos[:, None], k_pos[None, :]
+    mask = j <= i
+    return mask & (j > i - window) if window is not None else mask
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(hd) + mask) v over this rank's whole sequence (no parameters)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        T = q.shape[2]
+        # SDPA's own causal path when the window does not bite; an explicit mask otherwise.
+        mask = attention_mask(ctx.positions, ctx.positions, ctx.window) \
+            if ctx.window is not None and T > ctx.window else None
+        # Query head i reads key/value group i // (nh/ng), as HF's repeat_kv does.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, hd)
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped key/value heads (GQA), rotary or no positions, optional window."""
 
@@ -50,19 +91,17 @@ class Attention(nn.Module):
         self.k = nn.Linear(c.hidden_size, c.num_query_groups * c.head_dim, bias=c.qkv_bias)
         self.v = nn.Linear(c.hidden_size, c.num_query_groups * c.head_dim, bias=c.qkv_bias)
         self.o = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.proj_bias)
+        self.core = CoreAttention()
 
-    def forward(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts come from the weights (-1), so a tensor-parallel shard works with its local heads.
         q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, ng, T, hd)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, ng, T, hd)
-        if rot is not None:
-            q, k = rope.apply(q, *rot), rope.apply(k, *rot)
-        # Query head i reads key/value group i // (nh/ng), as HF's repeat_kv does.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, hd)
+        if ctx.rot is not None:
+            q, k = rope.apply(q, *ctx.rot), rope.apply(k, *ctx.rot)
+        y = self.core(q, k, v, ctx)  # (B, nh, T, hd)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -97,23 +136,51 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(c)
 
-    def forward(self, h: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), rot, mask)
+    def forward(self, h: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), ctx)
         ffn = self.moe if hasattr(self, "moe") else self.mlp
         return h + ffn(self.mlp_norm(h))
 
 
+@dataclass(frozen=True)
+class SequenceShard:
+    """Which positions this rank's tokens have, for context parallel (CP) and sequence parallel (SP).
+
+    CP cuts each sequence into 2*cp equal chunks and gives rank r chunks r and 2cp-1-r, so every rank gets as
+    much causal-attention work as the others:  cp=2, T=8:  rank 0: positions 0 1 6 7,  rank 1: 2 3 4 5.
+    SP further splits the hidden states between layers over the `sp` tensor-parallel ranks, so a pipeline stage
+    that receives hidden states has sp times fewer rows than tokens.
+    """
+
+    cp: int = 1
+    cp_rank: int = 0
+    sp: int = 1
+
+    def positions(self, length: int, device: torch.device | None = None) -> torch.Tensor:
+        """Positions of this rank's `length` tokens (its share of a cp*length sequence)."""
+        if self.cp == 1:
+            return torch.arange(length, device=device)
+        half = length // 2
+        first, second = self.cp_rank * half, (2 * self.cp - 1 - self.cp_rank) * half
+        return torch.cat([torch.arange(first, first + half, device=device),
+                          torch.arange(second, second + half, device=device)])
+
+
 class Transformer(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, *, layers: Iterable[int] | None = None, first: bool = True,
+                 last: bool = True):
         super().__init__()
         self.config = c
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embeds_tokens = first
+        # The head of a tied model reads embed.weight: a last stage keeps its own copy.
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size) if first or (last and c.tie_embeddings) else None
         self.pos_embed = nn.Embedding(c.max_position_embeddings, c.hidden_size) \
-            if c.position_embedding == "learned" else None
-        self.layers = nn.ModuleDict({str(i): Block(c) for i in range(c.num_layers)})
-        self.final_norm = make_norm(c)
-        self.lm_head = None if c.tie_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+            if first and c.position_embedding == "learned" else None
+        layers = range(c.num_layers) if layers is None else layers
+        self.layers = nn.ModuleDict({str(i): Block(c) for i in layers})
+        self.final_norm = make_norm(c) if last else None
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if last and not c.tie_embeddings else None
+        self.sequence = SequenceShard()
         self.register_buffer("inv_freq", torch.empty(c.head_dim // 2), persistent=False)
         self.init_buffers()
 
@@ -125,27 +192,21 @@ class Transformer(nn.Module):
                 self.inv_freq.copy_(rope.inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V). On a pipeline stage without `embed`, `tokens` are hidden states."""
-        T = tokens.shape[1]
+        """tokens (B, T) -> logits (B, T, V). On a pipeline stage after the first, `tokens` are hidden states
+        (B, T/sp, h) and the output of a stage before the last is hidden states too."""
         if positions is None:
-            positions = torch.arange(T, device=tokens.device)
-        h = self.embed(tokens) if self.embed is not None else tokens  # (B, T, h)
-        if self.pos_embed is not None and self.embed is not None:
+            length = tokens.shape[1] * (1 if self.embeds_tokens else self.sequence.sp)
+            positions = self.sequence.positions(length, tokens.device)
+        h = self.embed(tokens) if self.embeds_tokens else tokens  # (B, T, h)
+        if self.pos_embed is not None:
             h = h + self.pos_embed(positions)
         rot = rope.cos_sin(self.inv_freq, positions) if self.config.position_embedding == "rope" else None
-        mask = self.attention_mask(positions)
+        ctx = LayerContext(rot, positions, self.config.sliding_window)
         for layer in self.layers.values():
-            h = layer(h, rot, mask)
+            h = layer(h, ctx)
         if self.final_norm is None:
             return h
-        h = self.final_norm(h)
-        return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)
+        return self.head(self.final_norm(h))
 
-    def attention_mask(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """None for plain causal attention (SDPA's is_causal); a boolean (T, T) mask with a sliding window,
-        where query i sees keys j with i - window < j <= i (HF Mistral's window: the token and window-1 before)."""
-        window = self.config.sliding_window
-        if window is None or positions.shape[0] <= window:
-            return None
-        i, j = positions[:, None], positions[None, :]
-        return (j <= i) & (j > i - window)
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)

@@ -1,15 +1,25 @@
 """Mixture of experts as in Mixtral: a top-k softmax router, SwiGLU experts, a load-balancing auxiliary loss.
 
 The experts live in one module with stacked weights (`gate`, `up`: [E, f, h]; `down`: [E, h, f]) and take
-tokens already grouped by expert plus the count per expert. Expert parallelism (issue 7) shards these weights
-on dim 0 and wraps `GroupedExperts.forward` with the token all-to-all; nothing here has to change for that.
+tokens already grouped by expert plus the count per expert. `MoE.dispatch` hands them to the experts: here
+directly; expert parallel (mtrain/parallel/expert_parallel.py) shards the stacked weights on dim 0 and swaps in
+a dispatch that sends each token to the rank owning its expert and back. Sharded weights are DTensors: the
+experts compute with their local shard.
+
+Routing is dropless by default; with a capacity factor each expert takes at most
+ceil(factor * tokens * top_k / experts) (token, expert) pairs of a micro-batch, the first ones in token order,
+and the rest are dropped (their share of the output is zero, as in GShard and Megatron's position drop policy).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mconvert.ir import ModelConfig
 
@@ -25,12 +35,23 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: (N, h) sorted by expert; tokens_per_expert: (E_local,) counts summing to N."""
+        # The local shard under expert/tensor parallel; cast for FSDP's bf16 compute (the experts are not FSDP's).
+        gate, up, down = (_local(w).to(x.dtype) for w in (self.gate, self.up, self.down))
         outputs = []
+        # Experts without tokens still run (on 0 rows), so every shard has a gradient, if only zeros.
         for e, chunk in enumerate(torch.split(x, tokens_per_expert.tolist())):
-            if chunk.shape[0]:
-                hidden = F.silu(chunk @ self.gate[e].T) * (chunk @ self.up[e].T)  # (n_e, f)
-                outputs.append(hidden @ self.down[e].T)  # (n_e, h)
-        return torch.cat(outputs) if outputs else x.new_zeros(x.shape)
+            hidden = F.silu(chunk @ gate[e].T) * (chunk @ up[e].T)  # (n_e, f)
+            outputs.append(hidden @ down[e].T)  # (n_e, h)
+        return torch.cat(outputs)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+def run_experts(x: torch.Tensor, tokens_per_expert: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    """The single-process dispatch: every expert is local."""
+    return experts(x, tokens_per_expert)
 
 
 class _AuxLossGradient(torch.autograd.Function):
@@ -52,14 +73,32 @@ class _AuxLossGradient(torch.autograd.Function):
         return grad, torch.full_like(aux_loss, ctx.scale), None
 
 
-def load_balancing_loss(probs: torch.Tensor, top_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balancing_loss(probs: torch.Tensor, top_idx: torch.Tensor, num_experts: int,
+                        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Switch Transformer's loss for one layer: E * sum_e (fraction of top-k picks of e) * (mean prob of e).
 
     probs: (N, E) router softmax; top_idx: (N, k). The same normalization as transformers' Mixtral
-    `load_balancing_loss_func` given one layer (the fractions sum to k, not 1).
+    `load_balancing_loss_func` given one layer (the fractions sum to k, not 1). `reduce` sums statistics over
+    the ranks holding other parts of the same sequences (context parallel), so the loss is the whole sequence's.
     """
-    picks = torch.bincount(top_idx.flatten(), minlength=num_experts).to(probs.dtype) / probs.shape[0]
-    return num_experts * torch.sum(picks * probs.mean(dim=0))
+    stats = torch.cat([torch.bincount(top_idx.flatten(), minlength=num_experts).to(probs.dtype),
+                       probs.sum(dim=0), probs.new_tensor([probs.shape[0]])])  # picks, prob sums, tokens
+    if reduce is not None:
+        stats = reduce(stats)
+    picks, prob_sums, tokens = stats[:num_experts], stats[num_experts:-1], stats[-1]
+    return num_experts * torch.sum(picks.detach() / tokens * (prob_sums / tokens))
+
+
+def keep_within_capacity(order: torch.Tensor, expert_of: torch.Tensor, counts: torch.Tensor, capacity: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the (token, expert) pairs past each expert's capacity, keeping the first in token order.
+
+    order: the pairs grouped by expert (stable sort, so token order within an expert); expert_of: the expert of
+    each pair in that order; counts: pairs per expert. Returns the kept `order` and the new counts.
+    """
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(order.shape[0], device=order.device) - starts[expert_of]
+    return order[rank_in_expert < capacity], counts.clamp(max=capacity)
 
 
 class MoE(nn.Module):
@@ -74,6 +113,9 @@ class MoE(nn.Module):
         self.aux_coeff = (c.moe_aux_loss_coeff or 0.0) / c.num_layers
         self.aux_loss_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None  # for logging: this layer's loss at the last forward
+        self.capacity_factor: float | None = None  # None: dropless
+        self.dispatch: Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor] = run_experts
+        self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None  # context parallel
         self.router = nn.Linear(c.hidden_size, c.num_experts, bias=False)
         self.experts = GroupedExperts(c.num_experts, c.hidden_size, c.ffn_hidden_size)
 
@@ -89,13 +131,16 @@ class MoE(nn.Module):
         # Group the N*k (token, expert) pairs by expert; a stable sort keeps token order within an expert.
         flat_idx = top_idx.flatten()
         order = torch.argsort(flat_idx, stable=True)
-        token = order // self.top_k
         counts = torch.bincount(flat_idx, minlength=self.num_experts)
-        y = self.experts(x[token], counts)  # (N*k, h)
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * flat_idx.shape[0] / self.num_experts)
+            order, counts = keep_within_capacity(order, flat_idx[order], counts, capacity)
+        token = order // self.top_k
+        y = self.dispatch(x[token], counts, self.experts)  # (pairs, h), in the order of `order`
         y = y * top_w.flatten()[order, None].to(y.dtype)
         out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype)).reshape(B, T, h)
 
-        aux = load_balancing_loss(probs, top_idx, self.num_experts)
+        aux = load_balancing_loss(probs, top_idx, self.num_experts, self.reduce_stats)
         self.last_aux_loss = aux.detach()
         if self.training and self.aux_coeff > 0 and torch.is_grad_enabled():
             out = _AuxLossGradient.apply(out, aux, self.aux_coeff * self.aux_loss_scale)
@@ -107,9 +152,3 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     for m in model.modules():
         if isinstance(m, MoE):
             m.aux_loss_scale = scale
-
-
-def aux_loss(model: nn.Module) -> float | None:
-    """The mean auxiliary loss over MoE layers at the last forward (None for dense models)."""
-    losses = [m.last_aux_loss for m in model.modules() if isinstance(m, MoE) and m.last_aux_loss is not None]
-    return float(torch.stack(losses).mean()) if losses else None

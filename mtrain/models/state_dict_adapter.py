@@ -11,7 +11,7 @@ Every parameter is named as its IR tensor except the MoE experts, which the mode
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import TypeVar
 
 import torch
@@ -42,16 +42,19 @@ def model_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def from_ir(c: ModelConfig, get: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(model name, full tensor) for every parameter, reading IR tensors through `get(ir_name)`."""
+def from_ir(c: ModelConfig, get: Callable[[str], torch.Tensor], names: Collection[str] | None = None
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(model name, full tensor) for every parameter (or those in `names`), reading IR tensors through
+    `get(ir_name)` only for the parameters asked for."""
     groups: dict[str, list[str]] = {}
     stacked: set[str] = set()
     for name, (model_name, expert) in ir_sources(c).items():
         groups.setdefault(model_name, []).append(name)  # experts come in order 0..E-1
         if expert is not None:
             stacked.add(model_name)
-    for model_name, names in groups.items():
-        yield model_name, torch.stack([get(n) for n in names]) if model_name in stacked else get(names[0])
+    for model_name, sources in groups.items():
+        if names is None or model_name in names:
+            yield model_name, torch.stack([get(n) for n in sources]) if model_name in stacked else get(sources[0])
 
 
 def to_ir(c: ModelConfig, model_tensors: Mapping[str, T], take: Callable[[T, int], T] = lambda t, e: t[e]

@@ -3,7 +3,10 @@
     torchrun --standalone --nproc-per-node 2 tests/mtrain/dist_driver.py SPEC.json
 
 SPEC.json is a list of scenarios: {"cli": [args of the `mtrain` command]} runs the command line in-process;
-{"config": {raw config}, "out": "result.json"} runs the Trainer and has rank 0 write its losses.
+{"config": {raw config}, "out": "result.json"} runs the Trainer and has rank 0 write its losses; with
+"record": "prefix" every rank also saves its gradients at the steps in "grads_at" and its final weights to
+prefix.rank{R}.pt (see recording.py). A scenario that should fail gives "error": "result.json": rank 0 writes the
+message of the TrainError it raised.
 """
 
 from __future__ import annotations
@@ -18,14 +21,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mtrain.cli import main  # noqa: E402
 from mtrain.config import from_dict  # noqa: E402
+from mtrain.errors import TrainError  # noqa: E402
 from mtrain.train import Trainer  # noqa: E402
+from tests.mtrain.recording import RecordingTrainer  # noqa: E402
 
 
 def run(spec: dict) -> None:
     if "cli" in spec:
         main(spec["cli"], standalone_mode=False)
         return
-    result = Trainer(from_dict(spec["config"])).run()
+    if "error" in spec:
+        try:
+            Trainer(from_dict(spec["config"])).run()
+            message = None
+        except TrainError as e:
+            message = str(e)
+        if dist.get_rank() == 0:
+            Path(spec["error"]).write_text(json.dumps({"error": message}))
+        return
+    if "record" in spec:
+        trainer = RecordingTrainer(from_dict(spec["config"]), grads_at=tuple(spec.get("grads_at", ())))
+        result, _ = trainer.run_and_record(Path(f"{spec['record']}.rank{dist.get_rank()}.pt"))
+    else:
+        result = Trainer(from_dict(spec["config"])).run()
     if dist.get_rank() == 0:
         Path(spec["out"]).write_text(json.dumps({"losses": result.losses, "valid": result.valid_losses,
                                                  "checkpoints": [str(p) for p in result.checkpoints]}))

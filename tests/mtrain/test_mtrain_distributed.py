@@ -3,11 +3,7 @@ checkpoint written by 2 ranks resumes in 1 with the same following losses."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,18 +16,11 @@ from mtrain import checkpoint
 from mtrain.config import from_dict
 from mtrain.train import Trainer
 from tests.mtrain.corpus import corpus, one_thread, tiny_config  # noqa: F401
+from tests.mtrain.launch import launch
+from tests.mtrain.launch import losses as _losses
+from tests.mtrain.launch import with_sections as _with
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
-
-
-def launch(spec: list[dict], tmp_path: Path) -> None:
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(ROOT / "tests/mtrain/dist_driver.py"), str(tmp_path / "spec.json")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
 
 
 def tensorboard_scalars(directory: Path, tag: str) -> dict[int, float]:
@@ -61,17 +50,6 @@ def runs(corpus, tmp_path_factory):  # noqa: F811
     launch(spec, tmp)
     single = Trainer(from_dict(_with(raw, checkpoint={"dir": str(tmp / "single")}))).run()
     return tmp, raw, single
-
-
-def _with(raw: dict, **sections) -> dict:
-    out = json.loads(json.dumps(raw))
-    for section, values in sections.items():
-        out[section] = {**out[section], **values}
-    return out
-
-
-def _losses(path: Path) -> dict[int, float]:
-    return {int(k): v for k, v in json.loads(path.read_text())["losses"].items()}
 
 
 def test_fsdp_and_ddp_match_one_process(runs):

@@ -165,6 +165,22 @@ def test_model_config_is_stored_for_mconvert(corpus, tmp_path):  # noqa: F811
     meta = checkpoint.read_meta(tmp_path / "step_0000001")
     assert ModelConfig.from_dict(meta["model_config"]) == ModelConfig(**TINY_LLAMA)
     assert from_dict({k: v for k, v in meta["config"].items() if v is not None}).train.steps == 1
+    assert meta["version"] == 2 and meta["parallel"]["dp"] == 1 and meta["parallel"]["tp"] == 1
+
+
+def test_a_version_1_checkpoint_is_read_but_not_resumed(corpus, tmp_path):  # noqa: F811
+    """Version 1 kept optimizer state in the older nested layout: its weights still load (mconvert, finetune)."""
+    from mconvert import engine
+    from mconvert.options import Options
+
+    run(tiny_config(corpus, train={"steps": 1}, checkpoint={"dir": str(tmp_path)}))
+    meta_file = tmp_path / "step_0000001" / checkpoint.META_FILE
+    meta_file.write_text(meta_file.read_text().replace('"version": 2', '"version": 1'))
+    assert engine.load(tmp_path, Options()).source.iteration == 1
+    with pytest.raises(TrainError) as e:
+        run(tiny_config(corpus, train={"steps": 2}, checkpoint={"dir": str(tmp_path)}))
+    assert str(e.value) == (f"checkpoint {tmp_path}/step_0000001 (mtrain format version 1) keeps its optimizer state "
+                            "in the older layout; finetune from it (mtrain finetune --load) instead of resuming")
 
 
 def test_learning_rate_schedule():

@@ -1,0 +1,110 @@
+"""Tensor and sequence parallel over the "tp" mesh dimension, with DTensor, the Megatron way.
+
+    attention   q, k, v column-parallel (heads split: rank r has query heads and key/value groups r*n/tp ..),
+                o row-parallel (sum of the ranks' partial outputs)
+    MLP         gate, up column-parallel (ffn split), down row-parallel
+    MoE         router replicated; experts split on ffn like the MLP (expert tensor parallel = tp), see
+                expert_parallel.py
+    embeddings  vocabulary-parallel: rows split, each rank looks up its rows, the sum is the output
+    head        column-parallel over the vocabulary; the loss runs on vocab-sharded logits (`loss_parallel`),
+                full logits are never gathered. Tied: the embedding's row-split weight is the head's.
+    norms       replicated weights (DTensors too: foreach optimizers and clipping must see DTensors only)
+
+Sequence parallel keeps the activations outside those regions (norms, residual adds) split over the sequence,
+(B, T/tp, h) per rank: an all-gather before each column-parallel region and a reduce-scatter after each row-
+parallel one replace the all-reduce. Between layers, and between pipeline stages, activations are local tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from mtrain.models.model import Block, Transformer
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated as DTensors, local tensors in and out (norms without sequence parallel, router)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, input_fn=_replicate_inputs, output_fn=_local_output)
+
+
+def _replicate_inputs(module, inputs, mesh):
+    return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                 if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in inputs)
+
+
+def _local_output(module, output, mesh):
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def regather(x: torch.Tensor, mesh: DeviceMesh, placement: Placement, keep_dtensor: bool = False):
+    """A local tensor laid out as `placement` over `mesh`, made whole on every rank (all-gather for a shard)."""
+    out = DTensor.from_local(x, mesh, [placement], run_check=False).redistribute(mesh, [Replicate()])
+    return out if keep_dtensor else out.to_local()
+
+
+def _norm_style(sequence_parallel: bool):
+    """Norms run on whatever part of the sequence the rank holds; their outputs are local tensors."""
+    return (lambda: SequenceParallel(use_local_output=True)) if sequence_parallel else ReplicateParallel
+
+
+def apply_tensor_parallel(part: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard `part` (a whole model or a pipeline stage, still on the meta device) over the tp mesh."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    norm = _norm_style(sequence_parallel)
+    plan: dict[str, ParallelStyle] = {}
+    if part.embed is not None:  # also the last stage's copy of tied embeddings (its hooks never run)
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if part.pos_embed is not None:  # (T, h): the sequence is dim 0 here
+        plan["pos_embed"] = RowwiseParallel(input_layouts=Replicate(),
+                                            output_layouts=Shard(0) if sequence_parallel else Replicate())
+    if part.final_norm is not None:
+        plan["final_norm"] = norm()
+    if part.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(part, mesh, plan)
+    if part.final_norm is not None and part.lm_head is None:
+        # Tied head: F.linear(h, embed.weight) with h whole and the weight row-split gives vocab-sharded logits.
+        part.final_norm.register_forward_hook(lambda m, i, out: regather(out, mesh, seq, keep_dtensor=True))
+    for block in part.layers.values():
+        _parallelize_block(block, mesh, sequence_parallel)
+
+
+def _parallelize_block(block: Block, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    seq = Shard(1) if sequence_parallel else Replicate()
+    norm = _norm_style(sequence_parallel)
+    plan: dict[str, ParallelStyle] = {
+        "attn_norm": norm(), "mlp_norm": norm(),
+        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+        "attn.o": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:  # one all-gather of the sequence for q, k and v together
+        plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+    if hasattr(block, "mlp"):
+        if sequence_parallel:
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        if hasattr(block.mlp, "gate"):
+            plan["mlp.gate"] = ColwiseParallel()
+        plan["mlp.up"] = ColwiseParallel()
+        plan["mlp.down"] = RowwiseParallel(output_layouts=seq)
+    else:
+        plan["moe.router"] = ReplicateParallel()
+    parallelize_module(block, mesh, plan)
+    if hasattr(block, "moe") and sequence_parallel:
+        # Routing needs every token of the sequence (the auxiliary loss is a whole-sequence statistic, as in one
+        # process), so the MoE works on the gathered sequence and hands back this rank's part.
+        block.moe.register_forward_pre_hook(lambda m, args: (regather(args[0], mesh, Shard(1)), *args[1:]))
+        block.moe.register_forward_hook(lambda m, i, out: DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+                                        .redistribute(mesh, [Shard(1)]).to_local())
