@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from formats.dcp import read_metadata
 from mconvert.ir import ModelConfig
 from mtrain import weights
 from mtrain.errors import TrainError
@@ -90,7 +91,7 @@ def read_meta(path: Path) -> dict:
 
 def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Model parameter name -> full shape, from the DCP metadata (reads no tensor data)."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = read_metadata(Path(path))  # allow-listed: torch's own reader unpickles anything
     return {k[len(MODEL_PREFIX):]: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
             if k.startswith(MODEL_PREFIX) and hasattr(m, "size")}
 
@@ -167,6 +168,8 @@ class Checkpointer:
         """Restore model (and optimizer, RNG) from `path`, whatever the layout that wrote it. The RNG states are
         restored only under the layout that saved them (each rank's state belongs to its place in the layout)."""
         meta = read_meta(path)
+        # stored_shapes unpickles .metadata through the allow-list first, so torch's dcp.load below (plain pickle)
+        # only ever sees metadata made of DCP's own classes
         weights.check_shapes(parts[0], stored_shapes(path), f"checkpoint {path}")
         if optimizers is not None and meta["version"] < 2:
             raise TrainError(f"checkpoint {path} (mtrain format version 1) keeps its optimizer state in the older "
