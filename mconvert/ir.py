@@ -268,7 +268,8 @@ class LoadCache:
 
     Several IR tensors often come from one source tensor (q, k and v from a fused QKV gathered across TP
     ranks); savers ask for them one after another, so keeping the last few groups avoids reading twice while
-    the memory stays bounded by `max_items` groups.
+    the memory stays bounded by `max_items` groups. A group split into parts (`part`) is dropped as soon as
+    every part has been handed out once, so finished groups do not sit in memory until evicted.
     """
 
     def __init__(self, max_items: int = 4):
@@ -287,3 +288,13 @@ class LoadCache:
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
         return value
+
+    def part(self, key: Any, index: int, compute: Callable[[], list]) -> Any:
+        """Part `index` of the group `compute()` makes; the group is forgotten once each part has been taken."""
+        entry = self.get(key, lambda: (compute(), set()))
+        parts, taken = entry
+        with self._lock:
+            taken.add(index)
+            if len(taken) == len(parts) and self._items.get(key) is entry:
+                del self._items[key]
+        return parts[index]

@@ -89,8 +89,7 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
         for i, name in enumerate(row.ir):
 
             def thunk(row=row, pieces=pieces, i=i):
-                parts = cache.get(row.key, lambda: row.rule.backward([p.load() for p in pieces], ctx))
-                return parts[i]
+                return cache.part(row.key, i, lambda: row.rule.backward([p.load() for p in pieces], ctx))
 
             out[name] = LazyTensor(shapes[i], pieces[0].dtype, thunk, origin)
     order = {name: i for i, name in enumerate(want_shapes)}  # canonical IR order, whatever the file order
