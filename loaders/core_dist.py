@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from formats import hf_dir
-from formats.dcp import DcpReader
 from formats.torch_pickle import safe_load
 from mconvert.errors import ConvertError, format_names
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
@@ -30,6 +29,8 @@ def open_store(it_dir: Path):
     meta = hf_dir.read_json(it_dir / core_dist.METADATA_JSON)
     backend = meta.get("sharded_backend")
     if backend == "torch_dist":
+        from formats.dcp import DcpReader  # torch.distributed.checkpoint: half a second to import, only when used
+
         return DcpReader(it_dir), backend
     if backend == "zarr":
         from formats.zarr_io import ZarrReader
@@ -43,7 +44,7 @@ def read_common(it_dir: Path, store) -> dict[str, Any]:
     """The non-tensor state: `common.pt` (older Megatron) or the in-checkpoint `common_state` object (newer)."""
     if (it_dir / core_dist.COMMON_FILE).is_file():
         common = safe_load(it_dir / core_dist.COMMON_FILE, mmap=False)
-    elif isinstance(store, DcpReader) and core_dist.COMMON_STATE in store.bytes_items:
+    elif core_dist.COMMON_STATE in getattr(store, "bytes_items", {}):
         common = store.read_object(core_dist.COMMON_STATE)
         common = common[0] if isinstance(common, list) and common else common
     else:

@@ -12,20 +12,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from formats import hf_dir
-from formats.dcp import DcpReader
 from mconvert.errors import ConvertError, format_names
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
 from mconvert.options import Options
 from mconvert.registry import register_loader
-from mtrain import checkpoint
-from mtrain.models import state_dict_adapter
+
+META_FILE, LATEST_FILE = "mtrain.json", "latest"  # mtrain.checkpoint's names (checked by a test)
 
 
 def _step_dir(path: Path) -> Path | None:
     path = Path(path)
-    if (path / checkpoint.META_FILE).is_file():
+    if (path / META_FILE).is_file():
         return path
-    if path.is_dir() and ((path / checkpoint.LATEST_FILE).is_file() or any(path.glob("step_*"))):
+    if path.is_dir() and ((path / LATEST_FILE).is_file() or any(path.glob("step_*"))):
+        from mtrain import checkpoint  # the trainer (and torch.distributed) only when it is an mtrain run
+
         return checkpoint.find_latest(path)
     return None
 
@@ -33,6 +34,10 @@ def _step_dir(path: Path) -> Path | None:
 @register_loader("mtrain", detect=lambda p: _step_dir(p) is not None, options=("tokenizer",))
 def load(path: Path, options: Options) -> ModelIR:
     """mtrain checkpoints (DCP): a step directory, or a run's checkpoint directory (its latest step)."""
+    from formats.dcp import DcpReader
+    from mtrain import checkpoint
+    from mtrain.models import state_dict_adapter
+
     step_dir = _step_dir(path)
     if step_dir is None:
         raise ConvertError(f"{path}: no complete mtrain checkpoint (expected {checkpoint.META_FILE} in a step "

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from formats import hf_dir
-from formats.dcp import DcpWriter
 from formats.torch_zip import save as torch_save
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelIR
@@ -64,6 +63,8 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
 
 def _writer(backend: str, it_dir: Path):
     if backend == "torch_dist":
+        from formats.dcp import DcpWriter  # torch.distributed.checkpoint: half a second to import, only when used
+
         return DcpWriter(it_dir)
     from formats.zarr_io import ZarrWriter
 

@@ -84,10 +84,12 @@ def test_third_party_plugin_through_entry_points(tmp_path, llama_dir):
 
 
 def test_conversion_stays_light(llama_dir, tmp_path):
-    """Planning shapes on the meta device must not pull in torch._dynamo (a second and 70 MB per run)."""
+    """Planning shapes on the meta device must not pull in torch._dynamo (a second and 70 MB per run), nor a
+    torch-format conversion torch.distributed.checkpoint (half a second)."""
     code = ("import sys; from mconvert.cli import main; "
             f"main(['--saver', 'core', '--tp', '2', '--pp', '2', '--load-dir', r'{llama_dir}', "
             f"'--save-dir', r'{tmp_path / 'o'}', '-q'], standalone_mode=False); "
-            "print('dynamo' if 'torch._dynamo' in sys.modules else 'light')")
+            "heavy = [m for m in ('torch._dynamo', 'torch.distributed.checkpoint') if m in sys.modules]; "
+            "print(heavy or 'light')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("light")

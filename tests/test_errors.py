@@ -244,3 +244,10 @@ def test_bad_numbers_and_paths(llama_dir, tmp_path):
                   expect_error=True)
     assert f"{tmp_path / 'nowhere'}: no such file or directory" in out
     assert not (tmp_path / "o").exists()
+
+
+def test_mtrain_loader_file_names_follow_the_trainer():
+    from loaders import mtrain as loader
+    from mtrain import checkpoint
+
+    assert (loader.META_FILE, loader.LATEST_FILE) == (checkpoint.META_FILE, checkpoint.LATEST_FILE)
