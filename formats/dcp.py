@@ -15,9 +15,11 @@ the entries and writes `.metadata`, as DCP does.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import io
 import mmap
+import pathlib
 import pickle
 import threading
 from collections.abc import Sequence
@@ -25,8 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import metadata as dcp_md
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from formats.torch_pickle import safe_load_bytes
 from formats.torch_zip import ALIGN, TorchFileWriter, map_tensor
@@ -34,12 +34,10 @@ from mconvert.errors import ConvertError, format_names
 
 METADATA = ".metadata"
 
-_SAFE_CLASSES = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id, as torch's own dcp.save records it
-    ("pathlib", "PurePosixPath"),
+# What a DCP .metadata pickle may name. DCP's own classes become plain records here: reading needs only their
+# attributes, and torch.distributed.checkpoint (half a second to import, and whose module paths move between
+# releases) is not imported to read a checkpoint.
+_DCP_CLASSES = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     *(("torch.distributed.checkpoint.metadata", n) for n in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -47,9 +45,46 @@ _SAFE_CLASSES = {
     *(("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType",
                                                              "TensorWriteData")),
 }
-_DTYPE_NAMES = {str(d).removeprefix("torch.") for d in (
+_PLAIN = {
+    ("torch", "Size"): torch.Size,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id, as torch's own dcp.save records it
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("torch.serialization", "_get_layout"): lambda name: name,  # TensorProperties.layout: not needed to read
+}
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+class Record:
+    """A DCP metadata object read back as its attributes only (a dataclass or an enum member in the pickle)."""
+
+    def __init__(self, *args) -> None:  # enums pickle as Class(value)
+        self.args = args
+
+    def __setstate__(self, state) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and all(x is None or isinstance(x, dict) for x in state):
+            state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots)
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.state = state  # a class's own __getstate__ tuple (see TensorProperties)
+
+
+class _TensorProperties(Record):
+    """torch pickles TensorProperties as the tuple (dtype, layout, requires_grad, memory format, pin_memory)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.__dict__["dtype"] if "dtype" in self.__dict__ else self.state[0]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__})"
+
+
+_RECORDS = {key: type(key[1], (_TensorProperties if key[1] == "TensorProperties" else Record,),
+                      {"__module__": "formats.dcp.records"}) for key in _DCP_CLASSES}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -58,13 +93,19 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str):
-        if (module, name) in _SAFE_CLASSES or (module == "torch" and name in _DTYPE_NAMES):
-            return super().find_class(module, name)
+        key = (module, name)
+        if key in _RECORDS:
+            return _RECORDS[key]
+        if key in _PLAIN:
+            return _PLAIN[key]
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
         raise ConvertError(f"{self.where}: refusing to unpickle: it asks for the Python global `{module}.{name}`, "
                            "which is not one of torch.distributed.checkpoint's metadata classes")
 
 
-def read_metadata(root: Path) -> dcp_md.Metadata:
+def read_metadata(root: Path) -> Record:
+    """The `.metadata` of a DCP directory, read through the allow-list (as plain records)."""
     path = root / METADATA
     if not path.is_file():
         raise ConvertError(f"{root}: no {METADATA} file: not a torch.distributed.checkpoint directory, or an "
@@ -72,9 +113,9 @@ def read_metadata(root: Path) -> dcp_md.Metadata:
     try:
         with open(path, "rb") as f:
             md = _MetadataUnpickler(f, path).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
         raise ConvertError(f"{path}: corrupt distributed-checkpoint metadata: {e}") from None
-    if not isinstance(md, dcp_md.Metadata):
+    if type(md).__name__ != "Metadata" or not hasattr(md, "state_dict_metadata"):
         raise ConvertError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
     return md
 
@@ -101,13 +142,17 @@ class DcpReader:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         md = read_metadata(self.root)
-        where = {(k.fqn, tuple(k.offset) if k.offset is not None else None): v for k, v in md.storage_data.items()}
+        where = {}  # (fqn, chunk offsets) -> storage; a dataclass default (offset None) is not in the pickle
+        for k, v in md.storage_data.items():
+            offset = getattr(k, "offset", None)
+            where[(k.fqn, tuple(offset) if offset is not None else None)] = v
         self.tensors: dict[str, TensorEntry] = {}
-        self.bytes_items: dict[str, _StorageInfo] = {}
+        self.bytes_items: dict[str, Record] = {}
         for fqn, meta in md.state_dict_metadata.items():
-            if isinstance(meta, dcp_md.BytesStorageMetadata):
+            kind = type(meta).__name__
+            if kind == "BytesStorageMetadata":
                 self.bytes_items[fqn] = self._storage(where, fqn, None)
-            elif isinstance(meta, dcp_md.TensorStorageMetadata):
+            elif kind == "TensorStorageMetadata":
                 chunks = []
                 for c in meta.chunks:
                     info = self._storage(where, fqn, tuple(c.offsets))
@@ -118,7 +163,7 @@ class DcpReader:
         self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
-    def _storage(self, where: dict, fqn: str, offsets) -> _StorageInfo:
+    def _storage(self, where: dict, fqn: str, offsets) -> Record:
         info = where.get((fqn, offsets))
         if info is None:
             raise ConvertError(f"{self.root / METADATA}: no storage recorded for {fqn} at {offsets}")
@@ -309,6 +354,10 @@ class DcpWriter:
 
 
 def write_metadata(root: Path, entries: list[tuple], tensors: dict) -> None:
+    """`.metadata` made of torch.distributed.checkpoint's own classes, as its reader (and Megatron's) expects."""
+    from torch.distributed.checkpoint import metadata as dcp_md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
     state, storage = {}, {}
     chunks: dict[str, list] = {}
     for fqn, offsets, sizes, file, start, length in entries:

@@ -31,11 +31,16 @@ class Ctx:
 
 @dataclass(frozen=True)
 class Join:
-    """IR tensors -> one checkpoint tensor (`join`) and back (`split`). Both pure and exact inverses."""
+    """IR tensors -> one checkpoint tensor (`join`) and back (`split`). Both pure and exact inverses.
+
+    `concat_dim`: when the joined tensor is just the IR tensors one after another along that dimension, a writer
+    that stores blocks at offsets (distributed checkpoints) may store them as separate blocks, without the copy.
+    """
 
     name: str
     join: Callable[[list[Tensor], Ctx], Tensor]
     split: Callable[[Tensor, Ctx], list[Tensor]]
+    concat_dim: int | None = None
 
 
 IDENTITY = Join("identity", lambda ts, ctx: ts[0], lambda t, ctx: [t])
@@ -46,7 +51,8 @@ QKV = Join(
     lambda t, ctx: list(transforms.split_qkv(t, ctx.config.num_attention_heads, ctx.config.num_query_groups)),
 )
 GATE_UP = Join(
-    "gate_up", lambda ts, ctx: transforms.fuse_gate_up(*ts), lambda t, ctx: list(transforms.split_gate_up(t))
+    "gate_up", lambda ts, ctx: transforms.fuse_gate_up(*ts), lambda t, ctx: list(transforms.split_gate_up(t)),
+    concat_dim=0,
 )
 VOCAB = Join(
     "vocab_pad",

@@ -43,10 +43,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
         with progress.task(f"{it_dir.name} ({backend})", ir.nbytes) as advance:
             for placed in core_dist.placements(c, options.transformer_impl):
                 tensors = [ir[n].load() for n in placed.row.ir]
-                whole = placed.row.rule.join.join(tensors, ctx)
-                stack = tuple(c.num_layers if i == 0 else c.num_experts for i in range(len(placed.index)))
-                block = whole.reshape((1,) * len(stack) + tuple(whole.shape))
-                writer.add_chunk(placed.key, stack + tuple(whole.shape), placed.index + (0,) * whole.dim(), block)
+                _write_blocks(writer, placed, tensors, ctx, c)
                 advance(sum(t.nbytes for t in tensors))
             value = [torch.empty(0, dtype=torch.uint8)] if options.transformer_impl == "te" else [None]
             for key in core_dist.extra_states(c, options.transformer_impl):
@@ -59,6 +56,25 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     torch_save(common, it_dir / core_dist.COMMON_FILE, background=False)
     hf_dir.write_json(it_dir / core_dist.METADATA_JSON, core_dist.metadata_json(backend))
     megatron_files.finish_checkpoint(ir, out, it_dir, iteration)
+
+
+def _write_blocks(writer, placed: core_dist.Placed, tensors: list[torch.Tensor], ctx: Ctx, c) -> None:
+    """One stored block at its place in the stack; a plain concatenation (SwiGLU's [gate ; up]) goes out as its
+    parts at their offsets, as Megatron itself stores them, which saves copying them together."""
+    join = placed.row.rule.join
+    whole_shape = tuple(placed.row.rule.piece_shapes([tuple(t.shape) for t in tensors], ctx)[0])
+    stack = tuple(c.num_layers if i == 0 else c.num_experts for i in range(len(placed.index)))
+    if join.concat_dim is None:
+        blocks = [(join.join(tensors, ctx), 0)]
+    else:
+        starts = [sum(t.shape[join.concat_dim] for t in tensors[:i]) for i in range(len(tensors))]
+        blocks = list(zip(tensors, starts))
+    for block, start in blocks:
+        offsets = [0] * len(whole_shape)
+        if join.concat_dim is not None:
+            offsets[join.concat_dim] = start
+        writer.add_chunk(placed.key, stack + whole_shape, placed.index + tuple(offsets),
+                         block.reshape((1,) * len(stack) + tuple(block.shape)))
 
 
 def _writer(backend: str, it_dir: Path):

@@ -58,3 +58,18 @@ def test_layer_slices_of_one_big_chunk_are_views_of_the_file(tmp_path):
     # both layers are windows on the same memory-mapped chunk: nothing was copied, nothing else was read
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     assert b.data_ptr() - a.data_ptr() == 2 * 16 * 4 * 4
+
+
+def test_reading_needs_no_torch_distributed_checkpoint(tmp_path):
+    """DCP metadata is read as plain records: torch.distributed.checkpoint (and its pickle) is never imported."""
+    import subprocess
+    import sys
+
+    with DcpWriter(tmp_path) as writer:
+        writer.add_chunk("w", (2, 3), (0, 0), torch.ones(2, 3))
+        writer.finish()
+    code = ("import sys, torch; from formats.dcp import DcpReader; "
+            f"t = DcpReader(__import__('pathlib').Path(r'{tmp_path}')).read('w'); "
+            "print(bool(torch.equal(t, torch.ones(2, 3))), 'torch.distributed.checkpoint' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"]
