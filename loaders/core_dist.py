@@ -13,7 +13,7 @@ import torch
 
 from formats import hf_dir
 from formats.torch_pickle import safe_load
-from mconvert.errors import ConvertError, format_names
+from mconvert.errors import ConvertError, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import Row, to_ir
 from mconvert.options import Options
@@ -81,8 +81,7 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     extra = sorted(k for k in store.tensors if k not in used and k != tied_copy)
     if missing or extra:
         raise ConvertError(f"{it_dir}: the tensors do not match a {config.family} model with these args. "
-                           + (f"Missing tensors: {format_names(missing)}. " if missing else "")
-                           + (f"Extra tensors: {format_names(extra)}." if extra else ""))
+                           + mismatch(missing, extra))
     tensors = to_ir(source, rows, Ctx(config, padded), where=str(it_dir), cache=LoadCache(4))
     layout = {"format": backend, "padded_vocab": padded, "transformer_impl": impl if config.is_moe else "any",
               "common": "common.pt" if (it_dir / core_dist.COMMON_FILE).is_file() else core_dist.COMMON_STATE}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from formats import hf_dir
-from mconvert.errors import ConvertError, format_names
+from mconvert.errors import ConvertError, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
 from mconvert.options import Options
 from mconvert.registry import register_loader
@@ -52,8 +52,7 @@ def load(path: Path, options: Options) -> ModelIR:
     missing, extra = sorted(wanted - set(stored)), sorted(set(stored) - wanted)
     if missing or extra:
         raise ConvertError(f"{step_dir}: the tensors do not match the model config in {checkpoint.META_FILE}. "
-                           + (f"Missing tensors: {format_names(missing)}. " if missing else "")
-                           + (f"Extra tensors: {format_names(extra)}." if extra else ""))
+                           + mismatch(missing, extra))
     config = config.replace(dtype=dtype_name(stored["embed.weight"][1]))
     cache = LoadCache(max_items=2)
 

@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from mconvert.errors import ConvertError, format_names
+from mconvert.errors import ConvertError, mismatch
 
 Family = Literal["llama", "mistral", "mixtral", "gpt2"]
 Norm = Literal["rmsnorm", "layernorm"]
@@ -237,16 +237,9 @@ class ModelIR:
             if n in want and tuple(t.shape) != tuple(want[n])
         ]
         if missing or extra or wrong:
-            parts = []
-            if missing:
-                parts.append(f"Missing tensors: {format_names(missing)}.")
-            if extra:
-                parts.append(f"Extra tensors: {format_names(extra)}.")
-            if wrong:
-                parts.append("The config contradicts the tensors: " + "; ".join(wrong[:6])
-                             + (f" … ({len(wrong) - 6} more)" if len(wrong) > 6 else "") + ".")
             raise ConvertError(f"{self.source.format} checkpoint {self.source.path} does not match its config "
-                               f"({_config_summary(self.config)}). " + " ".join(parts))
+                               f"({_config_summary(self.config)}). "
+                               + mismatch(missing, extra, wrong, "The config contradicts the tensors"))
 
     def cast(self, dtype: DType) -> ModelIR:
         """The same model with every tensor converted to `dtype` at load time."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mconvert.errors import ConvertError, format_names
+from mconvert.errors import ConvertError, format_names, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR
 from mconvert.ir_names import expected_shapes
 from mconvert.rules import IDENTITY, Ctx, Rule, Table, active
@@ -72,10 +72,8 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
     missing = [row.key for row in rows if row.key not in source]
     extra = [k for k in source if k not in wanted and not any(p.fullmatch(k) for p in dropped)]
     if missing or extra:
-        parts = [f"Missing tensors: {format_names(missing)}." if missing else "",
-                 f"Extra tensors: {format_names(extra)}." if extra else ""]
         raise ConvertError(f"{where}: the tensors do not match a {ctx.config.family} model with this config "
-                           f"({ctx.config.num_layers} layers). " + " ".join(p for p in parts if p))
+                           f"({ctx.config.num_layers} layers). " + mismatch(missing, extra))
     cache = cache or LoadCache()
     want_shapes = expected_shapes(ctx.config)
     out: dict[str, LazyTensor] = {}

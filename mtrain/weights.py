@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from mconvert.errors import format_names
+from mconvert.errors import mismatch
 from mconvert.ir import ModelConfig, ModelIR
 from mtrain.errors import TrainError
 from mtrain.models import state_dict_adapter
@@ -66,16 +66,9 @@ def check_shapes(model: nn.Module, shapes: dict[str, tuple[int, ...]], where: st
     wrong = [f"{n} is {list(shapes[n])} in the checkpoint, the model has {list(shape)}"
              for n, shape in params.items() if n in shapes and tuple(shapes[n]) != tuple(shape)]
     if missing or extra or wrong:
-        parts = []
-        if missing:
-            parts.append(f"Missing tensors: {format_names(missing)}.")
-        if extra:
-            parts.append(f"Extra tensors: {format_names(extra)}.")
-        if wrong:
-            parts.append("Wrong shapes: " + "; ".join(wrong[:6]) + (f" … ({len(wrong) - 6} more)" if len(wrong) > 6
-                                                                     else "") + ".")
-        raise TrainError(f"{where} does not match the model ({describe(model_config(model))}): " + " ".join(parts)
-                         + " Use the checkpoint's own model config, or a checkpoint of this model.")
+        raise TrainError(f"{where} does not match the model ({describe(model_config(model))}): "
+                         + mismatch(missing, extra, wrong) + " Use the checkpoint's own model config, or a checkpoint "
+                         "of this model.")
 
 
 def local_names(parts: nn.Module | list[nn.Module]) -> set[str]:
