@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -20,6 +19,7 @@ from loaders.megatron_files import (
     find_iteration,
     first_model,
     is_dist_checkpoint,
+    num_local_layers,
     tokenizer,
 )
 from loaders.megatron_files import config as megatron_config
@@ -47,11 +47,6 @@ def is_core_checkpoint(path: Path) -> bool:
     return model is not None and any(k.startswith(("decoder.", "embedding.", "output_layer")) for k in model)
 
 
-def _num_local_layers(model: dict[str, Any]) -> int:
-    found = {int(m.group(1)) for k in model for m in [LAYER_KEY.match(k)] if m}
-    return max(found) + 1 if found else 0
-
-
 @register_loader("core", aliases=("megatron", "mcore"), detect=is_core_checkpoint,
                  options=("true_vocab_size", "tokenizer"))
 def load(path: Path, options: Options) -> ModelIR:
@@ -62,7 +57,7 @@ def load(path: Path, options: Options) -> ModelIR:
     files = RankFiles(it_dir)
     chunks = files.chunk_names()
     # Global layer order is chunk-major: chunk v of every stage, then chunk v+1 (see mconvert.layout).
-    counts = {(pp, v): _num_local_layers(files.model(0, pp, 0, name))
+    counts = {(pp, v): num_local_layers(files.model(0, pp, 0, name), LAYER_KEY)
               for v, name in enumerate(chunks) for pp in range(files.pp)}
     starts, total = chunk_starts(counts, files.pp, len(chunks))
     check_layer_count(files, total)

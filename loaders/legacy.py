@@ -13,7 +13,15 @@ from typing import Any
 
 import torch
 
-from loaders.megatron_files import RankFiles, check_layer_count, chunk_starts, find_iteration, first_model, tokenizer
+from loaders.megatron_files import (
+    RankFiles,
+    check_layer_count,
+    chunk_starts,
+    find_iteration,
+    first_model,
+    num_local_layers,
+    tokenizer,
+)
 from loaders.megatron_files import config as megatron_config
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
@@ -40,7 +48,7 @@ def load(path: Path, options: Options) -> ModelIR:
     chunks = files.chunk_names()
     models = {(tp, pp, name): _canonical_tensors(files, tp, pp, name)
               for tp in range(files.tp) for pp in range(files.pp) for name in chunks}
-    counts = {(pp, v): _num_local_layers(models[(0, pp, name)]) for v, name in enumerate(chunks)
+    counts = {(pp, v): num_local_layers(models[(0, pp, name)], legacy.LAYER_KEY) for v, name in enumerate(chunks)
               for pp in range(files.pp)}
     starts, total = chunk_starts(counts, files.pp, len(chunks))
     check_layer_count(files, total)
@@ -127,8 +135,3 @@ def _tp_pieces(files: RankFiles, models: list[dict[str, LazyTensor]], pp: int) -
                                    f"{ref[key].origin} is {list(ref[key].shape)}; every TP rank holds an equal "
                                    "piece")
     return {key: [m[key] for m in models] for key in ref}
-
-
-def _num_local_layers(model: dict[str, LazyTensor]) -> int:
-    found = {int(m.group(1)) for k in model for m in [legacy.LAYER_KEY.match(k)] if m}
-    return max(found) + 1 if found else 0

@@ -137,6 +137,12 @@ def _check_distinct(paths: list[Path]) -> None:
                                "(linked): every rank must have its own")
 
 
+def num_local_layers(keys, layer_key: re.Pattern) -> int:
+    """Layers in one chunk's model dict: its highest local layer number (captured by `layer_key`) plus one."""
+    found = {int(m.group(1)) for k in keys for m in [layer_key.match(k)] if m}
+    return max(found) + 1 if found else 0
+
+
 def chunk_starts(counts: dict[tuple[int, int], int], pp: int, chunks: int) -> tuple[dict[tuple[int, int], int], int]:
     """First global layer of each (stage, virtual chunk), given the layers each holds, and the total.
 
