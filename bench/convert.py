@@ -31,8 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from formats import hf_dir  # noqa: E402
-from formats.safetensors_io import Entry  # noqa: E402
+from mconvert.formats import hf_dir  # noqa: E402
+from mconvert.formats.safetensors_io import Entry  # noqa: E402
+
 from mconvert.ir import ModelConfig  # noqa: E402
 from mconvert.mapping import expand  # noqa: E402
 from mconvert.schemas import hf_llama  # noqa: E402

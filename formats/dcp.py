@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from mconvert.formats.torch_pickle import safe_load_bytes
+from mconvert.formats.torch_zip import ALIGN, TorchFileWriter, map_tensor
 
-from formats.torch_pickle import safe_load_bytes
-from formats.torch_zip import ALIGN, TorchFileWriter, map_tensor
 from mconvert.errors import ConvertError, format_names
 
 METADATA = ".metadata"
@@ -84,7 +84,7 @@ class _TensorProperties(Record):
 
 
 _RECORDS = {key: type(key[1], (_TensorProperties if key[1] == "TensorProperties" else Record,),
-                      {"__module__": "formats.dcp.records"}) for key in _DCP_CLASSES}
+                      {"__module__": "mconvert.formats.dcp.records"}) for key in _DCP_CLASSES}
 
 
 class _MetadataUnpickler(pickle.Unpickler):

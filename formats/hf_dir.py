@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from mconvert.formats import safetensors_io
+from mconvert.formats.torch_pickle import safe_load
 
-from formats import safetensors_io
-from formats.torch_pickle import safe_load
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor
 

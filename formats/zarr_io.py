@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from mconvert.formats.torch_zip import save as torch_save
 
-from formats.torch_zip import save as torch_save
 from mconvert.errors import ConvertError
 
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64, torch.int64: np.int64,

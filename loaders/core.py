@@ -10,9 +10,8 @@ import re
 from pathlib import Path
 
 import torch
-
-from loaders.core_dist import load_dist
-from loaders.megatron_files import (
+from mconvert.loaders.core_dist import load_dist
+from mconvert.loaders.megatron_files import (
     RankFiles,
     check_layer_count,
     chunk_starts,
@@ -22,7 +21,8 @@ from loaders.megatron_files import (
     num_local_layers,
     tokenizer,
 )
-from loaders.megatron_files import config as megatron_config
+from mconvert.loaders.megatron_files import config as megatron_config
+
 from mconvert.errors import ConvertError, format_names
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import Row, expand, take_copies, to_ir, verify_copies

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from mconvert.formats import hf_dir
+from mconvert.formats.torch_pickle import safe_load
 
-from formats import hf_dir
-from formats.torch_pickle import safe_load
 from mconvert.errors import ConvertError, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import Row, to_ir
@@ -29,11 +29,11 @@ def open_store(it_dir: Path):
     meta = hf_dir.read_json(it_dir / core_dist.METADATA_JSON)
     backend = meta.get("sharded_backend")
     if backend == "torch_dist":
-        from formats.dcp import DcpReader  # torch.distributed.checkpoint: half a second to import, only when used
+        from mconvert.formats.dcp import DcpReader
 
         return DcpReader(it_dir), backend
     if backend == "zarr":
-        from formats.zarr_io import ZarrReader
+        from mconvert.formats.zarr_io import ZarrReader
 
         return ZarrReader(it_dir), backend
     raise ConvertError(f"{it_dir / core_dist.METADATA_JSON}: unknown sharded_backend {backend!r}; this tool reads "

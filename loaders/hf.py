@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from formats import hf_dir
+from mconvert.formats import hf_dir
+
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelIR
 from mconvert.options import Options

@@ -6,7 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from formats import hf_dir
+from mconvert.formats import hf_dir
+
 from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import expand, to_ir
 from mconvert.options import Options

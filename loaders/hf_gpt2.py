@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from formats import hf_dir
-from loaders.hf_files import load_hf
+from mconvert.formats import hf_dir
+from mconvert.loaders.hf_files import load_hf
+
 from mconvert.ir import LazyTensor, ModelIR
 from mconvert.options import Options
 from mconvert.registry import register_loader

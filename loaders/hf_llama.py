@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from formats import hf_dir
-from formats.torch_pickle import safe_load
-from loaders.hf_files import load_hf
+from mconvert.formats import hf_dir
+from mconvert.formats.torch_pickle import safe_load
+from mconvert.loaders.hf_files import load_hf
+
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import expand, to_ir

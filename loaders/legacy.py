@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from loaders.megatron_files import (
+from mconvert.loaders.megatron_files import (
     RankFiles,
     check_layer_count,
     chunk_starts,
@@ -22,7 +21,8 @@ from loaders.megatron_files import (
     num_local_layers,
     tokenizer,
 )
-from loaders.megatron_files import config as megatron_config
+from mconvert.loaders.megatron_files import config as megatron_config
+
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import Row, expand, take_copies, to_ir, verify_copies

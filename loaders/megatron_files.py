@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from mconvert.formats import hf_dir
+from mconvert.formats.torch_pickle import safe_load
+from mconvert.loaders.core_dist import is_dist_checkpoint
 
-from formats import hf_dir
-from formats.torch_pickle import safe_load
-from loaders.core_dist import is_dist_checkpoint
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
 from mconvert.layout import ParallelLayout

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from formats import hf_dir
+from mconvert.formats import hf_dir
+
 from mconvert.errors import ConvertError, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
 from mconvert.options import Options
@@ -34,7 +35,8 @@ def _step_dir(path: Path) -> Path | None:
 @register_loader("mtrain", detect=lambda p: _step_dir(p) is not None, options=("tokenizer",))
 def load(path: Path, options: Options) -> ModelIR:
     """mtrain checkpoints (DCP): a step directory, or a run's checkpoint directory (its latest step)."""
-    from formats.dcp import DcpReader
+    from mconvert.formats.dcp import DcpReader
+
     from mtrain import checkpoint
     from mtrain.models import state_dict_adapter
 

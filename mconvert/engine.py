@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mconvert.errors import ConvertError
+from mconvert.formats import hf_dir
 from mconvert.ir import ModelIR
 from mconvert.options import Options
 from mconvert.progress import QUIET, Progress
@@ -82,9 +83,7 @@ def resolve_source(path: Path | str) -> Path:
     if Path(path).exists():
         return Path(path)
     if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
-        from formats.hf_dir import resolve
-
-        return resolve(path)  # a clear error when the id is not in the cache
+        return hf_dir.resolve(path)  # a clear error when the id is not in the cache
     raise ConvertError(f"{path}: no such file or directory")
 
 

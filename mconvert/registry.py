@@ -1,9 +1,9 @@
 """Loaders and savers, registered by the name users type.
 
-Built-in plugins live in the top-level `loaders` and `savers` packages and register themselves with
-`@register_loader("name")` / `@register_saver("name")`. Third-party packages add theirs through the entry-point
-groups `mconvert.loaders` and `mconvert.savers` (the entry point names a module to import, or the plugin
-function itself, which registers by decorator when its module is imported).
+Built-in plugins live in `mconvert.loaders` and `mconvert.savers` (the `loaders/` and `savers/` folders) and
+register themselves with `@register_loader("name")` / `@register_saver("name")`. Third-party packages add theirs
+through the entry-point groups `mconvert.loaders` and `mconvert.savers` (the entry point names a module to
+import, or the plugin function itself, which registers by decorator when its module is imported).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def _load_plugins() -> None:
     if _loaded:
         return
     _loaded = True
-    importlib.import_module("loaders")
-    importlib.import_module("savers")
+    importlib.import_module("mconvert.loaders")
+    importlib.import_module("mconvert.savers")
     for group in ("mconvert.loaders", "mconvert.savers"):
         for ep in importlib.metadata.entry_points(group=group):
             try:

@@ -34,10 +34,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from mconvert.formats.dcp import read_metadata
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from formats.dcp import read_metadata
 from mconvert.ir import ModelConfig
 from mtrain import weights
 from mtrain.errors import TrainError

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from mconvert.savers import megatron_files
+from mconvert.savers.core_dist import save_dist
 
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
@@ -21,8 +23,6 @@ from mconvert.registry import register_saver
 from mconvert.rules import Ctx
 from mconvert.schemas import core
 from mconvert.transforms import padded_vocab_size
-from savers import megatron_files
-from savers.core_dist import save_dist
 
 
 @register_saver("core", aliases=("megatron", "mcore"),

@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from mconvert.formats import hf_dir
+from mconvert.formats.torch_zip import save as torch_save
+from mconvert.savers import megatron_files
 
-from formats import hf_dir
-from formats.torch_zip import save as torch_save
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelIR
 from mconvert.options import Options
@@ -20,7 +21,6 @@ from mconvert.progress import Progress
 from mconvert.rules import Ctx
 from mconvert.schemas import core, core_dist
 from mconvert.transforms import padded_vocab_size
-from savers import megatron_files
 
 
 def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
@@ -79,9 +79,9 @@ def _write_blocks(writer, placed: core_dist.Placed, tensors: list[torch.Tensor],
 
 def _writer(backend: str, it_dir: Path):
     if backend == "torch_dist":
-        from formats.dcp import DcpWriter  # torch.distributed.checkpoint: half a second to import, only when used
+        from mconvert.formats.dcp import DcpWriter
 
         return DcpWriter(it_dir)
-    from formats.zarr_io import ZarrWriter
+    from mconvert.formats.zarr_io import ZarrWriter
 
     return ZarrWriter(it_dir)

@@ -6,8 +6,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from formats import hf_dir
-from formats.safetensors_io import Entry
+from mconvert.formats import hf_dir
+from mconvert.formats.safetensors_io import Entry
+
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.mapping import check_plan, expand, from_ir
 from mconvert.options import Options

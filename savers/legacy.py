@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mconvert.savers import megatron_files
+
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelIR
 from mconvert.layout import Chunk
@@ -21,7 +23,6 @@ from mconvert.registry import register_saver
 from mconvert.rules import Ctx, Table
 from mconvert.schemas import core, legacy
 from mconvert.transforms import padded_vocab_size
-from savers import megatron_files
 
 
 @register_saver("legacy", aliases=("megatron_legacy",),

@@ -8,8 +8,9 @@ import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
-from formats import hf_dir
-from formats.torch_zip import TorchFileWriter
+from mconvert.formats import hf_dir
+from mconvert.formats.torch_zip import TorchFileWriter
+
 from mconvert.ir import ModelIR
 from mconvert.layout import Chunk
 from mconvert.mapping import Row

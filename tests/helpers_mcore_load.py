@@ -17,12 +17,11 @@ warnings.filterwarnings("ignore")
 def main() -> None:
     ckpt, reference = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
+    from mconvert.formats.torch_pickle import safe_load
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from formats.torch_pickle import safe_load
 
     tp, rank = dist.get_world_size(), dist.get_rank()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)

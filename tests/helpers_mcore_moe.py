@@ -22,8 +22,7 @@ import types
 
 import torch
 import torch.nn.functional as F
-
-from formats.torch_pickle import safe_load
+from mconvert.formats.torch_pickle import safe_load
 
 
 def cpu_grouped_gemm(x: torch.Tensor, w: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False):

@@ -1,4 +1,4 @@
-"""formats.dcp on its own: several ranks writing their own shards, partial reads without copies."""
+"""mconvert.formats.dcp on its own: several ranks writing their own shards, partial reads without copies."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from formats.dcp import DcpReader, DcpWriter
+from mconvert.formats.dcp import DcpReader, DcpWriter
 
 
 def _free_port() -> int:

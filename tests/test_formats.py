@@ -8,11 +8,11 @@ import struct
 
 import pytest
 import torch
+from mconvert.formats import safetensors_io
+from mconvert.formats.torch_pickle import safe_load
+from mconvert.formats.torch_zip import TorchFileWriter
 from safetensors.torch import load_file, save_file
 
-from formats import safetensors_io
-from formats.torch_pickle import safe_load
-from formats.torch_zip import TorchFileWriter
 from mconvert.errors import ConvertError
 
 

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
+from mconvert.formats.torch_pickle import safe_load
 from safetensors.torch import load_file
 
-from formats.torch_pickle import safe_load
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
 from mconvert.rules import Ctx
@@ -223,7 +223,7 @@ def test_hf_dispatcher(gpt2_dir, llama_dir, tmp_path):
 
 
 def test_hf_saver_names_the_families_it_writes(gpt2_dir, tmp_path, monkeypatch):
-    import savers.hf
+    from mconvert import savers
 
     monkeypatch.delitem(savers.hf.SAVERS, "gpt2")
     out = run_cli("--saver", "hf", "--load-dir", gpt2_dir, "--save-dir", tmp_path / "o", expect_error=True)

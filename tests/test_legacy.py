@@ -8,18 +8,18 @@ import shutil
 
 import pytest
 import torch
+from mconvert.formats.torch_pickle import safe_load
+from mconvert.loaders.core import is_core_checkpoint
+from mconvert.loaders.legacy import is_legacy_checkpoint
+from mconvert.savers import legacy as legacy_saver
 from safetensors.torch import load_file
 
-from formats.torch_pickle import safe_load
-from loaders.core import is_core_checkpoint
-from loaders.legacy import is_legacy_checkpoint
 from mconvert import transforms
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR, SourceInfo
 from mconvert.options import Options
 from mconvert.progress import QUIET
 from mconvert.schemas import legacy as schema
-from savers import legacy as legacy_saver
 from tests.conftest import FIXTURES, assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
 
 needs_fixtures = pytest.mark.skipif(not (FIXTURES / "llama_gqa").is_dir(), reason=f"fixtures not found at {FIXTURES}")

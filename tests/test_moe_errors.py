@@ -6,9 +6,9 @@ import os
 import shutil
 
 import pytest
+from mconvert.formats.torch_pickle import safe_load
+from mconvert.formats.torch_zip import TorchFileWriter
 
-from formats.torch_pickle import safe_load
-from formats.torch_zip import TorchFileWriter
 from mconvert.errors import ConvertError
 from mconvert.mapping import Row, check_plan
 from mconvert.rules import Rule

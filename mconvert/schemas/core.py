@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 
 from mconvert.errors import ConvertError
+from mconvert.formats.hf_dir import tokenizer_vocab_size
 from mconvert.ir import ModelConfig
 from mconvert.layout import ParallelLayout
 from mconvert.options import ExpertLayout
@@ -129,8 +130,6 @@ def true_vocab_size(args: Any, given: int | None, assets: dict, padded: int, whe
     """The unpadded vocabulary, from the first that says: --true-vocab-size, args.vocab_size (Megatron),
     args.orig_vocab_size (HF's megatron_gpt2 script), the checkpoint's tokenizer (what Megatron padded from),
     GPT2BPETokenizer's 50257 when args name that tokenizer; else all `padded` rows. Notes say what was guessed."""
-    from formats.hf_dir import tokenizer_vocab_size
-
     recorded = given or getattr(args, "vocab_size", None) or getattr(args, "orig_vocab_size", None)
     if recorded:
         vocab, notes = int(recorded), []
