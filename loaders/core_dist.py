@@ -13,6 +13,7 @@ import torch
 from mconvert.formats import hf_dir
 from mconvert.formats.torch_pickle import safe_load
 
+from mconvert.config_checks import MEGATRON_INTEGERS, check_integers
 from mconvert.errors import ConvertError, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import Row, to_ir
@@ -52,6 +53,10 @@ def read_common(it_dir: Path, store) -> dict[str, Any]:
                            "cannot find the checkpoint's args")
     if not isinstance(common, dict) or common.get("args") is None:
         raise ConvertError(f"{it_dir}: the common state has no 'args'; cannot tell the model shape")
+    if not hasattr(common["args"], "__dict__"):
+        raise ConvertError(f"{it_dir}: 'args' is a {type(common['args']).__name__}, not a namespace of Megatron "
+                           "arguments")
+    check_integers(vars(common["args"]), MEGATRON_INTEGERS, str(it_dir), "args.")
     return common
 
 

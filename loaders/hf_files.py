@@ -8,6 +8,7 @@ from typing import Any
 
 from mconvert.formats import hf_dir
 
+from mconvert.config_checks import HF_INTEGERS, check_integers
 from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import expand, to_ir
 from mconvert.options import Options
@@ -24,7 +25,9 @@ def load_hf(path: Path, options: Options, *, name: str, config_from_hf: Callable
     again and is not read. `table` may depend on the stored keys (a family stored in two layouts).
     """
     root = hf_dir.resolve(path)
-    config = config_from_hf(hf_dir.read_json(root / "config.json"), str(root / "config.json"))
+    raw = hf_dir.read_json(root / "config.json")
+    check_integers(raw, HF_INTEGERS, str(root / "config.json"))
+    config = config_from_hf(raw, str(root / "config.json"))
     source = fix_source(hf_dir.open_weights(root))
     if embed_key in source:
         config = config.replace(dtype=dtype_name(source[embed_key].dtype))

@@ -9,6 +9,7 @@ from mconvert.formats import hf_dir
 from mconvert.formats.torch_pickle import safe_load
 from mconvert.loaders.hf_files import load_hf
 
+from mconvert.config_checks import META_INTEGERS, check_integers
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import expand, to_ir
@@ -41,6 +42,7 @@ def load_meta(root: Path, options: Options) -> ModelIR:
     files = sorted(root.glob("consolidated.*.pth"), key=lambda p: int(re.sub(r"\D", "", p.name) or 0))
     shards = [safe_load(f) for f in files]
     params = hf_dir.read_json(root / "params.json")
+    check_integers(params.get("model", params), META_INTEGERS, str(root / "params.json"))
     dim = int(params.get("model", params).get("dim", 0))
     pieces: dict[str, list[LazyTensor]] = {}
     for f, shard in zip(files, shards):

@@ -85,8 +85,8 @@ def _fail_cleanly(func):
 @click.option("--ckpt-format", type=click.Choice(["torch", "torch_dist", "zarr"]), default="torch",
               show_default=True, help="Megatron checkpoint format written by the core saver.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Cast all weights (default: keep the source's).")
-@click.option("--bf16", "dtype", flag_value="bf16", help="Same as --dtype bf16.")
-@click.option("--fp16", "dtype", flag_value="fp16", help="Same as --dtype fp16.")
+@click.option("--bf16", "bf16", is_flag=True, help="Same as --dtype bf16.")
+@click.option("--fp16", "fp16", is_flag=True, help="Same as --dtype fp16.")
 @click.option("--make-vocab-size-divisible-by", type=POSITIVE, default=128, show_default=True,
               help="Megatron pads the vocabulary to a multiple of this times TP.")
 @click.option("--true-vocab-size", type=POSITIVE,
@@ -162,13 +162,22 @@ def _options(o: dict) -> Options:
         transformer_impl="te" if o["transformer_impl"] in ("te", "transformer_engine") else "local",
         expert_layout=o["expert_layout"] or "sequential",
         ckpt_format=o["ckpt_format"],
-        dtype=DTYPES[o["dtype"]] if o["dtype"] else None,
+        dtype=_dtype(o),
         make_vocab_size_divisible_by=o["make_vocab_size_divisible_by"],
         true_vocab_size=o["true_vocab_size"],
         tokenizer=o["tokenizer"],
         max_shard_size=parse_size(o["max_shard_size"]),
         iteration=o["iteration"],
     )
+
+
+def _dtype(o: dict) -> str | None:
+    """--dtype, --bf16 and --fp16 name one dtype; two different ones are a contradiction, not "the last wins"."""
+    given = {f"--dtype {o['dtype']}": o["dtype"]} if o["dtype"] else {}
+    given |= {f"--{flag}": flag for flag in ("bf16", "fp16") if o[flag]}
+    if len({DTYPES[v] for v in given.values()}) > 1:
+        raise ConvertError(f"{' and '.join(given)} contradict each other; give one dtype")
+    return DTYPES[next(iter(given.values()))] if given else None
 
 
 @main.command()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mconvert.errors import ConvertError
-from mconvert.formats import hf_dir
+from mconvert.formats import contained, hf_dir
 from mconvert.ir import ModelIR
 from mconvert.options import Options
 from mconvert.progress import QUIET, Progress
@@ -79,12 +79,16 @@ def tree_size(root: Path) -> tuple[int, int]:
 
 
 def resolve_source(path: Path | str) -> Path:
-    """The checkpoint location: an existing path, or a hub id (`org/name`) found in the local HF cache."""
+    """The checkpoint location: an existing path, or a hub id (`org/name`) found in the local HF cache; checked
+    to hold no link leading out of it (see mconvert.formats.contained) before any reader opens a file."""
     if Path(path).exists():
-        return Path(path)
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
-        return hf_dir.resolve(path)  # a clear error when the id is not in the cache
-    raise ConvertError(f"{path}: no such file or directory")
+        found = Path(path)
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+        found = hf_dir.resolve(path)  # a clear error when the id is not in the cache
+    else:
+        raise ConvertError(f"{path}: no such file or directory")
+    contained.check_tree(found)
+    return found
 
 
 def resolve_loader(name: str | None, path: Path) -> Plugin:

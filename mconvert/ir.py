@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from mconvert.config_checks import check_model_config
 from mconvert.errors import ConvertError, mismatch
 
 Family = Literal["llama", "mistral", "mixtral", "gpt2"]
@@ -94,6 +95,7 @@ class ModelConfig:
         if self.is_moe and not (self.moe_top_k and 0 < self.moe_top_k <= self.num_experts):
             raise ConvertError(f"MoE config needs 0 < moe_top_k <= num_experts, got {self.moe_top_k}, "
                                f"{self.num_experts}")
+        check_model_config(self)  # non-finite or out-of-range numbers (NaN epsilon, negative rope theta, ...)
 
     @property
     def gated(self) -> bool:
