@@ -20,6 +20,7 @@ from mconvert.errors import ConvertError
 from mconvert.layout import ParallelLayout
 from mconvert.options import LAYOUT_OPTIONS, Options
 from mconvert.progress import Progress, human_bytes
+from mconvert.staging import Interrupted
 
 POSITIVE = click.IntRange(min=1)
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -42,12 +43,20 @@ def parse_size(text: str) -> int:
 
 
 def _fail_cleanly(func):
+    """One `Error:` line and a non-zero exit for bad input, an OS error, or an interruption (SIGINT: 130,
+    SIGTERM: 143, as a shell reports them); never a traceback."""
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
         except ConvertError as e:
             raise click.ClickException(str(e)) from None
+        except OSError as e:
+            raise click.ClickException(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}") from None
+        except (KeyboardInterrupt, Interrupted) as e:
+            name = e.name if isinstance(e, Interrupted) else "SIGINT"
+            click.echo(f"Error: interrupted by {name}; no output was left behind", err=True)
+            raise SystemExit(128 + (e.signum if isinstance(e, Interrupted) else 2)) from None
 
     return wrapper
 
@@ -185,12 +194,14 @@ def _dtype(o: dict) -> str | None:
 @click.option("--loader", help="Format of PATH; detected when omitted.")
 @click.option("--true-vocab-size", type=POSITIVE, help="Real vocabulary size of a padded (Megatron) source.")
 @click.option("--tensors/--no-tensors", default=True, show_default=True, help="Print the table of tensors.")
+@click.option("--values/--no-values", default=True, show_default=True,
+              help="Read every tensor once to report NaN and infinite values (--no-values reads no tensor data).")
 @_fail_cleanly
-def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors: bool) -> None:
-    """Show a checkpoint's format, config, layout, size and tensors (reads no tensor data)."""
+def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors: bool, values: bool) -> None:
+    """Show a checkpoint's format, config, layout, size, tensors and any NaN/Inf values."""
     from mconvert.inspect import describe
 
-    click.echo(describe(path, loader, Options(true_vocab_size=true_vocab_size), tensors=tensors))
+    click.echo(describe(path, loader, Options(true_vocab_size=true_vocab_size), tensors=tensors, values=values))
 
 
 @main.command()
