@@ -8,7 +8,7 @@ from typing import Any
 
 from mconvert.formats import hf_dir
 
-from mconvert.config_checks import HF_INTEGERS, check_integers
+from mconvert.config_checks import HF_INTEGERS, check_integers, with_where
 from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import expand, take_copies, to_ir, verify_copies
 from mconvert.options import Options
@@ -29,7 +29,7 @@ def load_hf(path: Path, options: Options, *, name: str, config_from_hf: Callable
     root = hf_dir.resolve(path)
     raw = hf_dir.read_json(root / "config.json")
     check_integers(raw, HF_INTEGERS, str(root / "config.json"))
-    config = config_from_hf(raw, str(root / "config.json"))
+    config = with_where(str(root / "config.json"), lambda: config_from_hf(raw, str(root / "config.json")))
     source = fix_source(hf_dir.open_weights(root))
     if embed_key in source:
         config = config.replace(dtype=dtype_name(source[embed_key].dtype))

@@ -12,7 +12,7 @@ import torch
 from mconvert.formats import hf_dir
 from mconvert.formats.contained import inside
 from mconvert.formats.torch_pickle import safe_load
-from mconvert.loaders.core_dist import is_dist_checkpoint
+from mconvert.loaders.core_dist import config_from_args, is_dist_checkpoint
 
 from mconvert.config_checks import MEGATRON_INTEGERS, check_integers
 from mconvert.errors import ConvertError
@@ -229,8 +229,8 @@ def config(args: Any, options: Options, padded: int, dtype: str, it_dir: Path,
     stored = getattr(args, "params_dtype", None)
     if isinstance(stored, torch.dtype) and stored != getattr(torch, dtype):
         notes.append(f"args.params_dtype is {stored} but the tensors are {dtype}; using the tensors' dtype")
-    return core.config_from_args(args, vocab_size=vocab, padded_vocab_size=padded, dtype=dtype,
-                                 where=str(it_dir)), notes
+    return config_from_args(args, vocab_size=vocab, padded_vocab_size=padded, dtype=dtype, where=str(it_dir)), notes
+
 
 
 def tokenizer(options: Options, it_dir: Path, args, notes: list[str]) -> dict[str, Path]:

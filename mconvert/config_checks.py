@@ -12,7 +12,7 @@ would convert without complaint and compute garbage, so:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from mconvert.errors import ConvertError
@@ -100,3 +100,11 @@ def check_true_vocab_size(given: int | None, args: Any, tokenizer_size: int | No
         raise ConvertError(f"{where}: --true-vocab-size {given} is smaller than the checkpoint's tokenizer "
                            f"({tokenizer_size} tokens): the rows of its last {tokenizer_size - given} tokens would be "
                            "dropped")
+
+
+def with_where(where: str, build: Callable[[], Any]) -> Any:
+    """`build()`, with a ConvertError that does not say where (a value ModelConfig refuses) prefixed by `where`."""
+    try:
+        return build()
+    except ConvertError as e:
+        raise ConvertError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None

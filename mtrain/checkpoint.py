@@ -39,6 +39,7 @@ from mconvert.formats.contained import check_tree, inside
 from mconvert.formats.dcp import read_metadata
 from mconvert.formats.torch_pickle import safe_load
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from mconvert.errors import ConvertError
@@ -108,7 +109,8 @@ def read_meta(path: Path) -> dict:
     if meta.get("format") != FORMAT or meta.get("version") not in READABLE_VERSIONS:
         raise TrainError(f"{f}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
                          f"{FORMAT!r} version {' or '.join(map(str, READABLE_VERSIONS))}")
-    counts = {k: meta.get(k) for k in ("step", "consumed_samples", "world_size")}
+    counts = {k: meta.get(k) for k in ("step", "world_size")} | \
+        ({"consumed_samples": meta["consumed_samples"]} if "consumed_samples" in meta else {})
     bad = [f"{k}={v!r}" for k, v in counts.items()
            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "world_size" else 0)]
     if bad or not isinstance(meta.get("model_config"), dict):
@@ -201,6 +203,8 @@ class Checkpointer:
         try:
             check_tree(path)
             meta = read_meta(path)
+            if "consumed_samples" not in meta:
+                raise TrainError(f"{path / META_FILE}: no consumed_samples: not what mtrain writes")
             reader = safe_dcp.SafeReader(path)
         except ConvertError as e:
             raise unreadable(path, e) from None
@@ -214,7 +218,9 @@ class Checkpointer:
         try:
             with single_process_ok():
                 dcp.load(state_dict, storage_reader=reader, planner=safe_dcp.SafePlanner())
-        except Exception as e:  # DCP wraps a rank's failure (ours: ConvertError) in a CheckpointException
+        except CheckpointException as e:  # DCP wraps each rank's failure (ours: ConvertError); a BaseException
+            raise unreadable(path, next(iter(e.failures.values()))[0] if e.failures else e) from None
+        except Exception as e:
             raise unreadable(path, e) from None
         for part in parts:
             own = get_model_state_dict(part)
