@@ -118,7 +118,7 @@ def detect_loader(path: Path) -> Plugin:
     if candidates:
         return candidates[0]
     if broken:
-        raise ConvertError("; ".join(f"{message} (the files look like loader {' / '.join(names)}'s format)"
+        raise ConvertError("; ".join(f"{message} (detected as a {' / '.join(names)} checkpoint)"
                                      for message, names in broken.items()))
     tried = ", ".join(p.name for p in loaders() if p.detect is not None)
     raise ConvertError(f"{path}: cannot tell the checkpoint format (tried: {tried}); pass --loader NAME")
