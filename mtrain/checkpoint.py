@@ -163,19 +163,27 @@ class Checkpointer:
             partial.mkdir()
         _barrier()
         state_dict = {"model": model_state(parts), "optimizer": optimizers.state_dict()}
-        with single_process_ok():
-            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True))
-        _save_rng(partial / "rng" / f"rank_{_rank():05d}.pt")
-        _barrier()
-        if _rank() == 0:
-            meta = dict(format=FORMAT, version=FORMAT_VERSION, step=state.step,
-                        consumed_samples=state.consumed_samples, world_size=_world(), parallel=layout,
-                        model_config=model_config.to_dict(), config=config,
-                        tokenizer="tokenizer" if tokenizer else None)
-            _write_synced(partial / META_FILE, json.dumps(meta, indent=2))
-            if tokenizer:
-                _copy_tokenizer(Path(tokenizer), partial / "tokenizer")
-            self._commit(partial, final)
+        try:
+            with single_process_ok():
+                dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True))
+            _save_rng(partial / "rng" / f"rank_{_rank():05d}.pt")
+            _barrier()
+            if _rank() == 0:
+                meta = dict(format=FORMAT, version=FORMAT_VERSION, step=state.step,
+                            consumed_samples=state.consumed_samples, world_size=_world(), parallel=layout,
+                            model_config=model_config.to_dict(), config=config,
+                            tokenizer="tokenizer" if tokenizer else None)
+                _write_synced(partial / META_FILE, json.dumps(meta, indent=2))
+                if tokenizer:
+                    _copy_tokenizer(Path(tokenizer), partial / "tokenizer")
+                self._commit(partial, final)
+        except (OSError, CheckpointException) as e:  # a full disk, a quota: DCP wraps each rank's OSError
+            if _rank() == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+            reason = getattr(cause, "strerror", None) or str(cause).strip().splitlines()[0]
+            raise TrainError(f"saving checkpoint {name} into {self.root} failed: {reason}; the previous checkpoint "
+                             "is untouched") from None
         _barrier()
         return final
 

@@ -46,6 +46,8 @@ def _fail_cleanly(func):
             return func(*args, **kwargs)
         except ConvertError as e:  # TrainError too: a user error, shown without a traceback
             raise click.ClickException(str(e)) from None
+        except OSError as e:  # a full disk, an unreadable file: one line too
+            raise click.ClickException(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}") from None
 
     return wrapper
 

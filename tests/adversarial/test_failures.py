@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import io
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ class _FullDisk:
         self._f, self._budget, self._name = f, budget, name
 
     def write(self, data) -> int:
-        self._budget[0] -= len(memoryview(data).cast("B"))
+        self._budget[0] -= len(data.encode() if isinstance(data, str) else memoryview(data).cast("B"))
         if self._budget[0] < 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._name)
         return self._f.write(data)
@@ -144,3 +145,28 @@ def test_reading_error_of_the_source(sources, tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors_io.SafetensorsFile, "get", failing_get)
     convert_refused(sources["llama_mistral"], tmp_path, culprits=("Input/output error", "model.safetensors"))
+
+
+def test_disk_full_while_mtrain_saves(mtrain_run, tmp_path, monkeypatch):
+    """A checkpoint that cannot be written: one line naming the step, no partial directory, exit non-zero."""
+    import json
+
+    from tests.adversarial.conftest import mtrain_cli
+
+    run = tmp_path / "run"
+    real_open, budget = builtins.open, [10_000]
+
+    def full_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        writing = any(c in mode for c in "wax+") and str(file).startswith(str(run))
+        return _FullDisk(f, budget, str(file)) if writing else f
+
+    config = mtrain_run["config"].to_dict()
+    config["checkpoint"]["dir"] = str(run)
+    (tmp_path / "run.json").write_text(json.dumps(config))
+    monkeypatch.setattr(builtins, "open", full_open)
+    monkeypatch.setattr(io, "open", full_open)  # pathlib's Path.open, which torch.distributed.checkpoint uses
+    code, out = mtrain_cli("pretrain", "--config", tmp_path / "run.json")
+    assert code != 0
+    refused(out, "saving checkpoint step_0000001", "No space left on device", "previous checkpoint is untouched")
+    assert [p.name for p in run.iterdir()] == []
