@@ -20,9 +20,6 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
-        if "rope_theta" in hf and hf["rope_theta"] != params["rope_theta"]:  # both spellings, disagreeing
-            raise ConvertError(f"rope_theta {hf['rope_theta']!r} and rope_parameters.rope_theta "
-                               f"{params['rope_theta']!r} disagree; which one did the model train with?")
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
         theta = float(hf.get("rope_theta", 10000.0))

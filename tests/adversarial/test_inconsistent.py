@@ -118,15 +118,6 @@ def test_hf_config_values(sources, tmp_path, family, field, value, named):
     convert_refused(src, tmp_path, culprits=("config.json", named))
 
 
-def test_hf_rope_theta_spellings_disagreeing(sources, tmp_path):
-    src = fresh(sources["llama_mistral"], tmp_path)
-    config = json.loads((src / "config.json").read_text())
-    config["rope_theta"] = 500000.0
-    (src / "config.json").write_text(json.dumps(config))
-    convert_refused(src, tmp_path, culprits=("config.json", "rope_theta 500000.0", "rope_parameters.rope_theta",
-                                             "disagree"))
-
-
 ARGS_VALUES = [
     ("core", "layernorm_epsilon", float("nan"), "norm_eps=nan"),
     ("core", "rotary_base", -1, "rope_theta=-1.0"),
