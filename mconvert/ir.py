@@ -2,9 +2,9 @@
 
 Every loader produces a `ModelIR`; every saver consumes one. Tensors are `LazyTensor`s: shape and dtype are
 known up front (so a saver can plan its files and a bad checkpoint is refused before a byte is written), the
-bytes are read only when `load()` is called. Conventions (see DESIGN.md section 2): q, k, v and gate, up are
-separate; Linear weights are `[out, in]`; the vocabulary is the true one (no padding rows); rotary rows are
-in the half-split ("rotate_half") order of HF and Megatron core.
+bytes are read only when `load()` is called. Conventions (the names and shapes are in `mconvert.ir_names`): q, k,
+v and gate, up are separate; Linear weights are `[out, in]`; the vocabulary is the true one (no padding rows);
+rotary rows are in the half-split ("rotate_half") order of HF and Megatron core.
 """
 
 from __future__ import annotations
@@ -102,6 +102,10 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.num_experts)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Does layer `layer` hold experts (rather than a dense MLP)?"""
+        return self.is_moe
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -63,7 +63,7 @@ def layer_shapes(layer: int, c: ModelConfig) -> dict[str, Shape]:
     shapes = norm_shapes(f"{p}.attn_norm", c)
     shapes |= attention_shapes(f"{p}.attn", c)
     shapes |= norm_shapes(f"{p}.mlp_norm", c)
-    if c.is_moe:
+    if c.is_moe_layer(layer):
         shapes[f"{p}.moe.router.weight"] = (c.num_experts, c.hidden_size)
         for e in range(c.num_experts):
             shapes |= mlp_shapes(f"{p}.moe.experts.{e}", c, bias=False)

@@ -26,7 +26,7 @@ from mconvert.formats.hf_dir import tokenizer_vocab_size
 from mconvert.ir import ModelConfig
 from mconvert.layout import ParallelLayout
 from mconvert.options import ExpertLayout
-from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, IDENTITY, QKV, REPLICATE, ROW, VOCAB, Rule, Table
+from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, QKV, REPLICATE, ROW, VOCAB, Rule, Table, linear, norm
 from mconvert.schemas import core_moe
 
 Impl = Literal["local", "te"]
@@ -50,60 +50,55 @@ def rank_dir(tp: int, pp: int, ep: int, layout: ParallelLayout) -> str:
     return name
 
 
-def _norm(module_local: str, module_te: str, impl: Impl, ir: str) -> list[Rule]:
-    """A norm's weight and bias: a module of its own (local) or fused into the next linear (TE)."""
-    if impl == "local":
-        return [Rule(f"{module_local}.{kind}", (f"{ir}.{kind}",)) for kind in ("weight", "bias")]
-    return [Rule(f"{module_te}.layer_norm_{kind}", (f"{ir}.{kind}",)) for kind in ("weight", "bias")]
+EMBEDDING = (
+    Rule("embedding.word_embeddings.weight", ("embed.weight",), VOCAB, COLUMN),
+    Rule("embedding.position_embeddings.weight", ("pos_embed.weight",)),
+)
+ATTENTION = (
+    *linear("decoder.layers.{l}.self_attention.linear_proj", "layers.{L}.attn.o", shard=ROW, bias_shard=REPLICATE),
+    *linear("decoder.layers.{l}.self_attention.linear_qkv", "layers.{L}.attn.q", "layers.{L}.attn.k",
+            "layers.{L}.attn.v", join=QKV, shard=COLUMN),
+)
+MLP = (  # gated fc1 first: it wins when the model has a gate (see rules.active)
+    *linear("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp.gate", "layers.{L}.mlp.up", join=GATE_UP,
+            shard=GATED_COLUMN),
+    *linear("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp.up", shard=COLUMN),
+    *linear("decoder.layers.{l}.mlp.linear_fc2", "layers.{L}.mlp.down", shard=ROW, bias_shard=REPLICATE),
+    core_moe.ROUTER,
+)
+_LAYERS = {
+    # Local spec: each norm is a module of its own.
+    "local": (
+        *norm("decoder.layers.{l}.input_layernorm", "layers.{L}.attn_norm"),
+        *ATTENTION,
+        *norm("decoder.layers.{l}.pre_mlp_layernorm", "layers.{L}.mlp_norm"),
+        *MLP,
+    ),
+    # Transformer Engine: norms fused into the next linear, except the pre-MLP norm of MoE layers (no fc1 there).
+    "te": (
+        *norm("decoder.layers.{l}.self_attention.linear_qkv", "layers.{L}.attn_norm", fused=True),
+        *ATTENTION,
+        *norm("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp_norm", fused=True, only="dense"),
+        *norm("decoder.layers.{l}.pre_mlp_layernorm", "layers.{L}.mlp_norm", only="moe"),
+        *MLP,
+    ),
+}
+HEAD = (
+    *norm("decoder.final_layernorm", "final_norm"),
+    Rule("output_layer.weight", ("lm_head.weight",), VOCAB, COLUMN),
+)
+# One table per (transformer implementation, expert layout); dense models use the sequential one (no experts).
+TABLES: dict[tuple[str, str], Table] = {
+    (impl, experts): Table(embedding=EMBEDDING, layer=_LAYERS[impl], expert=core_moe.EXPERTS[experts][0],
+                           expert_stack=core_moe.EXPERTS[experts][1], head=HEAD)
+    for impl in _LAYERS for experts in core_moe.EXPERTS
+}
 
 
-def _linear(module: str, ir: str, join, shard, bias_shard) -> list[Rule]:
-    """A linear's weight and bias; `ir` may name several IR tensors joined into one (`a+b` templates)."""
-    names = tuple(ir.split("+"))
-    join = join or IDENTITY
-    return [
-        Rule(f"{module}.weight", tuple(f"{n}.weight" for n in names), join, shard),
-        Rule(f"{module}.bias", tuple(f"{n}.bias" for n in names), join, bias_shard),
-    ]
-
-
-def table(impl: Impl, *, moe: bool = False, expert_layout: ExpertLayout = "sequential", local_experts: int = 1,
-          etp: int = 1) -> Table:
-    """The core key table for one transformer implementation (`local` or `te`).
-
-    MoE models add the router and the experts in `expert_layout` (see mconvert.schemas.core_moe), with
-    `local_experts` experts per expert-parallel rank split over `etp` expert tensor-parallel ranks.
-    """
-    experts, expert_stack = core_moe.expert_rules(expert_layout, local_experts=local_experts, etp=etp)
-    layer = "decoder.layers.{l}"
-    attn, mlp = f"{layer}.self_attention", f"{layer}.mlp"
-    fused_mlp_norm = impl == "te" and not moe  # MoE layers keep a separate pre_mlp_layernorm under TE
-    return Table(
-        embedding=(
-            Rule("embedding.word_embeddings.weight", ("embed.weight",), VOCAB, COLUMN),
-            Rule("embedding.position_embeddings.weight", ("pos_embed.weight",)),
-        ),
-        layer=(
-            *_norm(f"{layer}.input_layernorm", f"{attn}.linear_qkv", impl, "layers.{L}.attn_norm"),
-            *_linear(f"{attn}.linear_proj", "layers.{L}.attn.o", None, ROW, REPLICATE),
-            *_linear(f"{attn}.linear_qkv", "layers.{L}.attn.q+layers.{L}.attn.k+layers.{L}.attn.v", QKV, COLUMN,
-                     COLUMN),
-            *_norm(f"{layer}.pre_mlp_layernorm", f"{mlp}.linear_fc1", "te" if fused_mlp_norm else "local",
-                   "layers.{L}.mlp_norm"),
-            *_linear(f"{mlp}.linear_fc1", "layers.{L}.mlp.gate+layers.{L}.mlp.up", GATE_UP, GATED_COLUMN,
-                     GATED_COLUMN),
-            *_linear(f"{mlp}.linear_fc1", "layers.{L}.mlp.up", None, COLUMN, COLUMN),
-            *_linear(f"{mlp}.linear_fc2", "layers.{L}.mlp.down", None, ROW, REPLICATE),
-            core_moe.ROUTER,
-        ),
-        expert=experts,
-        expert_stack=expert_stack,
-        head=(
-            Rule("decoder.final_layernorm.weight", ("final_norm.weight",)),
-            Rule("decoder.final_layernorm.bias", ("final_norm.bias",)),
-            Rule("output_layer.weight", ("lm_head.weight",), VOCAB, COLUMN),
-        ),
-    )
+def table(impl: Impl, expert_layout: ExpertLayout = "sequential") -> Table:
+    """The core key table for one transformer implementation (`local` or `te`) and expert layout (see
+    mconvert.schemas.core_moe; the layout's shards read the local expert count and expert TP from the Ctx)."""
+    return TABLES[(impl, expert_layout)]
 
 
 # With tied embeddings and several pipeline stages the last stage keeps its own copy of the (padded) word
