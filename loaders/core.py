@@ -97,7 +97,7 @@ def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> t
     shapes = {k: tuple(t.shape) for pp in range(files.pp) for name in chunks
               for k, t in files.model(0, pp, 0, name).items() if isinstance(t, torch.Tensor)}
     layout = core_moe.detect_layout(shapes, str(files.it_dir))
-    etp = core_moe.detect_expert_tp(shapes, layout, ffn=config.ffn_hidden_size, local_experts=local,
+    etp = core_moe.detect_expert_tp(shapes, layout, ffn=config.expert_ffn_hidden_size, local_experts=local,
                                     where=files.rel((0, 0, 0))) if layout else None
     etp = etp or files.tp
     if files.tp % etp:

@@ -132,12 +132,16 @@ class ParallelLayout:
     def model_problems(self, c: ModelConfig) -> list[str]:
         """The sizes of the model this layout cannot split, as LayoutError templates."""
         problems = []
-        # MoE experts are split over the expert TP size, which may be smaller than TP
-        ffn_option = "etp" if c.is_moe and self.etp is not None else "tp"
-        for option, split, what, value in (
-                ("tp", self.tp, "num_attention_heads", c.num_attention_heads),
-                ("tp", self.tp, "num_query_groups (key/value heads)", c.num_query_groups),
-                (ffn_option, self.expert_tp if c.is_moe else self.tp, "ffn_hidden_size", c.ffn_hidden_size)):
+        # MoE experts are split over the expert TP size, which may be smaller than TP; dense MLPs over TP
+        expert_option = "etp" if self.etp is not None else "tp"
+        sizes = [("tp", self.tp, "num_attention_heads", c.num_attention_heads),
+                 ("tp", self.tp, "num_query_groups (key/value heads)", c.num_query_groups)]
+        if c.is_moe:
+            sizes.append((expert_option, self.expert_tp, "ffn_hidden_size" if c.moe_ffn_hidden_size is None
+                          else "moe_ffn_hidden_size", c.expert_ffn_hidden_size))
+        if not c.is_moe or c.dense_layers:
+            sizes.append(("tp", self.tp, "ffn_hidden_size", c.ffn_hidden_size))
+        for option, split, what, value in sizes:
             if value % split:
                 problems.append(f"{{{option}}} {split} does not divide {what}={value}")
         if c.is_moe and c.num_experts % self.ep:

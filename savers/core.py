@@ -71,12 +71,12 @@ def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = No
     """The `_extra_state` entries of one chunk: None for Megatron's own modules, TE's empty byte tensor."""
     te = options.transformer_impl == "te"
     value = torch.empty(0, dtype=torch.uint8) if te else None
-    moe = config is not None and config.is_moe
-    modules = core.extra_state_modules(
-        options.transformer_impl, expert_layout=options.expert_layout if moe else None,
-        local_experts=config.num_experts // options.layout.ep if moe else 0)
     out = {}
-    for l in range(len(chunk.layers)):
+    for l, L in enumerate(chunk.layers):
+        moe = config is not None and config.is_moe_layer(L)
+        modules = core.extra_state_modules(
+            options.transformer_impl, expert_layout=options.expert_layout if moe else None,
+            local_experts=config.num_experts // options.layout.ep if moe else 0)
         for module in modules:
             out[f"{module.format(l=l)}._extra_state"] = value
     if chunk.has_head:

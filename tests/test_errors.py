@@ -193,7 +193,7 @@ def test_mtrain_checkpoint_with_unsafe_metadata(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("setting,value", [("moe_router_pre_softmax", True), ("moe_router_score_function", "sigmoid"),
+@pytest.mark.parametrize("setting,value", [("apply_layernorm_1p", True), ("moe_router_score_function", "sigmoid"),
                                            ("position_embedding_type", "yarn"), ("qk_layernorm", True)])
 def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_path):
     """A Megatron model that computes something else is refused by name, not converted into a different model."""

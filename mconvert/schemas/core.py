@@ -156,9 +156,7 @@ _SETTINGS = (
     ("squared_relu", False, lambda v: not v),
     ("window_attn_skip_freq", False, lambda v: v in (None, 1)),
     ("moe_shared_expert_intermediate_size", True, lambda v: not v),
-    ("moe_layer_freq", True, lambda v: v is None or _every_layer(v)),
     ("moe_router_enable_expert_bias", True, lambda v: not v),
-    ("moe_router_pre_softmax", True, lambda v: not v),
     ("moe_router_score_function", True, lambda v: v in (None, "softmax")),
     ("moe_router_topk_scaling_factor", True, lambda v: v in (None, 1, 1.0)),
     ("moe_router_num_groups", True, lambda v: not v),
@@ -191,14 +189,19 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
     rope = position == "rope"
     experts = get("num_experts")
     window = get("window_size")
-    ffn = get("moe_ffn_hidden_size") if experts else None
-    ffn = ffn or get("ffn_hidden_size") or 4 * hidden
+    ffn = get("ffn_hidden_size") or 4 * hidden
+    dense = _dense_layers(get("moe_layer_freq", 1), layers, where) if experts else ()
     family = "mixtral" if experts else "mistral" if window else "llama" if rope else "gpt2"
     return ModelConfig(
         family=family,
         num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=int(ffn),
+        moe_ffn_hidden_size=int(get("moe_ffn_hidden_size", ffn)) if experts else None,
+        dense_layers=dense,
+        # Megatron's default takes the top-k of the logits, then softmax over them (the weights sum to 1);
+        # pre-softmax routing keeps the softmax over all experts
+        moe_norm_topk=not get("moe_router_pre_softmax", False),
         num_attention_heads=heads,
         num_query_groups=int(get("num_query_groups", heads)) if get("group_query_attention") else heads,
         head_dim=int(get("kv_channels", hidden // heads)),
@@ -232,9 +235,15 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 8192}
 
 
-def _every_layer(freq: Any) -> bool:
-    """moe_layer_freq: 1 (or a pattern of ones) puts experts in every layer, which is all the IR describes."""
-    return freq == 1 or (isinstance(freq, (list, tuple)) and all(f == 1 for f in freq))
+def _dense_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:
+    """The layers without experts, from moe_layer_freq: every k-th layer (from layer 0) has experts for an int k,
+    or a 0/1 pattern with one entry per layer (what `--moe-layer-freq "([0]*3+[1]*58)"` parses into)."""
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return tuple(i for i in range(num_layers) if i % freq)
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(f in (0, 1) for f in freq):
+        return tuple(i for i, f in enumerate(freq) if not f)
+    raise ConvertError(f"{where}: moe_layer_freq={freq!r} is neither a positive integer nor a 0/1 pattern with one "
+                       f"entry per layer ({num_layers})")
 
 
 def _first(value: Any) -> float | None:
@@ -282,7 +291,9 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         # sliding_window counts the query too
         window_size=(c.sliding_window - 1, 0) if c.sliding_window else None,
         num_experts=c.num_experts, moe_router_topk=c.moe_top_k or 2,
-        moe_ffn_hidden_size=c.ffn_hidden_size if c.is_moe else None,
+        moe_ffn_hidden_size=c.expert_ffn_hidden_size if c.is_moe else None,
+        moe_layer_freq=[0 if i in c.dense_layers else 1 for i in range(c.num_layers)] if c.dense_layers else 1,
+        moe_router_pre_softmax=c.is_moe and not c.moe_norm_topk,
         # Megatron applies jitter whenever the value is not None, and Uniform(1, 1) fails: no jitter is None
         moe_aux_loss_coeff=c.moe_aux_loss_coeff or 0.0, moe_input_jitter_eps=c.moe_jitter_eps or None,
         moe_grouped_gemm=c.is_moe and expert_layout != "sequential",

@@ -99,13 +99,13 @@ def stacked_key(key: str, layer: int) -> str:
 def extra_states(config: ModelConfig, impl: core.Impl) -> list[str]:
     """The `_extra_state` keys of the checkpoint, as Megatron's local or Transformer-Engine specs store them."""
     n, experts = config.num_layers, config.num_experts or 0
-    modules = [m for m in core.extra_state_modules(impl) if not (config.is_moe and ".mlp." in m)]
-    keys = [f"{stacked_key(m.format(l=L), L)}._extra_state/shard_{L}_{n}" for L in range(n) for m in modules]
-    if config.is_moe:
-        if impl == "te":  # a TENorm of its own in MoE layers
-            keys += [f"decoder.layers.pre_mlp_layernorm._extra_state/shard_{L}_{n}" for L in range(n)]
-        keys += [f"{EXPERTS}.linear_fc{k}._extra_state/shard_{L}.{E}_{n}.{experts}"
-                 for L in range(n) for E in range(experts) for k in (1, 2)]
+    moe = [L for L in range(n) if config.is_moe_layer(L)]
+    keys = [f"{stacked_key(m.format(l=L), L)}._extra_state/shard_{L}_{n}" for L in range(n)
+            for m in core.extra_state_modules(impl) if not (L in moe and ".mlp." in m)]
+    if impl == "te":  # a TENorm of its own in MoE layers
+        keys += [f"decoder.layers.pre_mlp_layernorm._extra_state/shard_{L}_{n}" for L in moe]
+    keys += [f"{EXPERTS}.linear_fc{k}._extra_state/shard_{L}.{E}_{n}.{experts}"
+             for L in moe for E in range(experts) for k in (1, 2)]
     if impl == "te":
         keys.append("decoder.final_layernorm._extra_state/shard_0_1")
     return keys

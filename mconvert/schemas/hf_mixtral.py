@@ -92,6 +92,8 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
                            "(use the llama_mistral saver)")
     unsupported = [what for what, bad in (
         ("attention or MLP biases", c.qkv_bias or c.proj_bias or c.mlp_bias),
+        (f"dense MLP layers {list(c.dense_layers)} (Mixtral has experts in every layer)", bool(c.dense_layers)),
+        ("top-k routing weights left unnormalized (Mixtral renormalizes them)", not c.moe_norm_topk),
         (f"{c.norm} (Mixtral uses RMSNorm)", c.norm != "rmsnorm"),
         (f"activation {c.activation} (Mixtral uses SwiGLU)", c.activation != "swiglu"),
         ("learned position embeddings (Mixtral uses rotary)", c.position_embedding != "rope"),
