@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import run_cli
+from tests.conftest import FIXTURES, run_cli
 
 
 def verify_json(*args) -> dict:
@@ -171,6 +171,31 @@ def test_a_cast_passes_within_the_cast_noise_either_way_round(llama_dir, tmp_pat
         # a correct cast *is* the cast reference: its distance is exactly the noise, and the noise is not 0
         assert report["logits"] == report["cast_noise"] | {"scale": report["logits"]["scale"]}
         assert 0 < report["logits"]["max_abs"] <= report["bound"]["max_abs"] / 2
+
+
+@pytest.mark.parametrize("source_dtype, target", [(torch.float32, "fp16"), (torch.bfloat16, "fp16"),
+                                                  (torch.float16, "bf16")])
+def test_casts_between_half_precisions(tmp_path, source_dtype, target):
+    """float16 and bfloat16 hold neither each other's values: A is taken as the source of the cast."""
+    from tests.conftest import make_hf_model
+
+    src = make_hf_model(tmp_path / "src", "llama", dtype=source_dtype)
+    run_cli("--saver", "core", "--dtype", target, "--load-dir", src, "--save-dir", tmp_path / "out", "-q")
+    report = verify_json(src, tmp_path / "out")
+    assert report["passed"] and report["bound"]["kind"] == "cast"
+    assert report["logits"]["max_abs"] == report["cast_noise"]["max_abs"] > 0
+
+
+def test_checkpoints_written_by_megatron(tmp_path):
+    """Megatron's own converter's outputs against their HF sources: exact in fp32, the cast noise in bf16."""
+    if not FIXTURES.is_dir():
+        pytest.skip("no Megatron fixtures")
+    llama = FIXTURES / "llama_gqa"
+    assert verify_json(llama / "hf", llama / "core_tp2pp2")["logits"]["max_abs"] == 0
+    report = verify_json(llama / "hf", llama / "core_tp1pp2_bf16")
+    assert report["passed"] and report["logits"]["max_abs"] == report["cast_noise"]["max_abs"] > 0
+    report = verify_json(FIXTURES / "gpt2" / "legacy_tp2pp2", FIXTURES / "gpt2" / "hf", "--reference", "transformers")
+    assert report["passed"] and report["b"]["runner"] == "transformers"
 
 
 def test_a_cast_with_a_wrong_tensor_fails(llama_dir, tmp_path):

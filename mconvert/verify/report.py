@@ -49,14 +49,15 @@ def text(r: Report, per_layer: bool = False) -> str:
     if r.first_field and r.bound.admits(r.logits):
         lines.append(f"the outputs agree on these tokens, but {r.first_field.name} makes them different models")
     if r.noise is not None:
-        lines.append(f"cast noise (the more precise side vs itself rounded as the other stores it): max|Δlogit| "
+        lines.append(f"cast noise (the cast's source vs itself rounded as the other side stores it): max|Δlogit| "
                      f"{_num(r.noise.max_abs)}, mean KL {_num(r.noise.mean_kl)}, top-1 {100 * r.noise.top1:.2f}%")
     if per_layer:
-        lines.append(f"{'stage':<12}{'max|Δ|':>12}{'rel':>12}{'bound':>12}{'seconds':>10}")
+        lines.append(f"{'stage':<12}{'max|Δ|':>12}{'rel':>12}{'bound':>12}{'read s':>9}{'run s':>9}")
         for s in r.stages:
             rel = "" if s.rel is None else _num(s.rel)
             mark = "  <- diverges" if s.diverged and s.name == r.first_stage else ""
-            lines.append(f"{s.name:<12}{_num(s.max_abs):>12}{rel:>12}{_num(s.bound):>12}{s.seconds:>10.2f}{mark}")
+            lines.append(f"{s.name:<12}{_num(s.max_abs):>12}{rel:>12}{_num(s.bound):>12}{s.read_seconds:>9.2f}"
+                         f"{s.run_seconds:>9.2f}{mark}")
     lines.append(summary_line(r))
     return "\n".join(lines)
 
@@ -75,7 +76,7 @@ def to_json(r: Report) -> str:
         "first_config_field": r.first_field.name if r.first_field else None,
         "first_diverging_stage": r.first_stage,
         "differing_tensors": r.stage_tensors,
-        "stages": [dataclasses.asdict(s) for s in r.stages],
+        "stages": [dataclasses.asdict(s) | {"seconds": s.seconds} for s in r.stages],
         "seconds": r.seconds,
     }
     return json.dumps(_finite(data), indent=2, ensure_ascii=False)

@@ -4,10 +4,10 @@
                      ├─ streams ──▶   build the stage of each stream from its IR, run it on its hidden
     B ─ loader ─ IR ─┘                 states, free it; compare A's output with B's
 
-Streams: "A" and "B" (mtrain's model on each IR, or transformers for the side given to `--reference`); with
-casts also "R", the cast reference (tolerance.py), compared with the more precise side ("H" when that side
-is run by transformers) to measure the cast noise. The verdict: the logits within the bound, and no config
-field that changes the outputs differing (fields.py).
+Streams: "A" and "B" (mtrain's model on each IR, or transformers for the Hugging Face side with `--reference`);
+with casts also "R", the cast reference (tolerance.py), compared with the cast's source side ("H", mtrain's run
+of that side, when transformers runs it) to measure the cast noise. The verdict: the logits within the bound,
+and no config field that changes the outputs differing (fields.py).
 """
 
 from __future__ import annotations
@@ -60,7 +60,12 @@ class StageResult:
     rel: float | None  # ||Δ|| / ||A|| for hidden states; None for the logits
     bound: float
     diverged: bool  # beyond the bound (for the logits: max |Δ|, mean KL or the vocabulary)
-    seconds: float  # reading and running this stage, all streams
+    read_seconds: float  # reading this stage's weights into its module, all streams
+    run_seconds: float  # running it, all streams
+
+    @property
+    def seconds(self) -> float:
+        return self.read_seconds + self.run_seconds
 
 
 @dataclass(frozen=True)
@@ -121,18 +126,18 @@ def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progre
                    else run_stages(irs[k], tokens, device, advance) for k, run in runs.items()}
         logits = noise = None
         for name, out in lockstep(streams):
-            seconds = sum(o.load_seconds + o.run_seconds for o in out.values())
+            seconds = (sum(o.read_seconds for o in out.values()), sum(o.run_seconds for o in out.values()))
             if name == "logits":
                 logits = logit_metrics(out["A"].value, out["B"].value)
                 noise = logit_metrics(out[noise_pair[0]].value, out[noise_pair[1]].value) if noise_pair else None
                 bound = logit_bound(kind, noise, logits.scale)
                 stages.append(StageResult(name, logits.max_abs, None, bound.max_abs, not bound.admits(logits),
-                                          seconds))
+                                          *seconds))
             else:
                 main = hidden_metrics(out["A"].value, out["B"].value)
                 floor = hidden_metrics(out[noise_pair[0]].value, out[noise_pair[1]].value) if noise_pair else None
                 limit = stage_bound(kind, floor, main.scale)
-                stages.append(StageResult(name, main.max_abs, main.rel, limit, not main.max_abs <= limit, seconds))
+                stages.append(StageResult(name, main.max_abs, main.rel, limit, not main.max_abs <= limit, *seconds))
     first = next((s.name for s in stages if s.diverged), None)
     names = labels or (str(a), str(b))
     return Report(

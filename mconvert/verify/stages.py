@@ -33,7 +33,7 @@ from mtrain.models.model import Transformer
 class StageOutput:
     name: str
     value: torch.Tensor  # hidden states (B, T, h), or logits (B, T, V) for the last stage
-    load_seconds: float  # reading and placing the stage's weights
+    read_seconds: float  # reading the stage's weights into its module
     run_seconds: float  # the forward pass of the stage
 
 
@@ -75,7 +75,10 @@ def run_stages(ir: ModelIR, tokens: torch.Tensor, device: torch.device,
 def _build(ir: ModelIR, spec: dict, device: torch.device) -> Transformer:
     with torch.device("meta"):
         stage = Transformer(ir.config, **spec)
-    stage.to_empty(device=device)
+    stage.to_empty(device=device)  # the buffers; parameters are replaced by the tensors read below
     stage.init_buffers()
-    weights.load_full_weights(stage, weights.ir_weights(ir, weights.local_names(stage)))
+    # Assigned, not copied: one pass over each tensor (the fp32 cast), none for fp32 tensors already in memory.
+    state = {name: t.to(device=device, dtype=torch.float32)
+             for name, t in weights.ir_weights(ir, weights.local_names(stage))}
+    stage.load_state_dict(state, strict=True, assign=True)
     return stage.eval()

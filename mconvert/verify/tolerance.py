@@ -3,9 +3,10 @@
 Same dtypes: both checkpoints hold the same numbers and run through the same code in fp32, so a correct
 conversion gives bit-identical logits and hidden states; the bound is 0.
 
-Casts (a tensor is float32 on one side, bfloat16 on the other, say): a correct conversion stores the more
-precise side's numbers rounded to the other side's dtype. `verify` builds exactly that model, the *cast
-reference* (the more precise checkpoint with each such tensor rounded to nearest-even, as `Tensor.to` does),
+Casts (a tensor is float32 on one side, bfloat16 on the other, say): a correct conversion stores the source's
+numbers rounded to the other side's dtype. `verify` builds exactly that model, the *cast reference* (the source
+checkpoint with each such tensor rounded to nearest-even, as `Tensor.to` does; the source is the side whose dtype
+holds the other's values, and A between float16 and bfloat16, where neither does),
 runs it on the same tokens and measures how far rounding alone moves the outputs (the *cast noise*). The bound
 is twice that noise for the max |logit difference| (and for each layer's hidden states), and four times it
 for the mean KL divergence (KL grows with the square of a small logit change). A correct cast conversion sits
@@ -36,8 +37,9 @@ KL_FACTOR = CAST_FACTOR**2  # and the mean KL divergence this many times
 IMPL_REL = 1e-4  # transformers vs mtrain in fp32: |difference| relative to the largest value
 IMPL_KL = 1e-6  # transformers vs mtrain in fp32: mean KL divergence
 
-# Significand bits: the more, the more precise (float16 and bfloat16 round each other both ways).
-_PRECISION = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+# dtype -> the dtypes whose every value it holds exactly (float16 and bfloat16 hold neither each other: one has
+# more significand bits, the other a wider range)
+_HOLDS = {torch.float64: {torch.float32, torch.float16, torch.bfloat16}, torch.float32: {torch.float16, torch.bfloat16}}
 
 Kind = Literal["exact", "cast", "reference"]
 
@@ -48,29 +50,32 @@ def cast_tensors(a: ModelIR, b: ModelIR) -> list[str]:
 
 
 def cast_reference(a: ModelIR, b: ModelIR) -> tuple[Literal["A", "B"], ModelIR] | None:
-    """None when no tensor changes dtype; else the more precise side and the cast reference built from it.
+    """None when no tensor changes dtype; else the source side of the cast and the cast reference built from it.
 
-    The more precise side is the one holding more of the cast tensors in the more precise dtype (A on a tie);
-    the reference is that side with each cast tensor rounded to the other side's dtype (read lazily, as ever).
+    The source of a cast tensor is the side whose dtype holds the other's values (float32 for float32 vs
+    bfloat16), and A between float16 and bfloat16, where neither holds the other; the source side is the one
+    that is the source for most cast tensors (A on a tie). The reference is the source side with each cast tensor
+    rounded to the other side's dtype (read lazily, as ever): what a correct cast conversion writes.
     """
     names = cast_tensors(a, b)
     if not names:
         return None
-    a_wins = sum(_PRECISION.get(a[n].dtype, 0) >= _PRECISION.get(b[n].dtype, 0) for n in names)
-    side, high, low = ("A", a, b) if 2 * a_wins >= len(names) else ("B", b, a)
-    tensors = dict(high.tensors)
+    b_sources = sum(a[n].dtype in _HOLDS.get(b[n].dtype, set()) for n in names)  # B's dtype holds A's
+    side, src, dst = ("B", b, a) if 2 * b_sources > len(names) else ("A", a, b)
+    tensors = dict(src.tensors)
     for n in names:
-        tensors[n] = high[n].map(lambda x, d=low[n].dtype: x.to(d), dtype=low[n].dtype)
-    return side, dataclasses.replace(high, tensors=tensors)
+        tensors[n] = src[n].map(lambda x, d=dst[n].dtype: x.to(d), dtype=dst[n].dtype)
+    return side, dataclasses.replace(src, tensors=tensors)
 
 
 def in_common_dtype(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x and y with the more precise one rounded to the other's dtype (as a correct cast would store it)."""
+    """x and y in one dtype: the one whose dtype holds the other's rounded to the other's (x to y's between
+    float16 and bfloat16), as a correct cast would store it."""
     if x.dtype == y.dtype:
         return x, y
-    if _PRECISION.get(x.dtype, 0) > _PRECISION.get(y.dtype, 0):
-        return x.to(y.dtype), y
-    return x, y.to(x.dtype)
+    if x.dtype in _HOLDS.get(y.dtype, set()):
+        return x, y.to(x.dtype)
+    return x.to(y.dtype), y
 
 
 @dataclass(frozen=True)
