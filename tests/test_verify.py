@@ -115,10 +115,16 @@ def test_a_config_difference_the_tokens_do_not_exercise_still_fails(mistral_dir,
     assert out.splitlines()[-1].endswith("config field sliding_window (A=16, B=None) changes the outputs")
 
 
-def test_fields_that_do_not_change_the_outputs_are_shown_not_judged(llama_dir, tmp_path):
+def test_fields_that_do_not_change_the_outputs_are_shown_not_judged(llama_dir, mistral_dir, tmp_path):
     other = edited_copy(llama_dir, tmp_path / "b", set_field("bos_token_id", 7))
     out = run_cli("verify", llama_dir, other)
     assert "config bos_token_id: A=1 B=7 (does not change the outputs: a generation setting)" in out
+    assert out.splitlines()[-1].startswith("PASS")
+    # a window as long as the longest sequence (256 positions) never slides
+    long_window = edited_copy(mistral_dir, tmp_path / "w256", set_field("sliding_window", 256))
+    no_window = edited_copy(mistral_dir, tmp_path / "none", set_field("sliding_window", None))
+    out = run_cli("verify", long_window, no_window)
+    assert "config sliding_window: A=256 B=None (does not change the outputs: no window shorter than" in out
     assert out.splitlines()[-1].startswith("PASS")
 
 

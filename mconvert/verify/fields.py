@@ -46,7 +46,15 @@ def neutral_reason(name: str, a: ModelConfig, b: ModelConfig) -> str | None:
     """Why a difference in `name` cannot change the outputs, or None when it can."""
     if name == "max_position_embeddings" and a.position_embedding == b.position_embedding == "rope":
         return "a limit on the sequence length: rotary positions do not depend on it"
+    if name == "sliding_window" and _never_slides(a, b.max_position_embeddings) and \
+            _never_slides(b, a.max_position_embeddings):
+        return "no window shorter than the longest sequence: attention sees every earlier token either way"
     return _NEUTRAL.get(name)
+
+
+def _never_slides(c: ModelConfig, other_limit: int) -> bool:
+    """The window (keys a query sees, itself included) never cuts a sequence either model accepts."""
+    return c.sliding_window is None or c.sliding_window >= max(c.max_position_embeddings, other_limit)
 
 
 def config_differences(a: ModelConfig, b: ModelConfig) -> list[FieldDiff]:
