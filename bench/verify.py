@@ -10,9 +10,9 @@ peak memory (RssAnon + RssShmem of the process, sampled every 20 ms: mapped chec
 and do not count).
 
 The extrapolation to 32 layers: wall(32) = wall(n) + (32 - n) x (one layer's stage time, the median over the
-layers of the run); a second layer count checks that the time grows by that much per layer. Reading: a 7B
-verify reads both checkpoints once (2 x 13.5 GB in bf16), which no longer fits in the page cache here; the
-disk's rate is measured with `dd iflag=direct` (bypassing the cache) and the read time reported beside it.
+layers of the run), and from the growth of the best wall time between the smallest and largest layer counts.
+Reading: a 7B verify reads both checkpoints once (2 x 13.5 GB in bf16), which no longer fits in the page cache
+here; the disk's rate is measured with `dd iflag=direct` (bypassing the cache) and the read time printed too.
 """
 
 from __future__ import annotations
@@ -98,7 +98,9 @@ def main() -> None:
     if len(runs) > 1:
         (n1, r1), (n2, r2) = sorted(runs.items())[0], sorted(runs.items())[-1]
         slope = (min(r[0] for r in r2) - min(r[0] for r in r1)) / (n2 - n1)
-        print(f"wall time per extra layer, from {n1} to {n2} layers: {slope:.2f} s")
+        estimate = min(r[0] for r in r2) + (TARGET_LAYERS - n2) * slope
+        print(f"wall time per extra layer, from {n1} to {n2} layers: {slope:.2f} s; 7B estimate from it: "
+              f"{estimate / 60:.1f} min")
     hf, core = dirs[max(dirs)]
     shard = max(hf.glob("*.safetensors"), key=lambda p: p.stat().st_size)
     rate = disk_read_rate(shard)

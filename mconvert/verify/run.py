@@ -96,6 +96,30 @@ class Report:
         return self.bound.admits(self.logits) and self.first_field is None
 
 
+@dataclass(frozen=True)
+class Plan:
+    """The streams to run and how to judge them."""
+
+    irs: dict[str, ModelIR]  # stream -> its checkpoint: "A", "B", with casts "R" (and "H")
+    runners: dict[str, Literal["mtrain", "transformers"]]
+    noise_pair: tuple[str, str] | None  # the streams whose distance is the cast noise, oriented as (A, B)
+    kind: Kind
+
+
+def plan(ir_a: ModelIR, ir_b: ModelIR, reference: Literal["A", "B"] | None) -> Plan:
+    irs = {"A": ir_a, "B": ir_b}
+    runners = {k: "transformers" if reference == k else "mtrain" for k in irs}
+    cast = cast_reference(ir_a, ir_b)
+    if not cast:
+        return Plan(irs, runners, None, "reference" if reference else "exact")
+    source, rounded = cast
+    irs["R"], runners["R"] = rounded, "mtrain"
+    s = source if runners[source] == "mtrain" else "H"  # the noise is mtrain's, on both of its sides
+    if s == "H":
+        irs["H"], runners["H"] = irs[source], "mtrain"
+    return Plan(irs, runners, (s, "R") if source == "A" else ("R", s), "reference" if reference else "cast")
+
+
 def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progress: Progress = QUIET,
            labels: tuple[str, str] | None = None) -> Report:
     """Compare the checkpoints at `a` and `b` (any formats) by running both; `labels` name them in the report."""
@@ -104,48 +128,46 @@ def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progre
     ir_b = engine.load(Path(b), settings.options, settings.loader_b)
     device = parse_device(settings.device)
     tokens, source = make_tokens(settings, ir_a, ir_b)
-    ref = reference_side(settings, a, b, ir_a, ir_b)
-    cast = cast_reference(ir_a, ir_b)
-    kind: Kind = "reference" if ref else "cast" if cast else "exact"
-    irs = {"A": ir_a, "B": ir_b}
-    runs = {"A": "transformers" if ref == "A" else "mtrain", "B": "transformers" if ref == "B" else "mtrain"}
-    noise_pair = None
-    if cast:
-        high, rounded = cast
-        irs["R"] = rounded
-        runs["R"] = "mtrain"
-        h = high if runs[high] == "mtrain" else "H"
-        if h == "H":
-            irs["H"], runs["H"] = irs[high], "mtrain"
-        noise_pair = (h, "R") if high == "A" else ("R", h)
-    total = sum(irs[k].nbytes for k, run in runs.items() if run == "mtrain")
+    p = plan(ir_a, ir_b, reference_side(settings, a, b, ir_a, ir_b))
     paths = {"A": Path(a), "B": Path(b)}
+    total = sum(p.irs[k].nbytes for k, run in p.runners.items() if run == "mtrain")
     stages: list[StageResult] = []
-    with progress.task(f"verify: {ir_a.config.num_layers + 2} stages x {len(runs)} models", total) as advance:
-        streams = {k: run_transformers(paths[k], tokens, irs[k].config.num_layers, device) if run == "transformers"
-                   else run_stages(irs[k], tokens, device, advance) for k, run in runs.items()}
-        logits = noise = None
+    with progress.task(f"verify: {ir_a.config.num_layers + 2} stages x {len(p.irs)} models", total) as advance:
+        streams = {k: run_transformers(paths[k], tokens, ir.config.num_layers, device)
+                   if p.runners[k] == "transformers" else run_stages(ir, tokens, device, advance)
+                   for k, ir in p.irs.items()}
         for name, out in lockstep(streams):
-            seconds = (sum(o.read_seconds for o in out.values()), sum(o.run_seconds for o in out.values()))
             if name == "logits":
-                logits = logit_metrics(out["A"].value, out["B"].value)
-                noise = logit_metrics(out[noise_pair[0]].value, out[noise_pair[1]].value) if noise_pair else None
-                bound = logit_bound(kind, noise, logits.scale)
+                logits, noise, bound = judge_logits(out, p)
                 stages.append(StageResult(name, logits.max_abs, None, bound.max_abs, not bound.admits(logits),
-                                          *seconds))
+                                          *_seconds(out)))
             else:
-                main = hidden_metrics(out["A"].value, out["B"].value)
-                floor = hidden_metrics(out[noise_pair[0]].value, out[noise_pair[1]].value) if noise_pair else None
-                limit = stage_bound(kind, floor, main.scale)
-                stages.append(StageResult(name, main.max_abs, main.rel, limit, not main.max_abs <= limit, *seconds))
+                stages.append(judge_hidden(name, out, p))
     first = next((s.name for s in stages if s.diverged), None)
     names = labels or (str(a), str(b))
     return Report(
-        a=Side(names[0], ir_a.source.format, dtypes(ir_a), runs["A"]),
-        b=Side(names[1], ir_b.source.format, dtypes(ir_b), runs["B"]),
+        a=Side(names[0], ir_a.source.format, dtypes(ir_a), p.runners["A"]),
+        b=Side(names[1], ir_b.source.format, dtypes(ir_b), p.runners["B"]),
         tokens=(tokens.shape[0], tokens.shape[1]), source=source, logits=logits, noise=noise, bound=bound,
         config=config_differences(ir_a.config, ir_b.config), stages=stages,
         stage_tensors=differing_tensors(ir_a, ir_b, first) if first else [], seconds=time.perf_counter() - start)
+
+
+def judge_logits(out: dict[str, StageOutput], p: Plan) -> tuple[LogitMetrics, LogitMetrics | None, Bound]:
+    logits = logit_metrics(out["A"].value, out["B"].value)
+    noise = logit_metrics(out[p.noise_pair[0]].value, out[p.noise_pair[1]].value) if p.noise_pair else None
+    return logits, noise, logit_bound(p.kind, noise, logits.scale)
+
+
+def judge_hidden(name: str, out: dict[str, StageOutput], p: Plan) -> StageResult:
+    main = hidden_metrics(out["A"].value, out["B"].value)
+    noise = hidden_metrics(out[p.noise_pair[0]].value, out[p.noise_pair[1]].value) if p.noise_pair else None
+    limit = stage_bound(p.kind, noise, main.scale)
+    return StageResult(name, main.max_abs, main.rel, limit, not main.max_abs <= limit, *_seconds(out))
+
+
+def _seconds(out: dict[str, StageOutput]) -> tuple[float, float]:
+    return sum(o.read_seconds for o in out.values()), sum(o.run_seconds for o in out.values())
 
 
 def parse_device(name: str) -> torch.device:
