@@ -331,3 +331,22 @@ def test_help_does_not_import_the_verifier():
             "print([m for m in ('mconvert.verify', 'mtrain', 'transformers') if m in sys.modules] or 'light')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("light")
+
+
+def test_moe_with_dense_layers_and_router_settings(tmp_path):
+    """Families and fields added to the IR and mtrain later are verified with no change to verify: MoE layers
+    among dense ones, a separate expert size, unnormalized top-k weights (moe_norm_topk)."""
+    from mconvert import engine
+    from mconvert.options import Options
+    from tests.test_moe_layers import CONFIG, random_ir
+
+    for name, config in (("a", CONFIG), ("b", CONFIG.replace(moe_norm_topk=True))):
+        engine.save(random_ir(config, tmp_path / name), tmp_path / name, Options(), "core")
+    run_cli("--saver", "core", "--tp", "2", "--ep", "2", "--load-dir", tmp_path / "a", "--save-dir",
+            tmp_path / "a2", "-q")
+    report = verify_json(tmp_path / "a", tmp_path / "a2", "--seq-len", "64")
+    assert report["passed"] and report["logits"]["max_abs"] == 0
+    report = verify_json(tmp_path / "a", tmp_path / "b", "--seq-len", "64")
+    assert not report["passed"] and report["first_config_field"] == "moe_norm_topk"
+    # layer 0 is dense (the same), layer 1 the first with experts: routing weights differ there
+    assert report["first_diverging_stage"] == "layer 1" and report["differing_tensors"] == []
