@@ -268,6 +268,8 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     if c.proj_bias != c.mlp_bias or (c.proj_bias and not c.qkv_bias):
         raise ConvertError("Megatron's add_bias_linear puts a bias on every linear (add_qkv_bias on q/k/v alone); "
                            f"this model has qkv_bias={c.qkv_bias}, proj_bias={c.proj_bias}, mlp_bias={c.mlp_bias}")
+    if c.rope_theta != int(c.rope_theta):
+        raise ConvertError(f"Megatron's rotary_base is an integer; this model's rope_theta is {c.rope_theta}")
     rope = c.position_embedding == "rope"
     vpp = layout.vpp if layout.vpp > 1 else None
     dtype = c.torch_dtype
