@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from mconvert.formats import hf_dir
+from mconvert.formats.dcp import DcpReader
 from mconvert.formats.torch_pickle import safe_load
 
 from mconvert.config_checks import MEGATRON_INTEGERS, check_integers, with_where
@@ -30,11 +31,9 @@ def open_store(it_dir: Path):
     meta = hf_dir.read_json(it_dir / core_dist.METADATA_JSON)
     backend = meta.get("sharded_backend")
     if backend == "torch_dist":
-        from mconvert.formats.dcp import DcpReader
-
         return DcpReader(it_dir), backend
     if backend == "zarr":
-        from mconvert.formats.zarr_io import ZarrReader
+        from mconvert.formats.zarr_io import ZarrReader  # tensorstore: slow to import, only for zarr
 
         return ZarrReader(it_dir), backend
     raise ConvertError(f"{it_dir / core_dist.METADATA_JSON}: unknown sharded_backend {backend!r}; this tool reads "

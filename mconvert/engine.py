@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,24 +116,28 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
     return ir
 
 
-def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progress = QUIET) -> None:
-    """Write `ir` with `saver` into `dst`, all or nothing (the caller has checked the destination)."""
+def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progress = QUIET,
+         check: Callable[[Path], None] | None = None) -> None:
+    """Write `ir` with `saver` into `dst`, all or nothing (the caller has checked the destination). `check` runs
+    on the complete output before it is moved into place (e.g. `--verify`); if it raises, nothing is left."""
     plugin = get_saver(saver)
     try:
         with staged_output(dst) as work:
             plugin.func(ir, work, options, progress)
+            if check is not None:
+                check(work)
     except OSError as e:  # disk full, quota, I/O error (writing, or reading the source): staging is gone already
         where = f" ({e.filename})" if e.filename else ""
         raise ConvertError(f"converting into {dst} failed: {e.strerror or e}{where}; nothing was left behind") from None
 
 
 def convert(src: Path, dst: Path, *, loader: str | None, saver: str, options: Options, force: bool = False,
-            progress: Progress = QUIET) -> Summary:
-    """Convert the checkpoint at `src` into `saver`'s format at `dst`."""
+            progress: Progress = QUIET, check: Callable[[Path], None] | None = None) -> Summary:
+    """Convert the checkpoint at `src` into `saver`'s format at `dst` (`check`: see `save`)."""
     start = time.perf_counter()
     get_saver(saver)  # an unknown saver fails before any reading
     check_destination(src, dst, force)
     ir = load(src, options, loader)
-    save(ir, dst, options, saver, progress)
+    save(ir, dst, options, saver, progress, check)
     written, files = tree_size(dst)
     return Summary(time.perf_counter() - start, written, files, ir)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from mconvert.formats import hf_dir
+from mconvert.formats.dcp import DcpWriter
 from mconvert.formats.torch_zip import save as torch_save
 from mconvert.savers import megatron_files
 
@@ -79,9 +80,7 @@ def _write_blocks(writer, placed: core_dist.Placed, tensors: list[torch.Tensor],
 
 def _writer(backend: str, it_dir: Path):
     if backend == "torch_dist":
-        from mconvert.formats.dcp import DcpWriter
-
         return DcpWriter(it_dir)
-    from mconvert.formats.zarr_io import ZarrWriter
+    from mconvert.formats.zarr_io import ZarrWriter  # zarr: slow to import, only when asked for
 
     return ZarrWriter(it_dir)

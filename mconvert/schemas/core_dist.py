@@ -17,11 +17,12 @@ Transformer-Engine names for both specs. Each module's `_extra_state` is a pickl
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mconvert.ir import ModelConfig
 from mconvert.mapping import Row, expand
-from mconvert.rules import GATE_UP, Rule, Table
+from mconvert.rules import GATE_UP, Rule, Table, norm
 from mconvert.schemas import core
 
 METADATA_JSON = "metadata.json"
@@ -40,13 +41,21 @@ EXPERT_RULES = (
 )
 
 
-def table(moe: bool = False, impl: core.Impl = "local") -> Table:
-    """Per-layer rules (keys still carry `{l}`; `stacked_key` removes it).
+# Norms take Transformer Engine's names under both specs: Megatron's local spec maps `input_layernorm` and
+# `pre_mlp_layernorm` onto them when it saves (in MoE layers too), while under TE the pre-MLP norm of MoE layers
+# is a module of its own (`pre_mlp_layernorm.weight`).
+_LOCAL_LAYER = (
+    *norm("decoder.layers.{l}.self_attention.linear_qkv", "layers.{L}.attn_norm", fused=True),
+    *core.ATTENTION,
+    *norm("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp_norm", fused=True),
+    *core.MLP,
+)
+TABLES = {"local": dataclasses.replace(core.table("local"), layer=_LOCAL_LAYER), "te": core.table("te")}
 
-    Norms take the Transformer-Engine names for both specs (the local spec maps its own names onto them), except
-    the pre-MLP norm of MoE layers under TE, which is a module of its own there (`pre_mlp_layernorm.weight`).
-    """
-    return core.table("te", moe=moe and impl == "te")
+
+def table(impl: core.Impl = "local") -> Table:
+    """Per-layer rules (keys still carry `{l}`; `stacked_key` removes it); experts are in EXPERT_RULES."""
+    return TABLES[impl]
 
 
 def detect_impl(keys) -> core.Impl:
@@ -68,12 +77,12 @@ def placements(config: ModelConfig, impl: core.Impl = "local") -> list[Placed]:
 
     Loader and saver both walk this list, so the two directions cannot disagree about what goes where.
     """
-    t = table(moe=config.is_moe, impl=impl)
+    t = table(impl)
     out = [Placed(r, r.key, ()) for r in expand(t, config, layers=[], head=False)]
     for L in range(config.num_layers):
         for r in expand(t, config, layers=[(L, L)], experts=[], embedding=False, head=False):
             out.append(Placed(r, stacked_key(r.key, L), (L,)))
-        for E in range(config.num_experts or 0):
+        for E in range(config.num_experts or 0) if config.is_moe_layer(L) else ():
             for rule in EXPERT_RULES:
                 key, names = rule.keys(L=L, E=E)
                 out.append(Placed(Row(f"{key}[{L},{E}]", names, rule), key, (L, E)))
@@ -90,13 +99,13 @@ def stacked_key(key: str, layer: int) -> str:
 def extra_states(config: ModelConfig, impl: core.Impl) -> list[str]:
     """The `_extra_state` keys of the checkpoint, as Megatron's local or Transformer-Engine specs store them."""
     n, experts = config.num_layers, config.num_experts or 0
-    modules = [m for m in core.extra_state_modules(impl) if not (config.is_moe and ".mlp." in m)]
-    keys = [f"{stacked_key(m.format(l=L), L)}._extra_state/shard_{L}_{n}" for L in range(n) for m in modules]
-    if config.is_moe:
-        if impl == "te":  # a TENorm of its own in MoE layers
-            keys += [f"decoder.layers.pre_mlp_layernorm._extra_state/shard_{L}_{n}" for L in range(n)]
-        keys += [f"{EXPERTS}.linear_fc{k}._extra_state/shard_{L}.{E}_{n}.{experts}"
-                 for L in range(n) for E in range(experts) for k in (1, 2)]
+    moe = [L for L in range(n) if config.is_moe_layer(L)]
+    keys = [f"{stacked_key(m.format(l=L), L)}._extra_state/shard_{L}_{n}" for L in range(n)
+            for m in core.extra_state_modules(impl) if not (L in moe and ".mlp." in m)]
+    if impl == "te":  # a TENorm of its own in MoE layers
+        keys += [f"decoder.layers.pre_mlp_layernorm._extra_state/shard_{L}_{n}" for L in moe]
+    keys += [f"{EXPERTS}.linear_fc{k}._extra_state/shard_{L}.{E}_{n}.{experts}"
+             for L in moe for E in range(experts) for k in (1, 2)]
     if impl == "te":
         keys.append("decoder.final_layernorm._extra_state/shard_0_1")
     return keys

@@ -1,7 +1,7 @@
 """The decoder-only transformer for every IR family: architecture only.
 
     tokens (B, T) ─ embed (+ pos_embed) ─ layers["0"] … layers["L-1"] ─ final_norm ─ lm_head ─ logits (B, T, V)
-    each layer:  h = h + attn(attn_norm(h));  h = h + mlp(mlp_norm(h))   (mlp is a MoE for Mixtral)
+    each layer:  h = h + attn(attn_norm(h));  h = h + mlp(mlp_norm(h))   (a MoE in the expert layers)
 
 Parameter names are the IR names (see mconvert/ir_names.py), except the MoE experts, which are stacked in one
 module (state_dict_adapter.py maps them). Build the model on the meta device, apply parallelism from outside
@@ -124,14 +124,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer layer."""
+    """One pre-norm transformer layer (number `layer`: an MoE model may keep dense MLPs in some layers)."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(c)
         self.attn = Attention(c)
         self.mlp_norm = make_norm(c)
-        if c.is_moe:
+        if c.is_moe_layer(layer):
             self.moe = MoE(c)
         else:
             self.mlp = MLP(c)
@@ -177,7 +177,7 @@ class Transformer(nn.Module):
         self.pos_embed = nn.Embedding(c.max_position_embeddings, c.hidden_size) \
             if first and c.position_embedding == "learned" else None
         layers = range(c.num_layers) if layers is None else layers
-        self.layers = nn.ModuleDict({str(i): Block(c) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in layers})
         self.final_norm = make_norm(c) if last else None
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if last and not c.tie_embeddings else None
         self.sequence = SequenceShard()
