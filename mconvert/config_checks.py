@@ -73,7 +73,7 @@ def check_model_config(c) -> None:
     v = c.padded_vocab_size
     need("padded_vocab_size", v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= c.vocab_size),
          f"an integer >= vocab_size {c.vocab_size}, or null")
-    for name in ("qkv_bias", "proj_bias", "mlp_bias", "tie_embeddings"):
+    for name in ("qkv_bias", "proj_bias", "mlp_bias", "tie_embeddings", "moe_norm_topk"):
         need(name, isinstance(getattr(c, name), bool), "true or false")
     if c.rope_scaling is not None:
         scaling = c.rope_scaling

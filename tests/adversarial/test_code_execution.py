@@ -106,6 +106,14 @@ def test_hf_pytorch_model_bin(sources, tmp_path, marker, name):
 
 
 @pytest.mark.parametrize("name", TWO)
+def test_hf_generic_loader(sources, tmp_path, marker, name):
+    """`--loader hf` hands the directory to its family's loader: the same allow-list."""
+    src = fresh(sources["llama_bin"], tmp_path)
+    plant_in_torch_file(src / "pytorch_model.bin", payloads(marker)[name], "model.norm.weight")
+    convert_refused(src, tmp_path, "--loader", "hf", culprits=("pytorch_model.bin", SHOWN[name]))
+
+
+@pytest.mark.parametrize("name", TWO)
 @pytest.mark.parametrize("family", ["gpt2_hf", "mixtral_hf"])
 def test_hf_bin_of_other_families(sources, tmp_path, marker, name, family):
     src = fresh(sources[family], tmp_path)
