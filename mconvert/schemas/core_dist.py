@@ -101,7 +101,7 @@ def extra_states(config: ModelConfig, impl: core.Impl) -> list[str]:
     n, experts = config.num_layers, config.num_experts or 0
     moe = [L for L in range(n) if config.is_moe_layer(L)]
     keys = [f"{stacked_key(m.format(l=L), L)}._extra_state/shard_{L}_{n}" for L in range(n)
-            for m in core.extra_state_modules(impl) if not (L in moe and ".mlp." in m)]
+            for m in core.extra_state_modules(impl, qk_norm=config.qk_norm) if not (L in moe and ".mlp." in m)]
     if impl == "te":  # a TENorm of its own in MoE layers
         keys += [f"decoder.layers.pre_mlp_layernorm._extra_state/shard_{L}_{n}" for L in moe]
     keys += [f"{EXPERTS}.linear_fc{k}._extra_state/shard_{L}.{E}_{n}.{experts}"
