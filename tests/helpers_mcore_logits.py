@@ -4,7 +4,9 @@ weights strictly and computes logits, which a test compares with another impleme
     python tests/helpers_mcore_logits.py CORE_DIR TOKENS_PT OUT_PT
 
 CORE_DIR: a TP1 PP1 EP1 `torch`-format checkpoint with the local spec (sequential or legacy grouped experts).
-Layers follow the args: dense and expert layers (moe_layer_freq), router options (pre-softmax). The model is
+Layers follow the args: dense and expert layers (moe_layer_freq), router options (pre-softmax), per-head q/k
+norms (qk_layernorm), biases on q/k/v alone (add_qkv_bias), the sliding window and the layers it skips
+(window_size, window_attn_skip_freq), head_dim (kv_channels). The model is
 built with megatron-core's own decoder block spec, so what Megatron makes of our args is what is checked. Saves
 the logits (vocabulary padding stripped) to OUT_PT and prints one line about the load.
 """
@@ -34,6 +36,8 @@ def transformer_config(args):
         normalization=args.normalization, layernorm_epsilon=args.layernorm_epsilon,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, window_size=args.window_size,
+        window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
         num_moe_experts=args.num_experts if moe else None, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_router_topk=args.moe_router_topk if moe else 2, moe_layer_freq=args.moe_layer_freq if moe else 1,
         moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),

@@ -105,13 +105,15 @@ def _window_from_hf(hf: dict[str, Any], model_type: str, num_layers: int, where:
                     ) -> tuple[int | None, tuple[int, ...]]:
     """(sliding_window, full_attention_layers). transformers applies the window only with use_sliding_window,
     in Qwen2/Qwen3 to the layers `layer_types` calls sliding (by default those from max_window_layers on), in
-    Qwen3-MoE to every layer."""
+    Qwen3-MoE to every layer. Without a window, layer_types says "full_attention" everywhere and the exempt layers
+    are max_window_layers' (kept, though they change nothing; Qwen3-MoE hub configs have it too)."""
     window = int(hf["sliding_window"]) if hf["use_sliding_window"] and hf["sliding_window"] is not None else None
+    prefix = tuple(range(min(int(hf.get("max_window_layers") or 0), num_layers)))
     if model_type == "qwen3_moe":
-        return window, ()
+        return window, prefix if window is None else ()
     types = hf.get("layer_types")
-    if types is None:
-        return window, tuple(range(min(int(hf["max_window_layers"]), num_layers)))
+    if types is None or window is None:
+        return window, prefix
     if not isinstance(types, list) or len(types) != num_layers or \
             not set(types) <= {"full_attention", "sliding_attention"}:
         raise ConvertError(f"{where}: layer_types must list 'full_attention' or 'sliding_attention' for each of the "
@@ -165,20 +167,22 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
 
 
 def _window_to_hf(c: ModelConfig, name: str) -> dict[str, Any]:
-    """use_sliding_window, sliding_window and (Qwen2, Qwen3) max_window_layers and layer_types, as transformers
+    """use_sliding_window, sliding_window, max_window_layers and (Qwen2, Qwen3) layer_types, as transformers
     writes them (sliding_window null when unused)."""
     out: dict[str, Any] = {"use_sliding_window": c.sliding_window is not None, "sliding_window": c.sliding_window}
     full = c.full_attention_layers
-    if c.family == "qwen3_moe":
-        if full and c.sliding_window is not None:
-            raise ConvertError(f"HF {name} applies sliding_window to every layer; this model attends fully in layers "
-                               f"{list(full)} (Megatron window_attn_skip_freq)")
-        return out
-    if full != tuple(range(len(full))):
+    prefix = full == tuple(range(len(full)))
+    if c.sliding_window is not None and full and c.family == "qwen3_moe":
+        raise ConvertError(f"HF {name} applies sliding_window to every layer; this model attends fully in layers "
+                           f"{list(full)} (Megatron window_attn_skip_freq)")
+    if c.sliding_window is not None and not prefix:
         raise ConvertError(f"HF {name} exempts the first max_window_layers layers from the sliding window; this "
                            f"model's full-attention layers {list(full)} are not the first ones")
+    if c.family == "qwen3_moe":  # not a Qwen3MoeConfig field in transformers 5, but the hub's configs have it
+        return out | ({"max_window_layers": len(full)} if full and prefix else {})
+    windowless = len(full) if full and prefix else c.num_layers  # changes nothing without a window
     kinds = ["full_attention" if c.layer_window(i) is None else "sliding_attention" for i in range(c.num_layers)]
-    return out | {"max_window_layers": len(full) if full else c.num_layers if c.sliding_window is None else 0,
+    return out | {"max_window_layers": len(full) if c.sliding_window is not None else windowless,
                   "layer_types": kinds}
 
 
