@@ -236,6 +236,20 @@ def test_transformer_engine_names_of_the_qk_norms(sources, tmp_path):
     assert_same_tensors(hf, ir_tensors(tmp_path / "dist"))
 
 
+def test_torch_dist_keeps_each_layer_of_a_mixed_moe_model_under_its_number(sources, tmp_path):
+    """Dense layers among expert layers (a moe_layer_freq pattern): megatron-core stores such layers one by one
+    (`decoder.layers.{L}.…`, experts stacked on their own axis), not stacked over layers."""
+    run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", sources["qwen3_moe"],
+            "--save-dir", tmp_path / "dist")
+    store = DcpReader(tmp_path / "dist" / "iter_0000001")
+    assert store.tensors["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].shape == (4, 64, 64)
+    assert store.tensors["decoder.layers.0.mlp.linear_fc1.weight"].shape == (192, 64)
+    assert store.tensors["decoder.layers.2.self_attention.q_layernorm.weight"].shape == (16,)
+    assert not any(k.startswith("decoder.layers.self_attention") for k in store.tensors)
+    assert "decoder.layers.3.mlp.experts.experts.linear_fc2._extra_state/shard_2_4" in store.bytes_items
+    assert_same_tensors(ir_tensors(sources["qwen3_moe"]), ir_tensors(tmp_path / "dist"))
+
+
 def test_transformers5_fused_experts_are_read(sources, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -251,12 +265,14 @@ def test_transformers5_fused_experts_are_read(sources, tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                     reason="megatron-core is not installed (pip install megatron-core)")
-@pytest.mark.parametrize("family", FAMILIES)
-def test_megatron_core_computes_transformers_logits(family, sources, tokens, tmp_path):
+@pytest.mark.parametrize("family, fmt", [("qwen2", "torch"), ("qwen3", "torch"), ("qwen3_moe", "torch"),
+                                         ("qwen3", "torch_dist"), ("qwen3_moe", "torch_dist")])
+def test_megatron_core_computes_transformers_logits(family, fmt, sources, tokens, tmp_path):
     """megatron-core 0.16 builds its GPTModel from our args (qk_layernorm, add_qkv_bias, kv_channels, the window
-    and window_attn_skip_freq, moe_layer_freq, moe_ffn_hidden_size), loads our file strictly, and its fp32 logits
-    are transformers' to 1e-5."""
-    run_cli("--saver", "core", "--load-dir", sources[family], "--save-dir", tmp_path / "core")
+    and window_attn_skip_freq, moe_layer_freq, moe_ffn_hidden_size), loads our file strictly (torch_dist: with its
+    own dist_checkpointing, so the stacked q/k_layernorm keys are its names), and its fp32 logits are transformers'
+    to 1e-5."""
+    run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", sources[family], "--save-dir", tmp_path / "core")
     theirs = megatron_logits(tmp_path / "core", tokens, tmp_path)
     assert (theirs - hf_logits(sources[family], tokens)).abs().max().item() < 1e-5
     if family == "qwen2":  # and Megatron does read the layers exempt from the window: without them it differs
