@@ -82,6 +82,21 @@ def test_hf_to_core_to_hf(family, args, sources, tokens, tmp_path):
         engine.load(src, Options()).config.replace(**neutral)
 
 
+def test_small_qwen3_with_tied_embeddings_in_bf16(tmp_path, tokens):
+    """Qwen3-0.6B style: tied embeddings (the last pipeline stage keeps its copy), bf16 kept throughout."""
+    src = make_hf_model(tmp_path / "src", "qwen3", seed=7, dtype=torch.bfloat16, tie_word_embeddings=True)
+    run_cli("--loader", "hf", "--saver", "core", "--tp", "2", "--pp", "2", "--load-dir", src,
+            "--save-dir", tmp_path / "core")
+    last = safe_load(tmp_path / "core/iter_0000001/mp_rank_01_001/model_optim_rng.pt")
+    assert "output_layer.weight" in last["model"] and last["args"].bf16 is True
+    assert last["args"].untie_embeddings_and_output_weights is False
+    run_cli("--saver", "qwen_hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["tie_word_embeddings"], written["dtype"]) == (True, "bfloat16")
+    assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "hf"))
+    assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "hf", tokens))
+
+
 def quiet_load(path: Path):
     """Load config, model, generation config and tokenizer with transformers; return the model and every warning
     (Python warnings and transformers' own log records at WARNING and above)."""
