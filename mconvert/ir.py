@@ -22,7 +22,7 @@ import torch
 
 from mconvert.errors import ConvertError, mismatch
 
-Family = Literal["llama", "mistral", "mixtral", "gpt2"]
+Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe"]
 Norm = Literal["rmsnorm", "layernorm"]
 Activation = Literal["swiglu", "gelu_tanh", "gelu"]
 PositionEmbedding = Literal["rope", "learned"]
@@ -50,6 +50,12 @@ class ModelConfig:
 
     `padded_vocab_size` is informational: the padded size found in the source (Megatron), which savers recompute
     for their own layout.
+
+    `qk_norm`: queries and keys are normalized per head (over head_dim, the model's norm and epsilon) after their
+    projections and before rotary positions (Qwen3, Megatron `qk_layernorm`). `full_attention_layers`: the layers
+    exempt from `sliding_window`, which attend to every earlier key (Qwen2's first `max_window_layers`, the zeros
+    of Megatron's `window_attn_skip_freq`); kept without a window too, where it changes nothing, so that a Qwen
+    config.json's `max_window_layers` survives a round trip.
     """
 
     family: Family
@@ -84,6 +90,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    qk_norm: bool = False
+    full_attention_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -104,6 +112,19 @@ class ModelConfig:
             raise ConvertError(f"MoE config needs 0 < moe_top_k <= num_experts, got {self.moe_top_k}, "
                                f"{self.num_experts}")
         self._check_moe_layers()
+        self._check_window_layers()
+
+    def _check_window_layers(self) -> None:
+        full = tuple(self.full_attention_layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers for i in full) \
+                or full != tuple(sorted(set(full))):
+            raise ConvertError(f"full_attention_layers must be distinct layer numbers in [0, {self.num_layers}) in "
+                               f"increasing order, got {list(full)}")
+        object.__setattr__(self, "full_attention_layers", full)  # a JSON list reads back as the same tuple
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (keys a query sees, itself included), or None for full attention."""
+        return None if layer in self.full_attention_layers else self.sliding_window
 
     def _check_moe_layers(self) -> None:
         dense = tuple(self.dense_layers)
