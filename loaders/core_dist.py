@@ -76,10 +76,11 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     source: dict[str, list[LazyTensor]] = {}
     rows: list[Row] = []
     impl = core_dist.detect_impl(store.tensors)
-    for placed in core_dist.placements(config, impl):
+    placed_blocks = core_dist.placements(config, impl, per_layer=core_dist.detect_per_layer(store.tensors))
+    for placed in placed_blocks:
         rows.append(placed.row)
-        source[placed.row.key] = [_lazy(store, placed.key, placed.index, it_dir, config)]
-    used = {placed.key for placed in core_dist.placements(config, impl)}
+        source[placed.row.key] = [_lazy(store, placed, it_dir)]
+    used = {placed.key for placed in placed_blocks}
     missing = sorted(k for k in used if k not in store.tensors)
     tied_copy = "output_layer.weight" if config.tie_embeddings else None
     extra = sorted(k for k in store.tensors if k not in used and k != tied_copy)
@@ -102,14 +103,15 @@ def _shape_dtype(store, key: str) -> tuple[tuple[int, ...], torch.dtype]:
     return (tuple(entry.shape), entry.dtype) if hasattr(entry, "shape") else entry
 
 
-def _lazy(store, key: str, index: tuple[int, ...], it_dir: Path, config) -> LazyTensor:
+def _lazy(store, placed: core_dist.Placed, it_dir: Path) -> LazyTensor:
     """A block of a stored tensor; a stack whose layer (or expert) axis disagrees with the args is refused."""
+    key, index = placed.key, placed.index
     if key not in store.tensors:  # reported together with the others by the caller
         return LazyTensor((0,), torch.float32, lambda: torch.empty(0), f"{it_dir.name}:{key}")
     shape, dtype = _shape_dtype(store, key)
-    want = (config.num_layers, config.num_experts)[:len(index)]
-    if tuple(shape[:len(index)]) != want:
-        raise ConvertError(f"{it_dir}: {key} stacks {list(shape[:len(index)])} (layers, experts), the args say "
-                           f"{list(want)}")
+    if tuple(shape[:len(index)]) != placed.stack:
+        what = "(layers, experts)" if len(placed.stack) == 2 else "(layers)" if ".experts." not in key else "(experts)"
+        raise ConvertError(f"{it_dir}: {key} stacks {list(shape[:len(index)])} {what}, the args say "
+                           f"{list(placed.stack)}")
     origin = f"{it_dir.name}:{key}" + (f"{list(index)}" if index else "")
     return LazyTensor(tuple(shape[len(index):]), dtype, lambda: store.read(key, index), origin)

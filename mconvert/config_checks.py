@@ -20,7 +20,8 @@ from mconvert.errors import ConvertError
 # Fields of the raw sources that hold counts or sizes (HF config.json, Megatron args, Meta params.json).
 HF_INTEGERS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "sliding_window",
-               "num_local_experts", "num_experts_per_tok", "n_layer", "n_embd", "n_head", "n_inner", "n_positions",
+               "num_local_experts", "num_experts_per_tok", "num_experts", "moe_intermediate_size", "max_window_layers",
+               "decoder_sparse_step", "n_layer", "n_embd", "n_head", "n_inner", "n_positions",
                "n_ctx")
 MEGATRON_INTEGERS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                      "kv_channels", "max_position_embeddings", "seq_length", "num_experts", "moe_router_topk",
@@ -73,7 +74,7 @@ def check_model_config(c) -> None:
     v = c.padded_vocab_size
     need("padded_vocab_size", v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= c.vocab_size),
          f"an integer >= vocab_size {c.vocab_size}, or null")
-    for name in ("qkv_bias", "proj_bias", "mlp_bias", "tie_embeddings", "moe_norm_topk"):
+    for name in ("qkv_bias", "proj_bias", "mlp_bias", "tie_embeddings", "moe_norm_topk", "qk_norm"):
         need(name, isinstance(getattr(c, name), bool), "true or false")
     if c.rope_scaling is not None:
         scaling = c.rope_scaling

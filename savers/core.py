@@ -76,7 +76,8 @@ def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = No
         moe = config is not None and config.is_moe_layer(L)
         modules = core.extra_state_modules(
             options.transformer_impl, expert_layout=options.expert_layout if moe else None,
-            local_experts=config.num_experts // options.layout.ep if moe else 0)
+            local_experts=config.num_experts // options.layout.ep if moe else 0,
+            qk_norm=config is not None and config.qk_norm)
         for module in modules:
             out[f"{module.format(l=l)}._extra_state"] = value
     if chunk.has_head:

@@ -64,7 +64,7 @@ def _write_blocks(writer, placed: core_dist.Placed, tensors: list[torch.Tensor],
     parts at their offsets, as Megatron itself stores them, which saves copying them together."""
     join = placed.row.rule.join
     whole_shape = tuple(placed.row.rule.piece_shapes([tuple(t.shape) for t in tensors], ctx)[0])
-    stack = tuple(c.num_layers if i == 0 else c.num_experts for i in range(len(placed.index)))
+    stack = placed.stack
     if join.concat_dim is None:
         blocks = [(join.join(tensors, ctx), 0)]
     else:

@@ -193,7 +193,7 @@ def test_mtrain_checkpoint_with_unsafe_metadata(tmp_path):
 
 
 @pytest.mark.parametrize("setting,value", [("apply_layernorm_1p", True), ("moe_router_score_function", "sigmoid"),
-                                           ("position_embedding_type", "yarn"), ("qk_layernorm", True)])
+                                           ("position_embedding_type", "yarn"), ("rotary_interleaved", True)])
 def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_path):
     """A Megatron model that computes something else is refused by name, not converted into a different model."""
     convert(mixtral_dir, tmp_path / "core")
@@ -204,6 +204,19 @@ def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_
     out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
     assert f"Megatron settings that change what the model computes and that mconvert cannot carry (yet): " \
            f"{setting}={value!r}; refusing" in out
+    assert not (tmp_path / "hf").exists()
+
+
+def test_qk_layernorm_without_its_norms_is_refused(mixtral_dir, tmp_path):
+    """qk_layernorm is carried now (Qwen3): args that claim it over files without q/k_layernorm are inconsistent."""
+    convert(mixtral_dir, tmp_path / "core")
+    target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    state = safe_load(target, mmap=False)
+    state["args"].qk_layernorm = True
+    torch.save(state, target)
+    out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
+    assert "the tensors do not match a qwen3_moe model with this config (4 layers). Missing tensors: " \
+           "mp_rank_00/model/decoder.layers.0.self_attention.q_layernorm.weight" in out
     assert not (tmp_path / "hf").exists()
 
 

@@ -59,6 +59,9 @@ ATTENTION = (
     *linear("decoder.layers.{l}.self_attention.linear_proj", "layers.{L}.attn.o", shard=ROW, bias_shard=REPLICATE),
     *linear("decoder.layers.{l}.self_attention.linear_qkv", "layers.{L}.attn.q", "layers.{L}.attn.k",
             "layers.{L}.attn.v", join=QKV, shard=COLUMN),
+    # qk_layernorm: one norm over head_dim, the same name under both specs (a TENorm under TE)
+    *norm("decoder.layers.{l}.self_attention.q_layernorm", "layers.{L}.attn.q_norm"),
+    *norm("decoder.layers.{l}.self_attention.k_layernorm", "layers.{L}.attn.k_norm"),
 )
 MLP = (  # gated fc1 first: it wins when the model has a gate (see rules.active)
     *linear("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp.gate", "layers.{L}.mlp.up", join=GATE_UP,
@@ -108,13 +111,15 @@ TIED_OUTPUT = Rule("output_layer.weight", ("embed.weight",), VOCAB, COLUMN)
 
 
 def extra_state_modules(impl: Impl, *, expert_layout: ExpertLayout | None = None,
-                        local_experts: int = 0) -> tuple[str, ...]:
+                        local_experts: int = 0, qk_norm: bool = False) -> tuple[str, ...]:
     """Modules (templates) that store an `_extra_state` entry in every layer (MoE layers: give the layout)."""
     modules = ("self_attention.linear_proj", "self_attention.linear_qkv")
     if expert_layout is None:
         modules += ("mlp.linear_fc1", "mlp.linear_fc2")
     if impl == "te":
         modules = ("self_attention.core_attention", *modules)
+        if qk_norm:  # TENorm modules, like MoE layers' pre_mlp_layernorm
+            modules += ("self_attention.q_layernorm", "self_attention.k_layernorm")
     moe = core_moe.extra_state_modules(expert_layout, impl, local_experts) if expert_layout else ()
     return tuple(f"decoder.layers.{{l}}.{m}" for m in modules) + moe
 
@@ -151,12 +156,10 @@ _SETTINGS = (
     ("rotary_percent", False, lambda v: v is None or float(v) == 1.0),
     ("rotary_seq_len_interpolation_factor", False, lambda v: v in (None, 1, 1.0)),
     ("no_rope_freq", False, lambda v: not v),
-    ("qk_layernorm", False, lambda v: not v),
     ("layernorm_zero_centered_gamma", False, lambda v: not v),
     ("apply_layernorm_1p", False, lambda v: not v),
     ("apply_residual_connection_post_layernorm", False, lambda v: not v),
     ("squared_relu", False, lambda v: not v),
-    ("window_attn_skip_freq", False, lambda v: v in (None, 1)),
     ("moe_shared_expert_intermediate_size", True, lambda v: not v),
     ("moe_router_enable_expert_bias", True, lambda v: not v),
     ("moe_router_score_function", True, lambda v: v in (None, "softmax")),
@@ -191,11 +194,12 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
     rope = position == "rope"
     experts = get("num_experts")
     window = get("window_size")
+    sliding_window = int(window[0]) + 1 if window and int(window[0]) >= 0 else None  # see args_from_config
     ffn = get("ffn_hidden_size") or 4 * hidden
     dense = _dense_layers(get("moe_layer_freq", 1), layers, where) if experts else ()
-    family = "mixtral" if experts else "mistral" if window else "llama" if rope else "gpt2"
+    qkv_bias_only = bool(get("add_qkv_bias", False)) and not get("add_bias_linear", True)
     return ModelConfig(
-        family=family,
+        family=_family(bool(experts), bool(get("qk_layernorm")), qkv_bias_only, bool(sliding_window), rope),
         num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=int(ffn),
@@ -223,7 +227,9 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
         proj_bias=bool(get("add_bias_linear", True)),
         mlp_bias=bool(get("add_bias_linear", True)),
         tie_embeddings=not get("untie_embeddings_and_output_weights", False),
-        sliding_window=int(window[0]) + 1 if window and int(window[0]) >= 0 else None,  # see args_from_config
+        sliding_window=sliding_window,
+        full_attention_layers=_full_attention_layers(get("window_attn_skip_freq"), layers, where),
+        qk_norm=bool(get("qk_layernorm")),
         num_experts=int(experts) if experts else None,
         moe_top_k=int(get("moe_router_topk", 2)) if experts else None,
         moe_aux_loss_coeff=_first(get("moe_aux_loss_coeff")) if experts else None,
@@ -235,6 +241,31 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
 # Megatron hard-codes these for --use-rope-scaling (Llama 3.1); only the factor is an argument.
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
+
+
+def _family(moe: bool, qk_norm: bool, qkv_bias_only: bool, window: bool, rope: bool) -> str:
+    """The IR family Megatron args describe (which HF format `--saver hf` writes): Megatron's Qwen recipes use
+    `--qk-layernorm` (Qwen3, Qwen3-MoE) or `--add-qkv-bias --disable-bias-linear` (Qwen2 / 2.5)."""
+    if qk_norm:
+        return "qwen3_moe" if moe else "qwen3"
+    if moe:
+        return "mixtral"
+    if qkv_bias_only:
+        return "qwen2"
+    return "mistral" if window else "llama" if rope else "gpt2"
+
+
+def _full_attention_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:
+    """The layers without the window, from window_attn_skip_freq: every N-th layer (counting from 1) for an int N,
+    or the zeros of a 0/1 pattern with one entry per layer (1 = sliding window); None: every layer slides."""
+    if freq is None:
+        return ()
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return tuple(i for i in range(num_layers) if (i + 1) % freq == 0)
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(f in (0, 1) for f in freq):
+        return tuple(i for i, f in enumerate(freq) if not f)
+    raise ConvertError(f"{where}: window_attn_skip_freq={freq!r} is neither a positive integer nor a 0/1 pattern "
+                       f"with one entry per layer ({num_layers})")
 
 
 def _dense_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:
@@ -287,13 +318,17 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling),
         rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling else 8.0,
         normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=c.norm_eps,
-        apply_layernorm_1p=False, layernorm_zero_centered_gamma=False, qk_layernorm=False,
+        apply_layernorm_1p=False, layernorm_zero_centered_gamma=False, qk_layernorm=c.qk_norm,
         swiglu=c.gated, openai_gelu=c.activation == "gelu_tanh", squared_relu=False, bias_gelu_fusion=False,
         add_bias_linear=c.proj_bias, add_qkv_bias=c.qkv_bias,
         untie_embeddings_and_output_weights=not c.tie_embeddings,
         # Megatron's window (left, right) lets a query see `left` earlier keys and itself; the IR's (and HF's)
         # sliding_window counts the query too
         window_size=(c.sliding_window - 1, 0) if c.sliding_window else None,
+        # per layer (from 1): 1 slides, 0 attends to everything (no effect without window_size, but kept: it is
+        # the Qwen config's max_window_layers)
+        window_attn_skip_freq=[0 if i in c.full_attention_layers else 1 for i in range(c.num_layers)]
+        if c.full_attention_layers else None,
         num_experts=c.num_experts, moe_router_topk=c.moe_top_k or 2,
         moe_ffn_hidden_size=c.expert_ffn_hidden_size if c.is_moe else None,
         moe_layer_freq=[0 if i in c.dense_layers else 1 for i in range(c.num_layers)] if c.dense_layers else 1,
