@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from mconvert.config_checks import check_model_config
 from mconvert.errors import ConvertError, mismatch
 
 Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe"]
@@ -114,6 +115,7 @@ class ModelConfig:
                                f"{self.num_experts}")
         self._check_moe_layers()
         self._check_window_layers()
+        check_model_config(self)  # non-finite or out-of-range numbers (NaN epsilon, negative rope theta, ...)
 
     def _check_window_layers(self) -> None:
         full = tuple(self.full_attention_layers)
