@@ -91,8 +91,7 @@ def _fail_cleanly(func):
               help="How Megatron stores MoE experts: sequential (local_experts.{j}, default), grouped (Transformer "
               "Engine grouped GEMM, linear_fc1.weight{j}; needs --transformer-impl te) or legacy_grouped "
               "(GroupedMLP weight1/weight2 of older Megatron-LM).")
-@click.option("--moe-grouped-gemm", "expert_layout", flag_value="grouped",
-              help="Same as --expert-layout grouped (Megatron's flag).")
+@click.option("--moe-grouped-gemm", is_flag=True, help="Same as --expert-layout grouped (Megatron's flag).")
 @click.option("--ckpt-format", type=click.Choice(["torch", "torch_dist", "zarr"]), default="torch",
               show_default=True, help="Megatron checkpoint format written by the core saver.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Cast all weights (default: keep the source's).")
@@ -178,6 +177,8 @@ def _verify_output(load_dir: Path, loader: str, save_dir: Path, options: Options
 
 def _check_applicable(ctx: click.Context, loader: registry.Plugin, saver: registry.Plugin) -> None:
     given = [n for n in PLUGIN_OPTIONS if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+    if ctx.get_parameter_source("moe_grouped_gemm") == ParameterSource.COMMANDLINE and "expert_layout" not in given:
+        given.append("expert_layout")  # --moe-grouped-gemm sets the expert layout
     understood = loader.options | saver.options
     ignored = [n for n in given if n not in understood]
     if ignored:
@@ -191,7 +192,7 @@ def _options(o: dict) -> Options:
     return Options(
         layout=layout,
         transformer_impl="te" if o["transformer_impl"] in ("te", "transformer_engine") else "local",
-        expert_layout=o["expert_layout"] or "sequential",
+        expert_layout=_expert_layout(o),
         ckpt_format=o["ckpt_format"],
         dtype=_dtype(o),
         make_vocab_size_divisible_by=o["make_vocab_size_divisible_by"],
@@ -200,6 +201,14 @@ def _options(o: dict) -> Options:
         max_shard_size=parse_size(o["max_shard_size"]),
         iteration=o["iteration"],
     )
+
+
+def _expert_layout(o: dict) -> str:
+    """--moe-grouped-gemm is --expert-layout grouped; naming another layout beside it is a contradiction."""
+    if o["moe_grouped_gemm"] and o["expert_layout"] not in (None, "grouped"):
+        raise ConvertError(f"--moe-grouped-gemm and --expert-layout {o['expert_layout']} contradict each other; "
+                           "give one expert layout")
+    return "grouped" if o["moe_grouped_gemm"] else o["expert_layout"] or "sequential"
 
 
 def _dtype(o: dict) -> str | None:
