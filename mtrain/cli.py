@@ -1,7 +1,8 @@
 """The `mtrain` command line.
 
     mtrain preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer TOKENIZER --append-eod
-    mtrain pretrain --config run.yaml --train.lr 3e-4
+    mtrain config                                  # every config section and field: type, default, meaning
+    mtrain pretrain --config run.yaml --optim.lr 3e-4
     torchrun --nproc-per-node 2 -m mtrain pretrain --config run.yaml
     mtrain finetune --load HF_OR_MEGATRON_OR_MTRAIN_CHECKPOINT --config finetune.yaml
     mtrain evaluate --load CHECKPOINT --data data/corpus_text_document --seq-len 512
@@ -103,7 +104,8 @@ def _train(config_file: Path | None, overrides: list[str], finetune: Path | None
 def pretrain(ctx, config_file, finetune, loader) -> None:
     """Train a model from scratch (or resume the run in checkpoint.dir).
 
-    Any config field can be set on the command line: --train.lr 3e-4 --data.seq_len 512.
+    Any config field can be set on the command line: --optim.lr 3e-4 --data.seq_len 512 (lists: a,b or [a, b];
+    null for none). `mtrain config` lists every section and field with its type, default and meaning.
     """
     _train(config_file, ctx.args, finetune=finetune, loader=loader)
 
@@ -118,6 +120,22 @@ def pretrain(ctx, config_file, finetune, loader) -> None:
 def finetune(ctx, load, loader, config_file) -> None:
     """Train from a checkpoint's weights: step 0, fresh optimizer, model config from the checkpoint."""
     _train(config_file, ctx.args, finetune=load, loader=loader)
+
+
+@main.command("config", context_settings=EXTRA)
+@click.option("--config", "config_file", type=click.Path(path_type=Path), help="Show this file's resolved values.")
+@click.pass_context
+@_fail_cleanly
+def config_(ctx, config_file) -> None:
+    """Every config section and field with its type, default and meaning, as YAML.
+
+    With --config FILE (and --section.field overrides) the values shown are that run's.
+    """
+    from mtrain.config import load_config
+    from mtrain.config_doc import reference
+
+    resolved = load_config(config_file, ctx.args) if config_file or ctx.args else None
+    click.echo(reference(resolved), nl=False)
 
 
 @main.command()
