@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import signal
 from pathlib import Path
 
 import click
@@ -83,6 +85,7 @@ def preprocess(input_, output_prefix, tokenizer, json_keys, append_eod, workers)
 def _train(config_file: Path | None, overrides: list[str], finetune: Path | None = None,
            loader: str | None = None) -> None:
     from mtrain.config import load_config
+    from mtrain.stopping import graceful_stop
     from mtrain.train import Trainer
 
     extra = []
@@ -91,7 +94,20 @@ def _train(config_file: Path | None, overrides: list[str], finetune: Path | None
     config = load_config(config_file, overrides + extra)
     if finetune is not None and not config.checkpoint.finetune:
         raise ConvertError("finetune needs --load PATH")
-    Trainer(config, out=lambda s: click.echo(s, err=True)).run()
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    with graceful_stop(announce=main_rank) as stop:
+        result = Trainer(config, out=lambda s: click.echo(s, err=True), stop=stop).run()
+    if result.stopped_by:
+        name = signal.Signals(result.stopped_by).name
+        if result.checkpoints:
+            line = (f"mtrain: stopped by {name} after step {result.step}: saved {result.checkpoints[-1]}; run the same "
+                    "command to resume from it")
+        else:
+            line = f"mtrain: stopped by {name} after step {result.step}; nothing saved" + (
+                " (checkpoint.dir is not set)" if not config.checkpoint.dir else " (no step was done)")
+        if main_rank:
+            click.echo(line, err=True)
+        raise SystemExit(128 + result.stopped_by)  # the shell's convention for a death by that signal
 
 
 @main.command(context_settings=EXTRA)

@@ -80,7 +80,7 @@ class CheckpointConfig:
     dir: str | None = opt(None, "save and resume here (null: nothing saved, warned)")
     interval: int = opt(0, "save every N steps (0: only at the end)")
     keep_last: int = opt(2, "checkpoints kept; older ones are deleted")
-    save_at_end: bool = opt(True, "save at the end (also when stopped by a signal)")
+    save_at_end: bool = opt(True, "save when the run ends (a run stopped by a signal always saves)")
     finetune: str | None = opt(None, "initial weights: any checkpoint mconvert reads")
     loader: str | None = opt(None, "mconvert loader of `finetune` (null: detected)")
 
@@ -354,6 +354,16 @@ def validate(c: Config) -> None:
         raise TrainError(f"train.moe_capacity_factor must be positive (or null: dropless), got {t.moe_capacity_factor}")
     check_ranges(c)  # NaN, infinities, negative intervals and counts
     validate_parallel(c.parallel)
+
+
+def check_positions(model: ModelConfig, seq_len: int, what: str) -> None:
+    """Refuse sequences longer than the model's positions, learned or rotary alike (rotary models would run, on
+    positions they were never trained on)."""
+    if seq_len <= 0:
+        raise TrainError(f"{what} must be positive, got {seq_len}")
+    if seq_len > model.max_position_embeddings:
+        raise TrainError(f"{what} {seq_len} is longer than the model's {model.max_position_embeddings} positions "
+                         f"(max_position_embeddings); use at most {model.max_position_embeddings}")
 
 
 def validate_parallel(p: ParallelConfig) -> None:

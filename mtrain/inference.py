@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from mconvert import engine
-from mconvert.ir import ModelConfig, ModelIR
+from mconvert.ir import ModelIR
 from mconvert.options import Options
 from mtrain import weights
+from mtrain.config import check_positions
 from mtrain.data.gpt_dataset import GPTDataset, split_ranges
 from mtrain.data.indexed import IndexedDataset
 from mtrain.data.loader import SPLITS
@@ -62,15 +63,6 @@ def load_tokenizer_for(ir: ModelIR, given: Path | None, *, needed_for: str | Non
     return load_tokenizer(source)
 
 
-def check_seq_len(config: ModelConfig, seq_len: int, what: str) -> None:
-    """Refuse sequences longer than the model's positions (learned or rotary alike)."""
-    if seq_len <= 0:
-        raise TrainError(f"{what} must be positive, got {seq_len}")
-    if seq_len > config.max_position_embeddings:
-        raise TrainError(f"{what} {seq_len} is longer than the model's {config.max_position_embeddings} positions "
-                         f"(max_position_embeddings); use at most {config.max_position_embeddings}")
-
-
 @dataclass(frozen=True)
 class EvalResult:
     loss: float
@@ -106,7 +98,7 @@ def evaluate(model: Transformer, prefixes: list[str], *, seq_len: int, batch_siz
              cache_dir: Path | None = None, progress: Callable[[int, int], None] | None = None) -> EvalResult:
     """Mean next-token loss over the windows of `split` (at most max_samples windows / about max_tokens
     predicted tokens, whichever is fewer). `progress(done, total)` is called after each batch."""
-    check_seq_len(model.config, seq_len, "--seq-len")
+    check_positions(model.config, seq_len, "--seq-len")
     datasets = eval_windows(prefixes, seq_len=seq_len, split=split, split_weights=split_weights,
                             cache_dir=cache_dir)
     count = sum(len(ds) for ds in datasets)
