@@ -27,7 +27,7 @@ MODEL_HELP = {
     "family": "model family (HF / Megatron naming of exports)",
     "num_layers": "transformer layers",
     "hidden_size": "width of the residual stream",
-    "ffn_hidden_size": "MLP inner size (per expert for MoE)",
+    "ffn_hidden_size": "MLP inner size (the experts' too unless moe_ffn_hidden_size)",
     "num_attention_heads": "query heads",
     "num_query_groups": "key/value heads (GQA; = heads for plain MHA)",
     "head_dim": "size of one attention head",
@@ -49,6 +49,9 @@ MODEL_HELP = {
     "moe_top_k": "MoE: experts each token is routed to",
     "moe_aux_loss_coeff": "MoE: weight of the load-balancing loss",
     "moe_jitter_eps": "MoE: multiplicative router input jitter in training",
+    "moe_ffn_hidden_size": "MoE: each expert's FFN size when dense_layers exist",
+    "dense_layers": "MoE: layers with a dense MLP of ffn_hidden_size",
+    "moe_norm_topk": "MoE: renormalize the top-k routing weights to sum to 1",
     "dtype": "dtype of stored weights (training: fp32 master)",
     "bos_token_id": "beginning-of-sequence token id",
     "eos_token_id": "end-of-sequence id(s): generation stops there",
@@ -59,6 +62,7 @@ HEADER = """\
 # mtrain configuration: every section and field, with its default, type and meaning (`mtrain config`).
 # A run's file sets what it needs; `--section.field VALUE` overrides any field on the command line
 # (lists as a,b or [a, b]; null for none). Fields marked required have no default."""
+UNDOCUMENTED = "(not described yet)"  # tests/mtrain/test_mtrain_config.py requires a description for every field
 VALUE_COLUMN = 34
 MAX_WIDTH = 118
 
@@ -87,7 +91,7 @@ def reference(config: Config | None = None) -> str:
 
 
 def field_help(cls: type, f: dataclasses.Field) -> str:
-    return MODEL_HELP[f.name] if cls is ModelConfig else f.metadata["help"]
+    return MODEL_HELP.get(f.name, UNDOCUMENTED) if cls is ModelConfig else f.metadata.get("help", UNDOCUMENTED)
 
 
 def type_name(hint: Any) -> str:
