@@ -3,7 +3,8 @@
     step  20/100 | mean loss 3.1416 | lr 2.000e-04 | grad norm 0.812 | 12,345 tok/s | 0:00:12 elapsed, 0:00:48 left
 
 Every `logging.interval` steps a line: the loss is the mean over the steps since the previous line (as Megatron
-logs it), learning rate and gradient norm are the last step's, tokens/s is over the interval, and the time left
+logs it), learning rate and gradient norm are the last step's, tokens/s is over the interval's training steps
+(validation and checkpoints left out), and the time left
 is the mean wall time of the last RECENT steps (validation and checkpoints included) times the steps to go, so a
 slow start or a change of speed does not skew it for the rest of the run. The sinks get every step's scalars.
 
@@ -66,9 +67,10 @@ class Metrics:
         self.enabled, self.total_steps, self.interval, self.out = enabled, total_steps, max(1, interval), out
         self.tokens_per_step, self.start_step = tokens_per_step, start_step
         self.sinks = sinks or []
-        self.start = self.last_time = self.interval_start = time.perf_counter()
+        self.start = self.last_time = time.perf_counter()
         self.recent: deque[float] = deque(maxlen=RECENT)  # wall time of each recent step
         self.losses: list[float] = []  # since the last progress line
+        self.step_times: list[float] = []  # the training steps' own time, since the last progress line
         self.last_step = start_step
         self.last_mean_loss: float | None = None
         self.last_valid: tuple[int, float] | None = None
@@ -79,16 +81,17 @@ class Metrics:
             return
         now = time.perf_counter()
         self.recent.append(now - self.last_time)
-        self.last_time, self.last_step = now, step
         self.losses.append(scalars["loss"])
+        self.step_times.append(scalars.get("step_time", now - self.last_time))
+        self.last_time, self.last_step = now, step
         self._log({f"train/{k}": v for k, v in scalars.items() if v is not None}, step)
         if step % self.interval == 0 or step == self.total_steps:
             self.out(self._line(step, scalars, now))
-            self.losses, self.interval_start = [], now
+            self.losses, self.step_times = [], []
 
     def _line(self, step: int, s: dict[str, float], now: float) -> str:
         self.last_mean_loss = sum(self.losses) / len(self.losses)
-        tokens_per_s = len(self.losses) * self.tokens_per_step / max(now - self.interval_start, 1e-9)
+        tokens_per_s = len(self.losses) * self.tokens_per_step / max(sum(self.step_times), 1e-9)
         left = sum(self.recent) / len(self.recent) * (self.total_steps - step)
         parts = [f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}",
                  f"mean loss {self.last_mean_loss:.4f}", f"lr {s['lr']:.3e}", f"grad norm {s['grad_norm']:.3f}"]
