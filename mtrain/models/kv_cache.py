@@ -9,7 +9,8 @@ The model reaches its layer's slot through `LayerContext.cache` (a `LayerCache`)
 for later positions; what that is belongs to the attention variant:
 
     standard / grouped-query attention   k, v after rotary: (B, ng, T, hd) each, appended along dim 2
-    (an attention that caches something else, e.g. a compressed latent, appends its own tensors and dims)
+    an attention that caches something else appends its own tensors, each along its own sequence dim, e.g. a
+    compressed latent (B, T, r) and a shared rotary key (B, 1, T, d): append(latent, k_rope, dim=(1, 2))
 
 Buffers are allocated on the first append with room for `max_len` positions, so a step copies only its new
 entries. A cache serves one sequence batch from position 0 onwards; build a new one per generation.
@@ -30,22 +31,27 @@ class LayerCache:
         self.length = 0  # positions stored
         self.buffers: list[torch.Tensor] = []
 
-    def append(self, *new: torch.Tensor, dim: int = 2) -> tuple[torch.Tensor, ...]:
+    def append(self, *new: torch.Tensor, dim: int | tuple[int, ...] = 2) -> tuple[torch.Tensor, ...]:
         """Store `new` (the current positions) after the earlier ones; return every position so far, per tensor.
 
-        The tensors of one layer are appended together, in the same order every call."""
-        count = new[0].shape[dim]
+        `dim`: the sequence dimension, one for all tensors or one per tensor. The tensors of one layer are
+        appended together, in the same order every call."""
+        dims = dim if isinstance(dim, tuple) else (dim,) * len(new)
+        count = new[0].shape[dims[0]]
+        if len(dims) != len(new) or any(t.shape[d] != count for t, d in zip(new, dims)):
+            raise TrainError(f"a layer cache append needs one sequence dim per tensor and the same number of new "
+                             f"positions in each; got dims {dims} for shapes {[list(t.shape) for t in new]}")
         end = self.length + count
         if end > self.max_len:
             raise TrainError(f"the key/value cache holds {self.max_len} positions; {end} were asked for")
         if not self.buffers:
-            self.buffers = [_empty_like_along(t, dim, self.max_len) for t in new]
+            self.buffers = [_empty_like_along(t, d, self.max_len) for t, d in zip(new, dims)]
         elif len(new) != len(self.buffers):
             raise TrainError(f"a layer cache of {len(self.buffers)} tensors was given {len(new)}")
         out = []
-        for buffer, t in zip(self.buffers, new):
-            buffer.narrow(dim, self.length, count).copy_(t)
-            out.append(buffer.narrow(dim, 0, end))
+        for buffer, t, d in zip(self.buffers, new, dims):
+            buffer.narrow(d, self.length, count).copy_(t)
+            out.append(buffer.narrow(d, 0, end))
         self.length = end
         return tuple(out)
 

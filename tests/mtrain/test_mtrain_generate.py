@@ -113,3 +113,19 @@ def test_generate_command_prints_ids_and_text(models):
     out = mtrain("generate", "--load", hf, "--tokens", "5 6", "--max-new-tokens", "255", ok=False)
     assert "Error: a prompt of 2 tokens plus 255 new tokens needs 257 positions; the model has 256" in out
     assert "--tokens" in mtrain("generate", "--load", hf, "--tokens", "5 x", ok=False)
+
+
+def test_a_layer_cache_keeps_tensors_along_their_own_dims():
+    """What a latent-attention layer would keep: (B, T, r) along dim 1 and (B, 1, T, d) along dim 2."""
+    from mtrain.models.kv_cache import LayerCache
+
+    cache = LayerCache(max_len=5)
+    latent, rope_k = torch.randn(2, 5, 3), torch.randn(2, 1, 5, 4)
+    a = cache.append(latent[:, :3], rope_k[:, :, :3], dim=(1, 2))
+    b = cache.append(latent[:, 3:], rope_k[:, :, 3:], dim=(1, 2))
+    assert [t.shape for t in a] == [(2, 3, 3), (2, 1, 3, 4)] and cache.length == 5
+    assert torch.equal(b[0], latent) and torch.equal(b[1], rope_k)
+    with pytest.raises(TrainError, match="the key/value cache holds 5 positions; 6 were asked for"):
+        cache.append(latent[:, :1], rope_k[:, :, :1], dim=(1, 2))
+    with pytest.raises(TrainError, match="one sequence dim per tensor and the same number of new positions"):
+        LayerCache(max_len=5).append(latent[:, :2], rope_k[:, :, :3], dim=(1, 2))
