@@ -45,6 +45,8 @@ MODEL_HELP = {
     "mlp_bias": "biases on the MLP projections",
     "tie_embeddings": "the output head reuses the input embedding",
     "sliding_window": "keys a query sees, itself included (null: all)",
+    "full_attention_layers": "layers exempt from the sliding window",
+    "qk_norm": "per-head norms of queries and keys before rotary (Qwen3)",
     "num_experts": "MoE: experts per layer (null: a dense model)",
     "moe_top_k": "MoE: experts each token is routed to",
     "moe_aux_loss_coeff": "MoE: weight of the load-balancing loss",

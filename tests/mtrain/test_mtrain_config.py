@@ -164,6 +164,7 @@ def test_lists_parse_the_same_for_every_list_field():
         extra = {("data", "weights"): ["--data.paths", "p,q"],  # what makes each list valid
                  ("model", "dense_layers"): ["--model.num_layers", "6", "--model.num_experts", "4",
                                              "--model.moe_top_k", "2", "--model.moe_ffn_hidden_size", "32"],
+                 ("model", "full_attention_layers"): ["--model.num_layers", "6"],
                  }.get((section, name), [])
         for text in (",".join(map(str, want)), "[" + ", ".join(map(str, want)) + "]"):
             c = load_config(None, MODEL + extra + [f"--{section}.{name}", text])
