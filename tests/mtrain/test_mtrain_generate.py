@@ -16,8 +16,9 @@ from mtrain.models.kv_cache import KVCache
 from tests.mtrain.corpus import one_thread  # noqa: F401
 from tests.mtrain.hf_reference import make_hf, save_hf
 
-# mistral: window 8, so it bites within these sequences; gpt2: learned positions; llama3: scaled rope, tied
-FAMILIES = ("llama", "llama3", "mistral", "gpt2", "mixtral")
+# mistral: window 8, so it bites within these sequences; gpt2: learned positions; llama3: scaled rope, tied;
+# qwen2: qkv biases, a layer exempt from the window; qwen3: q/k norms before rotary
+FAMILIES = ("llama", "llama3", "mistral", "gpt2", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
