@@ -51,7 +51,7 @@ MODEL_HELP = {
     "moe_top_k": "MoE: experts each token is routed to",
     "moe_aux_loss_coeff": "MoE: weight of the load-balancing loss",
     "moe_jitter_eps": "MoE: multiplicative router input jitter in training",
-    "moe_ffn_hidden_size": "MoE: each expert's FFN size when dense_layers exist",
+    "moe_ffn_hidden_size": "MoE: each expert's FFN size (null: ffn_hidden_size)",
     "dense_layers": "MoE: layers with a dense MLP of ffn_hidden_size",
     "moe_norm_topk": "MoE: renormalize the top-k routing weights to sum to 1",
     "dtype": "dtype of stored weights (training: fp32 master)",
