@@ -92,11 +92,11 @@ class Trainer:
             if config.checkpoint.dir else None
         resume = checkpoint.find_latest(Path(config.checkpoint.dir)) if config.checkpoint.dir else None
         self.resumed_from = resume
+        model_config, source = self._model_source(resume)  # reads and checks the checkpoint's mtrain.json
         if resume is not None:
             self.finished_message = finished_message(resume, checkpoint.read_meta(resume)["step"], t.steps)
             if self.finished_message:
                 return  # nothing to build: run() says so
-        model_config, source = self._model_source(resume)
         self.model_config = model_config
         check_positions(model_config, config.data.seq_len, "data.seq_len")
         dims = self.dims = ParallelDims.from_config(config.parallel, self.env.world)
