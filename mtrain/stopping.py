@@ -5,7 +5,8 @@
 
     first signal     stop.signal is set; the trainer finishes the step it is in, all ranks agree to stop after the
                      same step (Trainer.should_stop: a max over ranks), save a checkpoint and return
-    second signal    the default action again: the process ends at once, without saving
+    second signal    the default action again: the process ends at once, without saving (from the first signal
+                     until the process exits, also while it saves or shuts down)
 
 Under torchrun the launcher forwards the signal it receives to every worker (in their own session, so each gets it
 once) and waits `--shutdown-timeout` seconds (30 by default) before killing them: raise it when a step and a save
@@ -60,5 +61,6 @@ def graceful_stop(announce: bool = True) -> Iterator[StopRequest]:
     try:
         yield stop
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        if not stop.requested:  # after a signal the default action stays: a second one kills until the very end
+            for s, handler in previous.items():
+                signal.signal(s, handler)

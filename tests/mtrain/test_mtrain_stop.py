@@ -92,14 +92,17 @@ def test_second_signal_aborts_at_once(corpus, tmp_path):  # noqa: F811
     run.wait_for(r"^step +2/")
     run.proc.send_signal(signal.SIGINT)
     run.wait_for(r"SIGINT received")
-    run.proc.send_signal(signal.SIGINT)
+    if run.proc.poll() is None:
+        run.proc.send_signal(signal.SIGINT)
     code, out = run.finish()
-    # killed by the signal itself, not a graceful exit (which would be 130 after a save) — unless the step and
-    # the save were done before the second signal landed
-    if code == -signal.SIGINT:
-        assert checkpoint.find_latest(tmp_path / "run") is None, out[-3000:]
-    else:
-        assert code == 130 and saved_step(out, "SIGINT") >= 2
+    if code == 130:  # the step, the save and the shutdown all ended before the second signal could land
+        assert saved_step(out, "SIGINT") >= 2
+        return
+    # killed by the signal itself wherever it landed (step, save or shutdown), not a graceful exit; what is on
+    # disk is still whole: a save it cut short is a .partial directory that the next save removes
+    assert code == -signal.SIGINT, out[-3000:]
+    latest = checkpoint.find_latest(tmp_path / "run")
+    assert latest is None or checkpoint.read_meta(latest)["step"] >= 2
 
 
 def torchrun(tmp_path: Path, data: str, *extra: str) -> list[str]:
