@@ -7,6 +7,7 @@ directory, so the destination either holds a complete checkpoint or is left as i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -105,6 +106,7 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
 def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progress = QUIET) -> None:
     """Write `ir` with `saver` into `dst`, all or nothing (the caller has checked the destination)."""
     plugin = get_saver(saver)
+    options = options if options.final_dir else dataclasses.replace(options, final_dir=Path(dst).resolve())
     with staged_output(dst) as staging:
         plugin.func(ir, staging, options, progress)
 

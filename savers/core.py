@@ -37,10 +37,11 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     c, layout = ir.config, options.layout
     layout.check_model(c)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
+    iteration = megatron_files.iteration(ir, options)
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
                                  divisible_by=options.make_vocab_size_divisible_by, impl=options.transformer_impl,
-                                 expert_layout=options.expert_layout)
-    iteration = megatron_files.iteration(ir, options)
+                                 expert_layout=options.expert_layout,
+                                 tokenizer_model=megatron_files.tokenizer_model(ir, out, options, iteration))
     ctx = Ctx(c, padded)
     chunks = layout.chunks(c.num_layers)
     check_plan(ir.tensors, [(f"stage {ch.pp} chunk {ch.vpp} EP rank {ep}", chunk_rows(ir, ch, ep, options))

@@ -60,6 +60,13 @@ def write_stage(ir: ModelIR, ctx: Ctx, plans: list[tuple[Chunk, list[Row]]], dir
             writer.finish(top | models[rank] | {"num_floating_point_operations_so_far": 0})
 
 
+def tokenizer_model(ir: ModelIR, out: Path, options: Options, iteration_number: int) -> str | None:
+    """Where the carried tokenizer will be once the output is in place (for args.tokenizer_model), or None."""
+    if not ir.assets:
+        return None
+    return str((options.final_dir or Path(out).resolve()) / core.iteration_dir(iteration_number) / "tokenizer")
+
+
 def finish_checkpoint(ir: ModelIR, out: Path, it_dir: Path, iteration_number: int) -> None:
     """The tokenizer inside the iteration folder (as Megatron does for torch_dist), then the tracker file last."""
     if ir.assets:
