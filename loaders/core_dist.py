@@ -85,10 +85,12 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     source: dict[str, list[LazyTensor]] = {}
     rows: list[Row] = []
     impl = core_dist.detect_impl(store.tensors)
-    for placed in core_dist.placements(config, impl):
+    singleton = core_dist.is_singleton(store.tensors)
+    placed_blocks = core_dist.placements(config, impl, singleton=singleton)
+    for placed in placed_blocks:
         rows.append(placed.row)
         source[placed.row.key] = [_lazy(store, placed.key, placed.index, it_dir, config)]
-    used = {placed.key for placed in core_dist.placements(config, impl)}
+    used = {placed.key for placed in placed_blocks}
     missing = sorted(k for k in used if k not in store.tensors)
     tied_copy = "output_layer.weight" if config.tie_embeddings else None
     extra = sorted(k for k in store.tensors if k not in used and k != tied_copy)
@@ -98,6 +100,8 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     tensors = to_ir(source, rows, Ctx(config, padded), where=str(it_dir), cache=LoadCache(4))
     layout = {"format": backend, "padded_vocab": padded, "transformer_impl": impl if config.is_moe else "any",
               "common": "common.pt" if (it_dir / core_dist.COMMON_FILE).is_file() else core_dist.COMMON_STATE}
+    if singleton:
+        layout["singleton_local_shards"] = True
     if getattr(store, "manifest", None) is not None:
         layout["integrity"] = f"{len(store.manifest.digests)} files (SHA-256, verified as read)"
     return ModelIR(config, tensors, SourceInfo(f"core (Megatron {backend})", it_dir, layout, iteration, notes), assets)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from mconvert.formats import hf_dir
 from mconvert.formats.torch_pickle import safe_load
+from mconvert.loaders.core_dcp import is_dcp_checkpoint
 from mconvert.loaders.core_dist import is_dist_checkpoint
 
 from mconvert.errors import ConvertError
@@ -35,11 +36,11 @@ def find_iteration(path: Path) -> tuple[Path, int | None]:
         if not it_dir.is_dir():
             raise ConvertError(f"{tracker} names iteration {text}, but {it_dir} does not exist")
         return it_dir, iteration
-    if _rank_dirs(path) or is_dist_checkpoint(path):
+    if _rank_dirs(path) or is_dist_checkpoint(path) or is_dcp_checkpoint(path):
         m = re.fullmatch(r"iter_(\d{7})", path.name)
         return path, int(m.group(1)) if m else None
-    raise ConvertError(f"{path}: not a Megatron checkpoint: no {core.TRACKER}, no mp_rank_* folders and no "
-                       "metadata.json")
+    raise ConvertError(f"{path}: not a Megatron checkpoint: no {core.TRACKER}, no mp_rank_* folders, no "
+                       "metadata.json and no .metadata")
 
 
 def _rank_dirs(path: Path) -> list[Path]:

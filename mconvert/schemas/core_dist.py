@@ -13,16 +13,26 @@ Layer tensors are stacked along a leading layer axis under a key without the lay
 and grouped experts). SwiGLU's fc1 is the whole-tensor [all gate ; all up] (per expert). Norms use the
 Transformer-Engine names for both specs. Each module's `_extra_state` is a pickled one-element list per layer
 (and expert) under `<stacked module>._extra_state/shard_{offsets}_{shape}`, e.g. `shard_3_4` or `shard_3.1_4.8`.
+
+Checkpoints saved with megatron-core's `singleton_local_shards` metadata (Megatron-LM's default in Sept-Oct
+2025, recorded in the common state's `content_metadata`) store every layer and expert under its own key, and
+SwiGLU's fc1 as its two halves (see mconvert.schemas.swiglu_halves):
+
+    decoder.layers.3.mlp.linear_fc1.weight_w                   [f, h]     gate of layer 3
+    decoder.layers.3.mlp.experts.experts.1.linear_fc1.weight_v [f, h]     up of layer 3's expert 1
+    decoder.layers.3.mlp.experts.experts.1.linear_fc2.weight   [h, f]
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from mconvert.ir import ModelConfig
 from mconvert.mapping import Row, expand
 from mconvert.rules import GATE_UP, Rule, Table
 from mconvert.schemas import core
+from mconvert.schemas.swiglu_halves import halves
 
 METADATA_JSON = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -40,6 +50,15 @@ EXPERT_RULES = (
 )
 
 
+SINGLETON_EXPERTS = "decoder.layers.{L}.mlp.experts.experts.{E}"
+SINGLETON_EXPERT_RULES = (
+    Rule(f"{SINGLETON_EXPERTS}.linear_fc1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",
+                                                    "layers.{L}.moe.experts.{E}.up.weight"), GATE_UP),
+    Rule(f"{SINGLETON_EXPERTS}.linear_fc2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
+)
+_PER_LAYER_KEY = re.compile(r"decoder\.layers\.\d+\.")
+
+
 def table(moe: bool = False, impl: core.Impl = "local") -> Table:
     """Per-layer rules (keys still carry `{l}`; `stacked_key` removes it).
 
@@ -51,7 +70,13 @@ def table(moe: bool = False, impl: core.Impl = "local") -> Table:
 
 def detect_impl(keys) -> core.Impl:
     """Only MoE checkpoints tell the specs apart: TE keeps `pre_mlp_layernorm` as its own module."""
-    return "te" if "decoder.layers.pre_mlp_layernorm.weight" in keys else "local"
+    pattern = re.compile(r"decoder\.layers\.(\d+\.)?pre_mlp_layernorm\.weight")
+    return "te" if any(pattern.fullmatch(k) for k in keys) else "local"
+
+
+def is_singleton(keys) -> bool:
+    """Per-layer keys (`decoder.layers.3.…`): saved with `singleton_local_shards`."""
+    return any(_PER_LAYER_KEY.match(k) for k in keys)
 
 
 @dataclass(frozen=True)
@@ -63,16 +88,22 @@ class Placed:
     index: tuple[int, ...]  # () whole tensor, (L,) a layer of a stack, (L, E) an expert of a layer
 
 
-def placements(config: ModelConfig, impl: core.Impl = "local") -> list[Placed]:
+def placements(config: ModelConfig, impl: core.Impl = "local", *, singleton: bool = False) -> list[Placed]:
     """Every block of the checkpoint in file order: embeddings, each layer (dense rules, then its experts), head.
 
-    Loader and saver both walk this list, so the two directions cannot disagree about what goes where.
+    Loader and saver both walk this list, so the two directions cannot disagree about what goes where. With
+    `singleton` (see the module docstring) every block is a whole tensor of its own.
     """
     t = table(moe=config.is_moe, impl=impl)
     out = [Placed(r, r.key, ()) for r in expand(t, config, layers=[], head=False)]
     for L in range(config.num_layers):
-        for r in expand(t, config, layers=[(L, L)], experts=[], embedding=False, head=False):
-            out.append(Placed(r, stacked_key(r.key, L), (L,)))
+        dense = expand(t, config, layers=[(L, L)], experts=[], embedding=False, head=False)
+        if singleton:
+            experts = [Row(*rule.keys(L=L, E=E), rule) for E in range(config.num_experts or 0)
+                       for rule in SINGLETON_EXPERT_RULES]
+            out += [Placed(r, r.key, ()) for r in halves(dense + experts)]
+            continue
+        out += [Placed(r, stacked_key(r.key, L), (L,)) for r in dense]
         for E in range(config.num_experts or 0):
             for rule in EXPERT_RULES:
                 key, names = rule.keys(L=L, E=E)

@@ -1,0 +1,53 @@
+"""Megatron-LM's plain torch.distributed.checkpoint formats, `--ckpt-format torch_dcp` and `fsdp_dtensor`.
+
+Megatron-LM 0.19 (megatron/training/checkpointing.py) hands its whole checkpoint dict to
+`torch.distributed.checkpoint.save`, which flattens nested keys with dots. No metadata.json, no common state:
+
+    iter_0000003/.metadata, __0_0.distcp, ...
+      args, checkpoint_version, iteration, num_floating_point_operations_so_far    pickled objects
+      model.<key of the model's own state_dict>        each tensor whole (global), layers numbered globally
+      optimizer.*, opt_param_scheduler.*, rng_state.*, rerun_state_machine.*     training state, not converted
+
+The model keys are those of the `torch` format at TP=PP=EP=1 (local or Transformer-Engine names; experts
+numbered globally: `local_experts.{E}` or TE's `linear_fc1.weight{E}`), with two differences for fsdp_dtensor
+(Megatron-FSDP): no `_extra_state` entries, and SwiGLU's fc1 stored as `_w`/`_v` halves
+(mconvert.schemas.swiglu_halves). torch_dcp keeps each module's `_extra_state` (None for local modules).
+Megatron-LM requires TP=PP=1 for torch_dcp; fsdp_dtensor stores global tensors whatever the layout.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mconvert.ir import ModelConfig
+from mconvert.mapping import Row, expand
+from mconvert.options import ExpertLayout
+from mconvert.schemas import core
+from mconvert.schemas.swiglu_halves import halves
+
+FORMATS = ("torch_dcp", "fsdp_dtensor")
+PREFIX = "model."
+ARGS = "args"
+CHECKPOINT_VERSION_KEY, ITERATION_KEY, FLOPS_KEY = "checkpoint_version", "iteration", \
+    "num_floating_point_operations_so_far"
+# The expert layouts these formats can hold (Megatron-FSDP refuses moe_single_grouped_weight; the legacy
+# GroupedMLP predates them)
+EXPERT_LAYOUTS = ("sequential", "grouped")
+_HALF = re.compile(r".*\.linear_fc1\.(weight|bias)\d*_[wv]")
+
+
+def rows(config: ModelConfig, impl: core.Impl, expert_layout: ExpertLayout, *, split_swiglu: bool) -> list[Row]:
+    """The model tensors, keys with the `model.` prefix, in the order of the model's state dict."""
+    table = core.table(impl, moe=config.is_moe, expert_layout=expert_layout, local_experts=config.num_experts or 0,
+                       etp=1)
+    found = expand(table, config)
+    found = halves(found) if split_swiglu else found
+    return [Row(PREFIX + r.key, r.ir, r.rule) for r in found]
+
+
+def has_halves(keys) -> bool:
+    return any(_HALF.fullmatch(k) for k in keys)
+
+
+def detect_impl(keys) -> core.Impl:
+    return "te" if any(k.endswith("self_attention.linear_qkv.layer_norm_weight") for k in keys) else "local"
