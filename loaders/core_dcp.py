@@ -47,7 +47,8 @@ def load_dcp(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     config, config_notes = megatron_config(args, options, padded, dtype_name(embed.dtype), it_dir, assets)
     notes += config_notes
     impl = core_dcp.detect_impl(model)
-    expert_layout = core_moe.detect_layout(model, str(it_dir)) if config.is_moe else None
+    unprefixed = [k.removeprefix(core_dcp.PREFIX) for k in model]
+    expert_layout = core_moe.detect_layout(unprefixed, str(it_dir)) if config.is_moe else None
     if expert_layout not in (None, *core_dcp.EXPERT_LAYOUTS):
         raise ConvertError(f"{it_dir}: {expert_layout} experts in a DCP checkpoint; expected "
                            f"{' or '.join(core_dcp.EXPERT_LAYOUTS)}")

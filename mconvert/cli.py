@@ -82,7 +82,8 @@ def _fail_cleanly(func):
               "(GroupedMLP weight1/weight2 of older Megatron-LM).")
 @click.option("--moe-grouped-gemm", "expert_layout", flag_value="grouped",
               help="Same as --expert-layout grouped (Megatron's flag).")
-@click.option("--ckpt-format", type=click.Choice(["torch", "torch_dist", "zarr"]), default="torch",
+@click.option("--ckpt-format", type=click.Choice(["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]),
+              default="torch",
               show_default=True, help="Megatron checkpoint format written by the core saver.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Cast all weights (default: keep the source's).")
 @click.option("--bf16", "dtype", flag_value="bf16", help="Same as --dtype bf16.")

@@ -13,7 +13,7 @@ from mconvert.layout import ParallelLayout
 LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers")
 
 TransformerImpl = Literal["local", "te"]
-CkptFormat = Literal["torch", "torch_dist", "zarr"]
+CkptFormat = Literal["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]
 # Megatron MoE expert weights: SequentialMLP (one module per expert), TE grouped GEMM (`weight{j}` per expert),
 # or the legacy GroupedMLP (`weight1`/`weight2` holding all local experts).
 ExpertLayout = Literal["sequential", "grouped", "legacy_grouped"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from mconvert.savers import megatron_files
+from mconvert.savers.core_dcp import save_dcp
 from mconvert.savers.core_dist import save_dist
 
 from mconvert.errors import ConvertError
@@ -21,7 +22,7 @@ from mconvert.options import LAYOUT_OPTIONS, Options
 from mconvert.progress import Progress
 from mconvert.registry import register_saver
 from mconvert.rules import Ctx
-from mconvert.schemas import core
+from mconvert.schemas import core, core_dcp
 from mconvert.transforms import padded_vocab_size
 
 
@@ -29,9 +30,11 @@ from mconvert.transforms import padded_vocab_size
                 options=(*LAYOUT_OPTIONS, "transformer_impl", "expert_layout", "ckpt_format",
                          "make_vocab_size_divisible_by", "iteration"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
-    """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`
-    or `zarr` (--ckpt-format)."""
+    """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`,
+    `zarr`, `torch_dcp` or `fsdp_dtensor` (--ckpt-format)."""
     check_expert_layout(ir, options)
+    if options.ckpt_format in core_dcp.FORMATS:
+        return save_dcp(ir, out, options, progress)
     if options.ckpt_format != "torch":
         return save_dist(ir, out, options, progress)
     c, layout = ir.config, options.layout
