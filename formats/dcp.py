@@ -86,6 +86,11 @@ class _TensorProperties(Record):
 
 _RECORDS = {key: type(key[1], (_TensorProperties if key[1] == "TensorProperties" else Record,),
                       {"__module__": "mconvert.formats.dcp.records"}) for key in _DCP_CLASSES}
+# megatron-core's subclasses in `.metadata` files of its torch_dist checkpoints (Oct-Nov 2025: MCoreMetadata, a
+# Metadata with an `mcore_data` field; MCoreSavePlan, a SavePlan): read as the records of their base classes.
+_MCORE = "megatron.core.dist_checkpointing.strategies.torch"
+_RECORDS |= {(_MCORE, "MCoreMetadata"): _RECORDS[("torch.distributed.checkpoint.metadata", "Metadata")],
+             (_MCORE, "MCoreSavePlan"): _RECORDS[("torch.distributed.checkpoint.planner", "SavePlan")]}
 
 
 class _MetadataUnpickler(pickle.Unpickler):

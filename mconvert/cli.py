@@ -76,12 +76,15 @@ def _fail_cleanly(func):
 @click.option("--transformer-impl", "--saver-transformer-impl", "transformer_impl",
               type=click.Choice(["local", "te", "transformer_engine"]), default="local", show_default=True,
               help="Megatron key names: local modules or Transformer Engine's fused names.")
-@click.option("--expert-layout", type=click.Choice(["sequential", "grouped", "legacy_grouped"]),
+@click.option("--expert-layout", type=click.Choice(["sequential", "grouped", "legacy_grouped", "single_grouped"]),
               help="How Megatron stores MoE experts: sequential (local_experts.{j}, default), grouped (Transformer "
-              "Engine grouped GEMM, linear_fc1.weight{j}; needs --transformer-impl te) or legacy_grouped "
-              "(GroupedMLP weight1/weight2 of older Megatron-LM).")
+              "Engine grouped GEMM, linear_fc1.weight{j}; needs --transformer-impl te), legacy_grouped "
+              "(GroupedMLP weight1/weight2 of older Megatron-LM) or single_grouped (TE grouped GEMM with one "
+              "[experts, out, in] linear_fc1.weight; needs --transformer-impl te).")
 @click.option("--moe-grouped-gemm", "expert_layout", flag_value="grouped",
               help="Same as --expert-layout grouped (Megatron's flag).")
+@click.option("--moe-single-grouped-weight", "expert_layout", flag_value="single_grouped",
+              help="Same as --expert-layout single_grouped (Megatron's flag).")
 @click.option("--ckpt-format", type=click.Choice(["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]),
               default="torch",
               show_default=True, help="Megatron checkpoint format written by the core saver.")

@@ -8,6 +8,9 @@ expert-major stack:
     fc1 whole  [n, 2f, h]   expert e's rows are [gate_e ; up_e]      (HF's fused `gate_up_proj`)
     fc2 whole  [n, h, f]    expert e is down_e                       (HF's fused `down_proj`)
 
+Transformer Engine's single grouped weight (moe_single_grouped_weight) stores that stack as is, per TP rank r
+`[n, 2f/tp, h]` (each expert [gate_r ; up_r]) and `[n, h, f/tp]`.
+
 Megatron's legacy GroupedMLP stores an expert-parallel rank's n local experts per TP rank r as
 
     weight1  [h, n*2f/tp]   memory = expert 0 [gate_0,r ; up_0,r]^T | expert 1 … (see transforms)
@@ -57,6 +60,11 @@ def _gated_unchunk(pieces: list[Tensor]) -> Tensor:
     halves = [_split(p, 2, 1) for p in pieces]
     return transforms.cat([transforms.cat([g for g, _ in halves], dim=1),
                            transforms.cat([u for _, u in halves], dim=1)], dim=1)
+
+
+# TE's single grouped weight keeps the expert-major stack and splits each expert as its dense counterpart
+STACKED_GATED_COLUMN = Shard("stacked_gated_column", _gated_chunks, _gated_unchunk)
+STACKED_ROW = Shard("stacked_row", lambda t, n: _split(t, n, 2), lambda ps: transforms.cat(ps, dim=2))
 
 
 def grouped_gemm_fc1(local_experts: int) -> Shard:

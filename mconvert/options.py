@@ -15,8 +15,9 @@ LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_st
 TransformerImpl = Literal["local", "te"]
 CkptFormat = Literal["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]
 # Megatron MoE expert weights: SequentialMLP (one module per expert), TE grouped GEMM (`weight{j}` per expert),
-# or the legacy GroupedMLP (`weight1`/`weight2` holding all local experts).
-ExpertLayout = Literal["sequential", "grouped", "legacy_grouped"]
+# the legacy GroupedMLP (`weight1`/`weight2` holding all local experts), or TE's grouped GEMM with
+# moe_single_grouped_weight (one `weight` [n, out, in] per grouped linear).
+ExpertLayout = Literal["sequential", "grouped", "legacy_grouped", "single_grouped"]
 
 
 @dataclass(frozen=True, kw_only=True)

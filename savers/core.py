@@ -68,9 +68,10 @@ def check_expert_layout(ir: ModelIR, options: Options) -> None:
     if not ir.config.is_moe:
         raise ConvertError(f"--expert-layout {options.expert_layout} needs a mixture-of-experts model; this one "
                            "is dense")
-    if options.expert_layout == "grouped" and options.transformer_impl != "te":
-        raise ConvertError("--expert-layout grouped is Transformer Engine's grouped GEMM (TEGroupedMLP) and needs "
-                           "--transformer-impl te; with local modules use sequential or legacy_grouped")
+    if options.expert_layout in ("grouped", "single_grouped") and options.transformer_impl != "te":
+        raise ConvertError(f"--expert-layout {options.expert_layout} is Transformer Engine's grouped GEMM "
+                           "(TEGroupedMLP) and needs --transformer-impl te; with local modules use sequential or "
+                           "legacy_grouped")
 
 
 def moe_table(ir: ModelIR, options: Options):

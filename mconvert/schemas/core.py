@@ -318,4 +318,6 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     if c.is_moe and expert_layout == "legacy_grouped":
         # Megatron-LM before March 2026 (the GroupedMLP's last version) picks it under TE only with this flag
         values["moe_use_legacy_grouped_gemm"] = True
+    if c.is_moe and expert_layout == "single_grouped":  # megatron-core requires the TE op fuser for it
+        values |= {"moe_single_grouped_weight": True, "use_transformer_engine_op_fuser": True}
     return argparse.Namespace(**values)

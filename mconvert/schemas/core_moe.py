@@ -13,6 +13,9 @@ f is the per-expert FFN size (moe_ffn_hidden_size), etp the expert tensor-parall
     legacy_grouped  (GroupedMLP; removed from Megatron-LM in March 2026, no _extra_state)
     mlp.experts.weight1                              [h, n*2f/etp]    transposed, see mconvert.expert_rules
     mlp.experts.weight2                              [n*f/etp, h]
+    single_grouped  (TEGroupedMLP with moe_single_grouped_weight, megatron-core 0.18+, TE >= 2.14)
+    mlp.experts.linear_fc1.weight                    [n, 2f/etp, h]   expert-major; each [gate_r ; up_r]
+    mlp.experts.linear_fc2.weight                    [n, h, f/etp]    one _extra_state per grouped linear
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ import re
 from typing import get_args
 
 from mconvert.errors import ConvertError
-from mconvert.expert_rules import STACK, STACK_GATE_UP, expert_tp, grouped_gemm_fc1, grouped_gemm_fc2
+from mconvert.expert_rules import (
+    STACK,
+    STACK_GATE_UP,
+    STACKED_GATED_COLUMN,
+    STACKED_ROW,
+    expert_tp,
+    grouped_gemm_fc1,
+    grouped_gemm_fc2,
+)
 from mconvert.options import ExpertLayout
 from mconvert.rules import GATE_UP, GATED_COLUMN, IDENTITY, ROW, Rule
 
@@ -40,6 +51,11 @@ def expert_rules(layout: ExpertLayout, *, local_experts: int, etp: int) -> tuple
             Rule(f"{_EXPERTS}.weight1", _GATE_UP, STACK_GATE_UP, expert_tp(grouped_gemm_fc1(local_experts), etp)),
             Rule(f"{_EXPERTS}.weight2", _DOWN, STACK, expert_tp(grouped_gemm_fc2(local_experts), etp)),
         )
+    if layout == "single_grouped":
+        return (), (
+            Rule(f"{_EXPERTS}.linear_fc1.weight", _GATE_UP, STACK_GATE_UP, expert_tp(STACKED_GATED_COLUMN, etp)),
+            Rule(f"{_EXPERTS}.linear_fc2.weight", _DOWN, STACK, expert_tp(STACKED_ROW, etp)),
+        )
     fc1, fc2 = {"sequential": (f"{_EXPERTS}.local_experts.{{e}}.linear_fc1.weight",
                                f"{_EXPERTS}.local_experts.{{e}}.linear_fc2.weight"),
                 "grouped": (f"{_EXPERTS}.linear_fc1.weight{{e}}", f"{_EXPERTS}.linear_fc2.weight{{e}}")}[layout]
@@ -56,7 +72,7 @@ def extra_state_modules(layout: ExpertLayout, impl: str, local_experts: int) -> 
     norm = ("decoder.layers.{l}.pre_mlp_layernorm",) if impl == "te" else ()
     if layout == "sequential":
         return norm + tuple(f"{_EXPERTS}.local_experts.{j}.linear_fc{k}" for j in range(local_experts) for k in (1, 2))
-    if layout == "grouped":
+    if layout in ("grouped", "single_grouped"):
         return norm + (f"{_EXPERTS}.linear_fc1", f"{_EXPERTS}.linear_fc2")
     return norm
 
@@ -65,6 +81,7 @@ _MARKERS = {
     "sequential": re.compile(r"decoder\.layers\.\d+\.mlp\.experts\.local_experts\.\d+\.linear_fc[12]\.weight"),
     "grouped": re.compile(r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc[12]\.weight\d+"),
     "legacy_grouped": re.compile(r"decoder\.layers\.\d+\.mlp\.experts\.weight[12]"),
+    "single_grouped": re.compile(r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc[12]\.weight"),
 }
 
 
@@ -86,7 +103,8 @@ def detect_expert_tp(shapes: dict[str, tuple[int, ...]], layout: ExpertLayout, *
     """
     column, pattern = {"sequential": (1, r".*\.local_experts\.0\.linear_fc2\.weight"),
                        "grouped": (1, r".*\.mlp\.experts\.linear_fc2\.weight0"),
-                       "legacy_grouped": (0, r".*\.mlp\.experts\.weight2")}[layout]
+                       "legacy_grouped": (0, r".*\.mlp\.experts\.weight2"),
+                       "single_grouped": (2, r".*\.mlp\.experts\.linear_fc2\.weight")}[layout]
     for key, shape in shapes.items():
         if re.fullmatch(pattern, key):
             width = shape[column] // (local_experts if layout == "legacy_grouped" else 1)
