@@ -37,29 +37,35 @@ def load_dcp(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     if chunks:
         raise ConvertError(f"{it_dir}: virtual pipeline chunks ({', '.join(chunks)}) in a {args.ckpt_format} "
                            "checkpoint: their layer numbers are local to each chunk; not supported")
+    prefixes = {core_dcp.model_prefix(k) for k in store.tensors} - {None}
+    if len(prefixes) != 1:
+        raise ConvertError(f"{it_dir}: expected the model's tensors under one prefix ({core_dcp.PREFIX}, with any "
+                           f"number of `{core_dcp.WRAPPER}` wrappers); found {sorted(prefixes) or 'none'}")
+    [prefix] = prefixes
     model = {k: entry for k, entry in store.tensors.items() if k.startswith(core_dcp.PREFIX)}
-    embed = model.get(core_dcp.PREFIX + "embedding.word_embeddings.weight")
+    embed = model.get(prefix + "embedding.word_embeddings.weight")
     if embed is None:
-        raise ConvertError(f"{it_dir}: no {core_dcp.PREFIX}embedding.word_embeddings.weight in the checkpoint")
+        raise ConvertError(f"{it_dir}: no {prefix}embedding.word_embeddings.weight in the checkpoint")
     padded = embed.shape[0]
     notes: list[str] = []
     assets = tokenizer(options, it_dir, args, notes)
     config, config_notes = megatron_config(args, options, padded, dtype_name(embed.dtype), it_dir, assets)
     notes += config_notes
     impl = core_dcp.detect_impl(model)
-    unprefixed = [k.removeprefix(core_dcp.PREFIX) for k in model]
+    unprefixed = [k.removeprefix(prefix) for k in model]
     expert_layout = core_moe.detect_layout(unprefixed, str(it_dir)) if config.is_moe else None
     if expert_layout not in (None, *core_dcp.EXPERT_LAYOUTS):
         raise ConvertError(f"{it_dir}: {expert_layout} experts in a DCP checkpoint; expected "
                            f"{' or '.join(core_dcp.EXPERT_LAYOUTS)}")
     split = core_dcp.has_halves(model)
-    rows = core_dcp.rows(config, impl, expert_layout or "sequential", split_swiglu=split)
+    rows = core_dcp.rows(config, impl, expert_layout or "sequential", split_swiglu=split, prefix=prefix)
     source = {k: [LazyTensor(tuple(e.shape), e.dtype, lambda k=k: store.read(k), f"{it_dir.name}:{k}")]
               for k, e in model.items()}
     tensors = to_ir(source, rows, Ctx(config, padded), where=str(it_dir), drop=DROP, cache=LoadCache(4))
     fmt = args.ckpt_format if getattr(args, "ckpt_format", None) in core_dcp.FORMATS else \
         "fsdp_dtensor" if split else "torch_dcp"
-    layout = {"format": fmt, "padded_vocab": padded, "transformer_impl": impl, "swiglu_halves": split}
+    layout = {"format": fmt, "padded_vocab": padded, "transformer_impl": impl, "swiglu_halves": split,
+              "prefix": prefix}
     if expert_layout:
         layout["expert_layout"] = expert_layout
     others = sorted({k.split(".", 1)[0] for k in [*store.tensors, *store.bytes_items]} -

@@ -41,8 +41,9 @@ def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> No
                                  tokenizer_model=megatron_files.tokenizer_model(ir, out, options, iteration))
     it_dir = out / core.iteration_dir(iteration)
     ctx = Ctx(c, padded)
-    rows = core_dcp.rows(c, options.transformer_impl, options.expert_layout,
-                         split_swiglu=fmt == "fsdp_dtensor")
+    prefix = core_dcp.WRITE_PREFIX[fmt]
+    rows = core_dcp.rows(c, options.transformer_impl, options.expert_layout, split_swiglu=fmt == "fsdp_dtensor",
+                         prefix=prefix)
     writer = DcpWriter(it_dir)
     try:
         with progress.task(f"{it_dir.name} ({fmt})", ir.nbytes) as advance:
@@ -54,9 +55,9 @@ def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> No
         if fmt == "torch_dcp":  # the model's own state dict keeps them; Megatron-FSDP drops them
             for key, value in _extra_states(ir, options).items():
                 if value is None:
-                    writer.add_object(core_dcp.PREFIX + key, value)
+                    writer.add_object(prefix + key, value)
                 else:  # Transformer Engine's: a tensor (empty without FP8), stored as one
-                    writer.add_chunk(core_dcp.PREFIX + key, value.shape, (0,), value)
+                    writer.add_chunk(prefix + key, value.shape, (0,), value)
         for key, value in ((core_dcp.ARGS, args), (core_dcp.CHECKPOINT_VERSION_KEY, core.CHECKPOINT_VERSION),
                            (core_dcp.ITERATION_KEY, iteration), (core_dcp.FLOPS_KEY, 0)):
             writer.add_object(key, value)

@@ -25,10 +25,10 @@ FORMATS = {
     "moe_dist_integrity": ("torch_dist", "integrity=3 files"),
     "llama_singleton": ("torch_dist", "singleton_local_shards=True"),
     "moe_singleton": ("torch_dist", "singleton_local_shards=True"),
-    "llama_fsdp_dtensor": ("fsdp_dtensor", "swiglu_halves=True"),
-    "moe_fsdp_dtensor": ("fsdp_dtensor", "swiglu_halves=True, expert_layout=sequential"),
-    "gpt2_fsdp_dtensor": ("fsdp_dtensor", "swiglu_halves=False"),
-    "llama_torch_dcp": ("torch_dcp", "swiglu_halves=False"),
+    "llama_fsdp_dtensor": ("fsdp_dtensor", "swiglu_halves=True, prefix=model.module."),
+    "moe_fsdp_dtensor": ("fsdp_dtensor", "prefix=model.module., expert_layout=sequential"),
+    "gpt2_fsdp_dtensor": ("fsdp_dtensor", "swiglu_halves=False, prefix=model.module."),
+    "llama_torch_dcp": ("torch_dcp", "swiglu_halves=False, prefix=model."),
 }
 
 

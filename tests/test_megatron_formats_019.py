@@ -34,15 +34,15 @@ def test_dcp_formats_round_trip(fmt, family, impl, llama_dir, mixtral_dir, gpt2_
 
 
 def test_fsdp_dtensor_layout(mixtral_dir, tmp_path):
-    """model. prefix, global layer and expert numbers, SwiGLU halves, no _extra_state, Megatron's top entries;
-    plain torch.distributed.checkpoint reads it."""
+    """model.module. prefix (Megatron-FSDP's wrappers), global layer and expert numbers, SwiGLU halves, no
+    _extra_state, Megatron's top entries; plain torch.distributed.checkpoint reads it."""
     run_cli("--saver", "core", "--ckpt-format", "fsdp_dtensor", "--load-dir", mixtral_dir, "--save-dir",
             tmp_path / "d")
     it = tmp_path / "d" / IT
     reader = DcpReader(it)
     assert sorted(reader.bytes_items) == ["args", "checkpoint_version", "iteration",
                                           "num_floating_point_operations_so_far"]
-    experts = "model.decoder.layers.3.mlp.experts.local_experts.3"
+    experts = "model.module.decoder.layers.3.mlp.experts.local_experts.3"
     shapes = {k: v.shape for k, v in reader.tensors.items()}
     assert shapes[f"{experts}.linear_fc1.weight_w"] == shapes[f"{experts}.linear_fc1.weight_v"] == (96, 64)
     assert shapes[f"{experts}.linear_fc2.weight"] == (64, 96)
@@ -52,10 +52,10 @@ def test_fsdp_dtensor_layout(mixtral_dir, tmp_path):
     assert torch.equal(reader.read(f"{experts}.linear_fc1.weight_v"), ir["layers.3.moe.experts.3.up.weight"])
     import torch.distributed.checkpoint as dcp
 
-    state = {"args": None, "iteration": None, "model": {"decoder.final_layernorm.weight": torch.empty(64)}}
+    state = {"args": None, "iteration": None, "model": {"module.decoder.final_layernorm.weight": torch.empty(64)}}
     dcp.load(state, checkpoint_id=str(it), no_dist=True)  # what Megatron's --use-checkpoint-args reads first
     assert state["iteration"] == 1 and state["args"].ckpt_format == "fsdp_dtensor"
-    assert torch.equal(state["model"]["decoder.final_layernorm.weight"], ir["final_norm.weight"])
+    assert torch.equal(state["model"]["module.decoder.final_layernorm.weight"], ir["final_norm.weight"])
 
 
 def test_torch_dcp_keeps_extra_states(llama_dir, tmp_path):

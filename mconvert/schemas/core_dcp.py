@@ -9,10 +9,13 @@ Megatron-LM 0.19 (megatron/training/checkpointing.py) hands its whole checkpoint
       optimizer.*, opt_param_scheduler.*, rng_state.*, rerun_state_machine.*     training state, not converted
 
 The model keys are those of the `torch` format at TP=PP=EP=1 (local or Transformer-Engine names; experts
-numbered globally: `local_experts.{E}` or TE's `linear_fc1.weight{E}`), with two differences for fsdp_dtensor
-(Megatron-FSDP): no `_extra_state` entries, and SwiGLU's fc1 stored as `_w`/`_v` halves
-(mconvert.schemas.swiglu_halves). torch_dcp keeps each module's `_extra_state` (None for local modules).
-Megatron-LM requires TP=PP=1 for torch_dcp; fsdp_dtensor stores global tensors whatever the layout.
+numbered globally: `local_experts.{E}` or TE's `linear_fc1.weight{E}`), under the wrappers' prefixes. torch_dcp
+(torch FSDP2, whose wrapper saves the inner model's state dict): `model.decoder.…`, each module's `_extra_state`
+kept (None for local modules). fsdp_dtensor (Megatron-FSDP, whose adapter saves its own state dict, around a
+MegatronFSDP module around the model): `model.module.decoder.…`, as tools/checkpoint's torch_dist ->
+fsdp_dtensor converter writes too, with no `_extra_state` and SwiGLU's fc1 as `_w`/`_v` halves
+(mconvert.schemas.swiglu_halves). Readers take any number of `module.` wrappers. Megatron-LM requires TP=PP=1
+for torch_dcp; fsdp_dtensor stores global tensors whatever the layout.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from mconvert.schemas.swiglu_halves import halves
 
 FORMATS = ("torch_dcp", "fsdp_dtensor")
 PREFIX = "model."
+WRAPPER = "module."
+WRITE_PREFIX = {"torch_dcp": PREFIX, "fsdp_dtensor": PREFIX + WRAPPER}
 ARGS = "args"
 CHECKPOINT_VERSION_KEY, ITERATION_KEY, FLOPS_KEY = "checkpoint_version", "iteration", \
     "num_floating_point_operations_so_far"
@@ -36,13 +41,24 @@ EXPERT_LAYOUTS = ("sequential", "grouped")
 _HALF = re.compile(r".*\.linear_fc1\.(weight|bias)\d*_[wv]")
 
 
-def rows(config: ModelConfig, impl: core.Impl, expert_layout: ExpertLayout, *, split_swiglu: bool) -> list[Row]:
-    """The model tensors, keys with the `model.` prefix, in the order of the model's state dict."""
+def rows(config: ModelConfig, impl: core.Impl, expert_layout: ExpertLayout, *, split_swiglu: bool,
+         prefix: str = PREFIX) -> list[Row]:
+    """The model tensors, keys under `prefix` (`model.` and its wrappers), in the order of the state dict."""
     table = core.table(impl, moe=config.is_moe, expert_layout=expert_layout, local_experts=config.num_experts or 0,
                        etp=1)
     found = expand(table, config)
     found = halves(found) if split_swiglu else found
-    return [Row(PREFIX + r.key, r.ir, r.rule) for r in found]
+    return [Row(prefix + r.key, r.ir, r.rule) for r in found]
+
+
+def model_prefix(key: str) -> str | None:
+    """`model.module.decoder.…` -> `model.module.`: the prefix (model and wrappers) of a model key, else None."""
+    if not key.startswith(PREFIX):
+        return None
+    end = len(PREFIX)
+    while key.startswith(WRAPPER, end):
+        end += len(WRAPPER)
+    return key[:end]
 
 
 def has_halves(keys) -> bool:

@@ -85,6 +85,19 @@ def build_model(args):
                     rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling)
 
 
+def fsdp_shaped(model):
+    """`model` nested as Megatron-FSDP nests it: its adapter (mcore_fsdp_adapter.FullyShardedDataParallel, a
+    _BaseDataParallel) holds a MegatronFSDP module holding the model, and saves its own state_dict, so the model's
+    keys start with `module.`. One rank, no sharding: a plain module stands in MegatronFSDP's place."""
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+    holder = torch.nn.Module()
+    holder.module = model
+    adapter = _BaseDataParallel(model.config, holder)
+    adapter.state_dict_for_save_checkpoint = adapter.state_dict  # as the adapter's __init__ sets it
+    return adapter
+
+
 def logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """Megatron's forward pass on `tokens` [b, s] (causal mask, positions 0..s-1), in eval mode."""
     s = tokens.shape[1]

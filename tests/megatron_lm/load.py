@@ -12,7 +12,8 @@ How the weights are loaded depends on the format Megatron detects:
 - torch, torch_dist: `load_checkpoint(strict=True)`; torch_dist also through `dist_checkpointing.load` into a
   second model's sharded state dict, which must give the same tensors;
 - fsdp_dtensor ("fsdp": true; Megatron tells it from torch_dcp by the run's --use-megatron-fsdp):
-  `load_checkpoint` as a Megatron-FSDP run does (ckpt_format fsdp_dtensor), with the one
+  `load_checkpoint` as a Megatron-FSDP run does (ckpt_format fsdp_dtensor, the model nested as
+  Megatron-FSDP nests it), with the one
   FSDP-only step, splitting the fc1 parameter into its `_w`/`_v` halves, done on the plain parameter (views of
   rows [:n/2] and [n/2:], which is what that step yields on one rank);
 - torch_dcp: Megatron's torch_dcp loader also requires optimizer, scheduler and RNG state, which a converted
@@ -63,7 +64,7 @@ def load_one(spec: dict) -> None:
         args.use_megatron_fsdp, args.ckpt_format = True, fmt  # a Megatron-FSDP run (flags validated without it)
         checkpointing.handle_swiglu_in_state_dict = split_fc1_views
         checkpointing.preprocess_state_dict_for_uneven_dtensor = lambda state_dict: None
-        iteration, _ = checkpointing.load_checkpoint([model], None, None, strict=True)
+        iteration, _ = checkpointing.load_checkpoint([cpu.fsdp_shaped(model)], None, None, strict=True)
     else:
         state = {"model": model.state_dict()}
         dcp.load(state, checkpoint_id=str(it_dir))

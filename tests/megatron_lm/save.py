@@ -10,9 +10,10 @@ that a norm or bias mix-up changes the numbers), saved to OUT_DIR/<name> at iter
 OUT_DIR/<name>.pt holds {"tokens", "logits"} (logits over the padded vocabulary).
 
 `fsdp_dtensor` and `torch_dcp` need Megatron-FSDP / torch FSDP2 on GPUs to train; their checkpoints hold the
-same global tensors whatever the data-parallel sharding, so here the unwrapped model goes through
-`save_checkpoint` with the format set after argument validation, and the one FSDP-only step on the way (the
-SwiGLU fc1 split, which reads FSDP's buffer slices) is replaced by its one-rank result: rows [:n/2] and [n/2:].
+same global tensors whatever the data-parallel sharding, so here the model goes through `save_checkpoint` with
+the format set after argument validation (for fsdp_dtensor nested as Megatron-FSDP nests it, cpu.fsdp_shaped),
+and the one FSDP-only step on the way (the SwiGLU fc1 split, which reads FSDP's buffer slices) is replaced by its
+one-rank result: rows [:n/2] and [n/2:].
 Runs in the megatron-core 0.19 environment (scripts/megatron_envs.sh).
 """
 
@@ -70,7 +71,7 @@ def save_one(root: Path, spec: dict) -> None:
         checkpointing.preprocess_state_dict_for_uneven_dtensor = lambda state_dict: None
     model = cpu.build_model(args)
     randomize_norms(model, seed=len(spec["name"]))
-    checkpointing.save_checkpoint(3, [model], None, None, 0)
+    checkpointing.save_checkpoint(3, [cpu.fsdp_shaped(model) if fmt == "fsdp_dtensor" else model], None, None, 0)
     vocab = args.vocab_size or spec["vocab"]
     tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
     torch.save({"tokens": tokens, "logits": cpu.logits(model, tokens)}, root / f"{spec['name']}.pt")
