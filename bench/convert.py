@@ -46,9 +46,10 @@ SIZES = {
 }
 
 
-def build_model(root: Path, size: str) -> int:
-    """Write a random bf16 Llama HF directory, tensor by tensor; returns the weight bytes."""
-    config = ModelConfig(family="llama", dtype="bfloat16", bos_token_id=1, eos_token_id=2, **SIZES[size])
+def build_model(root: Path, size: str, **changes) -> int:
+    """Write a random bf16 Llama HF directory, tensor by tensor (`changes` to the size's shape, e.g. num_layers);
+    returns the weight bytes."""
+    config = ModelConfig(family="llama", dtype="bfloat16", bos_token_id=1, eos_token_id=2, **(SIZES[size] | changes))
     rows = expand(hf_llama.TABLE, config)
     from mconvert.ir_names import expected_shapes
 
@@ -90,10 +91,11 @@ def tree_memory(pid: int) -> int:
     return total
 
 
-def run_measured(cmd: list[str]) -> tuple[float, int]:
-    """Run `cmd` then sync; wall seconds (including the sync) and peak tree memory."""
+def run_measured(cmd: list[str], stdout: list[str] | None = None) -> tuple[float, int]:
+    """Run `cmd` then sync; wall seconds (including the sync) and peak tree memory (its output into `stdout`)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL if stdout is None else subprocess.PIPE,
+                            stderr=subprocess.PIPE)
     peak = 0
 
     def sample() -> None:
@@ -104,8 +106,10 @@ def run_measured(cmd: list[str]) -> tuple[float, int]:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    _, err = proc.communicate()
+    out, err = proc.communicate()
     sampler.join()
+    if stdout is not None:
+        stdout.append(out.decode())
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{err.decode()}")
     os.sync()

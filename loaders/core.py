@@ -14,23 +14,22 @@ from mconvert.loaders.core_dcp import is_dcp_checkpoint, load_dcp
 from mconvert.loaders.core_dist import load_dist
 from mconvert.loaders.megatron_files import (
     RankFiles,
-    check_layer_count,
-    chunk_starts,
+    chunks_in_files,
     find_iteration,
     first_model,
     is_dist_checkpoint,
-    num_local_layers,
+    read_parts,
     tokenizer,
 )
 from mconvert.loaders.megatron_files import config as megatron_config
 
-from mconvert.errors import ConvertError, format_names
+from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
-from mconvert.mapping import Row, expand, take_copies, to_ir, verify_copies
+from mconvert.mapping import to_ir, verify_copies
 from mconvert.options import Options
 from mconvert.registry import register_loader
 from mconvert.rules import Ctx
-from mconvert.schemas import core, core_moe
+from mconvert.schemas import core, core_moe, rank_plan
 
 LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.")
 # Not weights: module extra state (FP8 metadata or None) and rotary frequencies Megatron recomputes.
@@ -59,13 +58,14 @@ def load(path: Path, options: Options) -> ModelIR:
     if is_dcp_checkpoint(it_dir):
         return load_dcp(it_dir, iteration, options)
     files = RankFiles(it_dir)
-    chunks = files.chunk_names()
-    # Global layer order is chunk-major: chunk v of every stage, then chunk v+1 (see mconvert.layout).
-    counts = {(pp, v): num_local_layers(files.model(0, pp, 0, name), LAYER_KEY)
-              for v, name in enumerate(chunks) for pp in range(files.pp)}
-    starts, total = chunk_starts(counts, files.pp, len(chunks))
-    check_layer_count(files, total)
-    first_model = files.model(0, 0, 0, chunks[0])
+
+    def tensors_of(tp: int, pp: int, ep: int, entry: str) -> dict[str, LazyTensor]:
+        return {k: LazyTensor.of(v, f"{files.rel((tp, pp, ep))}:{entry}.{k}")
+                for k, v in files.model(tp, pp, ep, entry).items() if isinstance(v, torch.Tensor)}
+
+    chunks = chunks_in_files(files, LAYER_KEY, tensors_of)
+    names = files.chunk_names()
+    first_model = files.model(0, 0, 0, names[0])
     impl = "te" if any(k.endswith("linear_qkv.layer_norm_weight") for k in first_model) else "local"
     embed_key = "embedding.word_embeddings.weight"
     if embed_key not in first_model:
@@ -76,25 +76,15 @@ def load(path: Path, options: Options) -> ModelIR:
     assets = tokenizer(options, it_dir, files.args, notes)
     config, config_notes = megatron_config(files.args, options, padded, dtype_name(embed.dtype), it_dir, assets)
     notes += config_notes
-    expert_layout, etp = _experts(files, chunks, config, notes) if config.is_moe else (None, files.tp)
-    table = core.table(impl, moe=config.is_moe, expert_layout=expert_layout or "sequential",
-                       local_experts=(config.num_experts or 0) // files.ep, etp=etp)
-
-    source: dict[str, list[LazyTensor]] = {}
-    rows: list[Row] = []
-    last = (files.pp - 1, len(chunks) - 1)
-    for v, name in enumerate(chunks):
-        for pp in range(files.pp):
-            for ep in range(files.ep):
-                rows += _chunk_source(files, config, table, name, pp, v, ep, starts[(pp, v)], counts[(pp, v)],
-                                      (pp, v) == last, source)
-    ctx = Ctx(config, padded)
-    # With tied embeddings and PP > 1 the last stage keeps a copy of the embedding as output_layer.weight
-    copies = take_copies(source, r".*/output_layer\.weight") if config.tie_embeddings and files.pp > 1 else []
+    expert_layout, etp = _experts(files, names, config, notes) if config.is_moe else (None, files.tp)
+    ctx = Ctx(config, padded, tp=files.tp, etp=etp, local_experts=(config.num_experts or 0) // files.ep)
+    parts = rank_plan.plan(core.table(impl, expert_layout or "sequential"), config, chunks, ep=files.ep,
+                           entry_names=names, tied_copy=core.TIED_OUTPUT)
+    source, rows, copies = read_parts(files, parts, tensors_of)
     tensors = to_ir(source, rows, ctx, where=str(it_dir), drop=DROP, cache=LoadCache(4))
     verify_copies(tensors, "embed.weight", copies, core.TIED_OUTPUT, ctx)
-    layout = {"tp": files.tp, "pp": files.pp, "vpp": len(chunks) if chunks != ["model"] else 1, "ep": files.ep,
-              "stage_layers": [sum(counts[(p, v)] for v in range(len(chunks))) for p in range(files.pp)],
+    layout = {"tp": files.tp, "pp": files.pp, "vpp": len(names) if names != ["model"] else 1, "ep": files.ep,
+              "stage_layers": [sum(len(c.layers) for c in chunks if c.pp == p) for p in range(files.pp)],
               "transformer_impl": impl, "padded_vocab": padded}
     if config.is_moe:
         layout |= {"etp": etp, "expert_layout": expert_layout}
@@ -111,7 +101,7 @@ def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> t
     shapes = {k: tuple(t.shape) for pp in range(files.pp) for name in chunks
               for k, t in files.model(0, pp, 0, name).items() if isinstance(t, torch.Tensor)}
     layout = core_moe.detect_layout(shapes, str(files.it_dir))
-    etp = core_moe.detect_expert_tp(shapes, layout, ffn=config.ffn_hidden_size, local_experts=local,
+    etp = core_moe.detect_expert_tp(shapes, layout, ffn=config.expert_ffn_hidden_size, local_experts=local,
                                     where=files.rel((0, 0, 0))) if layout else None
     etp = etp or files.tp
     if files.tp % etp:
@@ -122,40 +112,3 @@ def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> t
         notes.append(f"args.expert_tensor_parallel_size is {stored} but the expert weights are split over {etp} "
                      "rank(s); using the tensors' split")
     return layout, etp
-
-
-def _is_expert(row: Row) -> bool:
-    return any(".moe.experts." in n for n in row.ir)
-
-
-def _chunk_source(files: RankFiles, config, table, name, pp, v, ep, start, count, has_head, source) -> list[Row]:
-    """Add one chunk's tensors (pieces across TP) to `source` under chunk-qualified keys; return its rows."""
-    prefix = f"{files.files[(0, pp, ep)].parent.name}/{name}/"  # names TP rank 0's folder: keys agree over TP
-    models = [files.model(tp, pp, ep, name) for tp in range(files.tp)]
-    keys = [k for k, val in models[0].items() if isinstance(val, torch.Tensor)]
-    for tp in range(1, files.tp):
-        other = [k for k, val in models[tp].items() if isinstance(val, torch.Tensor)]
-        if set(other) != set(keys):
-            diff = sorted(set(keys) ^ set(other))
-            raise ConvertError(f"{files.rel((tp, pp, ep))} and {files.rel((0, pp, ep))} hold different tensors: "
-                               f"{', '.join(diff[:5])}")
-    per_rank = (config.num_experts or 0) // files.ep
-    rows = expand(table, config, layers=[(start + l, l) for l in range(count)],
-                  experts=[(ep * per_rank + e, e) for e in range(per_rank)],
-                  embedding=(pp == 0 and v == 0), head=has_head)
-    if ep > 0:  # dense tensors repeat in every EP file: read them from EP rank 0, take only experts here
-        dense = {r.key for r in rows if not _is_expert(r)}
-        here = {k: tuple(models[0][k].shape) for k in keys if k in dense}
-        ref = {k: tuple(t.shape) for k, t in files.model(0, pp, 0, name).items()
-               if k in dense and isinstance(t, torch.Tensor)}
-        if here != ref:
-            diff = sorted(k for k in set(here) | set(ref) if here.get(k) != ref.get(k))
-            raise ConvertError(f"{files.rel((0, pp, ep))} and {files.rel((0, pp, 0))} hold different dense "
-                               "(non-expert) tensors, which every expert-parallel rank repeats: "
-                               f"{format_names(diff, 5)}")
-        rows = [r for r in rows if _is_expert(r)]
-        keys = [k for k in keys if k not in dense]  # whatever is left must be this rank's experts (strict)
-    for k in keys:
-        source[prefix + k] = [LazyTensor.of(m[k], f"{files.rel((tp, pp, ep))}:{name}.{k}")
-                              for tp, m in enumerate(models)]
-    return [Row(prefix + r.key, r.ir, r.rule) for r in rows]

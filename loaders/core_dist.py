@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from mconvert.formats import hf_dir
+from mconvert.formats.dcp import DcpReader
 from mconvert.formats.torch_pickle import safe_load
 
 from mconvert.errors import ConvertError, mismatch
@@ -29,11 +30,9 @@ def open_store(it_dir: Path):
     meta = hf_dir.read_json(it_dir / core_dist.METADATA_JSON)
     backend = meta.get("sharded_backend")
     if backend == "torch_dist":
-        from mconvert.formats.dcp import DcpReader
-
         return DcpReader(it_dir), backend
     if backend == "zarr":
-        from mconvert.formats.zarr_io import ZarrReader
+        from mconvert.formats.zarr_io import ZarrReader  # tensorstore: slow to import, only for zarr
 
         return ZarrReader(it_dir), backend
     raise ConvertError(f"{it_dir / core_dist.METADATA_JSON}: unknown sharded_backend {backend!r}; this tool reads "
@@ -85,11 +84,12 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     source: dict[str, list[LazyTensor]] = {}
     rows: list[Row] = []
     impl = core_dist.detect_impl(store.tensors)
-    singleton = core_dist.is_singleton(store.tensors)
-    placed_blocks = core_dist.placements(config, impl, singleton=singleton)
+    singleton = core_dist.detect_singleton(store.tensors)
+    placed_blocks = core_dist.placements(config, impl, per_layer=core_dist.detect_per_layer(store.tensors),
+                                         singleton=singleton)
     for placed in placed_blocks:
         rows.append(placed.row)
-        source[placed.row.key] = [_lazy(store, placed.key, placed.index, it_dir, config)]
+        source[placed.row.key] = [_lazy(store, placed, it_dir)]
     used = {placed.key for placed in placed_blocks}
     missing = sorted(k for k in used if k not in store.tensors)
     tied_copy = "output_layer.weight" if config.tie_embeddings else None
@@ -112,14 +112,15 @@ def _shape_dtype(store, key: str) -> tuple[tuple[int, ...], torch.dtype]:
     return (tuple(entry.shape), entry.dtype) if hasattr(entry, "shape") else entry
 
 
-def _lazy(store, key: str, index: tuple[int, ...], it_dir: Path, config) -> LazyTensor:
+def _lazy(store, placed: core_dist.Placed, it_dir: Path) -> LazyTensor:
     """A block of a stored tensor; a stack whose layer (or expert) axis disagrees with the args is refused."""
+    key, index = placed.key, placed.index
     if key not in store.tensors:  # reported together with the others by the caller
         return LazyTensor((0,), torch.float32, lambda: torch.empty(0), f"{it_dir.name}:{key}")
     shape, dtype = _shape_dtype(store, key)
-    want = (config.num_layers, config.num_experts)[:len(index)]
-    if tuple(shape[:len(index)]) != want:
-        raise ConvertError(f"{it_dir}: {key} stacks {list(shape[:len(index)])} (layers, experts), the args say "
-                           f"{list(want)}")
+    if tuple(shape[:len(index)]) != placed.stack:
+        what = "(layers, experts)" if len(placed.stack) == 2 else "(layers)" if ".experts." not in key else "(experts)"
+        raise ConvertError(f"{it_dir}: {key} stacks {list(shape[:len(index)])} {what}, the args say "
+                           f"{list(placed.stack)}")
     origin = f"{it_dir.name}:{key}" + (f"{list(index)}" if index else "")
     return LazyTensor(tuple(shape[len(index):]), dtype, lambda: store.read(key, index), origin)

@@ -7,29 +7,27 @@ through the safe unpickler (args pickled as argparse or SimpleNamespace with Meg
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from mconvert.loaders.megatron_files import (
     RankFiles,
-    check_layer_count,
-    chunk_starts,
+    chunks_in_files,
     find_iteration,
     first_model,
-    num_local_layers,
+    read_parts,
     tokenizer,
 )
 from mconvert.loaders.megatron_files import config as megatron_config
 
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
-from mconvert.mapping import Row, expand, take_copies, to_ir, verify_copies
+from mconvert.mapping import to_ir, verify_copies
 from mconvert.options import Options
 from mconvert.registry import register_loader
 from mconvert.rules import Ctx
-from mconvert.schemas import legacy
+from mconvert.schemas import legacy, rank_plan
 
 
 def is_legacy_checkpoint(path: Path) -> bool:
@@ -45,15 +43,17 @@ def load(path: Path, options: Options) -> ModelIR:
     it_dir, iteration = find_iteration(Path(path))
     files = RankFiles(it_dir)
     order, version = _qkv_order(files)
-    chunks = files.chunk_names()
-    models = {(tp, pp, name): _canonical_tensors(files, tp, pp, name)
-              for tp in range(files.tp) for pp in range(files.pp) for name in chunks}
-    counts = {(pp, v): num_local_layers(models[(0, pp, name)], legacy.LAYER_KEY) for v, name in enumerate(chunks)
-              for pp in range(files.pp)}
-    starts, total = chunk_starts(counts, files.pp, len(chunks))
-    check_layer_count(files, total)
+    names = files.chunk_names()
+    cached: dict[tuple[int, int, str], dict[str, LazyTensor]] = {}
+
+    def tensors_of(tp: int, pp: int, ep: int, entry: str) -> dict[str, LazyTensor]:
+        if (tp, pp, entry) not in cached:
+            cached[(tp, pp, entry)] = _canonical_tensors(files, tp, pp, entry)
+        return cached[(tp, pp, entry)]
+
+    chunks = chunks_in_files(files, legacy.LAYER_KEY, tensors_of)
     embed_key = f"{legacy.EMBEDDING}.word_embeddings.weight"
-    first = models[(0, 0, chunks[0])]
+    first = tensors_of(0, 0, 0, names[0])
     if embed_key not in first:
         raise ConvertError(f"{files.rel((0, 0, 0))}: no model.{embed_key} in the first pipeline stage")
     padded = first[embed_key].shape[0] * files.tp
@@ -65,28 +65,16 @@ def load(path: Path, options: Options) -> ModelIR:
     if order < 2 and config.num_query_groups != config.num_attention_heads:
         raise ConvertError(f"{files.rel((0, 0, 0))}: checkpoint_version {version} predates grouped-query attention, "
                            f"but the args say num_query_groups={config.num_query_groups}")
-
-    table = legacy.table(order, config.num_attention_heads)
-    source: dict[str, list[LazyTensor]] = {}
-    rows: list[Row] = []
-    last = (files.pp - 1, len(chunks) - 1)
-    for v, name in enumerate(chunks):
-        for pp in range(files.pp):
-            prefix = f"pp{pp}.{name}/"
-            pieces = _tp_pieces(files, [models[(tp, pp, name)] for tp in range(files.tp)], pp)
-            source |= {prefix + k: p for k, p in pieces.items()}
-            chunk_rows = expand(table, config, layers=[(starts[(pp, v)] + l, l) for l in range(counts[(pp, v)])],
-                                embedding=(pp, v) == (0, 0), head=(pp, v) == last)
-            rows += [Row(prefix + r.key, r.ir, r.rule) for r in chunk_rows]
+    ctx = Ctx(config, padded, tp=files.tp, qkv_version=order)
+    parts = rank_plan.plan(legacy.TABLE, config, chunks, ep=1, entry_names=names, tied_copy=legacy.TIED_HEAD)
     # With tied embeddings the last stage may keep its own copy for the head: Megatron writes it when that stage
-    # lacks the embedding (PP > 1); HF's script writes it at PP 1 too. It duplicates embed.weight.
-    # They are checked against it rather than read.
-    ctx = Ctx(config, padded)
-    copies = take_copies(source, ".*/" + re.escape(legacy.TIED_HEAD_KEY)) if config.tie_embeddings else []
+    # lacks the embedding (PP > 1); HF's script writes it at PP 1 too. Copies are checked against the embedding.
+    source, rows, copies = read_parts(files, parts, tensors_of,
+                                      extra_copy_key=legacy.TIED_HEAD_KEY if config.tie_embeddings else None)
     tensors = to_ir(source, rows, ctx, where=str(it_dir), drop=legacy.DROP, cache=LoadCache(4))
     verify_copies(tensors, "embed.weight", copies, legacy.TIED_HEAD, ctx)
-    layout = {"tp": files.tp, "pp": files.pp, "vpp": len(chunks) if chunks != ["model"] else 1,
-              "stage_layers": [sum(counts[(p, v)] for v in range(len(chunks))) for p in range(files.pp)],
+    layout = {"tp": files.tp, "pp": files.pp, "vpp": len(names) if names != ["model"] else 1,
+              "stage_layers": [sum(len(c.layers) for c in chunks if c.pp == p) for p in range(files.pp)],
               "checkpoint_version": version, "padded_vocab": padded}
     return ModelIR(config, tensors, SourceInfo("legacy (Megatron-LM legacy GPT)", it_dir, layout, iteration, notes),
                    assets)
@@ -119,19 +107,3 @@ def _canonical_tensors(files: RankFiles, tp: int, pp: int, name: str) -> dict[st
                                "the same tensor (two naming generations mixed in one file)")
         out[canon] = LazyTensor.of(value, f"{files.rel((tp, pp, 0))}:{name}.{key}")
     return out
-
-
-def _tp_pieces(files: RankFiles, models: list[dict[str, LazyTensor]], pp: int) -> dict[str, list[LazyTensor]]:
-    """Each key's pieces across TP ranks; every rank must hold the same keys with the same shapes."""
-    ref = models[0]
-    for tp, model in enumerate(models[1:], 1):
-        if set(model) != set(ref):
-            diff = sorted(set(model) ^ set(ref))
-            raise ConvertError(f"{files.rel((tp, pp, 0))} and {files.rel((0, pp, 0))} hold different tensors: "
-                               f"{', '.join(diff[:5])}")
-        for key, t in model.items():
-            if t.shape != ref[key].shape:
-                raise ConvertError(f"mismatched shapes across TP ranks: {t.origin} is {list(t.shape)}, but "
-                                   f"{ref[key].origin} is {list(ref[key].shape)}; every TP rank holds an equal "
-                                   "piece")
-    return {key: [m[key] for m in models] for key in ref}

@@ -5,6 +5,7 @@ virtual chunks, the config from `args`, and the tokenizer travelling with the ch
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +15,13 @@ from mconvert.formats.torch_pickle import safe_load
 from mconvert.loaders.core_dcp import is_dcp_checkpoint
 from mconvert.loaders.core_dist import is_dist_checkpoint
 
-from mconvert.errors import ConvertError
-from mconvert.ir import ModelConfig
-from mconvert.layout import ParallelLayout
+from mconvert.errors import ConvertError, format_names
+from mconvert.ir import LazyTensor, ModelConfig
+from mconvert.layout import Chunk, ParallelLayout, chunks_of
+from mconvert.mapping import Row
 from mconvert.options import Options
 from mconvert.schemas import core
+from mconvert.schemas.rank_plan import Part
 
 
 def find_iteration(path: Path) -> tuple[Path, int | None]:
@@ -144,16 +147,71 @@ def num_local_layers(keys, layer_key: re.Pattern) -> int:
     return max(found) + 1 if found else 0
 
 
-def chunk_starts(counts: dict[tuple[int, int], int], pp: int, chunks: int) -> tuple[dict[tuple[int, int], int], int]:
-    """First global layer of each (stage, virtual chunk), given the layers each holds, and the total.
+def chunks_in_files(files: RankFiles, layer_key: re.Pattern,
+                    tensors_of: Callable[[int, int, int, str], dict]) -> list[Chunk]:
+    """The model chunks the files hold: each chunk's layer count read from its keys (uneven stages included),
+    layers numbered as Megatron places pipeline and virtual chunks (see mconvert.layout); checked against
+    args.num_layers."""
+    names = files.chunk_names()
+    sizes = {(pp, v): num_local_layers(tensors_of(0, pp, 0, name), layer_key)
+             for v, name in enumerate(names) for pp in range(files.pp)}
+    check_layer_count(files, sum(sizes.values()))
+    return chunks_of(sizes, files.pp, len(names))
 
-    Layers are placed chunk-major, as Megatron places virtual pipeline chunks (see mconvert.layout).
+
+def read_parts(files: RankFiles, parts: list[Part], tensors_of: Callable[[int, int, int, str], dict[str, LazyTensor]],
+               *, extra_copy_key: str | None = None) -> tuple[dict[str, list[LazyTensor]], list[Row], list[list]]:
+    """Walk a rank-file plan over the files: (source tensors as TP pieces, keyed `<rank folder>/<entry>/<key>`;
+    the rows reading them; the pieces of each stored tied-embedding copy, to be checked against the embedding).
+
+    `tensors_of(tp, pp, ep, entry)` gives one file's tensors of one chunk. Every TP rank must hold the same keys
+    with shapes of equal pieces; an EP rank beyond the first must repeat the first one's dense tensors (read from
+    there) and adds its own experts. `extra_copy_key` is a tied copy accepted in any chunk holding the head (HF's
+    legacy scripts write one even beside the embedding).
     """
-    starts, next_layer = {}, 0
-    for v in range(chunks):
-        for p in range(pp):
-            starts[(p, v)], next_layer = next_layer, next_layer + counts[(p, v)]
-    return starts, next_layer
+    source: dict[str, list[LazyTensor]] = {}
+    rows: list[Row] = []
+    copies: list[list[LazyTensor]] = []
+    for part in parts:
+        pp, ep = part.chunk.pp, part.ep
+        models = [tensors_of(tp, pp, ep, part.entry) for tp in range(files.tp)]
+        _check_tp_pieces(files, models, pp, ep)
+        keys = list(models[0])
+        part_rows = list(part.rows)
+        if ep > 0:  # dense tensors repeat in every EP file: read them from EP rank 0, take only experts here
+            dense = {r.key for r in part_rows if not part.is_expert(r)}
+            here = {k: tuple(models[0][k].shape) for k in keys if k in dense}
+            ref = {k: tuple(t.shape) for k, t in tensors_of(0, pp, 0, part.entry).items() if k in dense}
+            if here != ref:
+                diff = sorted(k for k in set(here) | set(ref) if here.get(k) != ref.get(k))
+                raise ConvertError(f"{files.rel((0, pp, ep))} and {files.rel((0, pp, 0))} hold different dense "
+                                   "(non-expert) tensors, which every expert-parallel rank repeats: "
+                                   f"{format_names(diff, 5)}")
+            part_rows = [r for r in part_rows if part.is_expert(r)]
+            keys = [k for k in keys if k not in dense]  # whatever is left must be this rank's experts (strict)
+        copy_key = part.tied_copy.key if part.tied_copy else extra_copy_key if part.chunk.has_head else None
+        if copy_key in keys:
+            copies.append([m[copy_key] for m in models])
+            keys.remove(copy_key)
+        prefix = f"{files.files[(0, pp, ep)].parent.name}/{part.entry}/"  # TP rank 0's folder: keys agree over TP
+        source |= {prefix + k: [m[k] for m in models] for k in keys}
+        rows += [Row(prefix + r.key, r.ir, r.rule) for r in part_rows]
+    return source, rows, copies
+
+
+def _check_tp_pieces(files: RankFiles, models: list[dict[str, LazyTensor]], pp: int, ep: int) -> None:
+    """Every TP rank of a chunk holds the same tensors, each an equal piece."""
+    ref = models[0]
+    for tp, model in enumerate(models[1:], 1):
+        if set(model) != set(ref):
+            diff = sorted(set(model) ^ set(ref))
+            raise ConvertError(f"{files.rel((tp, pp, ep))} and {files.rel((0, pp, ep))} hold different tensors: "
+                               f"{', '.join(diff[:5])}")
+        for key, t in model.items():
+            if t.shape != ref[key].shape:
+                raise ConvertError(f"mismatched shapes across TP ranks: {t.origin} is {list(t.shape)}, but "
+                                   f"{ref[key].origin} is {list(ref[key].shape)}; every TP rank holds an equal "
+                                   "piece")
 
 
 def check_layer_count(files: RankFiles, total: int) -> None:

@@ -3,11 +3,13 @@
     mconvert --loader llama_mistral --saver core --tp 4 --pp 2 --load-dir HF_DIR --save-dir OUT
     mconvert inspect PATH
     mconvert compare A B
+    mconvert verify A B
     mconvert plugins
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from pathlib import Path
@@ -104,10 +106,13 @@ def _fail_cleanly(func):
 @click.option("--model-type", type=click.Choice(["GPT"]), default="GPT", hidden=True,
               help="Accepted for Megatron compatibility; only GPT models exist here.")
 @click.option("--force", is_flag=True, help="Replace an existing, non-empty --save-dir.")
+@click.option("--verify", "verify_output", is_flag=True,
+              help="Before moving the output into place, run it and the source on the same tokens (as `mconvert "
+              "verify` does); if they differ, nothing is written and the exit status is 1.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.pass_context
 @_fail_cleanly
-def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, quiet, **opts) -> None:
+def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, verify_output, quiet, **opts) -> None:
     """Convert and reshard Megatron and Hugging Face checkpoints.
 
     \b
@@ -133,8 +138,9 @@ def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, quiet, **
     _check_applicable(ctx, source, target)
     options = _options(opts)
     progress = Progress(enabled=not quiet)
+    check = _verify_output(load_dir, source.name, save_dir, options, progress) if verify_output else None
     summary = engine.convert(load_dir, save_dir, loader=source.name, saver=target.name, options=options,
-                             force=force, progress=progress)
+                             force=force, progress=progress, check=check)
     ir = summary.ir
     for note in ir.source.notes:
         click.echo(f"note: {note}", err=True)
@@ -147,6 +153,22 @@ def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, quiet, **
         f"({human_bytes(rate)}/s)",
         err=True,
     )
+
+
+def _verify_output(load_dir: Path, loader: str, save_dir: Path, options: Options, progress: Progress):
+    """`--verify`: a check of the staged output against the source (read again, without the --dtype cast)."""
+
+    def check(staging: Path) -> None:
+        from mconvert.verify import VerifySettings, verify
+        from mconvert.verify.report import summary_line
+
+        settings = VerifySettings(loader_a=loader, options=dataclasses.replace(options, dtype=None))
+        report = verify(load_dir, staging, settings, progress, labels=(str(load_dir), str(save_dir)))
+        click.echo(f"verify: {summary_line(report)}", err=True)
+        if not report.passed:
+            raise ConvertError(f"the output does not verify against {load_dir}; nothing was written to {save_dir}")
+
+    return check
 
 
 def _check_applicable(ctx: click.Context, loader: registry.Plugin, saver: registry.Plugin) -> None:
@@ -205,6 +227,42 @@ def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, true_v
     text, same = run(a, b, loader_a, loader_b, Options(true_vocab_size=true_vocab_size))
     click.echo(text)
     if not same:
+        raise SystemExit(1)
+
+
+@main.command("verify")
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@click.option("--loader-a", help="Format of A; detected when omitted.")
+@click.option("--loader-b", help="Format of B; detected when omitted.")
+@click.option("--true-vocab-size", type=POSITIVE, help="Real vocabulary size, for padded (Megatron) checkpoints.")
+@click.option("--tokens", type=POSITIVE, default=256, show_default=True,
+              help="Random tokens to run, in sequences of --seq-len.")
+@click.option("--seq-len", type=POSITIVE, default=128, show_default=True, help="Length of each sequence.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random tokens.")
+@click.option("--prompt", help="Run this text, tokenized with a checkpoint's tokenizer, instead of random tokens.")
+@click.option("--device", default="cpu", show_default=True, help="Where to run: cpu, cuda, cuda:1, ...")
+@click.option("--reference", type=click.Choice(["transformers"]),
+              help="Run the Hugging Face side with transformers itself instead of mtrain's model.")
+@click.option("--per-layer", is_flag=True, help="Show the difference after every layer.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@_fail_cleanly
+def verify_command(a: Path, b: Path, loader_a, loader_b, true_vocab_size, per_layer, as_json, quiet, **given) -> None:
+    """Run A and B on the same tokens and check that they compute the same thing (any formats and layouts).
+
+    Reports the max |logit difference|, the mean KL divergence and the top-1 agreement. Exits with status 1
+    unless the logits agree (exactly when both hold the same dtypes; within the measured effect of rounding
+    when a conversion cast them) and no config field that changes the outputs differs.
+    """
+    from mconvert.verify import VerifySettings, verify
+    from mconvert.verify.report import text, to_json
+
+    settings = VerifySettings(loader_a=loader_a, loader_b=loader_b, options=Options(true_vocab_size=true_vocab_size),
+                              **given)
+    report = verify(a, b, settings, Progress(enabled=not (quiet or as_json)))
+    click.echo(to_json(report) if as_json else text(report, per_layer))
+    if not report.passed:
         raise SystemExit(1)
 
 

@@ -13,7 +13,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,21 +103,25 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
     return ir
 
 
-def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progress = QUIET) -> None:
-    """Write `ir` with `saver` into `dst`, all or nothing (the caller has checked the destination)."""
+def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progress = QUIET,
+         check: Callable[[Path], None] | None = None) -> None:
+    """Write `ir` with `saver` into `dst`, all or nothing (the caller has checked the destination). `check` runs
+    on the complete output before it is moved into place (e.g. `--verify`); if it raises, nothing is left."""
     plugin = get_saver(saver)
     options = options if options.final_dir else dataclasses.replace(options, final_dir=Path(dst).resolve())
     with staged_output(dst) as staging:
         plugin.func(ir, staging, options, progress)
+        if check is not None:
+            check(staging)
 
 
 def convert(src: Path, dst: Path, *, loader: str | None, saver: str, options: Options, force: bool = False,
-            progress: Progress = QUIET) -> Summary:
-    """Convert the checkpoint at `src` into `saver`'s format at `dst`."""
+            progress: Progress = QUIET, check: Callable[[Path], None] | None = None) -> Summary:
+    """Convert the checkpoint at `src` into `saver`'s format at `dst` (`check`: see `save`)."""
     start = time.perf_counter()
     get_saver(saver)  # an unknown saver fails before any reading
     check_destination(src, dst, force)
     ir = load(src, options, loader)
-    save(ir, dst, options, saver, progress)
+    save(ir, dst, options, saver, progress, check)
     written, files = tree_size(dst)
     return Summary(time.perf_counter() - start, written, files, ir)

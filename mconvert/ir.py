@@ -2,9 +2,9 @@
 
 Every loader produces a `ModelIR`; every saver consumes one. Tensors are `LazyTensor`s: shape and dtype are
 known up front (so a saver can plan its files and a bad checkpoint is refused before a byte is written), the
-bytes are read only when `load()` is called. Conventions (see DESIGN.md section 2): q, k, v and gate, up are
-separate; Linear weights are `[out, in]`; the vocabulary is the true one (no padding rows); rotary rows are
-in the half-split ("rotate_half") order of HF and Megatron core.
+bytes are read only when `load()` is called. Conventions (the names and shapes are in `mconvert.ir_names`): q, k,
+v and gate, up are separate; Linear weights are `[out, in]`; the vocabulary is the true one (no padding rows);
+rotary rows are in the half-split ("rotate_half") order of HF and Megatron core.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from mconvert.errors import ConvertError, mismatch
 
-Family = Literal["llama", "mistral", "mixtral", "gpt2"]
+Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe"]
 Norm = Literal["rmsnorm", "layernorm"]
 Activation = Literal["swiglu", "gelu_tanh", "gelu"]
 PositionEmbedding = Literal["rope", "learned"]
@@ -42,8 +42,20 @@ def dtype_name(dtype: torch.dtype) -> DType:
 class ModelConfig:
     """Everything about a decoder-only transformer that the weights alone do not say.
 
-    `ffn_hidden_size` is the per-expert size for MoE models. `padded_vocab_size` is informational: the padded
-    size found in the source (Megatron), which savers recompute for their own layout.
+    Mixture of experts: every layer holds `num_experts` experts except `dense_layers`, which hold a dense MLP of
+    `ffn_hidden_size`; each expert's FFN is `moe_ffn_hidden_size`. With no dense layer the expert size is kept in
+    `ffn_hidden_size` alone (`moe_ffn_hidden_size` None), one spelling per model. `moe_norm_topk`: the top-k
+    routing weights are renormalized to sum to 1 (HF `norm_topk_prob`; Megatron's default softmax-after-top-k),
+    or used as the softmax over all experts gave them (Megatron `moe_router_pre_softmax`).
+
+    `padded_vocab_size` is informational: the padded size found in the source (Megatron), which savers recompute
+    for their own layout.
+
+    `qk_norm`: queries and keys are normalized per head (over head_dim, the model's norm and epsilon) after their
+    projections and before rotary positions (Qwen3, Megatron `qk_layernorm`). `full_attention_layers`: the layers
+    exempt from `sliding_window`, which attend to every earlier key (Qwen2's first `max_window_layers`, the zeros
+    of Megatron's `window_attn_skip_freq`); kept without a window too, where it changes nothing, so that a Qwen
+    config.json's `max_window_layers` survives a round trip.
     """
 
     family: Family
@@ -71,10 +83,15 @@ class ModelConfig:
     moe_top_k: int | None = None
     moe_aux_loss_coeff: float | None = None
     moe_jitter_eps: float | None = None
+    moe_ffn_hidden_size: int | None = None
+    dense_layers: tuple[int, ...] = ()
+    moe_norm_topk: bool = True
     dtype: DType = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    qk_norm: bool = False
+    full_attention_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -94,6 +111,40 @@ class ModelConfig:
         if self.is_moe and not (self.moe_top_k and 0 < self.moe_top_k <= self.num_experts):
             raise ConvertError(f"MoE config needs 0 < moe_top_k <= num_experts, got {self.moe_top_k}, "
                                f"{self.num_experts}")
+        self._check_moe_layers()
+        self._check_window_layers()
+
+    def _check_window_layers(self) -> None:
+        full = tuple(self.full_attention_layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers for i in full) \
+                or full != tuple(sorted(set(full))):
+            raise ConvertError(f"full_attention_layers must be distinct layer numbers in [0, {self.num_layers}) in "
+                               f"increasing order, got {list(full)}")
+        object.__setattr__(self, "full_attention_layers", full)  # a JSON list reads back as the same tuple
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (keys a query sees, itself included), or None for full attention."""
+        return None if layer in self.full_attention_layers else self.sliding_window
+
+    def _check_moe_layers(self) -> None:
+        dense = tuple(self.dense_layers)
+        if not self.is_moe and (dense or self.moe_ffn_hidden_size is not None):
+            raise ConvertError("dense_layers and moe_ffn_hidden_size describe mixture-of-experts models; this one "
+                               "has no experts")
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers for i in dense) \
+                or dense != tuple(sorted(set(dense))):
+            raise ConvertError(f"dense_layers must be distinct layer numbers in [0, {self.num_layers}) in "
+                               f"increasing order, got {list(dense)}")
+        if self.is_moe and len(dense) == self.num_layers:
+            raise ConvertError("dense_layers names every layer: a mixture-of-experts model needs a layer with experts")
+        if self.moe_ffn_hidden_size is not None and (not isinstance(self.moe_ffn_hidden_size, int)
+                                                     or self.moe_ffn_hidden_size <= 0):
+            raise ConvertError(f"moe_ffn_hidden_size must be a positive integer, got {self.moe_ffn_hidden_size}")
+        object.__setattr__(self, "dense_layers", dense)  # a JSON list reads back as the same tuple
+        if self.is_moe and not dense and self.moe_ffn_hidden_size is not None:
+            # no dense MLP anywhere: the expert size is the only FFN size (one spelling per model)
+            object.__setattr__(self, "ffn_hidden_size", self.moe_ffn_hidden_size)
+            object.__setattr__(self, "moe_ffn_hidden_size", None)
 
     @property
     def gated(self) -> bool:
@@ -102,6 +153,19 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.num_experts)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Does layer `layer` hold experts (rather than a dense MLP)?"""
+        return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each expert's FFN size (MoE models)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - len(self.dense_layers) if self.is_moe else 0
 
     @property
     def torch_dtype(self) -> torch.dtype:

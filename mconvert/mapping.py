@@ -8,6 +8,7 @@ saver writes from. Sharded formats (Megatron) build on the same rows with their 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 from mconvert.errors import ConvertError, format_names, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR
 from mconvert.ir_names import expected_shapes
-from mconvert.rules import IDENTITY, Ctx, Rule, Table, active
+from mconvert.rules import IDENTITY, Ctx, LayerKind, Rule, Table, active
 
 
 @dataclass(frozen=True)
@@ -40,18 +41,19 @@ def expand(table: Table, config: ModelConfig, *, layers: Iterable[tuple[int, int
     experts = [(E, E) for E in range(config.num_experts or 0)] if experts is None else list(experts)
     rows: list[Row] = []
 
-    def add(rules: Iterable[Rule], **index: int) -> None:
-        for rule in active(list(rules), names, **index):
+    def add(rules: Iterable[Rule], kind: LayerKind | None = None, **index: int) -> None:
+        for rule in active(list(rules), names, kind, **index):
             key, ir = rule.keys(**index)
             rows.append(Row(key, ir, rule))
 
     if embedding:
         add(table.embedding)
     for L, l in layers:
-        add(table.layer, L=L, l=l)
-        for E, e in experts:
-            add(table.expert, L=L, l=l, E=E, e=e)
-        for rule in table.expert_stack if experts else ():
+        moe = config.is_moe_layer(L)
+        add(table.layer, "moe" if moe else "dense", L=L, l=l)
+        for E, e in experts if moe else ():
+            add(table.expert, "moe", L=L, l=l, E=E, e=e)
+        for rule in table.expert_stack if experts and moe else ():
             ir = tuple(n.format(L=L, l=l, E=E, e=e) for E, e in experts for n in rule.ir)
             if all(n in names for n in ir):
                 rows.append(Row(rule.key.format(L=L, l=l), ir, rule))
@@ -119,14 +121,14 @@ class Planned:
     row: Row
 
     def produce(self, ir: ModelIR, ctx: Ctx) -> torch.Tensor:
-        return self.row.rule.forward([ir[n].load() for n in self.row.ir], ctx)[0]
+        return self.row.rule.forward([ir[n].load() for n in self.row.ir], dataclasses.replace(ctx, tp=1))[0]
 
 
 def from_ir(ir: ModelIR, rows: list[Row], ctx: Ctx) -> list[Planned]:
     """The unsharded checkpoint tensors for `ir`, shapes computed without reading any bytes."""
     plan = []
     for row in rows:
-        shape = row.rule.piece_shapes([ir[n].shape for n in row.ir], ctx)[0]
+        shape = row.rule.piece_shapes([ir[n].shape for n in row.ir], dataclasses.replace(ctx, tp=1))[0]
         plan.append(Planned(row.key, shape, ir[row.ir[0]].dtype, row))
     return plan
 

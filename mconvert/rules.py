@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -23,10 +24,24 @@ from mconvert.ir import ModelConfig
 
 @dataclass(frozen=True)
 class Ctx:
-    """What a join or shard needs besides tensors: the model and the target's vocab padding."""
+    """Everything a join or shard needs besides tensors, so that rule tables are constants.
+
+    `tp` is the number of tensor-parallel pieces a sharded tensor is cut into (1 for unsharded formats), `etp`
+    the expert tensor-parallel size (None: the same as `tp`), `local_experts` how many experts one checkpoint
+    tensor holds (grouped expert layouts), `qkv_version` the legacy checkpoint_version whose row order a fused
+    QKV has (0, 1, or 2 for every later version).
+    """
 
     config: ModelConfig
     padded_vocab_size: int
+    tp: int = 1
+    etp: int | None = None
+    local_experts: int = 1
+    qkv_version: int = 2
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
 
 @dataclass(frozen=True)
@@ -63,20 +78,22 @@ VOCAB = Join(
 
 @dataclass(frozen=True)
 class Shard:
-    """A whole tensor -> `tp` pieces (`shard`) and back (`unshard`)."""
+    """A whole tensor -> `ctx.tp` pieces (`shard`) and back (`unshard`)."""
 
     name: str
-    shard: Callable[[Tensor, int], list[Tensor]]
-    unshard: Callable[[list[Tensor]], Tensor]
+    shard: Callable[[Tensor, Ctx], list[Tensor]]
+    unshard: Callable[[list[Tensor], Ctx], Tensor]
 
 
-def _chunks(t: Tensor, n: int, dim: int) -> list[Tensor]:
+def chunks(t: Tensor, n: int, dim: int) -> list[Tensor]:
+    """`n` equal pieces along `dim`, or an error saying why not."""
     if t.shape[dim] % n:
         raise ConvertError(f"cannot split a tensor of shape {list(t.shape)} into {n} equal parts along dim {dim}")
     return list(torch.chunk(t, n, dim=dim))
 
 
-def _replicated(pieces: list[Tensor]) -> Tensor:
+def replicated(pieces: list[Tensor]) -> Tensor:
+    """The one tensor every piece must equal (a replicated tensor read from several TP ranks)."""
     first = pieces[0]
     for i, p in enumerate(pieces[1:], 1):
         if p.shape != first.shape or (p.device.type != "meta" and not torch.equal(p, first)):
@@ -85,30 +102,34 @@ def _replicated(pieces: list[Tensor]) -> Tensor:
     return first
 
 
-def _gated_shard(t: Tensor, n: int) -> list[Tensor]:
-    gate, up = transforms.split_gate_up(t)
-    return [transforms.cat([g, u], dim=0) for g, u in zip(_chunks(gate, n, 0), _chunks(up, n, 0))]
+def gated_chunks(t: Tensor, n: int, dim: int = 0) -> list[Tensor]:
+    """`[gate ; up]` along `dim` -> n pieces, each `[gate_r ; up_r]`: how Megatron splits SwiGLU's fc1."""
+    gate, up = chunks(t, 2, dim)
+    return [transforms.cat([g, u], dim=dim) for g, u in zip(chunks(gate, n, dim), chunks(up, n, dim))]
 
 
-def _gated_unshard(pieces: list[Tensor]) -> Tensor:
-    halves = [transforms.split_gate_up(p) for p in pieces]
-    return transforms.cat([transforms.cat([g for g, _ in halves]), transforms.cat([u for _, u in halves])], dim=0)
+def gated_unchunk(pieces: list[Tensor], dim: int = 0) -> Tensor:
+    """Inverse of `gated_chunks`."""
+    halves = [chunks(p, 2, dim) for p in pieces]
+    return transforms.cat([transforms.cat([g for g, _ in halves], dim=dim),
+                           transforms.cat([u for _, u in halves], dim=dim)], dim=dim)
 
 
-def _cat(dim: int) -> Callable[[list[Tensor]], Tensor]:
-    def unshard(pieces: list[Tensor]) -> Tensor:
-        shapes = {tuple(p.shape[:dim]) + tuple(p.shape[dim + 1:]) for p in pieces}
-        if len(shapes) > 1:
-            raise ConvertError(f"TP pieces disagree in shape: {[list(p.shape) for p in pieces]}")
-        return transforms.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
-
-    return unshard
+def cat_pieces(pieces: list[Tensor], dim: int) -> Tensor:
+    """TP pieces back into one tensor along `dim`; every other dimension must agree."""
+    shapes = {tuple(p.shape[:dim]) + tuple(p.shape[dim + 1:]) for p in pieces}
+    if len(shapes) > 1:
+        raise ConvertError(f"TP pieces disagree in shape: {[list(p.shape) for p in pieces]}")
+    return transforms.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
 
 
-REPLICATE = Shard("replicate", lambda t, n: [t] * n, _replicated)
-COLUMN = Shard("column", lambda t, n: _chunks(t, n, 0), _cat(0))
-ROW = Shard("row", lambda t, n: _chunks(t, n, 1), _cat(1))
-GATED_COLUMN = Shard("gated_column", _gated_shard, _gated_unshard)
+REPLICATE = Shard("replicate", lambda t, ctx: [t] * ctx.tp, lambda ps, ctx: replicated(ps))
+COLUMN = Shard("column", lambda t, ctx: chunks(t, ctx.tp, 0), lambda ps, ctx: cat_pieces(ps, 0))
+ROW = Shard("row", lambda t, ctx: chunks(t, ctx.tp, 1), lambda ps, ctx: cat_pieces(ps, 1))
+GATED_COLUMN = Shard("gated_column", lambda t, ctx: gated_chunks(t, ctx.tp), lambda ps, ctx: gated_unchunk(ps))
+
+
+LayerKind = Literal["dense", "moe"]
 
 
 @dataclass(frozen=True)
@@ -116,39 +137,61 @@ class Rule:
     """One checkpoint tensor: its key template, the IR names it holds, how to join and shard them.
 
     Templates use `{L}` for the global layer index and `{l}` for the index local to a file (a pipeline chunk),
-    `{E}` / `{e}` likewise for experts.
+    `{E}` / `{e}` likewise for experts. `only` limits a layer rule to dense or to mixture-of-experts layers
+    (a format that stores, say, the pre-MLP norm differently in the two).
     """
 
     key: str
     ir: tuple[str, ...]
     join: Join = IDENTITY
     shard: Shard = REPLICATE
+    only: LayerKind | None = None
 
     def keys(self, **index: int) -> tuple[str, tuple[str, ...]]:
         return self.key.format(**index), tuple(n.format(**index) for n in self.ir)
 
-    def forward(self, tensors: list[Tensor], ctx: Ctx, tp: int = 1) -> list[Tensor]:
-        """IR tensors -> the per-rank checkpoint tensors."""
-        return self.shard.shard(self.join.join(tensors, ctx), tp)
+    def forward(self, tensors: list[Tensor], ctx: Ctx) -> list[Tensor]:
+        """IR tensors -> the `ctx.tp` per-rank checkpoint tensors."""
+        return self.shard.shard(self.join.join(tensors, ctx), ctx)
 
     def backward(self, pieces: list[Tensor], ctx: Ctx) -> list[Tensor]:
         """Per-rank checkpoint tensors -> the IR tensors."""
-        return self.join.split(self.shard.unshard(pieces), ctx)
+        return self.join.split(self.shard.unshard(pieces, ctx), ctx)
 
-    def piece_shapes(self, ir_shapes: list[tuple[int, ...]], ctx: Ctx, tp: int = 1) -> list[tuple[int, ...]]:
+    def piece_shapes(self, ir_shapes: list[tuple[int, ...]], ctx: Ctx) -> list[tuple[int, ...]]:
         """The shape of each rank's piece, computed on the meta device (no bytes read)."""
         metas = [torch.empty(s, device="meta") for s in ir_shapes]
-        return [tuple(p.shape) for p in self.forward(metas, ctx, tp)]
+        return [tuple(p.shape) for p in self.forward(metas, ctx)]
 
 
-def active(rules: list[Rule], ir_names: set[str] | dict, **index: int) -> list[Rule]:
-    """The rules whose IR tensors all exist for this model (biases only with bias, gate only when gated...).
+def linear(key: str, *ir: str, join: Join = IDENTITY, shard: Shard = REPLICATE,
+           bias_shard: Shard | None = None, only: LayerKind | None = None) -> tuple[Rule, Rule]:
+    """A linear module `key`: `key.weight` holds the IR linears `ir` (joined when several) and `key.bias` their
+    biases, sharded like the weight unless `bias_shard` says otherwise (row-parallel biases are replicated).
+    A bias rule only applies when the model has those biases (see `active`)."""
+    return (Rule(f"{key}.weight", tuple(f"{n}.weight" for n in ir), join, shard, only),
+            Rule(f"{key}.bias", tuple(f"{n}.bias" for n in ir), join, shard if bias_shard is None else bias_shard,
+                 only))
+
+
+def norm(key: str, ir: str, *, fused: bool = False, only: LayerKind | None = None) -> tuple[Rule, Rule]:
+    """A norm's weight and bias (LayerNorm only): a module of its own (`key.weight`), or, with `fused`, inside
+    the linear `key` that follows it, as Transformer Engine stores it (`key.layer_norm_weight`)."""
+    weight, bias = ("layer_norm_weight", "layer_norm_bias") if fused else ("weight", "bias")
+    return Rule(f"{key}.{weight}", (f"{ir}.weight",), only=only), Rule(f"{key}.{bias}", (f"{ir}.bias",), only=only)
+
+
+def active(rules: list[Rule], ir_names: set[str] | dict, kind: LayerKind | None = None, **index: int) -> list[Rule]:
+    """The rules whose IR tensors all exist for this model (biases only with bias, gate only when gated...) and
+    that apply to a layer of this `kind`.
 
     When two rules write the same key (gated and plain `linear_fc1`), the first one that applies wins, so a
     table lists the more specific rule first.
     """
     chosen: dict[str, Rule] = {}
     for rule in rules:
+        if rule.only is not None and rule.only != kind:
+            continue
         key, names = rule.keys(**index)
         if key not in chosen and all(n in ir_names for n in names):
             chosen[key] = rule
@@ -163,6 +206,6 @@ class Table:
     layer: tuple[Rule, ...] = ()  # templates use {L} (global) / {l} (local to the file)
     expert: tuple[Rule, ...] = ()  # templates also use {E} (global expert) / {e} (local to the EP rank)
     # One tensor per layer holding all of a file's experts: the IR templates (with {E}/{e}) repeat for each
-    # expert in order, so the join receives [a_0, b_0, a_1, b_1, …] (see mconvert.expert_rules).
+    # expert in order, so the join receives [a_0, b_0, a_1, b_1, …] (see mconvert.expert_shards).
     expert_stack: tuple[Rule, ...] = ()
     head: tuple[Rule, ...] = ()

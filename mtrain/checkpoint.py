@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from mconvert.formats import hf_dir
 from mconvert.formats.dcp import read_metadata
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -244,13 +245,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt")
-
-
 def _copy_tokenizer(source: Path, dest: Path) -> None:
-    """The tokenizer files only (a tokenizer directory may be a whole model directory)."""
+    """The tokenizer files only (a tokenizer directory may be a whole model directory), as mconvert carries them."""
     dest.mkdir(parents=True, exist_ok=True)
-    files = [source] if source.is_file() else [p for p in source.iterdir() if p.name in TOKENIZER_FILES]
-    for f in files:
-        shutil.copy2(f, dest / f.name)
+    hf_dir.copy_assets({source.name: source} if source.is_file() else hf_dir.tokenizer_files(source), dest)

@@ -155,11 +155,9 @@ def generate(load, loader, tokenizer, prompt, token_ids, max_new_tokens, greedy,
 
 
 def _tokenizer_of(ir) -> Path | None:
-    files = {name: path for name, path in ir.assets.items()}
-    for name in ("tokenizer.json", "tokenizer.model"):
-        if name in files:
-            return Path(files[name]).parent if name == "tokenizer.json" else Path(files[name])
-    return None
+    from mtrain.data.tokenizer import checkpoint_tokenizer
+
+    return checkpoint_tokenizer(ir.assets)
 
 
 if __name__ == "__main__":

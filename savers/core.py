@@ -17,12 +17,11 @@ from mconvert.savers.core_dist import save_dist
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.layout import Chunk
-from mconvert.mapping import Row, check_plan, expand
 from mconvert.options import LAYOUT_OPTIONS, Options
 from mconvert.progress import Progress
 from mconvert.registry import register_saver
 from mconvert.rules import Ctx
-from mconvert.schemas import core, core_dcp
+from mconvert.schemas import core, core_dcp, rank_plan
 from mconvert.transforms import padded_vocab_size
 
 
@@ -45,20 +44,19 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
                                  divisible_by=options.make_vocab_size_divisible_by, impl=options.transformer_impl,
                                  expert_layout=options.expert_layout,
                                  tokenizer_model=megatron_files.tokenizer_model(ir, out, options, iteration))
-    ctx = Ctx(c, padded)
-    chunks = layout.chunks(c.num_layers)
-    check_plan(ir.tensors, [(f"stage {ch.pp} chunk {ch.vpp} EP rank {ep}", chunk_rows(ir, ch, ep, options))
-                            for ch in chunks for ep in range(layout.ep)], where=f"saver core ({layout.describe()})")
-    it_dir = out / core.iteration_dir(iteration)
+    ctx = Ctx(c, padded, tp=layout.tp, etp=layout.expert_tp, local_experts=(c.num_experts or 0) // layout.ep)
+    parts = plan(ir, options)
     top = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration}
-    for pp in range(layout.pp):
-        stage = [ch for ch in chunks if ch.pp == pp]
-        for ep in range(layout.ep):
-            megatron_files.write_stage(
-                ir, ctx, [(ch, chunk_rows(ir, ch, ep, options)) for ch in stage],
-                [it_dir / core.rank_dir(tp, pp, ep, layout) for tp in range(layout.tp)], progress,
-                chunk_dict=lambda ch, flat: flat | extra_states(ch, options, c), top=top, virtual=layout.vpp > 1)
-    megatron_files.finish_checkpoint(ir, out, it_dir, iteration)
+    megatron_files.write_checkpoint(ir, out, options, progress, ctx=ctx, parts=parts, top=top, where="saver core",
+                                    chunk_dict=lambda part, flat: flat | extra_states(part.chunk, options, c))
+
+
+def plan(ir: ModelIR, options: Options) -> list[rank_plan.Part]:
+    """What each rank file holds, for this model in the saver's layout, implementation and expert layout."""
+    layout = options.layout
+    return rank_plan.plan(core.table(options.transformer_impl, options.expert_layout), ir.config,
+                          layout.chunks(ir.config.num_layers), ep=layout.ep, entry_names=rank_plan.entries(layout.vpp),
+                          tied_copy=core.TIED_OUTPUT)
 
 
 def check_expert_layout(ir: ModelIR, options: Options) -> None:
@@ -74,37 +72,17 @@ def check_expert_layout(ir: ModelIR, options: Options) -> None:
                            "legacy_grouped")
 
 
-def moe_table(ir: ModelIR, options: Options):
-    """The core key table for this model and the saver's implementation, expert layout and sizes."""
-    c, layout = ir.config, options.layout
-    return core.table(options.transformer_impl, moe=c.is_moe, expert_layout=options.expert_layout,
-                      local_experts=(c.num_experts or 0) // layout.ep, etp=layout.expert_tp)
-
-
-def chunk_rows(ir: ModelIR, chunk: Chunk, ep: int, options: Options) -> list[Row]:
-    """The rows (checkpoint key, IR names, rule) one chunk's file holds, keys local to the file."""
-    c, layout = ir.config, options.layout
-    per_rank = (c.num_experts or 0) // layout.ep
-    experts = [(ep * per_rank + e, e) for e in range(per_rank)]
-    rows = expand(moe_table(ir, options), c,
-                  layers=[(L, l) for l, L in enumerate(chunk.layers)], experts=experts,
-                  embedding=chunk.has_embedding, head=chunk.has_head)
-    if chunk.has_head and c.tie_embeddings and layout.pp > 1:
-        key, names = core.TIED_OUTPUT.keys()
-        rows.append(Row(key, names, core.TIED_OUTPUT))
-    return rows
-
-
 def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = None) -> dict[str, object]:
     """The `_extra_state` entries of one chunk: None for Megatron's own modules, TE's empty byte tensor."""
     te = options.transformer_impl == "te"
     value = torch.empty(0, dtype=torch.uint8) if te else None
-    moe = config is not None and config.is_moe
-    modules = core.extra_state_modules(
-        options.transformer_impl, expert_layout=options.expert_layout if moe else None,
-        local_experts=config.num_experts // options.layout.ep if moe else 0)
     out = {}
-    for l in range(len(chunk.layers)):
+    for l, L in enumerate(chunk.layers):
+        moe = config is not None and config.is_moe_layer(L)
+        modules = core.extra_state_modules(
+            options.transformer_impl, expert_layout=options.expert_layout if moe else None,
+            local_experts=config.num_experts // options.layout.ep if moe else 0,
+            qk_norm=config is not None and config.qk_norm)
         for module in modules:
             out[f"{module.format(l=l)}._extra_state"] = value
     if chunk.has_head:

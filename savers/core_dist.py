@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from mconvert.formats import hf_dir
+from mconvert.formats.dcp import DcpWriter
 from mconvert.formats.integrity import write_manifest
 from mconvert.formats.torch_zip import save as torch_save
 from mconvert.savers import megatron_files
@@ -68,7 +69,7 @@ def _write_blocks(writer, placed: core_dist.Placed, tensors: list[torch.Tensor],
     parts at their offsets, as Megatron itself stores them, which saves copying them together."""
     join = placed.row.rule.join
     whole_shape = tuple(placed.row.rule.piece_shapes([tuple(t.shape) for t in tensors], ctx)[0])
-    stack = tuple(c.num_layers if i == 0 else c.num_experts for i in range(len(placed.index)))
+    stack = placed.stack
     if join.concat_dim is None:
         blocks = [(join.join(tensors, ctx), 0)]
     else:
@@ -84,9 +85,7 @@ def _write_blocks(writer, placed: core_dist.Placed, tensors: list[torch.Tensor],
 
 def _writer(backend: str, it_dir: Path):
     if backend == "torch_dist":
-        from mconvert.formats.dcp import DcpWriter
-
         return DcpWriter(it_dir)
-    from mconvert.formats.zarr_io import ZarrWriter
+    from mconvert.formats.zarr_io import ZarrWriter  # zarr: slow to import, only when asked for
 
     return ZarrWriter(it_dir)

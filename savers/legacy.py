@@ -15,13 +15,11 @@ from mconvert.savers import megatron_files
 
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelIR
-from mconvert.layout import Chunk
-from mconvert.mapping import Row, expand
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.registry import register_saver
-from mconvert.rules import Ctx, Table
-from mconvert.schemas import core, legacy
+from mconvert.rules import Ctx
+from mconvert.schemas import legacy, rank_plan
 from mconvert.transforms import padded_vocab_size
 
 
@@ -34,29 +32,17 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if c.is_moe:
         raise ConvertError("the legacy saver writes dense models only; save a mixture-of-experts model with "
                            "--saver core")
+    if c.qk_norm:
+        raise ConvertError("Megatron's legacy model has no per-head q/k norms (qk_layernorm); save this model with "
+                           "--saver core")
     layout.check_model(c)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
     args = legacy.args_from_config(c, layout, padded_vocab_size=padded,
                                    divisible_by=options.make_vocab_size_divisible_by)
     iteration = megatron_files.iteration(ir, options)
-    ctx = Ctx(c, padded)
-    table = legacy.table(2, c.num_attention_heads)  # version 3.0 keeps version 2's QKV order
-    chunks = layout.chunks(c.num_layers)
-    it_dir = out / core.iteration_dir(iteration)
+    ctx = Ctx(c, padded, tp=layout.tp)  # version 3.0 keeps version 2's QKV order (the default)
+    parts = rank_plan.plan(legacy.TABLE, c, layout.chunks(c.num_layers), ep=1,
+                           entry_names=rank_plan.entries(layout.vpp), tied_copy=legacy.TIED_HEAD)
     top = {"args": args, "checkpoint_version": legacy.CHECKPOINT_VERSION, "iteration": iteration}
-    for pp in range(layout.pp):
-        megatron_files.write_stage(
-            ir, ctx, [(ch, chunk_rows(ir, table, ch)) for ch in chunks if ch.pp == pp],
-            [it_dir / core.rank_dir(tp, pp, 0, layout) for tp in range(layout.tp)], progress,
-            chunk_dict=lambda ch, flat: legacy.nest(flat), top=top, virtual=layout.vpp > 1)
-    megatron_files.finish_checkpoint(ir, out, it_dir, iteration)
-
-
-def chunk_rows(ir: ModelIR, table: Table, chunk: Chunk) -> list[Row]:
-    """The rows one chunk's model dict holds, keys local to the chunk, in the order Megatron writes them."""
-    rows = expand(table, ir.config, layers=[(L, l) for l, L in enumerate(chunk.layers)],
-                  embedding=chunk.has_embedding, head=chunk.has_head)
-    if chunk.has_head and not chunk.has_embedding and ir.config.tie_embeddings:
-        key, names = legacy.TIED_HEAD.keys()
-        rows.append(Row(key, names, legacy.TIED_HEAD))
-    return rows
+    megatron_files.write_checkpoint(ir, out, options, progress, ctx=ctx, parts=parts, top=top, where="saver legacy",
+                                    chunk_dict=lambda part, flat: legacy.nest(flat))

@@ -61,6 +61,28 @@ def make_hf_model(path: Path, family: str = "llama", *, seed: int = 0, dtype: to
                          max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
                          tie_word_embeddings=False, rope_theta=1e6, router_aux_loss_coef=0.02,
                          router_jitter_noise=0.01)),
+        # Qwen2: biases on q/k/v only, a window of 8 from layer 2 on (max_window_layers), tied embeddings
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                  dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                       num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-6,
+                       use_sliding_window=True, sliding_window=8, max_window_layers=2, bos_token_id=1,
+                       eos_token_id=2, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                                   "rope_theta": 1e6})),
+        # Qwen3: per-head q/k norms, head_dim 16 != hidden / heads = 8, max_window_layers inert (no window)
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                  dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=16, vocab_size=300, max_position_embeddings=256,
+                       rms_norm_eps=1e-6, max_window_layers=3, bos_token_id=1, eos_token_id=2,
+                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+        # Qwen3-MoE: experts in layers 1 and 3 (decoder_sparse_step 2), a dense FFN (96) other than the experts'
+        # (32), top-k renormalized; 4 experts, 2 key/value groups (TP 2 keeps whole groups)
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                      dict(num_hidden_layers=4, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                           max_position_embeddings=256, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+                           decoder_sparse_step=2, norm_topk_prob=True, router_aux_loss_coef=0.02,
+                           bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
         # n_inner None means 4 * n_embd; gelu_new is the tanh approximation; wte and lm_head tied
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
                  dict(n_layer=4, n_embd=64, n_head=4, n_inner=None, n_positions=128, vocab_size=300,

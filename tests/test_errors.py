@@ -12,7 +12,7 @@ import torch
 from mconvert.formats.torch_pickle import safe_load
 from mconvert.formats.torch_zip import TorchFileWriter
 
-from tests.conftest import run_cli
+from tests.conftest import make_hf_model, run_cli
 
 
 def convert(src, dst, *extra, expect_error=False):
@@ -193,8 +193,8 @@ def test_mtrain_checkpoint_with_unsafe_metadata(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("setting,value", [("moe_router_pre_softmax", True), ("moe_router_score_function", "sigmoid"),
-                                           ("position_embedding_type", "yarn"), ("qk_layernorm", True)])
+@pytest.mark.parametrize("setting,value", [("apply_layernorm_1p", True), ("moe_router_score_function", "sigmoid"),
+                                           ("position_embedding_type", "yarn"), ("rotary_interleaved", True)])
 def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_path):
     """A Megatron model that computes something else is refused by name, not converted into a different model."""
     convert(mixtral_dir, tmp_path / "core")
@@ -205,6 +205,19 @@ def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_
     out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
     assert f"Megatron settings that change what the model computes and that mconvert cannot carry (yet): " \
            f"{setting}={value!r}; refusing" in out
+    assert not (tmp_path / "hf").exists()
+
+
+def test_qk_layernorm_without_its_norms_is_refused(mixtral_dir, tmp_path):
+    """qk_layernorm is carried now (Qwen3): args that claim it over files without q/k_layernorm are inconsistent."""
+    convert(mixtral_dir, tmp_path / "core")
+    target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    state = safe_load(target, mmap=False)
+    state["args"].qk_layernorm = True
+    torch.save(state, target)
+    out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
+    assert "the tensors do not match a qwen3_moe model with this config (4 layers). Missing tensors: " \
+           "mp_rank_00/model/decoder.layers.0.self_attention.q_layernorm.weight" in out
     assert not (tmp_path / "hf").exists()
 
 
@@ -253,3 +266,11 @@ def test_mtrain_loader_file_names_follow_the_trainer():
     from mtrain import checkpoint
 
     assert (loader.META_FILE, loader.LATEST_FILE) == (checkpoint.META_FILE, checkpoint.LATEST_FILE)
+
+
+def test_a_fractional_rope_theta_is_refused_for_megatron(tmp_path):
+    """Megatron's --rotary-base is an integer: truncating 10000.5 would change every rotary angle."""
+    src = make_hf_model(tmp_path / "hf", "llama", rope_theta=10000.5)
+    out = run_cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "core", expect_error=True)
+    assert "Megatron's rotary_base is an integer; this model's rope_theta is 10000.5" in out
+    assert not (tmp_path / "core").exists()

@@ -5,7 +5,7 @@ import torch
 
 from mconvert import transforms
 from mconvert.errors import ConvertError
-from mconvert.expert_rules import STACK, STACK_GATE_UP, expert_tp, grouped_gemm_fc1, grouped_gemm_fc2
+from mconvert.expert_shards import GROUPED_GEMM_FC1, GROUPED_GEMM_FC2, STACK, STACK_GATE_UP, expert_tp
 from mconvert.ir import ModelConfig
 from mconvert.rules import GATED_COLUMN, ROW, Ctx
 
@@ -55,8 +55,9 @@ def test_stacked_joins_round_trip():
 def test_legacy_grouped_shards_round_trip_and_keep_gate_up_per_rank(tp):
     gate_up = [torch.randn(8, 6) for _ in range(4)]  # 2 experts
     whole = STACK_GATE_UP.join(gate_up, CTX)
-    shard = grouped_gemm_fc1(2)
-    pieces = shard.shard(whole, tp)
+    ctx = Ctx(CONFIG, 10, tp=tp, local_experts=2)
+    shard = GROUPED_GEMM_FC1
+    pieces = shard.shard(whole, ctx)
     assert [tuple(p.shape) for p in pieces] == [(6, 2 * 16 // tp)] * tp
     rows = 8 // tp
     for r, piece in enumerate(pieces):
@@ -64,23 +65,24 @@ def test_legacy_grouped_shards_round_trip_and_keep_gate_up_per_rank(tp):
             gate, up = gate_up[2 * e], gate_up[2 * e + 1]
             expected = torch.cat([gate[r * rows:(r + 1) * rows], up[r * rows:(r + 1) * rows]])
             assert torch.equal(piece.view(2, 6, -1)[e].T, expected)
-    assert torch.equal(shard.unshard(pieces), whole)
+    assert torch.equal(shard.unshard(pieces, ctx), whole)
     downs = STACK.join([torch.randn(6, 8) for _ in range(2)], CTX)
-    fc2 = grouped_gemm_fc2(2)
-    assert torch.equal(fc2.unshard(fc2.shard(downs, tp)), downs)
+    fc2 = GROUPED_GEMM_FC2
+    assert torch.equal(fc2.unshard(fc2.shard(downs, ctx), ctx), downs)
 
 
 @pytest.mark.parametrize("tp,etp", [(2, 1), (4, 2), (4, 1), (2, 2)])
-@pytest.mark.parametrize("inner", [GATED_COLUMN, ROW, grouped_gemm_fc1(2)], ids=lambda s: s.name)
+@pytest.mark.parametrize("inner", [GATED_COLUMN, ROW, GROUPED_GEMM_FC1], ids=lambda s: s.name)
 def test_expert_tp_lays_etp_pieces_over_tp_files(inner, tp, etp):
     whole = torch.randn(2, 16, 6) if inner.name == "grouped_gemm_fc1" else torch.randn(16, 8)
-    shard = expert_tp(inner, etp)
-    pieces = shard.shard(whole, tp)
-    own = inner.shard(whole, etp)
+    shard = expert_tp(inner)
+    ctx = Ctx(CONFIG, 10, tp=tp, etp=etp, local_experts=2)
+    pieces = shard.shard(whole, ctx)
+    own = inner.shard(whole, Ctx(CONFIG, 10, tp=etp, local_experts=2))
     assert len(pieces) == tp and all(torch.equal(pieces[t], own[t % etp]) for t in range(tp))
-    assert torch.equal(shard.unshard(pieces), whole)
+    assert torch.equal(shard.unshard(pieces, ctx), whole)
 
 
 def test_expert_tp_must_divide_tp():
     with pytest.raises(ConvertError, match="the expert tensor-parallel size 2 must divide the tensor-parallel size 3"):
-        expert_tp(ROW, 2).shard(torch.zeros(4, 4), 3)
+        expert_tp(ROW).shard(torch.zeros(4, 4), Ctx(CONFIG, 10, tp=3, etp=2))

@@ -19,6 +19,7 @@ from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR, SourceInfo
 from mconvert.options import Options
 from mconvert.progress import QUIET
+from mconvert.rules import Ctx
 from mconvert.schemas import legacy as schema
 from tests.conftest import FIXTURES, assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
 
@@ -156,10 +157,12 @@ def test_legacy_qkv_transforms_are_exact_inverses(version, shape):
 @pytest.mark.parametrize("order", [0, 1, 2])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_legacy_qkv_shard_round_trip(order, tp):
-    shard = schema.qkv_shard(order, num_heads=4)
+    config = ModelConfig(family="gpt2", num_layers=1, hidden_size=8, ffn_hidden_size=8, num_attention_heads=4,
+                         num_query_groups=4, head_dim=2, vocab_size=10, max_position_embeddings=16)
+    ctx = Ctx(config, 10, tp=tp, qkv_version=order)
     whole = torch.randn(4 * 3 * 2, 7)
-    pieces = shard.shard(whole, tp)
-    assert len(pieces) == tp and torch.equal(shard.unshard(pieces), whole)
+    pieces = schema.LEGACY_QKV.shard(whole, ctx)
+    assert len(pieces) == tp and torch.equal(schema.LEGACY_QKV.unshard(pieces, ctx), whole)
 
 
 @pytest.mark.parametrize("version", [0, 1, 2])

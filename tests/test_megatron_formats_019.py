@@ -12,7 +12,7 @@ import torch
 from mconvert.formats.dcp import DcpReader, read_metadata
 from mconvert.formats.torch_pickle import safe_load
 
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, run_cli
+from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
 
 IT = "iter_0000001"
 
@@ -31,6 +31,15 @@ def test_dcp_formats_round_trip(fmt, family, impl, llama_dir, mixtral_dir, gpt2_
     run_cli("--saver", "hf", "--load-dir", tmp_path / "d", "--save-dir", tmp_path / "hf")
     assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "hf"))
     assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "hf", tokens))
+
+
+@pytest.mark.parametrize("fmt", ["fsdp_dtensor", "torch_dcp"])
+def test_dcp_formats_take_qk_norms_and_dense_layers_among_experts(fmt, tmp_path, tokens):
+    src = make_hf_model(tmp_path / "hf", "qwen3_moe")  # q/k norms; experts on every other layer
+    run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", src, "--save-dir", tmp_path / "d")
+    run_cli("--saver", "hf", "--load-dir", tmp_path / "d", "--save-dir", tmp_path / "back")
+    assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "back"))
+    assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "back", tokens))
 
 
 def test_fsdp_dtensor_layout(mixtral_dir, tmp_path):

@@ -60,24 +60,24 @@ JOINS = [
 @pytest.mark.parametrize("shard", [REPLICATE, COLUMN, ROW, GATED_COLUMN], ids=lambda s: s.name)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_rule_round_trip_is_bit_exact(join, shapes, shard, tp):
-    ctx = Ctx(CONFIG, padded_vocab_size=16)
+    ctx = Ctx(CONFIG, padded_vocab_size=16, tp=tp)
     tensors = [torch.randn(s) for s in shapes]
     whole = join.join(tensors, ctx)
-    pieces = shard.shard(whole, tp)
+    pieces = shard.shard(whole, ctx)
     assert len(pieces) == tp
-    back = join.split(shard.unshard(pieces), ctx)
+    back = join.split(shard.unshard(pieces, ctx), ctx)
     assert all(torch.equal(a, b) for a, b in zip(back, tensors))
 
 
 def test_gated_column_keeps_gate_and_up_per_rank():
     gate, up = torch.arange(4.).reshape(4, 1), torch.arange(10., 14.).reshape(4, 1)
-    pieces = GATED_COLUMN.shard(transforms.fuse_gate_up(gate, up), 2)
+    pieces = GATED_COLUMN.shard(transforms.fuse_gate_up(gate, up), Ctx(CONFIG, 16, tp=2))
     assert [p.flatten().tolist() for p in pieces] == [[0, 1, 10, 11], [2, 3, 12, 13]]
 
 
 def test_replicated_pieces_must_agree():
     with pytest.raises(ConvertError, match="differs between TP rank 0 and TP rank 1"):
-        REPLICATE.unshard([torch.zeros(3), torch.ones(3)])
+        REPLICATE.unshard([torch.zeros(3), torch.ones(3)], Ctx(CONFIG, 16, tp=2))
 
 
 def test_transpose_is_its_own_inverse():

@@ -26,7 +26,7 @@ from mconvert.formats.hf_dir import tokenizer_vocab_size
 from mconvert.ir import ModelConfig
 from mconvert.layout import ParallelLayout
 from mconvert.options import ExpertLayout
-from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, IDENTITY, QKV, REPLICATE, ROW, VOCAB, Rule, Table
+from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, QKV, REPLICATE, ROW, VOCAB, Rule, Table, linear, norm
 from mconvert.schemas import core_moe
 
 Impl = Literal["local", "te"]
@@ -50,60 +50,58 @@ def rank_dir(tp: int, pp: int, ep: int, layout: ParallelLayout) -> str:
     return name
 
 
-def _norm(module_local: str, module_te: str, impl: Impl, ir: str) -> list[Rule]:
-    """A norm's weight and bias: a module of its own (local) or fused into the next linear (TE)."""
-    if impl == "local":
-        return [Rule(f"{module_local}.{kind}", (f"{ir}.{kind}",)) for kind in ("weight", "bias")]
-    return [Rule(f"{module_te}.layer_norm_{kind}", (f"{ir}.{kind}",)) for kind in ("weight", "bias")]
+EMBEDDING = (
+    Rule("embedding.word_embeddings.weight", ("embed.weight",), VOCAB, COLUMN),
+    Rule("embedding.position_embeddings.weight", ("pos_embed.weight",)),
+)
+ATTENTION = (
+    *linear("decoder.layers.{l}.self_attention.linear_proj", "layers.{L}.attn.o", shard=ROW, bias_shard=REPLICATE),
+    *linear("decoder.layers.{l}.self_attention.linear_qkv", "layers.{L}.attn.q", "layers.{L}.attn.k",
+            "layers.{L}.attn.v", join=QKV, shard=COLUMN),
+    # qk_layernorm: one norm over head_dim, the same name under both specs (a TENorm under TE)
+    *norm("decoder.layers.{l}.self_attention.q_layernorm", "layers.{L}.attn.q_norm"),
+    *norm("decoder.layers.{l}.self_attention.k_layernorm", "layers.{L}.attn.k_norm"),
+)
+MLP = (  # gated fc1 first: it wins when the model has a gate (see rules.active)
+    *linear("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp.gate", "layers.{L}.mlp.up", join=GATE_UP,
+            shard=GATED_COLUMN),
+    *linear("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp.up", shard=COLUMN),
+    *linear("decoder.layers.{l}.mlp.linear_fc2", "layers.{L}.mlp.down", shard=ROW, bias_shard=REPLICATE),
+    core_moe.ROUTER,
+)
+_LAYERS = {
+    # Local spec: each norm is a module of its own.
+    "local": (
+        *norm("decoder.layers.{l}.input_layernorm", "layers.{L}.attn_norm"),
+        *ATTENTION,
+        *norm("decoder.layers.{l}.pre_mlp_layernorm", "layers.{L}.mlp_norm"),
+        *MLP,
+    ),
+    # Transformer Engine: norms fused into the next linear, except the pre-MLP norm of MoE layers (no fc1 there).
+    "te": (
+        *norm("decoder.layers.{l}.self_attention.linear_qkv", "layers.{L}.attn_norm", fused=True),
+        *ATTENTION,
+        *norm("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp_norm", fused=True, only="dense"),
+        *norm("decoder.layers.{l}.pre_mlp_layernorm", "layers.{L}.mlp_norm", only="moe"),
+        *MLP,
+    ),
+}
+HEAD = (
+    *norm("decoder.final_layernorm", "final_norm"),
+    Rule("output_layer.weight", ("lm_head.weight",), VOCAB, COLUMN),
+)
+# One table per (transformer implementation, expert layout); dense models use the sequential one (no experts).
+TABLES: dict[tuple[str, str], Table] = {
+    (impl, experts): Table(embedding=EMBEDDING, layer=_LAYERS[impl], expert=core_moe.EXPERTS[experts][0],
+                           expert_stack=core_moe.EXPERTS[experts][1], head=HEAD)
+    for impl in _LAYERS for experts in core_moe.EXPERTS
+}
 
 
-def _linear(module: str, ir: str, join, shard, bias_shard) -> list[Rule]:
-    """A linear's weight and bias; `ir` may name several IR tensors joined into one (`a+b` templates)."""
-    names = tuple(ir.split("+"))
-    join = join or IDENTITY
-    return [
-        Rule(f"{module}.weight", tuple(f"{n}.weight" for n in names), join, shard),
-        Rule(f"{module}.bias", tuple(f"{n}.bias" for n in names), join, bias_shard),
-    ]
-
-
-def table(impl: Impl, *, moe: bool = False, expert_layout: ExpertLayout = "sequential", local_experts: int = 1,
-          etp: int = 1) -> Table:
-    """The core key table for one transformer implementation (`local` or `te`).
-
-    MoE models add the router and the experts in `expert_layout` (see mconvert.schemas.core_moe), with
-    `local_experts` experts per expert-parallel rank split over `etp` expert tensor-parallel ranks.
-    """
-    experts, expert_stack = core_moe.expert_rules(expert_layout, local_experts=local_experts, etp=etp)
-    layer = "decoder.layers.{l}"
-    attn, mlp = f"{layer}.self_attention", f"{layer}.mlp"
-    fused_mlp_norm = impl == "te" and not moe  # MoE layers keep a separate pre_mlp_layernorm under TE
-    return Table(
-        embedding=(
-            Rule("embedding.word_embeddings.weight", ("embed.weight",), VOCAB, COLUMN),
-            Rule("embedding.position_embeddings.weight", ("pos_embed.weight",)),
-        ),
-        layer=(
-            *_norm(f"{layer}.input_layernorm", f"{attn}.linear_qkv", impl, "layers.{L}.attn_norm"),
-            *_linear(f"{attn}.linear_proj", "layers.{L}.attn.o", None, ROW, REPLICATE),
-            *_linear(f"{attn}.linear_qkv", "layers.{L}.attn.q+layers.{L}.attn.k+layers.{L}.attn.v", QKV, COLUMN,
-                     COLUMN),
-            *_norm(f"{layer}.pre_mlp_layernorm", f"{mlp}.linear_fc1", "te" if fused_mlp_norm else "local",
-                   "layers.{L}.mlp_norm"),
-            *_linear(f"{mlp}.linear_fc1", "layers.{L}.mlp.gate+layers.{L}.mlp.up", GATE_UP, GATED_COLUMN,
-                     GATED_COLUMN),
-            *_linear(f"{mlp}.linear_fc1", "layers.{L}.mlp.up", None, COLUMN, COLUMN),
-            *_linear(f"{mlp}.linear_fc2", "layers.{L}.mlp.down", None, ROW, REPLICATE),
-            core_moe.ROUTER,
-        ),
-        expert=experts,
-        expert_stack=expert_stack,
-        head=(
-            Rule("decoder.final_layernorm.weight", ("final_norm.weight",)),
-            Rule("decoder.final_layernorm.bias", ("final_norm.bias",)),
-            Rule("output_layer.weight", ("lm_head.weight",), VOCAB, COLUMN),
-        ),
-    )
+def table(impl: Impl, expert_layout: ExpertLayout = "sequential") -> Table:
+    """The core key table for one transformer implementation (`local` or `te`) and expert layout (see
+    mconvert.schemas.core_moe; the layout's shards read the local expert count and expert TP from the Ctx)."""
+    return TABLES[(impl, expert_layout)]
 
 
 # With tied embeddings and several pipeline stages the last stage keeps its own copy of the (padded) word
@@ -112,13 +110,15 @@ TIED_OUTPUT = Rule("output_layer.weight", ("embed.weight",), VOCAB, COLUMN)
 
 
 def extra_state_modules(impl: Impl, *, expert_layout: ExpertLayout | None = None,
-                        local_experts: int = 0) -> tuple[str, ...]:
+                        local_experts: int = 0, qk_norm: bool = False) -> tuple[str, ...]:
     """Modules (templates) that store an `_extra_state` entry in every layer (MoE layers: give the layout)."""
     modules = ("self_attention.linear_proj", "self_attention.linear_qkv")
     if expert_layout is None:
         modules += ("mlp.linear_fc1", "mlp.linear_fc2")
     if impl == "te":
         modules = ("self_attention.core_attention", *modules)
+        if qk_norm:  # TENorm modules, like MoE layers' pre_mlp_layernorm
+            modules += ("self_attention.q_layernorm", "self_attention.k_layernorm")
     moe = core_moe.extra_state_modules(expert_layout, impl, local_experts) if expert_layout else ()
     return tuple(f"decoder.layers.{{l}}.{m}" for m in modules) + moe
 
@@ -154,16 +154,12 @@ _SETTINGS = (
     ("rotary_percent", False, lambda v: v is None or float(v) == 1.0),
     ("rotary_seq_len_interpolation_factor", False, lambda v: v in (None, 1, 1.0)),
     ("no_rope_freq", False, lambda v: not v),
-    ("qk_layernorm", False, lambda v: not v),
     ("layernorm_zero_centered_gamma", False, lambda v: not v),
     ("apply_layernorm_1p", False, lambda v: not v),
     ("apply_residual_connection_post_layernorm", False, lambda v: not v),
     ("squared_relu", False, lambda v: not v),
-    ("window_attn_skip_freq", False, lambda v: v in (None, 1)),
     ("moe_shared_expert_intermediate_size", True, lambda v: not v),
-    ("moe_layer_freq", True, lambda v: v is None or _every_layer(v)),
     ("moe_router_enable_expert_bias", True, lambda v: not v),
-    ("moe_router_pre_softmax", True, lambda v: not v),
     ("moe_router_score_function", True, lambda v: v in (None, "softmax")),
     ("moe_router_topk_scaling_factor", True, lambda v: v in (None, 1, 1.0)),
     ("moe_router_num_groups", True, lambda v: not v),
@@ -196,14 +192,20 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
     rope = position == "rope"
     experts = get("num_experts")
     window = get("window_size")
-    ffn = get("moe_ffn_hidden_size") if experts else None
-    ffn = ffn or get("ffn_hidden_size") or 4 * hidden
-    family = "mixtral" if experts else "mistral" if window else "llama" if rope else "gpt2"
+    sliding_window = int(window[0]) + 1 if window and int(window[0]) >= 0 else None  # see args_from_config
+    ffn = get("ffn_hidden_size") or 4 * hidden
+    dense = _dense_layers(get("moe_layer_freq", 1), layers, where) if experts else ()
+    qkv_bias_only = bool(get("add_qkv_bias", False)) and not get("add_bias_linear", True)
     return ModelConfig(
-        family=family,
+        family=_family(bool(experts), bool(get("qk_layernorm")), qkv_bias_only, bool(sliding_window), rope),
         num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=int(ffn),
+        moe_ffn_hidden_size=int(get("moe_ffn_hidden_size", ffn)) if experts else None,
+        dense_layers=dense,
+        # Megatron's default takes the top-k of the logits, then softmax over them (the weights sum to 1);
+        # pre-softmax routing keeps the softmax over all experts
+        moe_norm_topk=not get("moe_router_pre_softmax", False),
         num_attention_heads=heads,
         num_query_groups=int(get("num_query_groups", heads)) if get("group_query_attention") else heads,
         head_dim=int(get("kv_channels", hidden // heads)),
@@ -223,7 +225,9 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
         proj_bias=bool(get("add_bias_linear", True)),
         mlp_bias=bool(get("add_bias_linear", True)),
         tie_embeddings=not get("untie_embeddings_and_output_weights", False),
-        sliding_window=int(window[0]) + 1 if window and int(window[0]) >= 0 else None,  # see args_from_config
+        sliding_window=sliding_window,
+        full_attention_layers=_full_attention_layers(get("window_attn_skip_freq"), layers, where),
+        qk_norm=bool(get("qk_layernorm")),
         num_experts=int(experts) if experts else None,
         moe_top_k=int(get("moe_router_topk", 2)) if experts else None,
         moe_aux_loss_coeff=_first(get("moe_aux_loss_coeff")) if experts else None,
@@ -237,9 +241,40 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 8192}
 
 
-def _every_layer(freq: Any) -> bool:
-    """moe_layer_freq: 1 (or a pattern of ones) puts experts in every layer, which is all the IR describes."""
-    return freq == 1 or (isinstance(freq, (list, tuple)) and all(f == 1 for f in freq))
+def _family(moe: bool, qk_norm: bool, qkv_bias_only: bool, window: bool, rope: bool) -> str:
+    """The IR family Megatron args describe (which HF format `--saver hf` writes): Megatron's Qwen recipes use
+    `--qk-layernorm` (Qwen3, Qwen3-MoE) or `--add-qkv-bias --disable-bias-linear` (Qwen2 / 2.5)."""
+    if qk_norm:
+        return "qwen3_moe" if moe else "qwen3"
+    if moe:
+        return "mixtral"
+    if qkv_bias_only:
+        return "qwen2"
+    return "mistral" if window else "llama" if rope else "gpt2"
+
+
+def _full_attention_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:
+    """The layers without the window, from window_attn_skip_freq: every N-th layer (counting from 1) for an int N,
+    or the zeros of a 0/1 pattern with one entry per layer (1 = sliding window); None: every layer slides."""
+    if freq is None:
+        return ()
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return tuple(i for i in range(num_layers) if (i + 1) % freq == 0)
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(f in (0, 1) for f in freq):
+        return tuple(i for i, f in enumerate(freq) if not f)
+    raise ConvertError(f"{where}: window_attn_skip_freq={freq!r} is neither a positive integer nor a 0/1 pattern "
+                       f"with one entry per layer ({num_layers})")
+
+
+def _dense_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:
+    """The layers without experts, from moe_layer_freq: every k-th layer (from layer 0) has experts for an int k,
+    or a 0/1 pattern with one entry per layer (what `--moe-layer-freq "([0]*3+[1]*58)"` parses into)."""
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return tuple(i for i in range(num_layers) if i % freq)
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(f in (0, 1) for f in freq):
+        return tuple(i for i, f in enumerate(freq) if not f)
+    raise ConvertError(f"{where}: moe_layer_freq={freq!r} is neither a positive integer nor a 0/1 pattern with one "
+                       f"entry per layer ({num_layers})")
 
 
 def _first(value: Any) -> float | None:
@@ -270,6 +305,8 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     if c.proj_bias != c.mlp_bias or (c.proj_bias and not c.qkv_bias):
         raise ConvertError("Megatron's add_bias_linear puts a bias on every linear (add_qkv_bias on q/k/v alone); "
                            f"this model has qkv_bias={c.qkv_bias}, proj_bias={c.proj_bias}, mlp_bias={c.mlp_bias}")
+    if c.rope_theta != int(c.rope_theta):
+        raise ConvertError(f"Megatron's rotary_base is an integer; this model's rope_theta is {c.rope_theta}")
     rope = c.position_embedding == "rope"
     vpp = layout.vpp if layout.vpp > 1 else None
     dtype = c.torch_dtype
@@ -286,15 +323,21 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling else 8.0,
         normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=c.norm_eps,
         norm_epsilon=c.norm_eps,
-        apply_layernorm_1p=False, layernorm_zero_centered_gamma=False, qk_layernorm=False,
+        apply_layernorm_1p=False, layernorm_zero_centered_gamma=False, qk_layernorm=c.qk_norm,
         swiglu=c.gated, openai_gelu=c.activation == "gelu_tanh", squared_relu=False, bias_gelu_fusion=False,
         add_bias_linear=c.proj_bias, add_qkv_bias=c.qkv_bias,
         untie_embeddings_and_output_weights=not c.tie_embeddings,
         # Megatron's window (left, right) lets a query see `left` earlier keys and itself; the IR's (and HF's)
         # sliding_window counts the query too
         window_size=(c.sliding_window - 1, 0) if c.sliding_window else None,
+        # per layer (from 1): 1 slides, 0 attends to everything (no effect without window_size, but kept: it is
+        # the Qwen config's max_window_layers)
+        window_attn_skip_freq=[0 if i in c.full_attention_layers else 1 for i in range(c.num_layers)]
+        if c.full_attention_layers else None,
         num_experts=c.num_experts, moe_router_topk=c.moe_top_k or 2,
-        moe_ffn_hidden_size=c.ffn_hidden_size if c.is_moe else None,
+        moe_ffn_hidden_size=c.expert_ffn_hidden_size if c.is_moe else None,
+        moe_layer_freq=[0 if i in c.dense_layers else 1 for i in range(c.num_layers)] if c.dense_layers else 1,
+        moe_router_pre_softmax=c.is_moe and not c.moe_norm_topk,
         # Megatron applies jitter whenever the value is not None, and Uniform(1, 1) fails: no jitter is None
         moe_aux_loss_coeff=c.moe_aux_loss_coeff or 0.0, moe_input_jitter_eps=c.moe_jitter_eps or None,
         moe_grouped_gemm=c.is_moe and expert_layout != "sequential",

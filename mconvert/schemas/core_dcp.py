@@ -20,13 +20,11 @@ for torch_dcp; fsdp_dtensor stores global tensors whatever the layout.
 
 from __future__ import annotations
 
-import re
-
 from mconvert.ir import ModelConfig
 from mconvert.mapping import Row, expand
 from mconvert.options import ExpertLayout
 from mconvert.schemas import core
-from mconvert.schemas.swiglu_halves import halves
+from mconvert.schemas.swiglu_halves import HALF_KEY, halves
 
 FORMATS = ("torch_dcp", "fsdp_dtensor")
 PREFIX = "model."
@@ -38,15 +36,12 @@ CHECKPOINT_VERSION_KEY, ITERATION_KEY, FLOPS_KEY = "checkpoint_version", "iterat
 # The expert layouts these formats can hold (Megatron-FSDP refuses moe_single_grouped_weight; the legacy
 # GroupedMLP predates them)
 EXPERT_LAYOUTS = ("sequential", "grouped")
-_HALF = re.compile(r".*\.linear_fc1\.(weight|bias)\d*_[wv]")
 
 
 def rows(config: ModelConfig, impl: core.Impl, expert_layout: ExpertLayout, *, split_swiglu: bool,
          prefix: str = PREFIX) -> list[Row]:
     """The model tensors, keys under `prefix` (`model.` and its wrappers), in the order of the state dict."""
-    table = core.table(impl, moe=config.is_moe, expert_layout=expert_layout, local_experts=config.num_experts or 0,
-                       etp=1)
-    found = expand(table, config)
+    found = expand(core.table(impl, expert_layout), config)
     found = halves(found) if split_swiglu else found
     return [Row(prefix + r.key, r.ir, r.rule) for r in found]
 
@@ -62,7 +57,7 @@ def model_prefix(key: str) -> str | None:
 
 
 def has_halves(keys) -> bool:
-    return any(_HALF.fullmatch(k) for k in keys)
+    return any(HALF_KEY.fullmatch(k) for k in keys)
 
 
 def detect_impl(keys) -> core.Impl:

@@ -1,4 +1,4 @@
-"""Megatron-core MoE layers: the router and the three ways Megatron stores expert weights, and their detection.
+"""Megatron-core MoE layers: the router and the four ways Megatron stores expert weights, and their detection.
 
 Keys are local to the file; `j` counts an expert-parallel rank's experts from 0 (global expert `ep*E/EP + j`),
 f is the per-expert FFN size (moe_ffn_hidden_size), etp the expert tensor-parallel size (default TP).
@@ -11,7 +11,7 @@ f is the per-expert FFN size (moe_ffn_hidden_size), etp the expert tensor-parall
     mlp.experts.linear_fc1.weight{j}                 [2f/etp, h]      one _extra_state per grouped linear
     mlp.experts.linear_fc2.weight{j}                 [h, f/etp]
     legacy_grouped  (GroupedMLP; removed from Megatron-LM in March 2026, no _extra_state)
-    mlp.experts.weight1                              [h, n*2f/etp]    transposed, see mconvert.expert_rules
+    mlp.experts.weight1                              [h, n*2f/etp]    transposed, see mconvert.expert_shards
     mlp.experts.weight2                              [n*f/etp, h]
     single_grouped  (TEGroupedMLP with moe_single_grouped_weight, megatron-core 0.18+, TE >= 2.14)
     mlp.experts.linear_fc1.weight                    [n, 2f/etp, h]   expert-major; each [gate_r ; up_r]
@@ -24,17 +24,18 @@ import re
 from typing import get_args
 
 from mconvert.errors import ConvertError
-from mconvert.expert_rules import (
+from mconvert.expert_shards import (
+    EXPERT_GATED_COLUMN,
+    EXPERT_GROUPED_GEMM_FC1,
+    EXPERT_GROUPED_GEMM_FC2,
+    EXPERT_ROW,
+    EXPERT_STACKED_GATED_COLUMN,
+    EXPERT_STACKED_ROW,
     STACK,
     STACK_GATE_UP,
-    STACKED_GATED_COLUMN,
-    STACKED_ROW,
-    expert_tp,
-    grouped_gemm_fc1,
-    grouped_gemm_fc2,
 )
 from mconvert.options import ExpertLayout
-from mconvert.rules import GATE_UP, GATED_COLUMN, IDENTITY, ROW, Rule
+from mconvert.rules import GATE_UP, Rule
 
 EXPERT_LAYOUTS: tuple[str, ...] = get_args(ExpertLayout)
 _EXPERTS = "decoder.layers.{l}.mlp.experts"
@@ -43,24 +44,27 @@ _DOWN = ("layers.{L}.moe.experts.{E}.down.weight",)
 
 ROUTER = Rule("decoder.layers.{l}.mlp.router.weight", ("layers.{L}.moe.router.weight",))
 
-
-def expert_rules(layout: ExpertLayout, *, local_experts: int, etp: int) -> tuple[tuple[Rule, ...], tuple[Rule, ...]]:
-    """(per-expert rules, stacked rules) of one expert layout, for `local_experts` experts per file."""
-    if layout == "legacy_grouped":
-        return (), (
-            Rule(f"{_EXPERTS}.weight1", _GATE_UP, STACK_GATE_UP, expert_tp(grouped_gemm_fc1(local_experts), etp)),
-            Rule(f"{_EXPERTS}.weight2", _DOWN, STACK, expert_tp(grouped_gemm_fc2(local_experts), etp)),
-        )
-    if layout == "single_grouped":
-        return (), (
-            Rule(f"{_EXPERTS}.linear_fc1.weight", _GATE_UP, STACK_GATE_UP, expert_tp(STACKED_GATED_COLUMN, etp)),
-            Rule(f"{_EXPERTS}.linear_fc2.weight", _DOWN, STACK, expert_tp(STACKED_ROW, etp)),
-        )
-    fc1, fc2 = {"sequential": (f"{_EXPERTS}.local_experts.{{e}}.linear_fc1.weight",
-                               f"{_EXPERTS}.local_experts.{{e}}.linear_fc2.weight"),
-                "grouped": (f"{_EXPERTS}.linear_fc1.weight{{e}}", f"{_EXPERTS}.linear_fc2.weight{{e}}")}[layout]
-    return (Rule(fc1, _GATE_UP, GATE_UP, expert_tp(GATED_COLUMN, etp)),
-            Rule(fc2, _DOWN, IDENTITY, expert_tp(ROW, etp))), ()
+# Per expert layout: (rules with one tensor per expert, rules with one tensor holding all of a file's experts).
+EXPERTS: dict[str, tuple[tuple[Rule, ...], tuple[Rule, ...]]] = {
+    "sequential": ((
+        Rule("decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1.weight", _GATE_UP, GATE_UP,
+             EXPERT_GATED_COLUMN),
+        Rule("decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc2.weight", _DOWN, shard=EXPERT_ROW),
+    ), ()),
+    "grouped": ((
+        Rule("decoder.layers.{l}.mlp.experts.linear_fc1.weight{e}", _GATE_UP, GATE_UP, EXPERT_GATED_COLUMN),
+        Rule("decoder.layers.{l}.mlp.experts.linear_fc2.weight{e}", _DOWN, shard=EXPERT_ROW),
+    ), ()),
+    "legacy_grouped": ((), (
+        Rule("decoder.layers.{l}.mlp.experts.weight1", _GATE_UP, STACK_GATE_UP, EXPERT_GROUPED_GEMM_FC1),
+        Rule("decoder.layers.{l}.mlp.experts.weight2", _DOWN, STACK, EXPERT_GROUPED_GEMM_FC2),
+    )),
+    "single_grouped": ((), (
+        Rule("decoder.layers.{l}.mlp.experts.linear_fc1.weight", _GATE_UP, STACK_GATE_UP,
+             EXPERT_STACKED_GATED_COLUMN),
+        Rule("decoder.layers.{l}.mlp.experts.linear_fc2.weight", _DOWN, STACK, EXPERT_STACKED_ROW),
+    )),
+}
 
 
 def extra_state_modules(layout: ExpertLayout, impl: str, local_experts: int) -> tuple[str, ...]:

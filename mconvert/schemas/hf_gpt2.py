@@ -19,7 +19,7 @@ from typing import Any
 from mconvert import transforms
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
-from mconvert.rules import TRANSPOSE, Join, Rule, Table
+from mconvert.rules import TRANSPOSE, Join, Rule, Table, norm
 from mconvert.schemas.hf_common import config_dtype
 
 MODEL_TYPE = "gpt2"
@@ -45,32 +45,28 @@ CONCAT_QKV = Join(
 )
 
 
-def _conv1d(module: str, ir: str) -> list[Rule]:
-    return [Rule(f"{module}.weight", (f"{ir}.weight",), TRANSPOSE), Rule(f"{module}.bias", (f"{ir}.bias",))]
-
-
-def _norm(module: str, ir: str) -> list[Rule]:
-    return [Rule(f"{module}.{kind}", (f"{ir}.{kind}",)) for kind in ("weight", "bias")]
-
-
-_H = "transformer.h.{L}"
-_ATTN = "layers.{L}.attn"
+# Conv1D weights are [in, out]: transposed to the IR's [out, in]; their biases are stored as they are.
 TABLE = Table(
     embedding=(
         Rule("transformer.wte.weight", ("embed.weight",)),
         Rule("transformer.wpe.weight", ("pos_embed.weight",)),
     ),
     layer=(
-        *_norm(f"{_H}.ln_1", "layers.{L}.attn_norm"),
-        Rule(f"{_H}.attn.c_attn.weight", tuple(f"{_ATTN}.{n}.weight" for n in "qkv"), CONV1D_QKV),
-        Rule(f"{_H}.attn.c_attn.bias", tuple(f"{_ATTN}.{n}.bias" for n in "qkv"), CONCAT_QKV),
-        *_conv1d(f"{_H}.attn.c_proj", f"{_ATTN}.o"),
-        *_norm(f"{_H}.ln_2", "layers.{L}.mlp_norm"),
-        *_conv1d(f"{_H}.mlp.c_fc", "layers.{L}.mlp.up"),
-        *_conv1d(f"{_H}.mlp.c_proj", "layers.{L}.mlp.down"),
+        *norm("transformer.h.{L}.ln_1", "layers.{L}.attn_norm"),
+        Rule("transformer.h.{L}.attn.c_attn.weight",
+             ("layers.{L}.attn.q.weight", "layers.{L}.attn.k.weight", "layers.{L}.attn.v.weight"), CONV1D_QKV),
+        Rule("transformer.h.{L}.attn.c_attn.bias",
+             ("layers.{L}.attn.q.bias", "layers.{L}.attn.k.bias", "layers.{L}.attn.v.bias"), CONCAT_QKV),
+        Rule("transformer.h.{L}.attn.c_proj.weight", ("layers.{L}.attn.o.weight",), TRANSPOSE),
+        Rule("transformer.h.{L}.attn.c_proj.bias", ("layers.{L}.attn.o.bias",)),
+        *norm("transformer.h.{L}.ln_2", "layers.{L}.mlp_norm"),
+        Rule("transformer.h.{L}.mlp.c_fc.weight", ("layers.{L}.mlp.up.weight",), TRANSPOSE),
+        Rule("transformer.h.{L}.mlp.c_fc.bias", ("layers.{L}.mlp.up.bias",)),
+        Rule("transformer.h.{L}.mlp.c_proj.weight", ("layers.{L}.mlp.down.weight",), TRANSPOSE),
+        Rule("transformer.h.{L}.mlp.c_proj.bias", ("layers.{L}.mlp.down.bias",)),
     ),
     head=(
-        *_norm("transformer.ln_f", "final_norm"),
+        *norm("transformer.ln_f", "final_norm"),
         Rule("lm_head.weight", ("lm_head.weight",)),
     ),
 )
@@ -151,6 +147,7 @@ def check_expressible(c: ModelConfig) -> None:
          c.head_dim * c.num_attention_heads != c.hidden_size),
         ("mixture of experts", c.is_moe),
         (f"sliding window {c.sliding_window}", c.sliding_window is not None),
+        ("per-head q/k norms", c.qk_norm),
     ) if bad]
     if problems:
         raise ConvertError("the model cannot be written as Hugging Face GPT-2: " + "; ".join(problems)

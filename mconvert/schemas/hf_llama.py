@@ -6,29 +6,23 @@ from typing import Any
 
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
-from mconvert.rules import Rule, Table
+from mconvert.rules import Rule, Table, linear
 from mconvert.schemas.hf_common import parse, rope_decoder_config, rope_decoder_fields
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
-
-_ATTN = [
-    Rule(f"model.layers.{{L}}.self_attn.{hf}_proj.{kind}", (f"layers.{{L}}.attn.{ir}.{kind}",))
-    for hf, ir in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "o"))
-    for kind in ("weight", "bias")
-]
-_MLP = [
-    Rule(f"model.layers.{{L}}.mlp.{name}_proj.{kind}", (f"layers.{{L}}.mlp.{name}.{kind}",))
-    for name in ("gate", "up", "down")
-    for kind in ("weight", "bias")
-]
 
 TABLE = Table(
     embedding=(Rule("model.embed_tokens.weight", ("embed.weight",)),),
     layer=(
         Rule("model.layers.{L}.input_layernorm.weight", ("layers.{L}.attn_norm.weight",)),
-        *_ATTN,
+        *linear("model.layers.{L}.self_attn.q_proj", "layers.{L}.attn.q"),
+        *linear("model.layers.{L}.self_attn.k_proj", "layers.{L}.attn.k"),
+        *linear("model.layers.{L}.self_attn.v_proj", "layers.{L}.attn.v"),
+        *linear("model.layers.{L}.self_attn.o_proj", "layers.{L}.attn.o"),
         Rule("model.layers.{L}.post_attention_layernorm.weight", ("layers.{L}.mlp_norm.weight",)),
-        *_MLP,
+        *linear("model.layers.{L}.mlp.gate_proj", "layers.{L}.mlp.gate"),
+        *linear("model.layers.{L}.mlp.up_proj", "layers.{L}.mlp.up"),
+        *linear("model.layers.{L}.mlp.down_proj", "layers.{L}.mlp.down"),
     ),
     head=(
         Rule("model.norm.weight", ("final_norm.weight",)),
@@ -67,6 +61,9 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         (f"{c.norm} (they use RMSNorm)", c.norm != "rmsnorm"),
         ("learned position embeddings (they use rotary)", c.position_embedding != "rope"),
         ("experts (save it as mixtral)", c.is_moe),
+        ("per-head q/k norms (save it as qwen3)", c.qk_norm),
+        (f"no sliding window in layers {list(c.full_attention_layers)} (Mistral's applies to every layer)",
+         c.sliding_window is not None and bool(c.full_attention_layers)),
     ) if bad]
     if unsupported:
         raise ConvertError(f"HF {MODEL_TYPES[c.family].removesuffix('ForCausalLM')} cannot hold this model: "

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from mconvert.errors import ConvertError
-from mconvert.expert_rules import STACK, STACK_GATE_UP
+from mconvert.expert_shards import STACK, STACK_GATE_UP
 from mconvert.ir import ModelConfig
 from mconvert.rules import Rule, Table
 from mconvert.schemas.hf_common import parse, rope_decoder_config, rope_decoder_fields
@@ -26,36 +26,39 @@ MODEL_TYPE = "mixtral"
 ARCHITECTURE = "MixtralForCausalLM"
 
 
-def _table(moe: str, router: str, expert: tuple[Rule, ...], expert_stack: tuple[Rule, ...]) -> Table:
-    layer = "model.layers.{L}"
-    return Table(
-        embedding=(Rule("model.embed_tokens.weight", ("embed.weight",)),),
-        layer=(
-            Rule(f"{layer}.input_layernorm.weight", ("layers.{L}.attn_norm.weight",)),
-            *(Rule(f"{layer}.self_attn.{n}_proj.weight", (f"layers.{{L}}.attn.{n}.weight",)) for n in "qkvo"),
-            Rule(f"{layer}.post_attention_layernorm.weight", ("layers.{L}.mlp_norm.weight",)),
-            Rule(f"{layer}.{moe}.{router}.weight", ("layers.{L}.moe.router.weight",)),
-        ),
-        expert=expert,
-        expert_stack=expert_stack,
-        head=(
-            Rule("model.norm.weight", ("final_norm.weight",)),
-            Rule("lm_head.weight", ("lm_head.weight",)),
-        ),
-    )
-
-
-_EXPERT = "model.layers.{L}.block_sparse_moe.experts.{E}"
-TABLE = _table("block_sparse_moe", "gate", expert=(
-    Rule(f"{_EXPERT}.w1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",)),
-    Rule(f"{_EXPERT}.w3.weight", ("layers.{L}.moe.experts.{E}.up.weight",)),
-    Rule(f"{_EXPERT}.w2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
-), expert_stack=())
-FUSED = _table("mlp", "gate", expert=(), expert_stack=(
-    Rule("model.layers.{L}.mlp.experts.gate_up_proj",
-         ("layers.{L}.moe.experts.{E}.gate.weight", "layers.{L}.moe.experts.{E}.up.weight"), STACK_GATE_UP),
-    Rule("model.layers.{L}.mlp.experts.down_proj", ("layers.{L}.moe.experts.{E}.down.weight",), STACK),
-))
+_DENSE = (
+    Rule("model.layers.{L}.input_layernorm.weight", ("layers.{L}.attn_norm.weight",)),
+    Rule("model.layers.{L}.self_attn.q_proj.weight", ("layers.{L}.attn.q.weight",)),
+    Rule("model.layers.{L}.self_attn.k_proj.weight", ("layers.{L}.attn.k.weight",)),
+    Rule("model.layers.{L}.self_attn.v_proj.weight", ("layers.{L}.attn.v.weight",)),
+    Rule("model.layers.{L}.self_attn.o_proj.weight", ("layers.{L}.attn.o.weight",)),
+    Rule("model.layers.{L}.post_attention_layernorm.weight", ("layers.{L}.mlp_norm.weight",)),
+)
+_EMBEDDING = (Rule("model.embed_tokens.weight", ("embed.weight",)),)
+_HEAD = (
+    Rule("model.norm.weight", ("final_norm.weight",)),
+    Rule("lm_head.weight", ("lm_head.weight",)),
+)
+TABLE = Table(
+    embedding=_EMBEDDING,
+    layer=(*_DENSE, Rule("model.layers.{L}.block_sparse_moe.gate.weight", ("layers.{L}.moe.router.weight",))),
+    expert=(
+        Rule("model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",)),
+        Rule("model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight", ("layers.{L}.moe.experts.{E}.up.weight",)),
+        Rule("model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
+    ),
+    head=_HEAD,
+)
+FUSED = Table(
+    embedding=_EMBEDDING,
+    layer=(*_DENSE, Rule("model.layers.{L}.mlp.gate.weight", ("layers.{L}.moe.router.weight",))),
+    expert_stack=(
+        Rule("model.layers.{L}.mlp.experts.gate_up_proj",
+             ("layers.{L}.moe.experts.{E}.gate.weight", "layers.{L}.moe.experts.{E}.up.weight"), STACK_GATE_UP),
+        Rule("model.layers.{L}.mlp.experts.down_proj", ("layers.{L}.moe.experts.{E}.down.weight",), STACK),
+    ),
+    head=_HEAD,
+)
 FUSED_MARKER = "model.layers.0.mlp.experts.gate_up_proj"
 
 # Present in some checkpoints, never model weights: rotary frequencies (recomputed from rope_theta).
@@ -89,9 +92,14 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
                            "(use the llama_mistral saver)")
     unsupported = [what for what, bad in (
         ("attention or MLP biases", c.qkv_bias or c.proj_bias or c.mlp_bias),
+        (f"dense MLP layers {list(c.dense_layers)} (Mixtral has experts in every layer)", bool(c.dense_layers)),
+        ("top-k routing weights left unnormalized (Mixtral renormalizes them)", not c.moe_norm_topk),
         (f"{c.norm} (Mixtral uses RMSNorm)", c.norm != "rmsnorm"),
         (f"activation {c.activation} (Mixtral uses SwiGLU)", c.activation != "swiglu"),
         ("learned position embeddings (Mixtral uses rotary)", c.position_embedding != "rope"),
+        (f"no sliding window in layers {list(c.full_attention_layers)} (Mixtral's applies to every layer)",
+         c.sliding_window is not None and bool(c.full_attention_layers)),
+        ("per-head q/k norms (save it as qwen3_moe)", c.qk_norm),
     ) if bad]
     if unsupported:
         raise ConvertError(f"HF Mixtral cannot hold this model: {', '.join(unsupported)}")

@@ -41,15 +41,16 @@ from mconvert.rules import (
     COLUMN,
     GATE_UP,
     GATED_COLUMN,
-    IDENTITY,
     QKV,
     REPLICATE,
     ROW,
     VOCAB,
-    Join,
+    Ctx,
     Rule,
     Shard,
     Table,
+    linear,
+    norm,
 )
 from mconvert.schemas import core
 
@@ -57,7 +58,6 @@ CHECKPOINT_VERSION = 3.0
 KNOWN_VERSIONS = (0, 1, 2, 3)  # the values Megatron-LM ever wrote (0 = no key at all)
 EMBEDDING = "language_model.embedding"
 ENCODER = "language_model.encoder"
-LAYER = f"{ENCODER}.layers.{{l}}"
 LAYER_KEY = re.compile(rf"{re.escape(ENCODER)}\.layers\.(\d+)\.")
 # Module state dicts stored flat (dotted keys) rather than nested one dict per dot.
 FLAT_MODULES = (ENCODER,)
@@ -92,57 +92,50 @@ def check_version(value: Any, where: str) -> int:
                        "or 3.0); it decides the row order of query_key_value, so the file cannot be read safely")
 
 
-def qkv_shard(order: int, num_heads: int) -> Shard:
-    """Column-parallel QKV whose rows, on each TP rank, are in the given checkpoint_version's order."""
-    if order >= 2:
-        return COLUMN
-
-    def shard(t, n: int):
-        return [transforms.per_head_to_legacy_qkv(p, order, num_heads // n) for p in COLUMN.shard(t, n)]
-
-    def unshard(pieces):
-        heads = num_heads // len(pieces)
-        return COLUMN.unshard([transforms.legacy_qkv_to_per_head(p, order, heads) for p in pieces])
-
-    return Shard(f"column_qkv_v{order}", shard, unshard)
+def _legacy_qkv_pieces(t, ctx: Ctx):
+    heads = ctx.config.num_attention_heads // ctx.tp
+    return [transforms.per_head_to_legacy_qkv(p, ctx.qkv_version, heads) for p in COLUMN.shard(t, ctx)]
 
 
-def _norm(module: str, ir: str) -> list[Rule]:
-    return [Rule(f"{module}.{kind}", (f"{ir}.{kind}",)) for kind in ("weight", "bias")]
+def _per_head_pieces(pieces, ctx: Ctx):
+    heads = ctx.config.num_attention_heads // len(pieces)
+    return COLUMN.unshard([transforms.legacy_qkv_to_per_head(p, ctx.qkv_version, heads) for p in pieces], ctx)
 
 
-def _linear(module: str, ir: tuple[str, ...], join: Join, shard: Shard, bias_shard: Shard) -> list[Rule]:
-    return [
-        Rule(f"{module}.weight", tuple(f"{n}.weight" for n in ir), join, shard),
-        Rule(f"{module}.bias", tuple(f"{n}.bias" for n in ir), join, bias_shard),
-    ]
+# Column-parallel QKV whose rows, on each TP rank, are in the order of `ctx.qkv_version` (checkpoint_version
+# 0 or 1; from version 2 on the order is core's grouped one, a plain column split).
+_QKV_V0_V1 = Shard("column_legacy_qkv", _legacy_qkv_pieces, _per_head_pieces)
+LEGACY_QKV = Shard(
+    "column_qkv_by_version",
+    lambda t, ctx: (COLUMN if ctx.qkv_version >= 2 else _QKV_V0_V1).shard(t, ctx),
+    lambda ps, ctx: (COLUMN if ctx.qkv_version >= 2 else _QKV_V0_V1).unshard(ps, ctx),
+)
 
-
-def table(order: int, num_heads: int) -> Table:
-    """The legacy key table (keys relative to one chunk's model dict) for a checkpoint_version's QKV order."""
-    qkv = qkv_shard(order, num_heads)
-    attn, mlp = "layers.{L}.attn", "layers.{L}.mlp"
-    return Table(
-        embedding=(
-            Rule(f"{EMBEDDING}.word_embeddings.weight", ("embed.weight",), VOCAB, COLUMN),
-            Rule(f"{EMBEDDING}.position_embeddings.weight", ("pos_embed.weight",)),
-        ),
-        layer=(
-            *_norm(f"{LAYER}.input_layernorm", "layers.{L}.attn_norm"),
-            *_linear(f"{LAYER}.self_attention.query_key_value", (f"{attn}.q", f"{attn}.k", f"{attn}.v"), QKV, qkv,
-                     qkv),
-            *_linear(f"{LAYER}.self_attention.dense", (f"{attn}.o",), IDENTITY, ROW, REPLICATE),
-            *_norm(f"{LAYER}.post_attention_layernorm", "layers.{L}.mlp_norm"),
-            # SwiGLU first: when gate exists the fused rule wins (see rules.active)
-            *_linear(f"{LAYER}.mlp.dense_h_to_4h", (f"{mlp}.gate", f"{mlp}.up"), GATE_UP, GATED_COLUMN, GATED_COLUMN),
-            *_linear(f"{LAYER}.mlp.dense_h_to_4h", (f"{mlp}.up",), IDENTITY, COLUMN, COLUMN),
-            *_linear(f"{LAYER}.mlp.dense_4h_to_h", (f"{mlp}.down",), IDENTITY, ROW, REPLICATE),
-        ),
-        head=(
-            *_norm(f"{ENCODER}.final_layernorm", "final_norm"),
-            Rule("language_model.output_layer.weight", ("lm_head.weight",), VOCAB, COLUMN),
-        ),
-    )
+# The key table, relative to one chunk's model dict (`{l}` local to the chunk).
+TABLE = Table(
+    embedding=(
+        Rule("language_model.embedding.word_embeddings.weight", ("embed.weight",), VOCAB, COLUMN),
+        Rule("language_model.embedding.position_embeddings.weight", ("pos_embed.weight",)),
+    ),
+    layer=(
+        *norm("language_model.encoder.layers.{l}.input_layernorm", "layers.{L}.attn_norm"),
+        *linear("language_model.encoder.layers.{l}.self_attention.query_key_value", "layers.{L}.attn.q",
+                "layers.{L}.attn.k", "layers.{L}.attn.v", join=QKV, shard=LEGACY_QKV),
+        *linear("language_model.encoder.layers.{l}.self_attention.dense", "layers.{L}.attn.o", shard=ROW,
+                bias_shard=REPLICATE),
+        *norm("language_model.encoder.layers.{l}.post_attention_layernorm", "layers.{L}.mlp_norm"),
+        # SwiGLU first: when gate exists the fused rule wins (see rules.active)
+        *linear("language_model.encoder.layers.{l}.mlp.dense_h_to_4h", "layers.{L}.mlp.gate", "layers.{L}.mlp.up",
+                join=GATE_UP, shard=GATED_COLUMN),
+        *linear("language_model.encoder.layers.{l}.mlp.dense_h_to_4h", "layers.{L}.mlp.up", shard=COLUMN),
+        *linear("language_model.encoder.layers.{l}.mlp.dense_4h_to_h", "layers.{L}.mlp.down", shard=ROW,
+                bias_shard=REPLICATE),
+    ),
+    head=(
+        *norm("language_model.encoder.final_layernorm", "final_norm"),
+        Rule("language_model.output_layer.weight", ("lm_head.weight",), VOCAB, COLUMN),
+    ),
+)
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -13,10 +13,13 @@ concatenation becomes two identity rows, so the halves need no table of their ow
 
 from __future__ import annotations
 
+import re
+
 from mconvert.mapping import Row
 from mconvert.rules import GATE_UP, IDENTITY, Rule
 
 SUFFIXES = ("_w", "_v")  # gate, up: the order of GATE_UP's IR names
+HALF_KEY = re.compile(r".*\.linear_fc1\.(weight|bias)\d*_[wv]")  # a key holding one half
 
 
 def halves(rows: list[Row]) -> list[Row]:

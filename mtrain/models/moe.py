@@ -102,7 +102,8 @@ def keep_within_capacity(order: torch.Tensor, expert_of: torch.Tensor, counts: t
 
 
 class MoE(nn.Module):
-    """Router + experts. Routing as HF Mixtral: softmax over all experts (fp32), top-k, renormalize."""
+    """Router + experts. Routing as HF Mixtral and Qwen3-MoE: softmax over all experts (fp32), top-k, renormalized
+    to sum to 1 unless the config says not to (moe_norm_topk)."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -110,14 +111,15 @@ class MoE(nn.Module):
         self.jitter_eps = c.moe_jitter_eps or 0.0
         # The loss is the mean of the layers' losses times the coefficient; the trainer multiplies in its
         # gradient-accumulation factor through `aux_loss_scale` (see set_aux_loss_scale).
-        self.aux_coeff = (c.moe_aux_loss_coeff or 0.0) / c.num_layers
+        self.aux_coeff = (c.moe_aux_loss_coeff or 0.0) / c.num_moe_layers
         self.aux_loss_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None  # for logging: this layer's loss at the last forward
         self.capacity_factor: float | None = None  # None: dropless
         self.dispatch: Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor] = run_experts
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None  # context parallel
         self.router = nn.Linear(c.hidden_size, c.num_experts, bias=False)
-        self.experts = GroupedExperts(c.num_experts, c.hidden_size, c.ffn_hidden_size)
+        self.norm_topk = c.moe_norm_topk
+        self.experts = GroupedExperts(c.num_experts, c.hidden_size, c.expert_ffn_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, h = x.shape
@@ -126,7 +128,8 @@ class MoE(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
         probs = F.softmax(self.router(x).float(), dim=-1)  # (N, E)
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        if self.norm_topk:  # HF's norm_topk_prob (Mixtral always); otherwise the weights of the full softmax
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
 
         # Group the N*k (token, expert) pairs by expert; a stable sort keeps token order within an expert.
         flat_idx = top_idx.flatten()

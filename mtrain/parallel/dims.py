@@ -20,18 +20,18 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
-from mconvert.layout import Chunk, ParallelLayout
+from mconvert.layout import Chunk, LayoutError, ParallelLayout
 from mtrain.config import ParallelConfig
 from mtrain.errors import TrainError
 
 MESH_DIMS = ("pp", "edp", "ep", "cp", "tp")
 FLAT_DIMS = {"dp": ("edp", "ep"), "dp_cp": ("edp", "ep", "cp"), "edp_cp": ("edp", "cp")}
-# mconvert's layout errors name its command-line flags; mtrain's users set config fields.
-_FLAGS = {"--first-stage-layers/--last-stage-layers": "parallel.first_stage_layers/last_stage_layers",
-          "--first-stage-layers": "parallel.first_stage_layers", "--last-stage-layers": "parallel.last_stage_layers",
-          "--vpp": "parallel.vpp", "--pp": "parallel.pp"}
+
+
+def config_field(option: str) -> str:
+    """How mtrain's users name a layout option: the `parallel` section's field (mconvert says --tp)."""
+    return f"parallel.{option}"
 
 
 @dataclass(frozen=True)
@@ -75,24 +75,12 @@ class ParallelDims:
     def chunks(self, num_layers: int) -> list[Chunk]:
         try:
             return self.layout.chunks(num_layers)
-        except ConvertError as e:
-            message = str(e)
-            for flag, field in _FLAGS.items():
-                message = message.replace(flag, field)
-            raise TrainError(message) from None
+        except LayoutError as e:
+            raise TrainError(e.spelled(config_field)) from None
 
     def check_model(self, c: ModelConfig) -> None:
         """Refuse a model this layout cannot split, naming the size that does not divide (all problems at once)."""
-        problems = []
-        for what, value in (("num_attention_heads", c.num_attention_heads),
-                            ("num_query_groups (key/value heads)", c.num_query_groups),
-                            ("ffn_hidden_size", c.ffn_hidden_size)):
-            if value % self.tp:
-                problems.append(f"parallel.tp {self.tp} does not divide {what}={value}")
-        if self.ep > 1 and not c.is_moe:
-            problems.append(f"parallel.ep {self.ep} needs a mixture-of-experts model; this one is dense")
-        elif c.is_moe and c.num_experts % self.ep:
-            problems.append(f"parallel.ep {self.ep} does not divide num_experts={c.num_experts}")
+        problems = [LayoutError(p).spelled(config_field) for p in self.layout.model_problems(c)]
         if problems:
             raise TrainError("the parallel layout does not fit the model: " + "; ".join(problems))
         self.chunks(c.num_layers)

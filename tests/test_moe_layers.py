@@ -1,0 +1,129 @@
+"""Mixture-of-experts models with dense layers among the expert layers, a separate expert FFN size and
+unnormalized top-k weights (Qwen-MoE and DeepSeek style): the IR, Megatron's moe_layer_freq / pre-softmax
+routing, every Megatron layout, and megatron-core's own model against mtrain's."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mconvert.formats.torch_pickle import safe_load
+
+from mconvert import engine
+from mconvert.errors import ConvertError
+from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo
+from mconvert.ir_names import expected_shapes
+from mconvert.options import Options
+from tests.conftest import assert_same_tensors, ir_tensors, run_cli
+
+CONFIG = ModelConfig(family="mixtral", num_layers=4, hidden_size=32, ffn_hidden_size=96, num_attention_heads=4,
+                     num_query_groups=2, head_dim=8, vocab_size=200, max_position_embeddings=64, num_experts=4,
+                     moe_top_k=2, moe_ffn_hidden_size=24, dense_layers=(0, 2), moe_norm_topk=False,
+                     moe_aux_loss_coeff=0.01)
+
+
+def random_ir(config: ModelConfig, path: Path, seed: int = 0) -> ModelIR:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in expected_shapes(config).items():
+        value = 1.0 + 0.1 * torch.randn(shape, generator=g) if "norm" in name else 0.1 * torch.randn(shape, generator=g)
+        tensors[name] = LazyTensor.of(value, name)
+    return ModelIR(config, tensors, SourceInfo("test", path))
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """The model as a TP1 core checkpoint (the mconvert loaders read it like any other)."""
+    out = tmp_path_factory.mktemp("moe_layers") / "core"
+    engine.save(random_ir(CONFIG, out), out, Options(), "core")
+    return out
+
+
+def test_the_config_says_which_layers_hold_experts():
+    assert [CONFIG.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert CONFIG.expert_ffn_hidden_size == 24 and CONFIG.num_moe_layers == 2
+    names = expected_shapes(CONFIG)
+    assert names["layers.0.mlp.gate.weight"] == (96, 32) and "layers.0.moe.router.weight" not in names
+    assert names["layers.1.moe.experts.3.down.weight"] == (32, 24) and "layers.1.mlp.up.weight" not in names
+    assert ModelConfig.from_json(CONFIG.to_json()) == CONFIG
+    # with no dense layer the expert size is the only FFN size: one spelling per model
+    every = CONFIG.replace(dense_layers=())
+    assert (every.ffn_hidden_size, every.moe_ffn_hidden_size) == (24, None)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"dense_layers": (2, 0)}, r"dense_layers must be distinct layer numbers in \[0, 4\) in increasing order"),
+    ({"dense_layers": (4,)}, r"dense_layers must be distinct layer numbers in \[0, 4\)"),
+    ({"dense_layers": (0, 1, 2, 3)}, "dense_layers names every layer"),
+    ({"num_experts": None, "moe_top_k": None}, "describe mixture-of-experts models; this one has no experts"),
+    ({"moe_ffn_hidden_size": 0}, "moe_ffn_hidden_size must be a positive integer, got 0"),
+])
+def test_inconsistent_moe_layers_are_refused(change, message):
+    with pytest.raises(ConvertError, match=message):
+        CONFIG.replace(**change)
+
+
+def test_megatron_args_carry_the_layer_pattern_and_routing(source):
+    args = safe_load(source / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")["args"]
+    assert args.moe_layer_freq == [0, 1, 0, 1]
+    assert (args.ffn_hidden_size, args.moe_ffn_hidden_size, args.moe_router_pre_softmax) == (96, 24, True)
+    assert engine.load(source, Options()).config == CONFIG.replace(padded_vocab_size=256)
+
+
+LAYOUTS = {
+    "tp2_ep2_pp2_te_grouped": ["--tp", "2", "--ep", "2", "--pp", "2", "--transformer-impl", "te",
+                               "--expert-layout", "grouped"],
+    "tp2_etp1_vpp_legacy_grouped": ["--tp", "2", "--etp", "1", "--pp", "2", "--vpp", "2",
+                                    "--expert-layout", "legacy_grouped"],
+    "ep4_uneven": ["--ep", "4", "--pp", "2", "--first-stage-layers", "1"],
+    "torch_dist_local": ["--ckpt-format", "torch_dist"],
+    "torch_dist_te": ["--ckpt-format", "torch_dist", "--transformer-impl", "te", "--tp", "2"],
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_layout_round_trips_exactly(source, tmp_path, name):
+    run_cli("--saver", "core", *LAYOUTS[name], "--load-dir", source, "--save-dir", tmp_path / name)
+    assert engine.load(tmp_path / name, Options()).config.replace(padded_vocab_size=None) == \
+        engine.load(source, Options()).config.replace(padded_vocab_size=None)
+    assert_same_tensors(ir_tensors(source), ir_tensors(tmp_path / name))
+
+
+def test_the_hf_mixtral_saver_refuses_what_mixtral_cannot_hold(source, tmp_path):
+    out = run_cli("--saver", "mixtral_hf", "--load-dir", source, "--save-dir", tmp_path / "hf", expect_error=True)
+    assert "HF Mixtral cannot hold this model: dense MLP layers [0, 2] (Mixtral has experts in every layer), " \
+           "top-k routing weights left unnormalized (Mixtral renormalizes them)" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                    reason="megatron-core is not installed (pip install megatron-core)")
+def test_megatron_core_computes_what_mtrain_computes(source, tmp_path):
+    """megatron-core builds dense and expert layers from our moe_layer_freq and routes pre-softmax; mtrain's model
+    of the same IR (dense_layers, moe_norm_topk=False) gives the same logits."""
+    from mtrain.inference import load_model
+
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    helper = Path(__file__).with_name("helpers_mcore_logits.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(helper), str(source), str(tmp_path / "tokens.pt"),
+                             str(tmp_path / "logits.pt")], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "layers ['dense', 'moe', 'dense', 'moe'], strict load: <All keys matched successfully>" in result.stdout
+    model, _ = load_model(source)
+    with torch.no_grad():
+        ours = model(tokens)
+    theirs = torch.load(tmp_path / "logits.pt", weights_only=True)
+    assert (ours - theirs).abs().max().item() < 1e-5
+    # and the routing flag matters: renormalizing the top-k weights changes the logits
+    normalized, _ = load_model(source)
+    for block in normalized.layers.values():
+        if hasattr(block, "moe"):
+            block.moe.norm_topk = True
+    with torch.no_grad():
+        assert (normalized(tokens) - theirs).abs().max().item() > 1e-3
