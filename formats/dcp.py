@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from mconvert.formats.contained import inside
 from mconvert.formats.integrity import Manifest
 from mconvert.formats.torch_pickle import safe_load_bytes
 from mconvert.formats.torch_zip import ALIGN, TorchFileWriter, map_tensor
@@ -122,11 +123,41 @@ def read_metadata(root: Path, manifest: Manifest | None = None) -> Record:
         manifest.check_bytes(METADATA, data)
     try:
         md = _MetadataUnpickler(io.BytesIO(data), path).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-        raise ConvertError(f"{path}: corrupt distributed-checkpoint metadata: {e}") from None
+    except ConvertError:
+        raise
+    except Exception as e:  # whatever a damaged pickle makes the unpickler trip over
+        raise ConvertError(f"{path}: corrupt distributed-checkpoint metadata: {type(e).__name__}: {e}") from None
     if type(md).__name__ != "Metadata" or not hasattr(md, "state_dict_metadata"):
         raise ConvertError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
+    try:
+        _check_records(md, path)
+    except (AttributeError, TypeError, IndexError, KeyError, ValueError) as e:
+        raise ConvertError(f"{path}: corrupt distributed-checkpoint metadata: {type(e).__name__}: {e}") from None
     return md
+
+
+def _check_records(md: Record, path: Path) -> None:
+    """The fields readers use have the types DCP writes (a crafted file could put anything there)."""
+    def ints(value) -> bool:
+        return isinstance(value, (tuple, list)) and all(isinstance(x, int) and x >= 0 for x in value)
+
+    state, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
+    if not isinstance(state, dict) or not isinstance(storage, dict):
+        raise ConvertError(f"{path}: corrupt distributed-checkpoint metadata: no state_dict_metadata or storage_data "
+                           "mapping")
+    for key, info in storage.items():
+        fields = (getattr(info, "relative_path", None), getattr(info, "offset", None), getattr(info, "length", None))
+        if not (isinstance(getattr(key, "fqn", None), str) and isinstance(fields[0], str)
+                and all(isinstance(x, int) and x >= 0 for x in fields[1:])):
+            raise ConvertError(f"{path}: corrupt storage record for {getattr(key, 'fqn', key)!r}: {fields}")
+    for fqn, meta in state.items():
+        if type(meta).__name__ != "TensorStorageMetadata":
+            continue
+        chunks = getattr(meta, "chunks", None)
+        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+        if not (ints(getattr(meta, "size", None)) and isinstance(dtype, torch.dtype) and isinstance(chunks, list)
+                and all(ints(getattr(c, "offsets", None)) and ints(getattr(c, "sizes", None)) for c in chunks)):
+            raise ConvertError(f"{path}: corrupt tensor record for {fqn!r}")
 
 
 @dataclass(frozen=True)
@@ -191,6 +222,10 @@ class DcpReader:
                 need[c.file] = max(need.get(c.file, 0), c.start + c.length)
         for info in self.bytes_items.values():
             need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+        for f in need:  # names written in .metadata: they must stay inside the checkpoint
+            if not isinstance(f, str):
+                raise ConvertError(f"{self.root / METADATA}: a relative_path is {f!r}, not a file name")
+            inside(self.root, f, f"{METADATA} relative_path")
         missing = [f for f in need if not (self.root / f).is_file()]
         if missing:
             raise ConvertError(f"{self.root}: missing checkpoint file(s) {format_names(sorted(missing))} listed in "

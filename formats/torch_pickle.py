@@ -14,10 +14,12 @@ import contextlib
 import io
 import pathlib
 import pickle
+import pickletools
 import re
 import signal
 import threading
 import types
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -123,7 +125,9 @@ def _allowing(entries: list) -> Iterator[None]:
         added = [e for e in entries if _global_name(e) not in present]
         torch.serialization.add_safe_globals(added)
         try:
-            yield
+            with warnings.catch_warnings():  # a crafted protocol-4 pickle is refused; torch's warning adds nothing
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                yield
         finally:
             torch.serialization._weights_only_unpickler._remove_safe_globals(added)
 
@@ -151,7 +155,7 @@ def safe_load(path: Path | str, *, mmap: bool = True) -> Any:
                 "it with plain tensors and dicts."
             ) from None
         raise ConvertError(f"{path}: refusing to unpickle: {_first_line(e)}") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+    except Exception as e:  # a damaged archive or pickle trips torch over anything (even an AssertionError)
         raise ConvertError(
             f"{path}: not a readable torch checkpoint (truncated or corrupt?): {_first_line(e)}"
         ) from None
@@ -164,16 +168,26 @@ def safe_load_bytes(data: bytes, where: str) -> Any:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = _UNSAFE.search(str(e))
-        name = found.group(1) if found else _first_line(e)
-        raise ConvertError(f"{where}: refusing to unpickle: it asks for the Python global `{name}`, which is not "
-                           "on the allow-list of safe types") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        if found:
+            raise ConvertError(f"{where}: refusing to unpickle: it asks for the Python global `{found.group(1)}`, "
+                               "which is not on the allow-list of safe types") from None
+        raise ConvertError(f"{where}: refusing to unpickle: {_first_line(e)}") from None
+    except Exception as e:
         raise ConvertError(f"{where}: not a readable torch object (truncated or corrupt?): {_first_line(e)}") from None
 
 
 def _first_line(e: Exception) -> str:
+    """The reason in an exception's text: torch's weights-only errors bury it after "WeightsUnpickler error:"."""
     text = str(e).strip()
-    for line in text.splitlines():
-        if "WeightsUnpickler error" in line:
-            return line.strip()
+    found = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)", text, re.S)
+    if found and found.group(1).strip():
+        reason = " ".join(found.group(1).split())
+        op = re.fullmatch(r"Unsupported operand (\d+)", reason)
+        if op:  # e.g. pickle protocol 4's FRAME, or an opcode that builds objects by calling them
+            name = _OPCODES.get(int(op.group(1)), "unknown")
+            return f"the pickle uses opcode {op.group(1)} ({name}), which the safe reader does not accept"
+        return reason
     return text.splitlines()[0] if text else type(e).__name__
+
+
+_OPCODES = {ord(op.code) if len(op.code) == 1 else -1: op.name for op in pickletools.opcodes}

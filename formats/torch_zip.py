@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import io
 import mmap
 import pickle
@@ -159,12 +160,17 @@ class TorchFileWriter:
                     return writer.add(o).__reduce_ex__(2)
                 return NotImplemented
 
-        _Pickler(buf, protocol=2).dump(obj)
-        self._wait(0)
-        data = buf.getvalue()
-        for name, value in (("data.pkl", data), (".format_version", b"1"), (".storage_alignment", b"64"),
-                            ("byteorder", b"little"), ("version", b"3\n")):
-            self._record(name, value)
+        try:
+            _Pickler(buf, protocol=2).dump(obj)
+            self._wait(0)
+            data = buf.getvalue()
+            for name, value in (("data.pkl", data), (".format_version", b"1"), (".storage_alignment", b"64"),
+                                ("byteorder", b"little"), ("version", b"3\n")):
+                self._record(name, value)
+        except BaseException:  # e.g. a full disk: release the file now, not in ZipFile.__del__ (which would fail)
+            with contextlib.suppress(Exception):
+                self.close()
+            raise
         self.close()
         self.bytes_written += len(data)
         return self.bytes_written
@@ -223,16 +229,16 @@ def map_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> torc
             archive = zipfile.ZipFile(window)
             names = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
             pickled = archive.read(names["data.pkl"])
-        except (zipfile.BadZipFile, KeyError, OSError) as e:
+            starts = {}
+            for key, info in names.items():
+                if key.startswith("data/"):
+                    f.seek(offset + info.header_offset)
+                    header = f.read(30)
+                    name_len, extra_len = struct.unpack("<HH", header[26:30])
+                    starts[key[5:]] = offset + info.header_offset + 30 + name_len + extra_len
+        except Exception as e:  # whatever a damaged archive makes zipfile or struct trip over
             raise ConvertError(f"{path}: bytes {offset}..{offset + length} are not a torch tensor archive "
-                               f"(truncated or corrupt?): {e}") from None
-        starts = {}
-        for key, info in names.items():
-            if key.startswith("data/"):
-                f.seek(offset + info.header_offset)
-                header = f.read(30)
-                name_len, extra_len = struct.unpack("<HH", header[26:30])
-                starts[key[5:]] = offset + info.header_offset + 30 + name_len + extra_len
+                               f"(truncated or corrupt?): {type(e).__name__}: {e}") from None
 
     def rebuild(storage, storage_offset, size, stride, *_):
         dtype, key, numel = storage
@@ -244,8 +250,12 @@ def map_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> torc
 
     try:
         tensor = _TensorPickle(pickled, rebuild).load()
+    except ConvertError:
+        raise
     except pickle.UnpicklingError as e:
         raise ConvertError(f"{path}: refusing the tensor archive at byte {offset}: {e}") from None
+    except Exception as e:  # a damaged pickle: wrong argument types, sizes beyond the storage, ...
+        raise ConvertError(f"{path}: corrupt tensor archive at byte {offset}: {type(e).__name__}: {e}") from None
     if not isinstance(tensor, torch.Tensor):
         raise ConvertError(f"{path}: the archive at byte {offset} holds a {type(tensor).__name__}, not a tensor")
     return tensor

@@ -17,6 +17,7 @@ from mconvert.loaders.megatron_files import (
     chunks_in_files,
     find_iteration,
     first_model,
+    has_markers,
     is_dist_checkpoint,
     read_parts,
     tokenizer,
@@ -37,10 +38,9 @@ DROP = (r".*\._extra_state", r".*rotary_pos_emb\.inv_freq")
 
 
 def is_core_checkpoint(path: Path) -> bool:
-    try:
-        it_dir, _ = find_iteration(path)
-    except ConvertError:
+    if not has_markers(path):
         return False
+    it_dir, _ = find_iteration(path)  # a broken tracker file is reported (see registry.detect_loader)
     if is_dist_checkpoint(it_dir) or is_dcp_checkpoint(it_dir):
         return True
     model = first_model(it_dir)  # core keys are flat (`embedding.`, `decoder.`); legacy ones nest

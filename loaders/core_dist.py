@@ -14,8 +14,9 @@ from mconvert.formats import hf_dir
 from mconvert.formats.dcp import DcpReader
 from mconvert.formats.torch_pickle import safe_load
 
+from mconvert.config_checks import MEGATRON_INTEGERS, check_integers, with_where
 from mconvert.errors import ConvertError, mismatch
-from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
+from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import Row, to_ir
 from mconvert.options import Options
 from mconvert.rules import Ctx
@@ -60,6 +61,10 @@ def read_common(it_dir: Path, store) -> dict[str, Any]:
                            "cannot find the checkpoint's args")
     if not isinstance(common, dict) or common.get("args") is None:
         raise ConvertError(f"{it_dir}: the common state has no 'args'; cannot tell the model shape")
+    if not hasattr(common["args"], "__dict__"):
+        raise ConvertError(f"{it_dir}: 'args' is a {type(common['args']).__name__}, not a namespace of Megatron "
+                           "arguments")
+    check_integers(vars(common["args"]), MEGATRON_INTEGERS, str(it_dir), "args.")
     return common
 
 
@@ -78,8 +83,8 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     assets = tokenizer(options, it_dir, args, notes)  # --tokenizer, iter_*/tokenizer or args.tokenizer_model
     vocab, vocab_notes = core.true_vocab_size(args, options.true_vocab_size, assets, padded, where=str(it_dir))
     notes += vocab_notes
-    config = core.config_from_args(args, vocab_size=int(vocab), padded_vocab_size=padded,
-                                   dtype=dtype_name(dtype), where=str(it_dir))
+    config = config_from_args(args, vocab_size=int(vocab), padded_vocab_size=padded, dtype=dtype_name(dtype),
+                              where=str(it_dir))
 
     source: dict[str, list[LazyTensor]] = {}
     rows: list[Row] = []
@@ -105,6 +110,11 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     if getattr(store, "manifest", None) is not None:
         layout["integrity"] = f"{len(store.manifest.digests)} files (SHA-256, verified as read)"
     return ModelIR(config, tensors, SourceInfo(f"core (Megatron {backend})", it_dir, layout, iteration, notes), assets)
+
+
+def config_from_args(args: Any, *, where: str, **fields) -> ModelConfig:
+    """`core.config_from_args`, with a value ModelConfig refuses (NaN epsilon, ...) reported against `where`."""
+    return with_where(where, lambda: core.config_from_args(args, where=where, **fields))
 
 
 def _shape_dtype(store, key: str) -> tuple[tuple[int, ...], torch.dtype]:

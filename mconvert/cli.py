@@ -22,6 +22,7 @@ from mconvert.errors import ConvertError
 from mconvert.layout import ParallelLayout
 from mconvert.options import LAYOUT_OPTIONS, Options
 from mconvert.progress import Progress, human_bytes
+from mconvert.staging import Interrupted
 
 POSITIVE = click.IntRange(min=1)
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -44,12 +45,20 @@ def parse_size(text: str) -> int:
 
 
 def _fail_cleanly(func):
+    """One `Error:` line and a non-zero exit for bad input, an OS error, or an interruption (SIGINT: 130,
+    SIGTERM: 143, as a shell reports them); never a traceback."""
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
         except ConvertError as e:
             raise click.ClickException(str(e)) from None
+        except OSError as e:
+            raise click.ClickException(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}") from None
+        except (KeyboardInterrupt, Interrupted) as e:
+            name = e.name if isinstance(e, Interrupted) else "SIGINT"
+            click.echo(f"Error: interrupted by {name}; no output was left behind", err=True)
+            raise SystemExit(128 + (e.signum if isinstance(e, Interrupted) else 2)) from None
 
     return wrapper
 
@@ -91,8 +100,8 @@ def _fail_cleanly(func):
               default="torch",
               show_default=True, help="Megatron checkpoint format written by the core saver.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Cast all weights (default: keep the source's).")
-@click.option("--bf16", "dtype", flag_value="bf16", help="Same as --dtype bf16.")
-@click.option("--fp16", "dtype", flag_value="fp16", help="Same as --dtype fp16.")
+@click.option("--bf16", "bf16", is_flag=True, help="Same as --dtype bf16.")
+@click.option("--fp16", "fp16", is_flag=True, help="Same as --dtype fp16.")
 @click.option("--make-vocab-size-divisible-by", type=POSITIVE, default=128, show_default=True,
               help="Megatron pads the vocabulary to a multiple of this times TP.")
 @click.option("--true-vocab-size", type=POSITIVE,
@@ -188,7 +197,7 @@ def _options(o: dict) -> Options:
         transformer_impl="te" if o["transformer_impl"] in ("te", "transformer_engine") else "local",
         expert_layout=o["expert_layout"] or "sequential",
         ckpt_format=o["ckpt_format"],
-        dtype=DTYPES[o["dtype"]] if o["dtype"] else None,
+        dtype=_dtype(o),
         make_vocab_size_divisible_by=o["make_vocab_size_divisible_by"],
         true_vocab_size=o["true_vocab_size"],
         tokenizer=o["tokenizer"],
@@ -197,17 +206,28 @@ def _options(o: dict) -> Options:
     )
 
 
+def _dtype(o: dict) -> str | None:
+    """--dtype, --bf16 and --fp16 name one dtype; two different ones are a contradiction, not "the last wins"."""
+    given = {f"--dtype {o['dtype']}": o["dtype"]} if o["dtype"] else {}
+    given |= {f"--{flag}": flag for flag in ("bf16", "fp16") if o[flag]}
+    if len({DTYPES[v] for v in given.values()}) > 1:
+        raise ConvertError(f"{' and '.join(given)} contradict each other; give one dtype")
+    return DTYPES[next(iter(given.values()))] if given else None
+
+
 @main.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--loader", help="Format of PATH; detected when omitted.")
 @click.option("--true-vocab-size", type=POSITIVE, help="Real vocabulary size of a padded (Megatron) source.")
 @click.option("--tensors/--no-tensors", default=True, show_default=True, help="Print the table of tensors.")
+@click.option("--values/--no-values", default=True, show_default=True,
+              help="Read every tensor once to report NaN and infinite values (--no-values reads no tensor data).")
 @_fail_cleanly
-def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors: bool) -> None:
-    """Show a checkpoint's format, config, layout, size and tensors (reads no tensor data)."""
+def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors: bool, values: bool) -> None:
+    """Show a checkpoint's format, config, layout, size, tensors and any NaN/Inf values."""
     from mconvert.inspect import describe
 
-    click.echo(describe(path, loader, Options(true_vocab_size=true_vocab_size), tensors=tensors))
+    click.echo(describe(path, loader, Options(true_vocab_size=true_vocab_size), tensors=tensors, values=values))
 
 
 @main.command()

@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from mconvert.config_checks import check_model_config
 from mconvert.errors import ConvertError, mismatch
 
 Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe"]
@@ -43,8 +44,9 @@ class ModelConfig:
     """Everything about a decoder-only transformer that the weights alone do not say.
 
     Mixture of experts: every layer holds `num_experts` experts except `dense_layers`, which hold a dense MLP of
-    `ffn_hidden_size`; each expert's FFN is `moe_ffn_hidden_size`. With no dense layer the expert size is kept in
-    `ffn_hidden_size` alone (`moe_ffn_hidden_size` None), one spelling per model. `moe_norm_topk`: the top-k
+    `ffn_hidden_size`; each expert's FFN is `moe_ffn_hidden_size`, None when it equals `ffn_hidden_size` (one
+    spelling per model). A dense size no layer uses is kept as the source states it (Qwen3-MoE's
+    `intermediate_size`, Megatron's `ffn_hidden_size`), so configs round-trip. `moe_norm_topk`: the top-k
     routing weights are renormalized to sum to 1 (HF `norm_topk_prob`; Megatron's default softmax-after-top-k),
     or used as the softmax over all experts gave them (Megatron `moe_router_pre_softmax`).
 
@@ -113,6 +115,7 @@ class ModelConfig:
                                f"{self.num_experts}")
         self._check_moe_layers()
         self._check_window_layers()
+        check_model_config(self)  # non-finite or out-of-range numbers (NaN epsilon, negative rope theta, ...)
 
     def _check_window_layers(self) -> None:
         full = tuple(self.full_attention_layers)
@@ -141,9 +144,7 @@ class ModelConfig:
                                                      or self.moe_ffn_hidden_size <= 0):
             raise ConvertError(f"moe_ffn_hidden_size must be a positive integer, got {self.moe_ffn_hidden_size}")
         object.__setattr__(self, "dense_layers", dense)  # a JSON list reads back as the same tuple
-        if self.is_moe and not dense and self.moe_ffn_hidden_size is not None:
-            # no dense MLP anywhere: the expert size is the only FFN size (one spelling per model)
-            object.__setattr__(self, "ffn_hidden_size", self.moe_ffn_hidden_size)
+        if self.moe_ffn_hidden_size == self.ffn_hidden_size:  # one spelling per model
             object.__setattr__(self, "moe_ffn_hidden_size", None)
 
     @property

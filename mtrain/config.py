@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
+from mtrain.config_ranges import check_ranges
 from mtrain.errors import TrainError
 
 
@@ -323,6 +324,7 @@ def validate(c: Config) -> None:
         raise TrainError(f"optim.min_lr {c.optim.min_lr} is above optim.lr {c.optim.lr}")
     if t.moe_capacity_factor is not None and t.moe_capacity_factor <= 0:
         raise TrainError(f"train.moe_capacity_factor must be positive (or null: dropless), got {t.moe_capacity_factor}")
+    check_ranges(c)  # NaN, infinities, negative intervals and counts
     validate_parallel(c.parallel)
 
 

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from mconvert import engine
+from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.options import Options
 from mtrain import checkpoint, distributed, weights
@@ -131,7 +132,12 @@ class Trainer:
         """The model config, and the IR to finetune from (None when resuming or pretraining)."""
         c = self.config
         if resume is not None:
-            stored = ModelConfig.from_dict(checkpoint.read_meta(resume)["model_config"])
+            try:
+                meta = checkpoint.read_meta(resume)
+                stored = ModelConfig.from_dict(meta["model_config"])
+            except ConvertError as e:
+                raise checkpoint.unreadable(resume, e) from None
+            check_finetune_source(c, resume, meta)
             return c.model or stored, None
         if c.checkpoint.finetune:
             ir = engine.load(Path(c.checkpoint.finetune), Options(), c.checkpoint.loader)
@@ -315,6 +321,22 @@ class Trainer:
             self.metrics.close()
         self._deterministic.__exit__(None, None, None)
         distributed.shutdown(self.env)
+
+
+def check_finetune_source(c: Config, resume: Path, meta: dict) -> None:
+    """`finetune --load X` into a checkpoint.dir that already holds a run: resuming that run is right only when
+    it is the same finetune (started from X); otherwise --load would be silently ignored, so refuse."""
+    wanted = c.checkpoint.finetune
+    if not wanted:
+        return
+    started = ((meta.get("config") or {}).get("checkpoint") or {}).get("finetune")
+    if started and Path(started).resolve() == Path(wanted).resolve():
+        return
+    origin = f"finetuned from {started}" if started else "trained from scratch"
+    raise TrainError(f"checkpoint.dir {c.checkpoint.dir} already holds a run ({origin}, latest checkpoint "
+                     f"{resume.name}), which would be resumed and --load {wanted} ignored. To finetune from {wanted}, "
+                     "give an empty checkpoint.dir; to continue that run, run `mtrain pretrain` with its config (no "
+                     "--load)")
 
 
 def _value(loss: torch.Tensor) -> float:

@@ -200,9 +200,8 @@ def test_hub_style_configs_round_trip(family, tmp_path, tokens):
     run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf")
     assert torch.equal(hf_logits(tmp_path / "src", tokens), hf_logits(tmp_path / "hf", tokens))
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
-    # an all-expert model keeps one FFN size (the IR's), so the unused dense intermediate_size is not kept
-    inert = {"transformers_version", "rope_scaling"} | ({"intermediate_size"} if family == "qwen3_moe"
-                                                       else {"sliding_window"})
+    # an all-expert model keeps its unused dense intermediate_size too (through Megatron's ffn_hidden_size)
+    inert = {"transformers_version", "rope_scaling"} | (set() if family == "qwen3_moe" else {"sliding_window"})
     assert {k: written.get(k) for k in hub if k not in inert} == {k: v for k, v in hub.items() if k not in inert}
     if family == "qwen2":  # unused window: transformers writes sliding_window null
         assert (written["sliding_window"], written["max_window_layers"]) == (None, 3)

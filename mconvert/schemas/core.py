@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 
+from mconvert.config_checks import check_true_vocab_size
 from mconvert.errors import ConvertError
 from mconvert.formats.hf_dir import tokenizer_vocab_size
 from mconvert.ir import ModelConfig
@@ -130,6 +131,7 @@ def true_vocab_size(args: Any, given: int | None, assets: dict, padded: int, whe
     """The unpadded vocabulary, from the first that says: --true-vocab-size, args.vocab_size (Megatron),
     args.orig_vocab_size (HF's megatron_gpt2 script), the checkpoint's tokenizer (what Megatron padded from),
     GPT2BPETokenizer's 50257 when args name that tokenizer; else all `padded` rows. Notes say what was guessed."""
+    check_true_vocab_size(given, args, tokenizer_vocab_size(assets), where)
     recorded = given or getattr(args, "vocab_size", None) or getattr(args, "orig_vocab_size", None)
     if recorded:
         vocab, notes = int(recorded), []

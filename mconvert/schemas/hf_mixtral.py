@@ -104,6 +104,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     if unsupported:
         raise ConvertError(f"HF Mixtral cannot hold this model: {', '.join(unsupported)}")
     return rope_decoder_config(c, ARCHITECTURE, MODEL_TYPE) | {
+        "intermediate_size": c.expert_ffn_hidden_size,  # Mixtral's only FFN is the experts
         "num_local_experts": c.num_experts,
         "num_experts_per_tok": c.moe_top_k,
         "output_router_logits": False,
