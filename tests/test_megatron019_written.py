@@ -11,6 +11,8 @@ import pytest
 import torch
 from mconvert.formats.dcp import DcpReader
 
+from mconvert import engine
+from mconvert.options import Options
 from tests.conftest import hf_logits, run_cli
 from tests.megatron_lm.specs import VOCAB, specs
 
@@ -38,10 +40,19 @@ def test_every_written_checkpoint_is_covered():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_converts_to_hf_with_megatrons_logits(name, megatron019_written, tmp_path):
-    out = run_cli("inspect", megatron019_written / name, "--no-tensors")
     fmt, layout = FORMATS[name]
-    assert f"format:      core (Megatron {fmt})" in out and layout in out, out
-    run_cli("--saver", "hf", "--load-dir", megatron019_written / name, "--save-dir", tmp_path / "hf")
+    tokenizer = []
+    if name == "llama_dist_integrity":  # trained with a HuggingFaceTokenizer kept outside the checkpoint: its
+        out = run_cli("inspect", megatron019_written / name, expect_error=True)  # path in args is not followed
+        assert "args.tokenizer_model" in out and "outside the checkpoint directory" in out
+        tokenizer = ["--tokenizer", megatron019_written / "tokenizer"]  # what its user passes instead
+        ir = engine.load(megatron019_written / name, Options(tokenizer=megatron019_written / "tokenizer"))
+        shown = ", ".join(f"{k}={v}" for k, v in ir.source.layout.items())
+        assert ir.source.format == f"core (Megatron {fmt})" and layout in shown and ir.config.vocab_size == VOCAB
+    else:
+        out = run_cli("inspect", megatron019_written / name, "--no-tensors")
+        assert f"format:      core (Megatron {fmt})" in out and layout in out, out
+    run_cli("--saver", "hf", *tokenizer, "--load-dir", megatron019_written / name, "--save-dir", tmp_path / "hf")
     record = torch.load(megatron019_written / f"{name}.pt")
     assert record["logits"].shape[-1] == 384  # the padded vocabulary, which the conversion strips
     torch.testing.assert_close(hf_logits(tmp_path / "hf", record["tokens"]), record["logits"][..., :VOCAB],
@@ -70,11 +81,12 @@ def test_a_flipped_byte_is_refused_by_the_manifest(megatron019_written, tmp_path
     shard = src / IT / "__0_0.distcp"
     # the exponent's top bit of the first weight of the fused QKV of layer 0
     _flip_a_byte(shard, _offset_of(src / IT, "decoder.layers.self_attention.linear_qkv.weight", shard.name) + 3, 0x40)
-    out = run_cli("--saver", "hf", "--load-dir", src, "--save-dir", tmp_path / "hf", expect_error=True)
+    tokenizer = ["--tokenizer", megatron019_written / "tokenizer"]
+    out = run_cli("--saver", "hf", *tokenizer, "--load-dir", src, "--save-dir", tmp_path / "hf", expect_error=True)
     assert f"{shard}: SHA-256 " in out and "does not match" in out and "recorded in integrity.json" in out
     assert not (tmp_path / "hf").exists()
     (src / IT / "integrity.json").unlink()
-    run_cli("--saver", "hf", "--load-dir", src, "--save-dir", tmp_path / "hf")
+    run_cli("--saver", "hf", *tokenizer, "--load-dir", src, "--save-dir", tmp_path / "hf")
     record = torch.load(megatron019_written / "llama_dist_integrity.pt")
     assert not torch.allclose(hf_logits(tmp_path / "hf", record["tokens"]), record["logits"][..., :VOCAB], atol=1e-3)
 
