@@ -254,7 +254,7 @@ def report(runs: list[Run], args, world: int, flops_per_token: float, skipped: d
     print(f"\n{world} process(es) x {threads} thread(s), {args.rounds} rounds x {args.steps} step(s); "
           f"model FLOPs {flops_per_token / 1e6:.0f} MFLOP/token")
     peak = args.peak_tflops
-    head = f"{'trainer':<40}{'tok/s':>9}{'GFLOP/s' if not peak else 'MFU':>9}{'mtrain/x':>10}{'(min-max)':>14}"
+    head = f"{'trainer':<46}{'tok/s':>9}{'GFLOP/s' if not peak else 'MFU':>9}{'mtrain/x':>10}{'(min-max)':>14}"
     print(head)
     for run in runs:
         rate = tokens_per_step(run) * args.steps / statistics.median(timed[run.name])
@@ -263,15 +263,15 @@ def report(runs: list[Run], args, world: int, flops_per_token: float, skipped: d
         work_cell = f"{work / 1e9:>9.1f}" if not peak else f"{work / (world * peak * 1e12):>9.1%}"
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if run.name != "mtrain" else ""
         ratio = f"{statistics.median(ratios):.3f}" if run.name != "mtrain" else "1"
-        print(f"{labels.get(run.name, run.name):<40}{rate:>9,.0f}{work_cell}{ratio:>10}{spread:>14}")
+        print(f"{labels.get(run.name, run.name):<46}{rate:>9,.0f}{work_cell}{ratio:>10}{spread:>14}")
     for name, why in skipped.items():
-        print(f"{labels.get(name, name):<40}skipped: {why}")
+        print(f"{labels.get(name, name):<46}skipped: {why}")
     steps = [s for s in (1, 5, 10, 20, 50, 100, 200, 500) if s <= len(runs[0].losses)] + [len(runs[0].losses)]
     steps = sorted(set(steps))
     print("\nloss at equal steps (same data and batches; each trainer's own initial weights)")
-    print(f"{'step':<40}" + "".join(f"{s:>8}" for s in steps))
+    print(f"{'step':<46}" + "".join(f"{s:>8}" for s in steps))
     for run in runs:
-        print(f"{labels.get(run.name, run.name):<40}" + "".join(f"{run.losses[s - 1]:>8.3f}" for s in steps))
+        print(f"{labels.get(run.name, run.name):<46}" + "".join(f"{run.losses[s - 1]:>8.3f}" for s in steps))
 
 
 def main(argv: list[str]) -> None:

@@ -150,3 +150,20 @@ def test_bf16_slowdown_is_measured():
     """The probe really times both: a positive, finite ratio (its size depends on the CPU)."""
     ratio = precision.bf16_slowdown(repeats=1)
     assert 0 < ratio < float("inf")
+
+
+def test_cross_entropy_matches_pytorch_in_value_and_gradient():
+    from mtrain.loss import cross_entropy
+
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 7, 50) * 4).requires_grad_()
+    labels = torch.randint(0, 50, (3, 7))
+    ours = cross_entropy(logits, labels)
+    (grad,) = torch.autograd.grad(ours * 3.0, logits)
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_logits.flatten(0, 1), labels.flatten())
+    (ref_grad,) = torch.autograd.grad(ref * 3.0, ref_logits)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():  # evaluation takes PyTorch's own path
+        torch.testing.assert_close(cross_entropy(logits, labels), ref, rtol=1e-6, atol=1e-6)
