@@ -43,7 +43,7 @@ TORCH = "torch==2.13.0"
 # name: (pip requirements, worker script, data-parallel kind with two ranks)
 PEERS = {
     "hf": (["transformers==5.23.0", "accelerate==1.15.0"], "hf_worker.py", "DDP"),
-    "litgpt": (["litgpt==0.5.13"], "litgpt_worker.py", "FSDP"),
+    "litgpt": (["litgpt==0.5.13"], "litgpt_worker.py", "DDP"),  # its FSDP needs a GPU (litgpt_worker.py)
     "torchtitan": (["torchtitan==0.3.0", "triton"], None, "FSDP"),
 }
 MODEL = {"hidden": 384, "layers": 6, "heads": 6, "kv_heads": 2, "head_dim": 64, "ffn": 1024, "vocab": 8192,
@@ -217,12 +217,22 @@ def mtrain_variants(args, world: int) -> dict[str, dict]:
     return variants
 
 
-def measure(runs: list[Run], args) -> None:
-    """Start every run (each does its first step alone), warm up, then the interleaved rounds."""
+def measure(runs: list[Run], args, failed: dict[str, str]) -> None:
+    """Start every run (each does its first step alone), warm up, then the interleaved rounds. A peer that fails
+    to start is dropped from `runs`, with the reason in `failed`."""
     for run in runs:
         run.start()
-    for run in runs:
-        run.wait_step(timeout=3600.0)  # the first step: start-up and compilation
+    for run in list(runs):
+        try:
+            run.wait_step(timeout=3600.0)  # the first step: start-up and compilation
+        except RuntimeError as e:
+            if run.name.startswith("mtrain"):
+                raise
+            run.stop()
+            runs.remove(run)
+            failed[run.name] = "failed to start: " + str(e).strip().splitlines()[-1]
+            print(f"  {run.name}: {failed[run.name]}", flush=True)
+            continue
         print(f"  {run.name}: started ({run.seconds[-1]:.0f} s to the end of step 1)", flush=True)
     for _ in range(args.warmup):
         for run in runs:
@@ -318,12 +328,13 @@ def main(argv: list[str]) -> None:
     for world in worlds:
         runs = build_runs(args, world, pythons, data, tmp)
         print(f"\n== {world} process(es): " + ", ".join(r.name for r in runs), flush=True)
+        failed = dict(skipped)
         try:
-            measure(runs, args)
+            measure(runs, args, failed)
         finally:
             for run in runs:
                 run.stop()
         dp = {name: PEERS[name][2] for name in pythons}
-        report(runs, args, world, per_token, skipped,
+        report(runs, args, world, per_token, failed,
                {**labels, **({n: f"{labels[n]} {dp[n]}" for n in pythons} if world > 1 else {}),
                 **({"mtrain": "mtrain (FSDP)"} if world > 1 else {})})

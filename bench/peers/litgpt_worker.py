@@ -1,6 +1,7 @@
 """litgpt's pretraining loop (litgpt.pretrain.main: whole-model torch.compile, chunked cross-entropy, its own
 init and LR schedule) under the bench's pacing (see pace.py). The Fabric is made as litgpt.pretrain.setup
-makes it (one device, or FSDP over the ranks with Block wrapping), with a logger of ours: litgpt logs every
+makes it (one device, or FSDP over the ranks with Block wrapping; DDP on a CPU, where Lightning has no FSDP),
+with a logger of ours: litgpt logs every
 iteration (log_interval 1, its default) right after the optimizer step, which is where the pause goes."""
 
 from __future__ import annotations
@@ -76,9 +77,12 @@ def main() -> None:
                     head_size=m["head_dim"], rotary_percentage=1.0, parallel_residual=False, bias=False,
                     norm_class_name="RMSNorm", norm_eps=m["norm_eps"], mlp_class_name="LLaMAMLP",
                     intermediate_size=m["ffn"], rope_base=int(m["rope_theta"]))
-    strategy = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full", sharding_strategy="HYBRID_SHARD") \
-        if world > 1 else "auto"
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true",
+    # litgpt.pretrain.setup takes FSDP for several devices, which Lightning refuses on a CPU ("FSDP is only
+    # available on GPU"): there the ranks run the same loop under Fabric's DDP.
+    accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    strategy = "auto" if world == 1 else "ddp" if accelerator == "cpu" else \
+        FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full", sharding_strategy="HYBRID_SHARD")
+    fabric = L.Fabric(accelerator=accelerator, devices=world, strategy=strategy, precision="32-true",
                       loggers=[PacedLogger()])
     fabric.launch()
     tokens = spec["steps"] * spec["micro_batch"] * m["seq"]  # per device: max_iters = steps

@@ -167,3 +167,17 @@ def test_cross_entropy_matches_pytorch_in_value_and_gradient():
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
     with torch.no_grad():  # evaluation takes PyTorch's own path
         torch.testing.assert_close(cross_entropy(logits, labels), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_whole_model_compile_under_fsdp_and_ddp_trains_like_one_process(corpus, tmp_path):  # noqa: F811
+    """Two data-parallel ranks with train.compile model (FSDP: the graph breaks at the layers' FSDP hooks; DDP)
+    give the one-process eager losses."""
+    from tests.mtrain.launch import launch, losses
+
+    raw = tiny_config(corpus, train={"steps": 3, "compile": "model"}).to_dict()
+    specs = [{"config": raw | {"parallel": raw["parallel"] | {"dp_mode": mode}}, "out": str(tmp_path / f"{mode}.json"),
+              "compile_backend": "aot_eager"} for mode in ("fsdp", "ddp")]
+    launch(specs, tmp_path, nproc=2)
+    reference = Trainer(tiny_config(corpus, train={"steps": 3}), out=lambda _: None).run().losses
+    for mode in ("fsdp", "ddp"):
+        assert losses(tmp_path / f"{mode}.json") == pytest.approx(reference, rel=1e-5), mode
