@@ -104,6 +104,7 @@ def throughput_for(c: ModelConfig, seq_len: int, devices: int, device: torch.dev
                    peak_tflops: float | None) -> tuple[Throughput, str]:
     """The run's Throughput and a line for the start of the log that says what it counts."""
     per_token = flops_per_token(c, seq_len)
+    context = min(seq_len, c.sliding_window) if c.sliding_window else seq_len
     peak, source = peak_tflops, "logging.peak_tflops"
     if peak is None:
         peak = known_peak_tflops(device, precision)
@@ -112,5 +113,5 @@ def throughput_for(c: ModelConfig, seq_len: int, devices: int, device: torch.dev
             "achieved FLOP/s (no peak: " + ("give logging.peak_tflops for MFU)" if device.type == "cuda"
                                            else "on a CPU)"))
     line = (f"model FLOPs per token: {format_flops(per_token, 'FLOP')} (6 x {matmul_params(c):,} matmul parameters "
-            f"+ attention 12 x layers x heads x head_dim x {seq_len} positions); logging {what}")
+            f"+ attention 12 x layers x heads x head_dim x {context} positions); logging {what}")
     return Throughput(per_token, devices, peak), line

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -33,7 +34,6 @@ from mtrain import checkpoint, distributed, flops, precision, weights
 from mtrain.config import Config, dump
 from mtrain.data.loader import RankBatches, build_splits
 from mtrain.errors import TrainError
-from mtrain.loss import cross_entropy
 from mtrain.metrics import Metrics
 from mtrain.models import moe, state_dict_adapter
 from mtrain.optim import Optimizers, lr_at
@@ -217,7 +217,7 @@ class Trainer:
 
     @staticmethod
     def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, labels)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
     def _mean_loss(self, loss: float, has_loss: bool) -> float:
         """The mean over the data- and context-parallel ranks (tensor-parallel ranks hold copies; only the last
