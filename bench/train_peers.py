@@ -51,6 +51,7 @@ MODEL = {"hidden": 384, "layers": 6, "heads": 6, "kv_heads": 2, "head_dim": 64, 
 OPTIM = {"lr": 3e-4, "min_lr": 3e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0,
          "warmup_steps": 10}
 MICRO_BATCH = 4
+HEADS = {"mtrain": "mtrain/x", "mtrain ddp": "mtrain DDP/x", "mtrain compile": "mtrain compile/x"}
 
 
 # -- environments -------------------------------------------------------------------------------------------------
@@ -121,9 +122,14 @@ class Run:
     seconds: list[float] = field(default_factory=list)  # per step, the slowest rank's
     losses: list[float] = field(default_factory=list)  # per step, the mean over ranks
 
+    @property
+    def file(self) -> str:
+        """Stem of this run's spec and log files in log_dir."""
+        return f"{self.name.replace(' ', '-')}-{self.spec['world']}p"
+
     def start(self) -> None:
         world = self.spec["world"]
-        spec_file = self.log_dir / f"{self.name}.json"
+        spec_file = self.log_dir / f"{self.file}.json"
         spec_file.write_text(json.dumps(self.spec))
         base = {k: v for k, v in os.environ.items()
                 if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_", "GROUP_RANK", "TORCHELASTIC"))}
@@ -136,7 +142,7 @@ class Run:
             env = dict(base, **({"RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else {}))
             read_fd, write_fd = os.pipe()
             env["BENCH_REPLY_FD"] = str(write_fd)
-            log = open(self.log_dir / f"{self.name}.rank{rank}.log", "w")
+            log = open(self.log_dir / f"{self.file}.rank{rank}.log", "w")
             self.procs.append(subprocess.Popen([str(self.python), str(PEERS_DIR / self.script), str(spec_file)],
                                                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                                env=env, pass_fds=(write_fd,), cwd=self.log_dir, text=True))
@@ -172,7 +178,7 @@ class Run:
         return self.wait_step(timeout)
 
     def log_tail(self, rank: int, lines: int = 30) -> str:
-        text = (self.log_dir / f"{self.name}.rank{rank}.log").read_text(errors="replace")
+        text = (self.log_dir / f"{self.file}.rank{rank}.log").read_text(errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> None:
@@ -208,12 +214,14 @@ def build_runs(args, world: int, pythons: dict[str, Path], data: dict, log_dir: 
 
 
 def mtrain_variants(args, world: int) -> dict[str, dict]:
-    """mtrain as it runs by default, with whole-model compile, and (two ranks) with DDP besides FSDP."""
+    """mtrain as it runs by default, with whole-model compilation, and with two ranks DDP besides FSDP (the peers
+    run DDP there): the default first, the others' ratios are also taken against each of these."""
     variants = {"mtrain": {}}
     if world > 1:
         variants["mtrain ddp"] = {"parallel": {"dp_mode": "ddp"}}
     if args.compile:
-        variants["mtrain compile"] = {"train": {"compile": "model"}}
+        variants["mtrain compile"] = {"train": {"compile": "model"}} | (
+            {"parallel": {"dp_mode": "ddp"}} if world > 1 else {})
     return variants
 
 
@@ -255,29 +263,36 @@ def tokens_per_step(run: Run) -> int:
 
 
 def report(runs: list[Run], args, world: int, flops_per_token: float, skipped: dict[str, str],
-           labels: dict[str, str]) -> None:
+           labels: dict[str, str], log_dir: Path) -> None:
+    """The table: tokens/s (median over rounds, and the fastest step), model FLOP/s or MFU, and for each mtrain
+    variant the median over rounds of its tokens/s over the trainer's in the same round (> 1: mtrain faster)."""
     first = args.warmup + 1  # steps before the timed rounds
     timed = {run.name: [sum(run.seconds[first + r * args.steps: first + (r + 1) * args.steps])
                         for r in range(args.rounds)] for run in runs}
-    base = timed["mtrain"]
+    (log_dir / f"steps-{world}p.json").write_text(json.dumps(
+        {run.name: {"seconds": run.seconds, "losses": run.losses} for run in runs}))
+    ours = [run.name for run in runs if run.name.startswith("mtrain")]
     threads = runs[0].spec["threads"]
-    print(f"\n{world} process(es) x {threads} thread(s), {args.rounds} rounds x {args.steps} step(s); "
-          f"model FLOPs {flops_per_token / 1e6:.0f} MFLOP/token")
+    print(f"\n{world} process(es) x {threads} thread(s), {args.rounds} rounds x {args.steps} step(s) after "
+          f"{first} untimed; model FLOPs {flops_per_token / 1e6:.0f} MFLOP/token (mtrain/flops.py)")
     peak = args.peak_tflops
-    head = f"{'trainer':<46}{'tok/s':>9}{'GFLOP/s' if not peak else 'MFU':>9}{'mtrain/x':>10}{'(min-max)':>14}"
-    print(head)
+    print(f"{'trainer':<46}{'tok/s':>8}{'best':>8}{'GFLOP/s' if not peak else 'MFU':>9}"
+          + "".join(f"{HEADS[n]:>22}" for n in ours))
     for run in runs:
         rate = tokens_per_step(run) * args.steps / statistics.median(timed[run.name])
-        ratios = [b / s for b, s in zip(timed[run.name], base)]  # tokens/s of mtrain over this one's
+        best = tokens_per_step(run) / min(run.seconds[first:])
         work = rate * flops_per_token
-        work_cell = f"{work / 1e9:>9.1f}" if not peak else f"{work / (world * peak * 1e12):>9.1%}"
-        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if run.name != "mtrain" else ""
-        ratio = f"{statistics.median(ratios):.3f}" if run.name != "mtrain" else "1"
-        print(f"{labels.get(run.name, run.name):<46}{rate:>9,.0f}{work_cell}{ratio:>10}{spread:>14}")
+        cells = f"{work / 1e9:>9.1f}" if not peak else f"{work / (world * peak * 1e12):>9.1%}"
+        for name in ours:
+            ratios = [x / m for x, m in zip(timed[run.name], timed[name])]  # tokens/s of mtrain over this one's
+            cell = "" if name == run.name else \
+                f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+            cells += f"{cell:>22}"
+        print(f"{labels.get(run.name, run.name):<46}{rate:>8,.0f}{best:>8,.0f}{cells}")
     for name, why in skipped.items():
         print(f"{labels.get(name, name):<46}skipped: {why}")
-    steps = [s for s in (1, 5, 10, 20, 50, 100, 200, 500) if s <= len(runs[0].losses)] + [len(runs[0].losses)]
-    steps = sorted(set(steps))
+    steps = sorted({s for s in (1, 5, 10, 20, 50, 100, 200, 500) if s <= len(runs[0].losses)} |
+                   {len(runs[0].losses)})
     print("\nloss at equal steps (same data and batches; each trainer's own initial weights)")
     print(f"{'step':<46}" + "".join(f"{s:>8}" for s in steps))
     for run in runs:
@@ -337,4 +352,5 @@ def main(argv: list[str]) -> None:
         dp = {name: PEERS[name][2] for name in pythons}
         report(runs, args, world, per_token, failed,
                {**labels, **({n: f"{labels[n]} {dp[n]}" for n in pythons} if world > 1 else {}),
-                **({"mtrain": "mtrain (FSDP)"} if world > 1 else {})})
+                **({"mtrain": "mtrain (FSDP)", "mtrain compile": "mtrain (DDP, train.compile: model)"}
+                   if world > 1 else {})}, tmp)
