@@ -1,13 +1,14 @@
 """mtrain against other trainers on the same model, data and optimizer, interleaved step by step.
 
     python bench/train.py --peers [--ranks 1,2] [--rounds 20] [--warmup 3] [--peers-only hf,litgpt,torchtitan]
-                                  [--cache ~/.cache/mtrain-bench] [--peak-tflops X]
+                                  [--no-compile] [--cache ~/.cache/mtrain-bench] [--peak-tflops X]
 
 The model: Llama (hidden 384, 6 layers, 6 heads of 64, 2 key/value groups, SwiGLU 1024, vocab 8192, untied),
 sequences of 256 tokens, micro batch 4 per rank, fp32, AdamW (lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay
 0.1), gradient clipping at 1.0, 10 warmup steps then cosine to 3e-5; real text (bench/peer_data.py), every
 trainer reading the same global batches in the same order. Not the same: the initial weights (each trainer's own
-init) and what each does by default (HF decays only matrices, litgpt all weights; litgpt compiles the model).
+init) and what each does by default (mtrain and HF decay matrices only, litgpt every weight; litgpt compiles the
+model; with two ranks the peers run DDP, mtrain FSDP unless asked for DDP: both are shown).
 
 Each trainer is a set of processes (one per rank) that the bench releases one optimizer step at a time
 (bench/peers/pace.py); in every round each trainer runs --steps steps, the order rotating, and a trainer's
