@@ -144,8 +144,7 @@ def apply_recompute(model: Transformer, mode: Recompute) -> None:
 def apply_compile(model: Transformer, mode: CompileMode) -> None:
     """torch.compile in place (parameter names unchanged): `layers` compiles each layer alone (one graph reused
     by every layer of the same shape), `model` the whole model or pipeline stage, so the embedding, final norm and
-    output head are compiled too. Under FSDP the whole-model graph breaks at each layer's FSDP hooks (Dynamo
-    leaves them to eager), which amounts to the layers' graphs plus one for the ends."""
+    output head are compiled too (FSDP's and DDP's hooks included: Dynamo leaves what it cannot capture to eager)."""
     if mode == "layers":
         for block in model.layers.values():
             block.compile()
