@@ -92,10 +92,9 @@ def _fail_cleanly(func):
               "Engine grouped GEMM, linear_fc1.weight{j}; needs --transformer-impl te), legacy_grouped "
               "(GroupedMLP weight1/weight2 of older Megatron-LM) or single_grouped (TE grouped GEMM with one "
               "[experts, out, in] linear_fc1.weight; needs --transformer-impl te).")
-@click.option("--moe-grouped-gemm", "expert_layout", flag_value="grouped",
-              help="Same as --expert-layout grouped (Megatron's flag).")
-@click.option("--moe-single-grouped-weight", "expert_layout", flag_value="single_grouped",
-              help="Same as --expert-layout single_grouped (Megatron's flag).")
+@click.option("--moe-grouped-gemm", is_flag=True, help="Same as --expert-layout grouped (Megatron's flag).")
+@click.option("--moe-single-grouped-weight", is_flag=True,
+              help="Same as --expert-layout single_grouped (Megatron's flag; with or without --moe-grouped-gemm).")
 @click.option("--ckpt-format", type=click.Choice(["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]),
               default="torch",
               show_default=True, help="Megatron checkpoint format written by the core saver.")
@@ -182,6 +181,9 @@ def _verify_output(load_dir: Path, loader: str, save_dir: Path, options: Options
 
 def _check_applicable(ctx: click.Context, loader: registry.Plugin, saver: registry.Plugin) -> None:
     given = [n for n in PLUGIN_OPTIONS if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+    flags = ("moe_grouped_gemm", "moe_single_grouped_weight")
+    if any(ctx.get_parameter_source(f) == ParameterSource.COMMANDLINE for f in flags) and "expert_layout" not in given:
+        given.append("expert_layout")  # --moe-grouped-gemm and --moe-single-grouped-weight set the expert layout
     understood = loader.options | saver.options
     ignored = [n for n in given if n not in understood]
     if ignored:
@@ -195,7 +197,7 @@ def _options(o: dict) -> Options:
     return Options(
         layout=layout,
         transformer_impl="te" if o["transformer_impl"] in ("te", "transformer_engine") else "local",
-        expert_layout=o["expert_layout"] or "sequential",
+        expert_layout=_expert_layout(o),
         ckpt_format=o["ckpt_format"],
         dtype=_dtype(o),
         make_vocab_size_divisible_by=o["make_vocab_size_divisible_by"],
@@ -204,6 +206,17 @@ def _options(o: dict) -> Options:
         max_shard_size=parse_size(o["max_shard_size"]),
         iteration=o["iteration"],
     )
+
+
+def _expert_layout(o: dict) -> str:
+    """--moe-grouped-gemm is --expert-layout grouped, and with --moe-single-grouped-weight (as Megatron pairs them)
+    single_grouped; naming another layout beside them is a contradiction."""
+    flag = "single_grouped" if o["moe_single_grouped_weight"] else "grouped" if o["moe_grouped_gemm"] else None
+    if flag and o["expert_layout"] not in (None, flag):
+        given = "--moe-single-grouped-weight" if flag == "single_grouped" else "--moe-grouped-gemm"
+        raise ConvertError(f"{given} and --expert-layout {o['expert_layout']} contradict each other; give one "
+                           "expert layout")
+    return flag or o["expert_layout"] or "sequential"
 
 
 def _dtype(o: dict) -> str | None:

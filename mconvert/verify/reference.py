@@ -16,6 +16,7 @@ from torch import nn
 
 from mconvert.errors import ConvertError
 from mconvert.formats import hf_dir
+from mconvert.formats.contained import check_tree
 from mconvert.verify.stages import StageOutput, stage_names
 
 
@@ -36,6 +37,7 @@ def run_transformers(path: Path, tokens: torch.Tensor, num_layers: int, device: 
         raise ConvertError("--reference transformers needs transformers (pip install 'mconvert[hub]')") from None
     transformers.utils.logging.disable_progress_bar()
     start = time.perf_counter()
+    check_tree(hf_dir.resolve(path))  # transformers follows whatever links the directory holds
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir.resolve(path), dtype=torch.float32,
                                                                   local_files_only=True)

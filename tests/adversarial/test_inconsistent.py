@@ -157,6 +157,12 @@ def test_contradictory_dtype_flags(sources, tmp_path, flags):
                                                                           *(f for f in flags if f.startswith("--"))))
 
 
+@pytest.mark.parametrize("layout", ["sequential", "legacy_grouped"])
+def test_moe_grouped_gemm_contradicting_the_expert_layout(sources, tmp_path, layout):
+    convert_refused(sources["llama_mistral"], tmp_path, "--moe-grouped-gemm", "--expert-layout", layout,
+                    culprits=("--moe-grouped-gemm", f"--expert-layout {layout}", "contradict"))
+
+
 def test_the_same_dtype_twice_is_fine(sources, tmp_path):
     cli("--saver", "core", "--dtype", "bf16", "--bf16", "--load-dir", sources["llama_mistral"], "--save-dir",
         tmp_path / "ok", "-q")
