@@ -98,8 +98,8 @@ def test_single_grouped_weight(mixtral_dir, tmp_path):
     """TE's single grouped weight is the stack of the grouped layout's per-expert tensors of the same rank, as
     megatron-core's TE load hook builds it (`torch.stack([weight0, ..., weight{n-1}])`), at TP 2, EP 2, ETP 1."""
     layout = ["--transformer-impl", "te", "--tp", "2", "--ep", "2", "--etp", "1"]
-    run_cli("--saver", "core", *layout, "--moe-single-grouped-weight", "--load-dir", mixtral_dir,
-            "--save-dir", tmp_path / "single")
+    run_cli("--saver", "core", *layout, "--moe-grouped-gemm", "--moe-single-grouped-weight", "--load-dir",
+            mixtral_dir, "--save-dir", tmp_path / "single")  # Megatron's pair of flags
     run_cli("--saver", "core", *layout, "--expert-layout", "grouped", "--load-dir", mixtral_dir,
             "--save-dir", tmp_path / "grouped")
     for rank in ("mp_rank_00_000", "mp_rank_01_001"):
@@ -118,6 +118,9 @@ def test_single_grouped_weight(mixtral_dir, tmp_path):
     out = run_cli("--saver", "core", "--expert-layout", "single_grouped", "--load-dir", mixtral_dir,
                   "--save-dir", tmp_path / "local", expect_error=True)
     assert "--expert-layout single_grouped is Transformer Engine's grouped GEMM" in out
+    out = run_cli("--saver", "core", *layout, "--moe-single-grouped-weight", "--expert-layout", "grouped",
+                  "--load-dir", mixtral_dir, "--save-dir", tmp_path / "both", expect_error=True)
+    assert "--moe-single-grouped-weight and --expert-layout grouped contradict each other" in out
 
 
 def test_integrity_manifest_on_our_torch_dist(llama_dir, tmp_path):
