@@ -44,13 +44,15 @@ class TrainSection:
     micro_batch_size: int = opt(4, "samples per forward/backward on one rank")
     global_batch_size: int = opt(32, "samples per optimizer step, over all data-parallel ranks")
     seed: int = opt(1234, "seed of the initial weights and model randomness")
-    precision: Literal["fp32", "bf16"] = opt("fp32", "bf16: bf16 compute, fp32 weights and optimizer")
+    precision: Literal["fp32", "bf16", "auto"] = opt(
+        "fp32", "bf16: fp32 weights and optimizer; auto: bf16 if measured fast")
     recompute: Literal["none", "selective", "full"] = opt(
         "none", "recompute in backward: each layer, or attention core")
     deterministic: bool = opt(False, "runs repeat bit for bit")
     init_std: float = opt(0.02, "std of the random initial weights")
     exit_after_steps: int | None = opt(None, "stop (and save) after N steps of this run")
-    compile: bool = opt(False, "torch.compile each layer (slow to start on CPU)")
+    compile: Literal["none", "layers", "model"] = opt(
+        "none", "torch.compile each layer, or the model/stage (slow start)")
     moe_capacity_factor: float | None = opt(
         None, "MoE: cap experts at factor x fair share (null: dropless)")
 
@@ -67,6 +69,7 @@ class OptimConfig:
     beta2: float = opt(0.95, "AdamW beta2")
     eps: float = opt(1e-8, "AdamW epsilon")
     grad_clip: float = opt(1.0, "clip the global gradient norm (0: no clipping)")
+    fused: bool | None = opt(None, "fused AdamW kernel (null: where the device has one, else foreach)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +118,7 @@ class LoggingConfig:
     tensorboard_dir: str | None = opt(None, "TensorBoard scalars here (mconvert[train] extra)")
     wandb_project: str | None = opt(None, "Weights & Biases project (mconvert[wandb] extra)")
     wandb_run_name: str | None = opt(None, "Weights & Biases run name (null: wandb's choice)")
+    peak_tflops: float | None = opt(None, "per-device peak TFLOP/s for MFU (null: known GPUs; CPU: FLOP/s)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -353,6 +357,8 @@ def validate(c: Config) -> None:
     if t.moe_capacity_factor is not None and t.moe_capacity_factor <= 0:
         raise TrainError(f"train.moe_capacity_factor must be positive (or null: dropless), got {t.moe_capacity_factor}")
     check_ranges(c)  # NaN, infinities, negative intervals and counts
+    if c.logging.peak_tflops is not None and not c.logging.peak_tflops > 0:
+        raise TrainError(f"logging.peak_tflops must be positive (per-device peak TFLOP/s), got {c.logging.peak_tflops}")
     validate_parallel(c.parallel)
 
 

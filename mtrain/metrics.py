@@ -1,12 +1,13 @@
 """Progress lines on rank 0, and scalars for TensorBoard and Weights & Biases.
 
-    step  20/100 | mean loss 3.1416 | lr 2.000e-04 | grad norm 0.812 | 12,345 tok/s | 0:00:12 elapsed, 0:00:48 left
+    step  20/100 | mean loss 3.1416 | lr 2.000e-04 | grad norm 0.812 | 12,345 tok/s | MFU 41.2% | 0:00:12 elapsed, ...
 
 Every `logging.interval` steps a line: the loss is the mean over the steps since the previous line (as Megatron
 logs it), learning rate and gradient norm are the last step's, tokens/s is over the interval's training steps
-(validation and checkpoints left out), and the time left
-is the mean wall time of the last RECENT steps (validation and checkpoints included) times the steps to go, so a
-slow start or a change of speed does not skew it for the rest of the run. The sinks get every step's scalars.
+(validation and checkpoints left out), MFU is from that tokens/s (mtrain/flops.py; achieved FLOP/s where no peak is
+known, e.g. on a CPU), and the time left is the mean wall time of the last RECENT steps (validation and checkpoints
+included) times the steps to go, so a slow start or a change of speed does not skew it for the rest of the run.
+The sinks get every step's scalars.
 
 After a resume, steps past the checkpoint may already have been logged by the interrupted run: TensorBoard is
 opened with purge_step (its events from the resumed step on are dropped), so no step has two points.
@@ -22,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from mtrain.errors import TrainError
+from mtrain.flops import Throughput
 
 RECENT = 20  # steps the time left is estimated from
 
@@ -63,10 +65,12 @@ class WandbSink:
 
 class Metrics:
     def __init__(self, *, enabled: bool, total_steps: int, interval: int, tokens_per_step: int,
-                 start_step: int = 0, out: Callable[[str], None] = print, sinks: list | None = None):
+                 start_step: int = 0, out: Callable[[str], None] = print, sinks: list | None = None,
+                 throughput: Throughput | None = None):
         self.enabled, self.total_steps, self.interval, self.out = enabled, total_steps, max(1, interval), out
         self.tokens_per_step, self.start_step = tokens_per_step, start_step
         self.sinks = sinks or []
+        self.throughput = throughput  # MFU or achieved FLOP/s after tokens/s
         self.start = self.last_time = time.perf_counter()
         self.recent: deque[float] = deque(maxlen=RECENT)  # wall time of each recent step
         self.losses: list[float] = []  # since the last progress line
@@ -98,6 +102,8 @@ class Metrics:
         if s.get("aux_loss") is not None:
             parts.append(f"aux loss {s['aux_loss']:.4f}")
         parts.append(f"{tokens_per_s:,.0f} tok/s")
+        if self.throughput is not None:
+            parts.append(self.throughput.describe(tokens_per_s))
         parts.append(f"{_hms(now - self.start)} elapsed, {_hms(left)} left")
         return " | ".join(parts)
 

@@ -18,6 +18,14 @@ When the layers differ (a `moe_layer_freq` pattern: dense layers among the exper
 stack them: each layer keeps its global number (`decoder.layers.3.self_attention.linear_qkv.weight` [rows, h],
 `decoder.layers.3.mlp.experts.experts.linear_fc1.weight` [E, 2f, h]) and its extra states are `shard_0_1` (experts
 `shard_{e}_{E}`).
+
+Checkpoints saved with megatron-core's `singleton_local_shards` metadata (Megatron-LM's default in Sept-Oct
+2025, recorded in the common state's `content_metadata`) also keep every layer under its own number, and in
+addition every expert under its own key and SwiGLU's fc1 as its two halves (mconvert.schemas.swiglu_halves):
+
+    decoder.layers.3.mlp.linear_fc1.weight_w                   [f, h]     gate of layer 3
+    decoder.layers.3.mlp.experts.experts.1.linear_fc1.weight_v [f, h]     up of layer 3's expert 1
+    decoder.layers.3.mlp.experts.experts.1.linear_fc2.weight   [h, f]
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from mconvert.ir import ModelConfig
 from mconvert.mapping import Row, expand
 from mconvert.rules import GATE_UP, Rule, Table, norm
 from mconvert.schemas import core
+from mconvert.schemas.swiglu_halves import HALF_KEY, halves
 
 METADATA_JSON = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -44,6 +53,14 @@ EXPERT_RULES = (
     Rule(f"{EXPERTS}.linear_fc1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",
                                           "layers.{L}.moe.experts.{E}.up.weight"), GATE_UP),
     Rule(f"{EXPERTS}.linear_fc2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
+)
+
+
+SINGLETON_EXPERTS = "decoder.layers.{L}.mlp.experts.experts.{E}"
+SINGLETON_EXPERT_RULES = (
+    Rule(f"{SINGLETON_EXPERTS}.linear_fc1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",
+                                                    "layers.{L}.moe.experts.{E}.up.weight"), GATE_UP),
+    Rule(f"{SINGLETON_EXPERTS}.linear_fc2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
 )
 
 
@@ -80,6 +97,13 @@ def detect_per_layer(keys) -> bool:
     return any(re.match(r"decoder\.layers\.\d+\.", k) for k in keys)
 
 
+def detect_singleton(keys) -> bool:
+    """Saved with `singleton_local_shards`: experts under their own numbers, or SwiGLU halves (a dense model
+    without SwiGLU stores the same keys either way)."""
+    return any(re.match(r"decoder\.layers\.\d+\.mlp\.experts\.experts\.\d+\.", k) or HALF_KEY.fullmatch(k)
+               for k in keys)
+
+
 @dataclass(frozen=True)
 class Placed:
     """One stored block: the row (IR names, rule; a unique key), the stored key, its leading indices in the stack
@@ -92,15 +116,23 @@ class Placed:
     stack: tuple[int, ...] = ()
 
 
-def placements(config: ModelConfig, impl: core.Impl = "local", per_layer: bool | None = None) -> list[Placed]:
+def placements(config: ModelConfig, impl: core.Impl = "local", per_layer: bool | None = None, *,
+               singleton: bool = False) -> list[Placed]:
     """Every block of the checkpoint in file order: embeddings, each layer (dense rules, then its experts), head.
 
-    Loader and saver both walk this list, so the two directions cannot disagree about what goes where.
+    Loader and saver both walk this list, so the two directions cannot disagree about what goes where. With
+    `singleton` (read only; see the module docstring) every block is a whole tensor of its own.
     """
     t, n, experts = table(impl), config.num_layers, config.num_experts or 0
     per_layer = per_layer_keys(config) if per_layer is None else per_layer
     out = [Placed(r, r.key, ()) for r in expand(t, config, layers=[], head=False)]
     for L in range(n):
+        if singleton:
+            dense = expand(t, config, layers=[(L, L)], experts=[], embedding=False, head=False)
+            own = [Row(*rule.keys(L=L, E=E), rule) for E in (range(experts) if config.is_moe_layer(L) else ())
+                   for rule in SINGLETON_EXPERT_RULES]
+            out += [Placed(r, r.key, ()) for r in halves(dense + own)]
+            continue
         for r in expand(t, config, layers=[(L, L)], experts=[], embedding=False, head=False):
             out.append(Placed(r, r.key, ()) if per_layer else Placed(r, stacked_key(r.key, L), (L,), (n,)))
         for E in range(experts) if config.is_moe_layer(L) else ():

@@ -81,7 +81,7 @@ def test_unknown_model_field(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     (["--train.steps", "many"], "train.steps: expected an integer, found 'many'"),
-    (["--train.precision", "fp8"], "train.precision: 'fp8' is not one of fp32, bf16"),
+    (["--train.precision", "fp8"], "train.precision: 'fp8' is not one of fp32, bf16, auto"),
     (["--optim.lr", "fast"], "optim.lr: expected a number, found 'fast'"),
     (["--train.deterministic", "maybe"], "train.deterministic: expected true or false, found 'maybe'"),
     (["--train.global_batch_size", "6", "--train.micro_batch_size", "4"],
@@ -231,7 +231,7 @@ def test_mtrain_config_lists_every_section_and_field():
         for f in dataclasses.fields(cls):
             assert f"\n  {f.name}: " in out, f"{section}.{f.name}"
     assert "  seq_len: 1024                   # int: tokens per sample" in out
-    assert "  precision: fp32                 # fp32 | bf16: " in out
+    assert "  precision: fp32                 # fp32 | bf16 | auto: " in out
     assert "  weights: null                   # list of float | null: " in out
     assert max(len(line) for line in out.splitlines()) <= 118
 

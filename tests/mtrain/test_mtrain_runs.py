@@ -117,6 +117,24 @@ def test_time_left_comes_from_recent_steps(monkeypatch):
                      "0:05:20 elapsed, 0:01:40 left"]  # 100 steps to go at 1 s (the average would say 10:40)
 
 
+def test_progress_line_mfu_follows_the_interval_tokens_per_s(monkeypatch):
+    """tok/s and MFU on a line are over that interval's training steps (step_time), not one step's value."""
+    from mtrain.flops import Throughput
+
+    clock = [0.0]
+    monkeypatch.setattr("mtrain.metrics.time.perf_counter", lambda: clock[0])
+    lines: list[str] = []
+    metrics = Metrics(enabled=True, total_steps=4, interval=2, tokens_per_step=100, out=lines.append,
+                      throughput=Throughput(flops_per_token=1e10, devices=2, peak_tflops=1.0))
+    for step, (loss, step_time) in enumerate([(2.0, 1.0), (4.0, 3.0), (1.0, 0.5), (1.0, 0.5)], start=1):
+        clock[0] += step_time + 1.0  # a second of validation or saving per step: not in tok/s
+        metrics.train_step(step, {"loss": loss, "lr": 1e-3, "grad_norm": 1.0, "step_time": step_time,
+                                  "tokens_per_s": 100 / step_time})
+    # 200 tokens in 4 s: 50 tok/s x 1e10 FLOP = 5e11 FLOP/s over 2 x 1e12; then 200 in 1 s: 200 tok/s
+    assert lines[0].startswith("step 2/4 | mean loss 3.0000 | ") and "| 50 tok/s | MFU 25.0% | " in lines[0]
+    assert lines[1].startswith("step 4/4 | mean loss 1.0000 | ") and "| 200 tok/s | MFU 100.0% | " in lines[1]
+
+
 def test_tensorboard_has_one_point_per_step_after_a_resume(corpus, tmp_path):  # noqa: F811
     """A run saves at step 4, logs steps 5 and 6, dies; the resumed run replays 5 and 6: one point each."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
