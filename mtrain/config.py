@@ -96,7 +96,8 @@ SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")  # one stage per pipeline rank; the o
 class ParallelConfig:
     """The parallel layout. The data-parallel size is what is left: world / (tp * pp * cp)."""
 
-    dp_mode: Literal["fsdp", "ddp"] = opt("fsdp", "FSDP2, or DDP (data parallelism alone)")
+    dp_mode: Literal["auto", "fsdp", "ddp"] = opt(
+        "auto", "FSDP2; DDP (data parallel alone); auto: DDP for that on CPU")
     tp: int = opt(1, "tensor parallel: heads, ffn, vocabulary split")
     sequence_parallel: bool = opt(False, "tp > 1: activations split over the sequence too")
     pp: int = opt(1, "pipeline stages")

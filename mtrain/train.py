@@ -42,7 +42,7 @@ from mtrain.errors import TrainError
 from mtrain.metrics import Metrics, build_sinks
 from mtrain.models import moe, state_dict_adapter
 from mtrain.optim import Optimizers, lr_at
-from mtrain.parallel import grads
+from mtrain.parallel import dp_mode, grads
 from mtrain.parallel.context_parallel import split_sequence
 from mtrain.parallel.dims import ParallelDims, group
 from mtrain.parallel.pipeline import build_schedule
@@ -110,8 +110,11 @@ class Trainer:
                 self.out(line)
         mesh = dims.build_mesh(self.env.device.type)
         self.precision = precision.resolve(t.precision, self.env.device, self.env.world, self.out)
+        self.dp_mode, line = dp_mode.resolve(config.parallel.dp_mode, dims, self.env.device, _num_params(model_config))
+        if line:
+            self.out(line)
         self.parallel = build_parallel_model(
-            model_config, dims, mesh, device=self.env.device, dp_mode=config.parallel.dp_mode,
+            model_config, dims, mesh, device=self.env.device, dp_mode=self.dp_mode,
             precision=self.precision, recompute=t.recompute, compile_mode=t.compile,
             moe_capacity_factor=t.moe_capacity_factor)
         self.parts = self.parallel.parts
@@ -133,7 +136,7 @@ class Trainer:
         else:
             weights.load_full_weights(self.parts, weights.random_init(model_config, t.seed, t.init_std,
                                                                       weights.local_names(self.parts)))
-        mode = config.parallel.dp_mode if dims.dp > 1 else "single"
+        mode = self.dp_mode if dims.dp > 1 else "single"
         self.out(f"model: {weights.describe(model_config)}; {_num_params(model_config):,} parameters; "
                  f"{self.env.world} rank(s): {dims.describe()} (data parallel: {mode})")
 
