@@ -70,11 +70,12 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
 
     source: dict[str, list[LazyTensor]] = {}
     rows: list[Row] = []
-    impl = core_dist.detect_impl(store.tensors)
-    for placed in core_dist.placements(config, impl):
+    impl, stacked = core_dist.detect_impl(store.tensors), core_dist.is_stacked(store.tensors)
+    placed_blocks = core_dist.placements(config, impl, stacked)
+    for placed in placed_blocks:
         rows.append(placed.row)
-        source[placed.row.key] = [_lazy(store, placed.key, placed.index, it_dir, config)]
-    used = {placed.key for placed in core_dist.placements(config, impl)}
+        source[placed.row.key] = [_lazy(store, placed, it_dir)]
+    used = {placed.key for placed in placed_blocks}
     missing = sorted(k for k in used if k not in store.tensors)
     tied_copy = "output_layer.weight" if config.tie_embeddings else None
     extra = sorted(k for k in store.tensors if k not in used and k != tied_copy)
@@ -82,7 +83,9 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
         raise ConvertError(f"{it_dir}: the tensors do not match a {config.family} model with these args. "
                            + mismatch(missing, extra))
     tensors = to_ir(source, rows, Ctx(config, padded), where=str(it_dir), cache=LoadCache(4))
-    layout = {"format": backend, "padded_vocab": padded, "transformer_impl": impl if config.is_moe else "any",
+    layout = {"format": backend, "padded_vocab": padded,
+              "transformer_impl": impl if config.is_moe or config.is_mla else "any",
+              "layers": "stacked" if stacked else "one key per layer",
               "common": "common.pt" if (it_dir / core_dist.COMMON_FILE).is_file() else core_dist.COMMON_STATE}
     return ModelIR(config, tensors, SourceInfo(f"core (Megatron {backend})", it_dir, layout, iteration, notes), assets)
 
@@ -92,14 +95,14 @@ def _shape_dtype(store, key: str) -> tuple[tuple[int, ...], torch.dtype]:
     return (tuple(entry.shape), entry.dtype) if hasattr(entry, "shape") else entry
 
 
-def _lazy(store, key: str, index: tuple[int, ...], it_dir: Path, config) -> LazyTensor:
+def _lazy(store, placed: core_dist.Placed, it_dir: Path) -> LazyTensor:
     """A block of a stored tensor; a stack whose layer (or expert) axis disagrees with the args is refused."""
+    key, index = placed.key, placed.index
     if key not in store.tensors:  # reported together with the others by the caller
         return LazyTensor((0,), torch.float32, lambda: torch.empty(0), f"{it_dir.name}:{key}")
     shape, dtype = _shape_dtype(store, key)
-    want = (config.num_layers, config.num_experts)[:len(index)]
-    if tuple(shape[:len(index)]) != want:
+    if tuple(shape[:len(index)]) != placed.stack:
         raise ConvertError(f"{it_dir}: {key} stacks {list(shape[:len(index)])} (layers, experts), the args say "
-                           f"{list(want)}")
+                           f"{list(placed.stack)}")
     origin = f"{it_dir.name}:{key}" + (f"{list(index)}" if index else "")
     return LazyTensor(tuple(shape[len(index):]), dtype, lambda: store.read(key, index), origin)

@@ -20,6 +20,7 @@ LOADERS = {
     "mistral": "llama_mistral",
     "gpt2": "gpt2_hf",
     "mixtral": "mixtral_hf",
+    "deepseek_v3": "deepseek_hf",
 }
 
 

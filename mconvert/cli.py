@@ -99,6 +99,8 @@ def _fail_cleanly(func):
               "else 1.")
 @click.option("--model-type", type=click.Choice(["GPT"]), default="GPT", hidden=True,
               help="Accepted for Megatron compatibility; only GPT models exist here.")
+@click.option("--skip-mtp", is_flag=True, help="Leave out multi-token-prediction modules (DeepSeek-V3's MTP "
+              "layers); without it they are converted, or the conversion fails if the target cannot hold them.")
 @click.option("--force", is_flag=True, help="Replace an existing, non-empty --save-dir.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.pass_context
@@ -168,6 +170,7 @@ def _options(o: dict) -> Options:
         tokenizer=o["tokenizer"],
         max_shard_size=parse_size(o["max_shard_size"]),
         iteration=o["iteration"],
+        skip_mtp=o["skip_mtp"],
     )
 
 

@@ -22,11 +22,12 @@ import torch
 
 from mconvert.errors import ConvertError, mismatch
 
-Family = Literal["llama", "mistral", "mixtral", "gpt2"]
+Family = Literal["llama", "mistral", "mixtral", "gpt2", "deepseek_v3"]
 Norm = Literal["rmsnorm", "layernorm"]
 Activation = Literal["swiglu", "gelu_tanh", "gelu"]
 PositionEmbedding = Literal["rope", "learned"]
 DType = Literal["float32", "bfloat16", "float16"]
+RouterScore = Literal["softmax", "sigmoid"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,6 +51,12 @@ class ModelConfig:
 
     `padded_vocab_size` is informational: the padded size found in the source (Megatron), which savers recompute
     for their own layout.
+
+    DeepSeek-V3 (the fields after `pad_token_id`; their defaults describe every other family, see
+    mconvert/deepseek.py for what each means and how it is checked): multi-latent attention when `kv_lora_rank` is
+    set (then `head_dim` is a query/key head, its no-position part plus `qk_rope_head_dim`), shared experts beside
+    the routed ones, sigmoid router scores with a per-expert choice bias, group-limited top-k and a scaling of the
+    routed output, and `mtp_layers` multi-token-prediction modules after the last layer.
     """
 
     family: Family
@@ -84,6 +91,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    q_lora_rank: int | None = None  # MLA: rank of the query's low-rank projection; None: one q projection
+    kv_lora_rank: int | None = None  # MLA: size of the key/value latent; None: standard attention
+    qk_rope_head_dim: int | None = None  # MLA: the rotary part of each query/key head
+    v_head_dim: int | None = None  # MLA: size of a value head
+    moe_shared_expert_ffn_hidden_size: int | None = None  # FFN of the shared expert(s) every token goes through
+    moe_router_score: RouterScore = "softmax"
+    moe_router_expert_bias: bool = False  # a per-expert bias added to the scores to choose experts, not to weigh
+    moe_router_groups: int | None = None  # experts split in groups; each token chooses among ...
+    moe_router_group_topk: int | None = None  # ... this many groups (best top-2 sums)
+    moe_router_scaling_factor: float = 1.0  # the routed experts' weights are scaled by it
+    mtp_layers: int = 0  # multi-token-prediction modules after the last layer
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -104,6 +122,9 @@ class ModelConfig:
             raise ConvertError(f"MoE config needs 0 < moe_top_k <= num_experts, got {self.moe_top_k}, "
                                f"{self.num_experts}")
         self._check_moe_layers()
+        from mconvert.deepseek import check_config
+
+        check_config(self)
 
     def _check_moe_layers(self) -> None:
         dense = tuple(self.dense_layers)
@@ -147,6 +168,16 @@ class ModelConfig:
         return self.num_layers - len(self.dense_layers) if self.is_moe else 0
 
     @property
+    def is_mla(self) -> bool:
+        """Multi-latent attention (DeepSeek) rather than multi-head attention with grouped key/value heads."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """MLA: the part of a query/key head without rotary positions."""
+        return self.head_dim - (self.qk_rope_head_dim or 0)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.dtype]
 
@@ -183,6 +214,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "activation": get_args(Activation),
     "position_embedding": get_args(PositionEmbedding),
     "dtype": get_args(DType),
+    "moe_router_score": get_args(RouterScore),
 }
 
 
@@ -284,11 +316,28 @@ class ModelIR:
                                f"({_config_summary(self.config)}). "
                                + mismatch(missing, extra, wrong, "The config contradicts the tensors"))
 
+    def without_mtp(self) -> ModelIR:
+        """The model without its multi-token-prediction modules (`mtp.*` and their layers), with a note."""
+        n, c = self.config.num_layers, self.config
+        if not c.mtp_layers:
+            return dataclasses.replace(self, source=dataclasses.replace(
+                self.source, notes=[*self.source.notes, "--skip-mtp: the model has no MTP modules"]))
+        mtp = {name for name in self.tensors if name.startswith("mtp.")
+               or (name.startswith("layers.") and int(name.split(".")[1]) >= n)}
+        note = f"--skip-mtp: left out {c.mtp_layers} multi-token-prediction module(s) ({len(mtp)} tensors)"
+        return dataclasses.replace(self, config=c.replace(mtp_layers=0),
+                                   tensors={k: v for k, v in self.tensors.items() if k not in mtp},
+                                   source=dataclasses.replace(self.source, notes=[*self.source.notes, note]))
+
     def cast(self, dtype: DType) -> ModelIR:
         """The same model with every tensor converted to `dtype` at load time."""
         target = TORCH_DTYPES[dtype]
+
+        def kind(name: str) -> torch.dtype:  # DeepSeek and Megatron keep the router's expert bias in float32
+            return torch.float32 if name.endswith(".router.expert_bias") else target
+
         tensors = {
-            n: t if t.dtype == target else t.map(lambda x, d=target: x.to(d), dtype=target)
+            n: t if t.dtype == kind(n) else t.map(lambda x, d=kind(n): x.to(d), dtype=kind(n))
             for n, t in self.tensors.items()
         }
         return dataclasses.replace(self, config=self.config.replace(dtype=dtype), tensors=tensors)

@@ -19,6 +19,7 @@ SAVERS = {
     "mistral": "llama_mistral",
     "gpt2": "gpt2_hf",
     "mixtral": "mixtral_hf",
+    "deepseek_v3": "deepseek_hf",
 }
 
 

@@ -26,8 +26,8 @@ from mconvert.formats.hf_dir import tokenizer_vocab_size
 from mconvert.ir import ModelConfig
 from mconvert.layout import ParallelLayout
 from mconvert.options import ExpertLayout
-from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, QKV, REPLICATE, ROW, VOCAB, Rule, Table, linear, norm
-from mconvert.schemas import core_moe
+from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, QKV, REPLICATE, ROW, VOCAB, Rule, Table, linear, moved, norm
+from mconvert.schemas import core_deepseek, core_moe
 
 Impl = Literal["local", "te"]
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -65,56 +65,77 @@ MLP = (  # gated fc1 first: it wins when the model has a gate (see rules.active)
     *linear("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp.up", shard=COLUMN),
     *linear("decoder.layers.{l}.mlp.linear_fc2", "layers.{L}.mlp.down", shard=ROW, bias_shard=REPLICATE),
     core_moe.ROUTER,
+    core_moe.ROUTER_BIAS,
+    *core_moe.SHARED_EXPERTS,
 )
+_PRE_MLP = {
+    "local": norm("decoder.layers.{l}.pre_mlp_layernorm", "layers.{L}.mlp_norm"),
+    # Transformer Engine fuses it into fc1, except in MoE layers (no fc1 there).
+    "te": (*norm("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp_norm", fused=True, only="dense"),
+           *norm("decoder.layers.{l}.pre_mlp_layernorm", "layers.{L}.mlp_norm", only="moe")),
+}
 _LAYERS = {
     # Local spec: each norm is a module of its own.
-    "local": (
-        *norm("decoder.layers.{l}.input_layernorm", "layers.{L}.attn_norm"),
-        *ATTENTION,
-        *norm("decoder.layers.{l}.pre_mlp_layernorm", "layers.{L}.mlp_norm"),
-        *MLP,
-    ),
-    # Transformer Engine: norms fused into the next linear, except the pre-MLP norm of MoE layers (no fc1 there).
-    "te": (
-        *norm("decoder.layers.{l}.self_attention.linear_qkv", "layers.{L}.attn_norm", fused=True),
-        *ATTENTION,
-        *norm("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp_norm", fused=True, only="dense"),
-        *norm("decoder.layers.{l}.pre_mlp_layernorm", "layers.{L}.mlp_norm", only="moe"),
-        *MLP,
-    ),
+    "local": (*norm("decoder.layers.{l}.input_layernorm", "layers.{L}.attn_norm"), *ATTENTION, *_PRE_MLP["local"],
+              *MLP),
+    # Transformer Engine: norms fused into the next linear.
+    "te": (*norm("decoder.layers.{l}.self_attention.linear_qkv", "layers.{L}.attn_norm", fused=True), *ATTENTION,
+           *_PRE_MLP["te"], *MLP),
 }
+# Multi-latent attention (DeepSeek, see core_deepseek): its input norm is a module of its own under both specs.
+_MLA_LAYERS = {impl: (*core_deepseek.ATTENTION[impl], *_PRE_MLP[impl], *MLP) for impl in _PRE_MLP}
 HEAD = (
     *norm("decoder.final_layernorm", "final_norm"),
     Rule("output_layer.weight", ("lm_head.weight",), VOCAB, COLUMN),
 )
-# One table per (transformer implementation, expert layout); dense models use the sequential one (no experts).
-TABLES: dict[tuple[str, str], Table] = {
-    (impl, experts): Table(embedding=EMBEDDING, layer=_LAYERS[impl], expert=core_moe.EXPERTS[experts][0],
-                           expert_stack=core_moe.EXPERTS[experts][1], head=HEAD)
-    for impl in _LAYERS for experts in core_moe.EXPERTS
+
+
+def _table(layer: tuple[Rule, ...], experts: ExpertLayout) -> Table:
+    """The table of one layer kind and expert layout; an MTP module's transformer layer is the same layer stored
+    under `mtp.layers.{m}.transformer_layer.`."""
+    expert, stack = core_moe.EXPERTS[experts]
+    prefixes = core_deepseek.LAYER_PREFIX, core_deepseek.MTP_LAYER_PREFIX
+    return Table(embedding=EMBEDDING, layer=layer, expert=expert, expert_stack=stack, head=HEAD, mtp=core_deepseek.MTP,
+                 mtp_layer=moved(layer, *prefixes), mtp_expert=moved(expert, *prefixes),
+                 mtp_expert_stack=moved(stack, *prefixes))
+
+
+# One table per (transformer implementation, expert layout, multi-latent attention); dense models use the
+# sequential one (no experts).
+TABLES: dict[tuple[str, str, bool], Table] = {
+    (impl, experts, mla): _table((_MLA_LAYERS if mla else _LAYERS)[impl], experts)
+    for impl in _LAYERS for experts in core_moe.EXPERTS for mla in (False, True)
 }
 
 
-def table(impl: Impl, expert_layout: ExpertLayout = "sequential") -> Table:
-    """The core key table for one transformer implementation (`local` or `te`) and expert layout (see
-    mconvert.schemas.core_moe; the layout's shards read the local expert count and expert TP from the Ctx)."""
-    return TABLES[(impl, expert_layout)]
+def table(impl: Impl, expert_layout: ExpertLayout = "sequential", mla: bool = False) -> Table:
+    """The core key table for one transformer implementation (`local` or `te`), expert layout (see
+    mconvert.schemas.core_moe; the layout's shards read the local expert count and expert TP from the Ctx) and
+    attention (multi-latent or not)."""
+    return TABLES[(impl, expert_layout, mla)]
 
 
 # With tied embeddings and several pipeline stages the last stage keeps its own copy of the (padded) word
 # embeddings as output_layer.weight, kept in sync by Megatron during training.
 TIED_OUTPUT = Rule("output_layer.weight", ("embed.weight",), VOCAB, COLUMN)
+# With multi-token prediction the last stage keeps the embedding too (the MTP modules embed the next tokens).
+MTP_EMBEDDING = Rule("embedding.word_embeddings.weight", ("embed.weight",), VOCAB, COLUMN)
 
 
-def extra_state_modules(impl: Impl, *, expert_layout: ExpertLayout | None = None,
-                        local_experts: int = 0) -> tuple[str, ...]:
-    """Modules (templates) that store an `_extra_state` entry in every layer (MoE layers: give the layout)."""
-    modules = ("self_attention.linear_proj", "self_attention.linear_qkv")
+def extra_state_modules(impl: Impl, *, expert_layout: ExpertLayout | None = None, local_experts: int = 0,
+                        config: ModelConfig | None = None) -> tuple[str, ...]:
+    """Modules (templates) that store an `_extra_state` entry in every layer (MoE layers: give the layout; MLA
+    and shared experts: give the config)."""
+    if config is not None and config.is_mla:
+        modules = core_deepseek.attention_extra_states(impl, config)
+    else:
+        modules = ("self_attention.linear_proj", "self_attention.linear_qkv")
+        if impl == "te":
+            modules = ("self_attention.core_attention", *modules)
     if expert_layout is None:
         modules += ("mlp.linear_fc1", "mlp.linear_fc2")
-    if impl == "te":
-        modules = ("self_attention.core_attention", *modules)
-    moe = core_moe.extra_state_modules(expert_layout, impl, local_experts) if expert_layout else ()
+    shared = config is not None and bool(config.moe_shared_expert_ffn_hidden_size)
+    moe = core_moe.extra_state_modules(expert_layout, impl, local_experts, shared) if expert_layout else ()
     return tuple(f"decoder.layers.{{l}}.{m}" for m in modules) + moe
 
 
@@ -155,13 +176,9 @@ _SETTINGS = (
     ("apply_residual_connection_post_layernorm", False, lambda v: not v),
     ("squared_relu", False, lambda v: not v),
     ("window_attn_skip_freq", False, lambda v: v in (None, 1)),
-    ("moe_shared_expert_intermediate_size", True, lambda v: not v),
-    ("moe_router_enable_expert_bias", True, lambda v: not v),
-    ("moe_router_score_function", True, lambda v: v in (None, "softmax")),
-    ("moe_router_topk_scaling_factor", True, lambda v: v in (None, 1, 1.0)),
-    ("moe_router_num_groups", True, lambda v: not v),
-    ("moe_router_group_topk", True, lambda v: not v),
 )
+# Carried for multi-latent attention, where qk_layernorm means the norms of the query and key/value latents.
+_MLA_SETTINGS = ("qk_layernorm",)
 
 
 def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtype: str,
@@ -172,9 +189,9 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
         value = getattr(args, name, None)
         return default if value is None else value
 
-    moe = bool(get("num_experts"))
+    moe, mla = bool(get("num_experts")), bool(get("multi_latent_attention"))
     unsupported = [f"{name}={get(name)!r}" for name, applies, ok in _SETTINGS
-                   if (moe or not applies) and not ok(get(name))]
+                   if (moe or not applies) and not ok(get(name)) and not (mla and name in _MLA_SETTINGS)]
     position = get("position_embedding_type", "learned_absolute")
     if position not in ("rope", "learned_absolute"):
         unsupported.append(f"position_embedding_type={position!r}")
@@ -192,7 +209,7 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
     ffn = get("ffn_hidden_size") or 4 * hidden
     dense = _dense_layers(get("moe_layer_freq", 1), layers, where) if experts else ()
     family = "mixtral" if experts else "mistral" if window else "llama" if rope else "gpt2"
-    return ModelConfig(
+    fields = dict(
         family=family,
         num_layers=layers,
         hidden_size=hidden,
@@ -228,6 +245,8 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
         moe_jitter_eps=float(get("moe_input_jitter_eps")) if experts and get("moe_input_jitter_eps") else None,
         dtype=dtype,
     )
+    deepseek = core_deepseek.config_fields(get, heads=heads, top_k=fields["moe_top_k"], where=where)
+    return ModelConfig(**(fields | deepseek))
 
 
 # Megatron hard-codes these for --use-rope-scaling (Llama 3.1); only the factor is an argument.
@@ -259,9 +278,9 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
 
     Only plain values and torch dtypes: Megatron's own loader refuses anything else under weights_only.
     """
-    if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3":
+    if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3" and not c.is_mla:
         raise ConvertError(f"Megatron supports only Llama 3 rope scaling; this model has {c.rope_scaling}")
-    if c.rope_scaling and {k: v for k, v in c.rope_scaling.items() if k != "factor"} != \
+    if c.rope_scaling and not c.is_mla and {k: v for k, v in c.rope_scaling.items() if k != "factor"} != \
             {k: v for k, v in LLAMA3_SCALING.items() if k != "factor"}:
         raise ConvertError(f"Megatron hard-codes the Llama 3 rope scaling parameters {LLAMA3_SCALING} except the "
                            f"factor; this model has {c.rope_scaling}")
@@ -312,6 +331,7 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         no_load_optim=True, no_load_rng=True, no_save_optim=True, no_save_rng=True,
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
     )
+    values |= core_deepseek.args_fields(c)
     if c.is_moe and expert_layout == "legacy_grouped":
         # Megatron-LM before March 2026 (the GroupedMLP's last version) picks it under TE only with this flag
         values["moe_use_legacy_grouped_gemm"] = True

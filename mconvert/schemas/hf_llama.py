@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mconvert import deepseek
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
 from mconvert.rules import Rule, Table, linear
@@ -61,7 +62,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         (f"{c.norm} (they use RMSNorm)", c.norm != "rmsnorm"),
         ("learned position embeddings (they use rotary)", c.position_embedding != "rope"),
         ("experts (save it as mixtral)", c.is_moe),
-    ) if bad]
+    ) if bad] + deepseek.features(c)
     if unsupported:
         raise ConvertError(f"HF {MODEL_TYPES[c.family].removesuffix('ForCausalLM')} cannot hold this model: "
                            f"{', '.join(unsupported)}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mconvert import deepseek
 from mconvert.errors import ConvertError
 from mconvert.expert_shards import STACK, STACK_GATE_UP
 from mconvert.ir import ModelConfig
@@ -97,7 +98,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         (f"{c.norm} (Mixtral uses RMSNorm)", c.norm != "rmsnorm"),
         (f"activation {c.activation} (Mixtral uses SwiGLU)", c.activation != "swiglu"),
         ("learned position embeddings (Mixtral uses rotary)", c.position_embedding != "rope"),
-    ) if bad]
+    ) if bad] + deepseek.features(c)
     if unsupported:
         raise ConvertError(f"HF Mixtral cannot hold this model: {', '.join(unsupported)}")
     return rope_decoder_config(c, ARCHITECTURE, MODEL_TYPE) | {
