@@ -27,8 +27,10 @@ multiplied by `mscale(f, mscale_all_dim)**2` when mscale_all_dim is non-zero; `m
 (1 when f <= 1).
 
 Multi-token prediction (MTP) module i (0-based) predicts one token further than module i-1 (the main model for
-i = 0): h = layer(eh_proj([enorm(embed(next tokens)) | hnorm(h_prev)])), logits = lm_head(final_norm(h)); its
-transformer layer is IR layer `num_layers + i` (as Hugging Face numbers it), its own tensors are `mtp.{i}.*`.
+i = 0): h = layer(eh_proj([enorm(embed(next tokens)) | hnorm(h_prev)])), logits = lm_head(final_norm(h)), where
+h_prev is module i-1's h (the main model's output after its final norm for i = 0), as Megatron and transformers'
+MtpModel compute it; its transformer layer is IR layer `num_layers + i` (as Hugging Face numbers it), its own
+tensors are `mtp.{i}.*`.
 """
 
 from __future__ import annotations

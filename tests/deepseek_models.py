@@ -69,3 +69,26 @@ def make_deepseek(path: Path, *, seed: int = 0, mtp: int = 0, dtype: torch.dtype
         hf |= {"num_hidden_layers": n, "num_nextn_predict_layers": mtp}
         (path / "config.json").write_text(json.dumps(hf, indent=2))
     return path
+
+
+@torch.no_grad()
+def hf_logits_with_mtp(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """transformers' logits of the model and of each MTP module (its own MtpModel, loaded from the checkpoint by its
+    own weight conversions). Module i reads the main model's output (after the final norm) for positions 0..T-2-i
+    and the tokens i+1 further on, as in speculative decoding; its logits there predict the token i+2 further on."""
+    import transformers
+    from transformers.modeling_layers import MtpModel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    n, modules = model.config.num_hidden_layers, model.config.num_mtp_layers
+    # MtpModel finds the MTP weights by these patterns (DeepSeek-V3's are for layer 61)
+    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n + i}.*" for i in range(modules)]
+    mtp = MtpModel.from_pretrained(model).eval()
+    out = model(tokens, output_hidden_states=True)
+    hidden, logits = out.hidden_states[-1], []
+    for i in range(modules):
+        length = tokens.shape[1] - 1 - i
+        positions = torch.arange(length)[None].expand(tokens.shape[0], -1)
+        hidden = mtp.forward_layer(i, hidden[:, :length], positions, None, input_ids=tokens[:, i + 1:i + 1 + length])
+        logits.append(mtp._project_to_logits(hidden))
+    return out.logits, logits
