@@ -56,6 +56,13 @@ def test_megatron_core_runs_a_resharded_deepseek_checkpoint(tmp_path):
     out, ours, ours_mtp = megatron_logits(tmp_path / "core", tokens, tmp_path)
     assert "torch, layers ['dense', 'moe', 'moe'], 2 MTP, strict load: <All keys matched successfully>" in out
     assert_same_logits(src, out, ours, ours_mtp, tokens)
+    from mtrain.inference import load_model  # and mtrain's model of the same checkpoint computes what Megatron does
+
+    model, _ = load_model(tmp_path / "core")
+    with torch.no_grad():
+        logits, mtp = model.mtp_logits(tokens)
+    assert (logits - ours).abs().max().item() < 1e-5
+    assert all((m - ours_mtp[i][:, :m.shape[1]]).abs().max().item() < 1e-5 for i, m in enumerate(mtp))
 
 
 def test_megatron_core_reads_our_torch_dist_deepseek_checkpoint(tmp_path):
