@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mconvert.formats import hf_dir
 
+from mconvert import fp8
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import expand, take_copies, to_ir, verify_copies
@@ -34,10 +35,11 @@ def load(path: Path, options: Options) -> ModelIR:
     where = str(root / "config.json")
     hf = hf_dir.read_json(root / "config.json")
     config = hf_deepseek.config_from_hf(hf, where)
-    source = hf_dir.open_weights(root)
+    source, notes = _dequantized(hf, hf_dir.open_weights(root), where)
     if EMBED_KEY in source:
         config = config.replace(dtype=dtype_name(source[EMBED_KEY].dtype))
-    config, notes = _mtp_layers(config, source, where)
+    config, mtp_notes = _mtp_layers(config, source, where)
+    notes += mtp_notes
     fused = any(k.endswith(hf_deepseek.FUSED_MARKER) for k in source)
     table = hf_deepseek.TABLES[(hf_deepseek.rope_interleaved(hf), fused)]
     ctx = Ctx(config, config.vocab_size)
@@ -53,6 +55,20 @@ def load(path: Path, options: Options) -> ModelIR:
               "rotary rows": "interleaved (rope_interleave)" if hf_deepseek.rope_interleaved(hf) else "half split"}
     assets = hf_dir.tokenizer_files(options.tokenizer or root)
     return ModelIR(config, tensors, SourceInfo("deepseek_hf (Hugging Face)", root, layout, notes=notes), assets)
+
+
+def _dequantized(hf: dict, source: dict[str, LazyTensor], where: str) -> tuple[dict[str, LazyTensor], list[str]]:
+    """FP8 block-quantized weights (DeepSeek's release) become lazy bfloat16 tensors, dequantized when read."""
+    quant = hf.get("quantization_config") or {}
+    if not quant and not any(k.endswith(".weight" + fp8.SCALE_SUFFIX) for k in source):
+        return source, []
+    if quant.get("quant_method", "fp8") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
+        raise ConvertError(f"{where}: quantization_config {quant} is not FP8 e4m3 with block scales, the only "
+                           "quantization mconvert reads")
+    block = tuple(int(b) for b in quant.get("weight_block_size", fp8.BLOCK))
+    source, count = fp8.dequantized(source, block)
+    return source, [f"{count} FP8 weights ({block[0]}x{block[1]} block scales) dequantized to bfloat16 as they are "
+                    "read"]
 
 
 def _mtp_layers(config: ModelConfig, source: dict[str, LazyTensor], where: str) -> tuple[ModelConfig, list[str]]:

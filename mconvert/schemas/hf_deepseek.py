@@ -20,6 +20,7 @@ default), half-split otherwise (see mconvert/schemas/mla.py). transformers 5 fus
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from mconvert.errors import ConvertError
@@ -204,6 +205,16 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": c.tie_embeddings, "topk_group": c.moe_router_group_topk or 1, "topk_method": "noaux_tc",
         "use_cache": True, "v_head_dim": c.v_head_dim, "vocab_size": c.vocab_size, **rope_to_hf(c),
     }
+
+
+# The weights DeepSeek-V3 ships FP8 (mconvert.fp8): the linear layers of the decoder layers, MTP layers included;
+# the router, norms, embeddings, head and MTP projection stay in bfloat16.
+FP8_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj"
+                        r"|o_proj)|mlp\.((experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj|down_proj)))\.weight")
+
+
+def is_fp8_weight(key: str) -> bool:
+    return FP8_WEIGHT.fullmatch(key) is not None
 
 
 # What the saver writes: DeepSeek's own layout, rotary rows interleaved, the copies in every MTP layer.
