@@ -79,7 +79,8 @@ def load(path: Path, options: Options) -> ModelIR:
                            ep=files.ep, entry_names=names, tied_copy=core.TIED_OUTPUT, embed_copy=core.MTP_EMBEDDING)
     source, rows, copies = read_parts(files, parts, tensors_of)
     tensors = to_ir(source, rows, ctx, where=str(it_dir), drop=DROP, cache=LoadCache(4))
-    verify_copies(tensors, "embed.weight", copies, core.TIED_OUTPUT, ctx)
+    verify_copies(tensors, "embed.weight", copies, core.TIED_OUTPUT, ctx,
+                  kept_for="the MTP modules" if config.mtp_layers else "the tied output layer")
     layout = {"tp": files.tp, "pp": files.pp, "vpp": len(names) if names != ["model"] else 1, "ep": files.ep,
               "stage_layers": [sum(len(c.layers) for c in chunks if c.pp == p) for p in range(files.pp)],
               "transformer_impl": impl, "padded_vocab": padded}

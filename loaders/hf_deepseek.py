@@ -50,7 +50,8 @@ def load(path: Path, options: Options) -> ModelIR:
     drop = hf_deepseek.DROP + ((r"lm_head\.weight",) if config.tie_embeddings else ())
     tensors = to_ir(pieces, expand(table, config), ctx, where=str(root), drop=drop)
     for name, found in copies.items():
-        verify_copies(tensors, name if name in tensors else "embed.weight", found, hf_deepseek.MTP_COPIES[0], ctx)
+        verify_copies(tensors, name if name in tensors else "embed.weight", found, hf_deepseek.MTP_COPIES[0], ctx,
+                      kept_for="the MTP layers")
     layout = {"experts": "fused (transformers 5 in-memory names)" if fused else "one tensor per expert",
               "rotary rows": "interleaved (rope_interleave)" if hf_deepseek.rope_interleaved(hf) else "half split"}
     assets = hf_dir.tokenizer_files(options.tokenizer or root)

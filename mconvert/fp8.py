@@ -33,15 +33,26 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple
     return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
 
 
+STRIPE_ROWS = 1024  # rows dequantized at a time: a float32 stripe of at most 1024 x in
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """W = q * s per block, in float32, stored as `dtype`; one stripe of block[0] rows at a time."""
+    """W = q * s per block, in float32, stored as `dtype`; a stripe of rows at a time (three passes over it:
+    to float32, scale in place, to `dtype`)."""
     rows, cols = q.shape
+    br, bc = block
     out = torch.empty(rows, cols, dtype=dtype)
-    for i in range(scale.shape[0]):
-        stripe = slice(i * block[0], min((i + 1) * block[0], rows))
-        s = scale[i].float().repeat_interleave(block[1])[:cols]  # (cols,)
-        out[stripe] = (q[stripe].float() * s).to(dtype)
+    step = br * max(1, STRIPE_ROWS // br)
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        x = q[start:stop].float()
+        s = scale[start // br:math.ceil(stop / br)].float().repeat_interleave(br, dim=0)[:stop - start]  # (r, nb)
+        if cols % bc == 0:
+            x.view(stop - start, cols // bc, bc).mul_(s[:, :, None])
+        else:
+            x.mul_(s.repeat_interleave(bc, dim=1)[:, :cols])
+        out[start:stop].copy_(x)
     return out
 
 
@@ -49,13 +60,16 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Ten
     """(q, s) with s = amax of each block / 448 (1 for an all-zero block), q = W / s in e4m3."""
     rows, cols = w.shape
     br, bc = block
-    pad = torch.zeros(math.ceil(rows / br) * br, math.ceil(cols / bc) * bc, dtype=torch.float32)
-    pad[:rows, :cols] = w.float()
+    if rows % br or cols % bc:  # ragged edge blocks: pad with zeros (they do not change a block's amax)
+        pad = torch.zeros(math.ceil(rows / br) * br, math.ceil(cols / bc) * bc, dtype=torch.float32)
+        pad[:rows, :cols] = w
+    else:
+        pad = w.to(torch.float32, copy=True)
     blocks = pad.view(pad.shape[0] // br, br, pad.shape[1] // bc, bc)
-    amax = blocks.abs().amax(dim=(1, 3))  # (rows/br, cols/bc)
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), -blocks.amin(dim=(1, 3)))  # (rows/br, cols/bc)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(pad)[:rows, :cols].to(FP8)
-    return q.contiguous(), scale
+    blocks.div_(scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    return pad[:rows, :cols].to(FP8).contiguous(), scale
 
 
 def dequantized(source: dict[str, LazyTensor], block: tuple[int, int] = BLOCK,

@@ -175,7 +175,7 @@ def take_copies(source: dict[str, Sequence[LazyTensor]], pattern: str) -> list[l
 
 
 def verify_copies(tensors: dict[str, LazyTensor], name: str, copies: list[list[LazyTensor]], rule: Rule,
-                  ctx: Ctx) -> None:
+                  ctx: Ctx, kept_for: str = "the tied output layer") -> None:
     """Make reading IR tensor `name` also check that each stored copy of it (e.g. the last pipeline stage's
     output layer when embeddings are tied) holds the same values, instead of silently ignoring the copies."""
     if not copies:
@@ -187,7 +187,7 @@ def verify_copies(tensors: dict[str, LazyTensor], name: str, copies: list[list[L
         for pieces in copies:
             copy = rule.backward([p.load() for p in pieces], ctx)[0]
             if copy.shape != value.shape or not torch.equal(copy, value):
-                raise ConvertError(f"{pieces[0].origin}: this copy of {name} (kept for the tied output layer) "
+                raise ConvertError(f"{pieces[0].origin}: this copy of {name} (kept for {kept_for}) "
                                    f"differs from {base.origin}; the checkpoint is inconsistent")
         return value
 
