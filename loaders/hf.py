@@ -21,6 +21,7 @@ LOADERS = {
     "gpt2": "gpt2_hf",
     "mixtral": "mixtral_hf",
     "deepseek_v3": "deepseek_hf",
+    "deepseek_v2": "deepseek_hf",
 }
 
 

@@ -25,12 +25,12 @@ EMBED_KEY = "model.embed_tokens.weight"
 
 
 def _is_deepseek(path: Path) -> bool:
-    return hf_dir.is_hf_dir(path, (hf_deepseek.MODEL_TYPE,))
+    return hf_dir.is_hf_dir(path, tuple(hf_deepseek.ARCHITECTURES))
 
 
 @register_loader("deepseek_hf", aliases=("deepseek", "deepseek_v3"), detect=_is_deepseek, options=("tokenizer",))
 def load(path: Path, options: Options) -> ModelIR:
-    """Hugging Face DeepSeek-V3 (DeepseekV3ForCausalLM): safetensors or .bin, sharded or not, with MTP layers."""
+    """Hugging Face DeepSeek-V3 (with MTP layers, FP8 or not) and DeepSeek-V2 with greedy routing."""
     root = hf_dir.resolve(path)
     where = str(root / "config.json")
     hf = hf_dir.read_json(root / "config.json")

@@ -22,7 +22,7 @@ import torch
 
 from mconvert.errors import ConvertError, mismatch
 
-Family = Literal["llama", "mistral", "mixtral", "gpt2", "deepseek_v3"]
+Family = Literal["llama", "mistral", "mixtral", "gpt2", "deepseek_v3", "deepseek_v2"]
 Norm = Literal["rmsnorm", "layernorm"]
 Activation = Literal["swiglu", "gelu_tanh", "gelu"]
 PositionEmbedding = Literal["rope", "learned"]

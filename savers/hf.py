@@ -20,6 +20,7 @@ SAVERS = {
     "gpt2": "gpt2_hf",
     "mixtral": "mixtral_hf",
     "deepseek_v3": "deepseek_hf",
+    "deepseek_v2": "deepseek_hf",
 }
 
 

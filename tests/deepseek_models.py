@@ -92,3 +92,22 @@ def hf_logits_with_mtp(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, 
         hidden = mtp.forward_layer(i, hidden[:, :length], positions, None, input_ids=tokens[:, i + 1:i + 1 + length])
         logits.append(mtp._project_to_logits(hidden))
     return out.logits, logits
+
+
+def make_deepseek_v2(path: Path, *, seed: int = 0, **overrides) -> Path:
+    """A tiny DeepSeek-V2 (greedy softmax routing, unnormalized weights scaled by 2, shared experts, MLA without a
+    query LoRA, YaRN) with a tokenizer."""
+    import transformers
+
+    fields = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8,
+                  routed_scaling_factor=2.0, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
+                  qk_nope_head_dim=16, topk_method="greedy", num_experts_per_tok=3, first_k_dense_replace=1,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_parameters=YARN, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**(fields | overrides)))
+    perturb_norms(model, seed)
+    model.save_pretrained(path)
+    write_tokenizer(path, fields["vocab_size"])
+    return path

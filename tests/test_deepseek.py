@@ -19,7 +19,7 @@ from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
 from mconvert.options import Options
 from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, run_cli
-from tests.deepseek_models import LAYERS, make_deepseek
+from tests.deepseek_models import LAYERS, make_deepseek, make_deepseek_v2
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +262,33 @@ def test_sigmoid_routing_is_carried_and_refused_by_a_format_without_it(mixtral_d
     assert engine.load(tmp_path / "core", Options()).config.moe_router_score == "sigmoid"
     out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
     assert "HF Mixtral cannot hold this model: sigmoid router scores" in out
+
+
+def test_deepseek_v2_with_greedy_routing(tmp_path, tokens):
+    """DeepSeek-V2 (softmax top-k, unnormalized, scaled; no score bias, no MTP): through Megatron core and back bit
+    for bit, the same logits in transformers and in mtrain."""
+    from mtrain.inference import load_model
+
+    src = make_deepseek_v2(tmp_path / "hf", seed=41)
+    c = engine.load(src, Options()).config
+    assert (c.family, c.moe_router_score, c.moe_norm_topk, c.moe_router_scaling_factor, c.q_lora_rank) == \
+        ("deepseek_v2", "softmax", False, 2.0, None)
+    run_cli("--saver", "core", "--tp", "2", "--ep", "2", "--pp", "3", "--load-dir", src, "--save-dir",
+            tmp_path / "core")
+    args = safe_load(tmp_path / "core" / "iter_0000001" / "mp_rank_00_000_000" / "model_optim_rng.pt")["args"]
+    assert (args.moe_router_pre_softmax, args.moe_router_topk_scaling_factor, args.multi_latent_attention) == \
+        (True, 2.0, True)
+    run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "out")
+    assert_same_files(src, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["DeepseekV2ForCausalLM"]
+    reference = hf_logits(src, tokens)
+    assert torch.equal(hf_logits(tmp_path / "out", tokens), reference)
+    model, _ = load_model(tmp_path / "core")
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference, atol=1e-5, rtol=0)
+
+
+def test_deepseek_v2_group_limited_greedy_is_refused(tmp_path):
+    src = make_deepseek_v2(tmp_path / "hf", topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    out = run_cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "core", expect_error=True)
+    assert "a DeepSeek-V2 model mconvert cannot carry: topk_method 'group_limited_greedy'" in out

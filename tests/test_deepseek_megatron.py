@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cli
-from tests.deepseek_models import hf_logits_with_mtp, make_deepseek
+from tests.conftest import hf_logits, run_cli
+from tests.deepseek_models import hf_logits_with_mtp, make_deepseek, make_deepseek_v2
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed (pip install megatron-core)")
@@ -33,8 +33,9 @@ def megatron_logits(core: Path, tokens: torch.Tensor, tmp: Path) -> tuple[str, t
     result = subprocess.run([sys.executable, str(helper), str(core), str(tmp / "tokens.pt"), str(tmp / "logits.pt")],
                             capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    mtp = tmp / "logits_mtp.pt"
     return (result.stdout, torch.load(tmp / "logits.pt", weights_only=True),
-            torch.load(tmp / "logits_mtp.pt", weights_only=True))
+            torch.load(mtp, weights_only=True) if mtp.exists() else None)
 
 
 def assert_same_logits(hf_dir: Path, out: str, ours: torch.Tensor, ours_mtp: torch.Tensor, tokens: torch.Tensor):
@@ -74,3 +75,14 @@ def test_megatron_core_reads_our_torch_dist_deepseek_checkpoint(tmp_path):
     out, ours, ours_mtp = megatron_logits(tmp_path / "core", tokens, tmp_path)
     assert "torch_dist, layers ['dense', 'moe', 'moe'], 1 MTP, strict load: <All keys matched successfully>" in out
     assert_same_logits(src, out, ours, ours_mtp, tokens)
+
+
+def test_megatron_core_runs_a_deepseek_v2_checkpoint(tmp_path):
+    """DeepSeek-V2: MLA without a query LoRA, softmax top-k (pre-softmax, unnormalized) scaled by 2, shared
+    experts."""
+    src = make_deepseek_v2(tmp_path / "hf", seed=13)
+    run_cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "core")
+    tokens = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(6))
+    out, ours, _ = megatron_logits(tmp_path / "core", tokens, tmp_path)
+    assert "torch, layers ['dense', 'moe', 'moe'], strict load: <All keys matched successfully>" in out
+    assert (ours - hf_logits(src, tokens)).abs().max().item() < 1e-5

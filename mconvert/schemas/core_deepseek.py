@@ -87,7 +87,9 @@ def config_fields(get: Get, *, heads: int, top_k: int | None, where: str) -> dic
             raise ConvertError(f"{where}: multi-latent attention without qk_layernorm (the norms of the query and "
                                "key/value latents) cannot be carried: the IR's MLA has them, as DeepSeek does")
         nope, rope = int(get("qk_head_dim", 128)), int(get("qk_pos_emb_head_dim", 64))
-        out |= dict(family="deepseek_v3", head_dim=nope + rope, num_query_groups=heads,
+        # DeepSeek-V3 routes with sigmoid scores, V2 with softmax
+        family = "deepseek_v3" if get("moe_router_score_function", "softmax") == "sigmoid" else "deepseek_v2"
+        out |= dict(family=family, head_dim=nope + rope, num_query_groups=heads,
                     q_lora_rank=int(get("q_lora_rank")) if get("q_lora_rank") else None,
                     kv_lora_rank=int(get("kv_lora_rank", 32)), qk_rope_head_dim=rope,
                     v_head_dim=int(get("v_head_dim", 128)), rope_scaling=_yarn_from_args(get, where))

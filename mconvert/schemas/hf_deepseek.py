@@ -1,4 +1,4 @@
-"""Hugging Face DeepSeek-V3: the key tables and the config.json mapping (both directions).
+"""Hugging Face DeepSeek-V3 (and DeepSeek-V2 with greedy routing): the key tables and the config.json mapping.
 
 On disk, what `save_pretrained` writes and DeepSeek ships (layer i, routed expert e, MTP module m at layer
 N + m, N = num_hidden_layers):
@@ -32,6 +32,11 @@ from mconvert.schemas.mla import KV_ROPE, Q_ROPE
 
 MODEL_TYPE = "deepseek_v3"
 ARCHITECTURE = "DeepseekV3ForCausalLM"
+# DeepSeek-V2 has the same weights (no score bias, no MTP) and softmax routing; transformers' V2 router never
+# renormalizes the top-k weights and scores a group by its best expert (group_limited_greedy, which the IR's
+# top-2 group scores cannot express: refused).
+V2 = "deepseek_v2"
+ARCHITECTURES = {MODEL_TYPE: ARCHITECTURE, V2: "DeepseekV2ForCausalLM"}
 
 
 def _layer(q: Join, kv: Join) -> tuple[Rule, ...]:
@@ -112,16 +117,30 @@ DEFAULTS = {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 1843
             "num_nextn_predict_layers": 1}
 
 
+# transformers' DeepseekV2Config defaults where they differ
+V2_DEFAULTS = DEFAULTS | {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008,
+                          "moe_intermediate_size": 1407, "num_hidden_layers": 32, "num_attention_heads": 32,
+                          "n_shared_experts": 2, "n_routed_experts": 64, "routed_scaling_factor": 1.0,
+                          "first_k_dense_replace": 0, "norm_topk_prob": False, "max_position_embeddings": 2048,
+                          "bos_token_id": 1, "eos_token_id": 2, "topk_method": "greedy", "n_group": None,
+                          "topk_group": None, "num_nextn_predict_layers": 0}
+
+
 def rope_interleaved(hf: dict[str, Any]) -> bool:
-    return bool((DEFAULTS | hf)["rope_interleave"])
+    """DeepSeek-V2's rotary rows are always interleaved (transformers rotates them as complex pairs)."""
+    return hf.get("model_type") == V2 or bool((DEFAULTS | hf)["rope_interleave"])
 
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
-    """The IR config of a DeepSeek-V3 config.json (MTP modules as announced; the loader checks the tensors)."""
-    if hf.get("model_type") != MODEL_TYPE:
-        raise ConvertError(f"{where}: model_type {hf.get('model_type')!r} is not a DeepSeek-V3 model (expected "
-                           f"{MODEL_TYPE!r})")
-    hf = DEFAULTS | {k: v for k, v in hf.items() if v is not None or k in ("q_lora_rank", "n_group")}
+    """The IR config of a DeepSeek-V3 or V2 config.json (MTP modules as announced; the loader checks the tensors)."""
+    if hf.get("model_type") not in ARCHITECTURES:
+        raise ConvertError(f"{where}: model_type {hf.get('model_type')!r} is not a DeepSeek-V3 or V2 model (expected "
+                           f"{' or '.join(map(repr, ARCHITECTURES))})")
+    v2 = hf["model_type"] == V2
+    hf = (V2_DEFAULTS if v2 else DEFAULTS) | {k: v for k, v in hf.items()
+                                             if v is not None or k in ("q_lora_rank", "n_group")}
+    if v2:
+        return _v2_config(hf, where)
     unsupported = [what for what, bad in (
         (f"hidden_act {hf['hidden_act']!r} (expected 'silu')", hf["hidden_act"] != "silu"),
         ("attention_bias", bool(hf["attention_bias"])),
@@ -138,6 +157,24 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     if unsupported:
         raise ConvertError(f"{where}: a DeepSeek-V3 model mconvert cannot carry: {', '.join(unsupported)}")
     return parse(where, lambda: _config(hf))
+
+
+def _v2_config(hf: dict[str, Any], where: str) -> ModelConfig:
+    unsupported = [what for what, bad in (
+        (f"hidden_act {hf['hidden_act']!r} (expected 'silu')", hf["hidden_act"] != "silu"),
+        ("attention_bias", bool(hf["attention_bias"])),
+        (f"topk_method {hf['topk_method']!r} (transformers' group_limited_greedy scores a group by its best "
+         "expert; only greedy can be carried)", hf["topk_method"] != "greedy"),
+        ("norm_topk_prob true (transformers' V2 router never renormalizes)", bool(hf["norm_topk_prob"])),
+        ("num_key_value_heads different from num_attention_heads", hf.get("num_key_value_heads") not in
+         (None, hf["num_attention_heads"])),
+        ("no routed experts (n_routed_experts)", not hf["n_routed_experts"]),
+    ) if bad]
+    if unsupported:
+        raise ConvertError(f"{where}: a DeepSeek-V2 model mconvert cannot carry: {', '.join(unsupported)}")
+    fields = dict(family=V2, moe_router_score="softmax", moe_router_expert_bias=False, moe_router_groups=None,
+                  moe_router_group_topk=None, moe_norm_topk=False, mtp_layers=0)
+    return parse(where, lambda: _config(hf).replace(**fields))
 
 
 def _config(hf: dict[str, Any]) -> ModelConfig:
@@ -168,16 +205,27 @@ def _config(hf: dict[str, Any]) -> ModelConfig:
 
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
-    """A DeepSeek-V3 config.json for the IR config; refuses what DeepseekV3ForCausalLM cannot express."""
+    """A DeepSeek-V3 (or V2) config.json for the IR config; refuses what DeepseekV3ForCausalLM (or V2) cannot
+    express."""
     first_dense = len(c.dense_layers)
     shared = c.moe_shared_expert_ffn_hidden_size
-    unsupported = [what for what, bad in (
-        ("standard attention (DeepSeek-V3 uses multi-latent attention)", not c.is_mla),
-        ("no experts", not c.is_moe),
-        (f"dense layers {list(c.dense_layers)} (DeepSeek-V3's dense layers are the first ones)",
-         c.is_moe and c.dense_layers != tuple(range(first_dense))),
+    v2 = c.family == V2
+    routing = (
+        ("sigmoid router scores (DeepSeek-V2's are softmax)", c.moe_router_score != "softmax"),
+        ("a router expert bias", c.moe_router_expert_bias),
+        ("group-limited routing", c.moe_router_groups is not None),
+        ("top-k weights renormalized (transformers' V2 router never does)", c.moe_norm_topk),
+        ("multi-token-prediction modules (--skip-mtp leaves them out)", bool(c.mtp_layers)),
+    ) if v2 else (
         ("softmax router scores (DeepSeek-V3's are sigmoid)", c.moe_router_score != "sigmoid"),
         ("no router expert bias (e_score_correction_bias)", not c.moe_router_expert_bias),
+    )
+    unsupported = [what for what, bad in (
+        ("standard attention (DeepSeek uses multi-latent attention)", not c.is_mla),
+        ("no experts", not c.is_moe),
+        (f"dense layers {list(c.dense_layers)} (DeepSeek's dense layers are the first ones)",
+         c.is_moe and c.dense_layers != tuple(range(first_dense))),
+        *routing,
         ("no shared experts", not shared),
         (f"a shared-expert FFN of {shared}, not a multiple of the expert FFN {c.expert_ffn_hidden_size}",
          bool(shared) and shared % c.expert_ffn_hidden_size != 0),
@@ -187,9 +235,10 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         (f"a sliding window of {c.sliding_window}", c.sliding_window is not None),
     ) if bad]
     if unsupported:
-        raise ConvertError(f"HF DeepSeek-V3 cannot hold this model: {', '.join(unsupported)}")
-    return {
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "attention_bias": False, "attention_dropout": 0.0,
+        raise ConvertError(f"HF DeepSeek-{'V2' if v2 else 'V3'} cannot hold this model: {', '.join(unsupported)}")
+    hf = {
+        "architectures": [ARCHITECTURES[c.family if v2 else MODEL_TYPE]], "model_type": V2 if v2 else MODEL_TYPE,
+        "attention_bias": False, "attention_dropout": 0.0,
         "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id,
         "dtype": c.dtype, "torch_dtype": c.dtype, "first_k_dense_replace": first_dense,
         "head_dim": c.qk_rope_head_dim, "hidden_act": "silu", "hidden_size": c.hidden_size,
@@ -205,6 +254,11 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": c.tie_embeddings, "topk_group": c.moe_router_group_topk or 1, "topk_method": "noaux_tc",
         "use_cache": True, "v_head_dim": c.v_head_dim, "vocab_size": c.vocab_size, **rope_to_hf(c),
     }
+    if v2:  # V2 names its routing differently and has no MTP, score bias or rope_interleave field
+        for key in ("num_nextn_predict_layers", "scoring_func", "rope_interleave"):
+            del hf[key]
+        hf |= {"topk_method": "greedy", "n_group": None, "topk_group": None, "norm_topk_prob": False}
+    return hf
 
 
 # The weights DeepSeek-V3 ships FP8 (mconvert.fp8): the linear layers of the decoder layers, MTP layers included;
