@@ -71,6 +71,7 @@ LAYOUTS = {
     "pp2_uneven_te_ep2": ["--pp", "2", "--last-stage-layers", "1", "--transformer-impl", "te", "--ep", "2"],
     "torch_dist_local": ["--ckpt-format", "torch_dist"],
     "torch_dist_te": ["--ckpt-format", "torch_dist", "--transformer-impl", "te", "--tp", "2"],
+    "zarr_te": ["--ckpt-format", "zarr", "--transformer-impl", "te"],
 }
 
 
