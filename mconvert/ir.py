@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from mconvert.deepseek import check_config
 from mconvert.errors import ConvertError, mismatch
 
 Family = Literal["llama", "mistral", "mixtral", "gpt2", "deepseek_v3", "deepseek_v2"]
@@ -122,8 +123,6 @@ class ModelConfig:
             raise ConvertError(f"MoE config needs 0 < moe_top_k <= num_experts, got {self.moe_top_k}, "
                                f"{self.num_experts}")
         self._check_moe_layers()
-        from mconvert.deepseek import check_config
-
         check_config(self)
 
     def _check_moe_layers(self) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from mconvert.deepseek import yarn_mscale
 from mtrain.errors import TrainError
 
 SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn")
@@ -68,8 +69,6 @@ def _yarn(dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:
     """The factor cos and sin are multiplied by: YaRN's magnitude correction, 1 otherwise."""
-    from mconvert.deepseek import yarn_mscale
-
     if not scaling or scaling.get("rope_type") != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
