@@ -6,9 +6,9 @@ A quantized linear weight W [out, in] is stored as two tensors:
     X.weight_scale_inv  [ceil(out/128), ceil(in/128)]      float32         s, one per 128 x 128 block
 
 and W = q * s block by block (despite its name, `scale_inv` is the dequantization multiplier). Reading turns each
-pair into one lazy bfloat16 tensor, dequantized when a saver asks for it, 128 rows at a time: no separate pass,
-and memory beyond the output tensor is one stripe of 128 rows in float32. Writing takes s = amax(|block|) / 448
-(the largest e4m3 value) and q = W / s rounded to e4m3.
+pair into one lazy bfloat16 tensor, dequantized when a saver asks for it, 1024 rows at a time: no separate pass,
+and memory beyond the output tensor is one stripe of 1024 rows in float32 (STRIPE_ROWS). Writing takes
+s = amax(|block|) / 448 (the largest e4m3 value) and q = W / s rounded to e4m3.
 """
 
 from __future__ import annotations
