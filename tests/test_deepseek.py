@@ -293,3 +293,9 @@ def test_deepseek_v2_group_limited_greedy_is_refused(tmp_path):
     src = make_deepseek_v2(tmp_path / "hf", topk_method="group_limited_greedy", n_group=4, topk_group=2)
     out = run_cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "core", expect_error=True)
     assert "a DeepSeek-V2 model mconvert cannot carry: topk_method 'group_limited_greedy'" in out
+
+
+def test_an_epsilon_the_latent_norms_do_not_share_is_refused(tmp_path):
+    src = make_deepseek(tmp_path / "hf", rms_norm_eps=1e-5)
+    out = run_cli("inspect", src, expect_error=True)
+    assert "rms_norm_eps 1e-05 (transformers' latent norms use 1e-6: one epsilon for all norms is carried)" in out

@@ -126,6 +126,14 @@ V2_DEFAULTS = DEFAULTS | {"vocab_size": 102400, "hidden_size": 4096, "intermedia
                           "topk_group": None, "num_nextn_predict_layers": 0}
 
 
+def _latent_eps(hf: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
+    """transformers normalizes the query and key/value latents with epsilon 1e-6 whatever rms_norm_eps says; the IR
+    (as Megatron) has one epsilon for every norm, so they must agree."""
+    eps = float(hf["rms_norm_eps"])
+    return ((f"rms_norm_eps {eps} (transformers' latent norms use 1e-6: one epsilon for all norms is carried)",
+             eps != 1e-6),)
+
+
 def rope_interleaved(hf: dict[str, Any]) -> bool:
     """DeepSeek-V2's rotary rows are always interleaved (transformers rotates them as complex pairs)."""
     return hf.get("model_type") == V2 or bool((DEFAULTS | hf)["rope_interleave"])
@@ -153,6 +161,7 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         ("num_key_value_heads different from num_attention_heads (MLA has one key/value per head)",
          hf.get("num_key_value_heads") not in (None, hf["num_attention_heads"])),
         ("no routed experts (n_routed_experts)", not hf["n_routed_experts"]),
+        *_latent_eps(hf),
     ) if bad]
     if unsupported:
         raise ConvertError(f"{where}: a DeepSeek-V3 model mconvert cannot carry: {', '.join(unsupported)}")
@@ -169,6 +178,7 @@ def _v2_config(hf: dict[str, Any], where: str) -> ModelConfig:
         ("num_key_value_heads different from num_attention_heads", hf.get("num_key_value_heads") not in
          (None, hf["num_attention_heads"])),
         ("no routed experts (n_routed_experts)", not hf["n_routed_experts"]),
+        *_latent_eps(hf),
     ) if bad]
     if unsupported:
         raise ConvertError(f"{where}: a DeepSeek-V2 model mconvert cannot carry: {', '.join(unsupported)}")
