@@ -61,7 +61,7 @@ def write_parts(ir: ModelIR, ctx: Ctx, parts: list[Part], dirs: list[Path], prog
 
 
 def _rows(part: Part) -> tuple[Row, ...]:
-    return part.rows + ((part.tied_copy,) if part.tied_copy else ())
+    return part.rows + part.copies
 
 
 def write_checkpoint(ir: ModelIR, out: Path, options: Options, progress: Progress, *, ctx: Ctx, parts: list[Part],
