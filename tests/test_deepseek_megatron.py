@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import hf_logits, run_cli
+from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, run_cli
 from tests.deepseek_models import hf_logits_with_mtp, make_deepseek, make_deepseek_v2
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -77,6 +77,19 @@ def test_megatron_core_reads_our_torch_dist_deepseek_checkpoint(tmp_path):
     assert "torch_dist, layers ['dense', 'moe', 'moe'], 1 MTP, strict load: <All keys matched successfully>" in out
     assert "torch_dist keys: the" in out  # exactly the keys its model asks for, per-layer ones and the MTP module's
     assert_same_logits(src, out, ours, ours_mtp, tokens)
+
+
+def test_megatron_core_reads_a_stacked_torch_dist_deepseek_checkpoint(tmp_path):
+    """Experts in every layer (no dense layer): the decoder layers are stacked on a layer axis while the MTP module's
+    layer stays keyed on its own (`mtp.layers.0.transformer_layer.`), as megatron-core stores them."""
+    src = make_deepseek(tmp_path / "hf", seed=14, mtp=1, first_k_dense_replace=0)
+    run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", src, "--save-dir", tmp_path / "core")
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(7))
+    out, ours, ours_mtp = megatron_logits(tmp_path / "core", tokens, tmp_path)
+    assert "torch_dist, layers ['moe', 'moe', 'moe'], 1 MTP, strict load: <All keys matched successfully>" in out
+    assert "torch_dist keys: the" in out
+    assert_same_logits(src, out, ours, ours_mtp, tokens)
+    assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "core"))  # and mconvert reads it back bit for bit
 
 
 def test_megatron_core_runs_a_deepseek_v2_checkpoint(tmp_path):
