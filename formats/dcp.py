@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from mconvert.formats.contained import inside
+from mconvert.formats.integrity import Manifest
 from mconvert.formats.torch_pickle import safe_load_bytes
 from mconvert.formats.torch_zip import ALIGN, TorchFileWriter, map_tensor
 
@@ -86,6 +87,11 @@ class _TensorProperties(Record):
 
 _RECORDS = {key: type(key[1], (_TensorProperties if key[1] == "TensorProperties" else Record,),
                       {"__module__": "mconvert.formats.dcp.records"}) for key in _DCP_CLASSES}
+# megatron-core's subclasses in `.metadata` files of its torch_dist checkpoints (Oct-Nov 2025: MCoreMetadata, a
+# Metadata with an `mcore_data` field; MCoreSavePlan, a SavePlan): read as the records of their base classes.
+_MCORE = "megatron.core.dist_checkpointing.strategies.torch"
+_RECORDS |= {(_MCORE, "MCoreMetadata"): _RECORDS[("torch.distributed.checkpoint.metadata", "Metadata")],
+             (_MCORE, "MCoreSavePlan"): _RECORDS[("torch.distributed.checkpoint.planner", "SavePlan")]}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -105,15 +111,18 @@ class _MetadataUnpickler(pickle.Unpickler):
                            "which is not one of torch.distributed.checkpoint's metadata classes")
 
 
-def read_metadata(root: Path) -> Record:
-    """The `.metadata` of a DCP directory, read through the allow-list (as plain records)."""
+def read_metadata(root: Path, manifest: Manifest | None = None) -> Record:
+    """The `.metadata` of a DCP directory, read through the allow-list (as plain records); verified against the
+    directory's integrity manifest, when given, before it is unpickled."""
     path = root / METADATA
     if not path.is_file():
         raise ConvertError(f"{root}: no {METADATA} file: not a torch.distributed.checkpoint directory, or an "
                            "incomplete copy (the file name starts with a dot: keep it when copying)")
+    data = path.read_bytes()
+    if manifest is not None:
+        manifest.check_bytes(METADATA, data)
     try:
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(f, path).load()
+        md = _MetadataUnpickler(io.BytesIO(data), path).load()
     except ConvertError:
         raise
     except Exception as e:  # whatever a damaged pickle makes the unpickler trip over
@@ -172,7 +181,8 @@ class DcpReader:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        md = read_metadata(self.root)
+        self.manifest = Manifest.find(self.root)  # integrity.json: each file is verified when first mapped
+        md = read_metadata(self.root, self.manifest)
         where = {}  # (fqn, chunk offsets) -> storage; a dataclass default (offset None) is not in the pickle
         for k, v in md.storage_data.items():
             offset = getattr(k, "offset", None)
@@ -191,6 +201,8 @@ class DcpReader:
                                         info.length))
                 self.tensors[fqn] = TensorEntry(tuple(meta.size), meta.properties.dtype, tuple(chunks))
         self._check_files()
+        if self.manifest is not None:
+            self.manifest.check_complete()
         self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
@@ -229,7 +241,10 @@ class DcpReader:
             if file not in self._maps:
                 with open(self.root / file, "rb") as f:
                     self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            return self._maps[file]
+            mapping = self._maps[file]
+        if self.manifest is not None:  # hashed in one pass through the map its bytes are then read from
+            self.manifest.check_file(file, mapping)
+        return mapping
 
     def _chunk(self, c: Chunk) -> torch.Tensor:
         return map_tensor(self.root / c.file, c.start, c.length, self._map(c.file))
@@ -270,9 +285,7 @@ class DcpReader:
         info = self.bytes_items.get(fqn)
         if info is None:
             raise ConvertError(f"{self.root}: no bytes item {fqn!r} in the checkpoint")
-        with open(self.root / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            return f.read(info.length)
+        return bytes(self._map(info.relative_path)[info.offset:info.offset + info.length])
 
     def read_object(self, fqn: str):
         """A bytes item holding a torch.save'd object, unpickled safely."""

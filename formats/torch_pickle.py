@@ -67,6 +67,13 @@ STAND_INS = (
     "megatron.model.enums.ModelType",
     "megatron.model.enums.AttnMaskType",
     "megatron.model.enums.PositionEmbeddingType",
+    # megatron-core 0.17-0.19: FP4 recipes in args, the enum's second home, the rerun state machine's record of
+    # a failed validation call (NamedTuples) and its status enum
+    "megatron.core.enums.Fp4Recipe",
+    "megatron.core.transformer.enums.ModelType",
+    "megatron.core.rerun_state_machine.RerunValidationStatus",
+    "megatron.core.rerun_state_machine.Call",
+    "megatron.core.rerun_state_machine.Caller",
 )
 
 

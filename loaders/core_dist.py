@@ -41,8 +41,17 @@ def open_store(it_dir: Path):
 
 
 def read_common(it_dir: Path, store) -> dict[str, Any]:
-    """The non-tensor state: `common.pt` (older Megatron) or the in-checkpoint `common_state` object (newer)."""
+    """The non-tensor state: `common.pt` (older Megatron) or the in-checkpoint `common_state` object (newer).
+
+    With an integrity manifest, `metadata.json` and `common.pt` are verified before use (the `.distcp` files as
+    they are read, see mconvert.formats.integrity).
+    """
+    manifest = getattr(store, "manifest", None)
+    if manifest is not None:
+        manifest.check_file(core_dist.METADATA_JSON)
     if (it_dir / core_dist.COMMON_FILE).is_file():
+        if manifest is not None:
+            manifest.check_file(core_dist.COMMON_FILE)
         common = safe_load(it_dir / core_dist.COMMON_FILE, mmap=False)
     elif core_dist.COMMON_STATE in getattr(store, "bytes_items", {}):
         common = store.read_object(core_dist.COMMON_STATE)
@@ -68,15 +77,24 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
         raise ConvertError(f"{it_dir}: no {embed_key} in the checkpoint")
     shape, dtype = _shape_dtype(store, embed_key)
     padded = shape[0]
-    assets = hf_dir.tokenizer_files(options.tokenizer or it_dir / "tokenizer")
-    vocab, notes = core.true_vocab_size(args, options.true_vocab_size, assets, padded, where=str(it_dir))
+    from mconvert.loaders.megatron_files import tokenizer  # (that module imports this one)
+
+    notes: list[str] = []
+    assets = tokenizer(options, it_dir, args, notes)  # --tokenizer, iter_*/tokenizer or args.tokenizer_model
+    vocab, vocab_notes = core.true_vocab_size(args, options.true_vocab_size, assets, padded, where=str(it_dir))
+    notes += vocab_notes
     config = config_from_args(args, vocab_size=int(vocab), padded_vocab_size=padded, dtype=dtype_name(dtype),
                               where=str(it_dir))
 
     source: dict[str, list[LazyTensor]] = {}
     rows: list[Row] = []
     impl, per_layer = core_dist.detect_impl(store.tensors), core_dist.detect_per_layer(store.tensors)
-    placed_blocks = core_dist.placements(config, impl, per_layer=per_layer)
+    singleton = core_dist.detect_singleton(store.tensors)
+    if singleton and config.mtp_layers:
+        raise ConvertError(f"{it_dir}: multi-token-prediction modules in a checkpoint saved with "
+                           "singleton_local_shards are not read: this tool reads MTP modules from megatron-core's "
+                           "default torch_dist layout only")
+    placed_blocks = core_dist.placements(config, impl, per_layer=per_layer, singleton=singleton)
     for placed in placed_blocks:
         rows.append(placed.row)
         source[placed.row.key] = [_lazy(store, placed, it_dir)]
@@ -92,6 +110,10 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
               "transformer_impl": impl if config.is_moe or config.is_mla else "any",
               "layers": "one key per layer" if per_layer else "stacked",
               "common": "common.pt" if (it_dir / core_dist.COMMON_FILE).is_file() else core_dist.COMMON_STATE}
+    if singleton:
+        layout["singleton_local_shards"] = True
+    if getattr(store, "manifest", None) is not None:
+        layout["integrity"] = f"{len(store.manifest.digests)} files (SHA-256, verified as read)"
     return ModelIR(config, tensors, SourceInfo(f"core (Megatron {backend})", it_dir, layout, iteration, notes), assets)
 
 

@@ -13,6 +13,7 @@ import torch
 from mconvert.formats import hf_dir
 from mconvert.formats.contained import inside
 from mconvert.formats.torch_pickle import safe_load
+from mconvert.loaders.core_dcp import is_dcp_checkpoint
 from mconvert.loaders.core_dist import config_from_args, is_dist_checkpoint
 
 from mconvert.config_checks import MEGATRON_INTEGERS, check_integers
@@ -40,11 +41,11 @@ def find_iteration(path: Path) -> tuple[Path, int | None]:
         if not it_dir.is_dir():
             raise ConvertError(f"{tracker} names iteration {text}, but {it_dir} does not exist")
         return it_dir, iteration
-    if _rank_dirs(path) or is_dist_checkpoint(path):
+    if _rank_dirs(path) or is_dist_checkpoint(path) or is_dcp_checkpoint(path):
         m = re.fullmatch(r"iter_(\d{7})", path.name)
         return path, int(m.group(1)) if m else None
-    raise ConvertError(f"{path}: not a Megatron checkpoint: no {core.TRACKER}, no mp_rank_* folders and no "
-                       "metadata.json")
+    raise ConvertError(f"{path}: not a Megatron checkpoint: no {core.TRACKER}, no mp_rank_* folders, no "
+                       "metadata.json and no .metadata")
 
 
 def _rank_dirs(path: Path) -> list[Path]:
@@ -59,9 +60,11 @@ def check_args(args: Any, where: str) -> None:
 
 
 def has_markers(path: Path) -> bool:
-    """Does `path` look like a Megatron checkpoint (tracker file, rank folders or dist-checkpoint metadata)?"""
+    """Does `path` look like a Megatron checkpoint (tracker file, rank folders, dist-checkpoint metadata or a
+    Megatron DCP directory)?"""
     path = Path(path)
-    return (path / core.TRACKER).is_file() or bool(_rank_dirs(path)) or is_dist_checkpoint(path)
+    return (path / core.TRACKER).is_file() or bool(_rank_dirs(path)) or is_dist_checkpoint(path) or \
+        is_dcp_checkpoint(path)
 
 
 def first_model(path: Path) -> dict | None:

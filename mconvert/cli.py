@@ -87,12 +87,16 @@ def _fail_cleanly(func):
 @click.option("--transformer-impl", "--saver-transformer-impl", "transformer_impl",
               type=click.Choice(["local", "te", "transformer_engine"]), default="local", show_default=True,
               help="Megatron key names: local modules or Transformer Engine's fused names.")
-@click.option("--expert-layout", type=click.Choice(["sequential", "grouped", "legacy_grouped"]),
+@click.option("--expert-layout", type=click.Choice(["sequential", "grouped", "legacy_grouped", "single_grouped"]),
               help="How Megatron stores MoE experts: sequential (local_experts.{j}, default), grouped (Transformer "
-              "Engine grouped GEMM, linear_fc1.weight{j}; needs --transformer-impl te) or legacy_grouped "
-              "(GroupedMLP weight1/weight2 of older Megatron-LM).")
+              "Engine grouped GEMM, linear_fc1.weight{j}; needs --transformer-impl te), legacy_grouped "
+              "(GroupedMLP weight1/weight2 of older Megatron-LM) or single_grouped (TE grouped GEMM with one "
+              "[experts, out, in] linear_fc1.weight; needs --transformer-impl te).")
 @click.option("--moe-grouped-gemm", is_flag=True, help="Same as --expert-layout grouped (Megatron's flag).")
-@click.option("--ckpt-format", type=click.Choice(["torch", "torch_dist", "zarr"]), default="torch",
+@click.option("--moe-single-grouped-weight", is_flag=True,
+              help="Same as --expert-layout single_grouped (Megatron's flag; with or without --moe-grouped-gemm).")
+@click.option("--ckpt-format", type=click.Choice(["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]),
+              default="torch",
               show_default=True, help="Megatron checkpoint format written by the core saver.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Cast all weights (default: keep the source's).")
 @click.option("--bf16", "bf16", is_flag=True, help="Same as --dtype bf16.")
@@ -181,8 +185,9 @@ def _verify_output(load_dir: Path, loader: str, save_dir: Path, options: Options
 
 def _check_applicable(ctx: click.Context, loader: registry.Plugin, saver: registry.Plugin) -> None:
     given = [n for n in PLUGIN_OPTIONS if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
-    if ctx.get_parameter_source("moe_grouped_gemm") == ParameterSource.COMMANDLINE and "expert_layout" not in given:
-        given.append("expert_layout")  # --moe-grouped-gemm sets the expert layout
+    flags = ("moe_grouped_gemm", "moe_single_grouped_weight")
+    if any(ctx.get_parameter_source(f) == ParameterSource.COMMANDLINE for f in flags) and "expert_layout" not in given:
+        given.append("expert_layout")  # --moe-grouped-gemm and --moe-single-grouped-weight set the expert layout
     understood = loader.options | saver.options
     ignored = [n for n in given if n not in understood]
     if ignored:
@@ -210,11 +215,14 @@ def _options(o: dict) -> Options:
 
 
 def _expert_layout(o: dict) -> str:
-    """--moe-grouped-gemm is --expert-layout grouped; naming another layout beside it is a contradiction."""
-    if o["moe_grouped_gemm"] and o["expert_layout"] not in (None, "grouped"):
-        raise ConvertError(f"--moe-grouped-gemm and --expert-layout {o['expert_layout']} contradict each other; "
-                           "give one expert layout")
-    return "grouped" if o["moe_grouped_gemm"] else o["expert_layout"] or "sequential"
+    """--moe-grouped-gemm is --expert-layout grouped, and with --moe-single-grouped-weight (as Megatron pairs them)
+    single_grouped; naming another layout beside them is a contradiction."""
+    flag = "single_grouped" if o["moe_single_grouped_weight"] else "grouped" if o["moe_grouped_gemm"] else None
+    if flag and o["expert_layout"] not in (None, flag):
+        given = "--moe-single-grouped-weight" if flag == "single_grouped" else "--moe-grouped-gemm"
+        raise ConvertError(f"{given} and --expert-layout {o['expert_layout']} contradict each other; give one "
+                           "expert layout")
+    return flag or o["expert_layout"] or "sequential"
 
 
 def _dtype(o: dict) -> str | None:

@@ -7,6 +7,7 @@ directory, so the destination either holds a complete checkpoint or is left as i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -123,6 +124,7 @@ def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progres
     """Write `ir` with `saver` into `dst`, all or nothing (the caller has checked the destination). `check` runs
     on the complete output before it is moved into place (e.g. `--verify`); if it raises, nothing is left."""
     plugin = get_saver(saver)
+    options = options if options.final_dir else dataclasses.replace(options, final_dir=Path(dst).resolve())
     try:
         with staged_output(dst) as work:
             plugin.func(ir, work, options, progress)

@@ -13,10 +13,11 @@ from mconvert.layout import ParallelLayout
 LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers")
 
 TransformerImpl = Literal["local", "te"]
-CkptFormat = Literal["torch", "torch_dist", "zarr"]
+CkptFormat = Literal["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]
 # Megatron MoE expert weights: SequentialMLP (one module per expert), TE grouped GEMM (`weight{j}` per expert),
-# or the legacy GroupedMLP (`weight1`/`weight2` holding all local experts).
-ExpertLayout = Literal["sequential", "grouped", "legacy_grouped"]
+# the legacy GroupedMLP (`weight1`/`weight2` holding all local experts), or TE's grouped GEMM with
+# moe_single_grouped_weight (one `weight` [n, out, in] per grouped linear).
+ExpertLayout = Literal["sequential", "grouped", "legacy_grouped", "single_grouped"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,3 +34,6 @@ class Options:
     iteration: int | None = None  # Megatron iteration to write; default: the source's, else 1
     skip_mtp: bool = False  # leave out multi-token-prediction modules (noted, never silent)
     fp8_weights: bool = False  # HF DeepSeek saver: linear weights FP8 with 128x128 block scales
+    # Where the output lives once complete (savers write into a staging directory beside it, see engine.save):
+    # Megatron savers record the carried tokenizer's final path in args.tokenizer_model.
+    final_dir: Path | None = None

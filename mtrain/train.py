@@ -31,7 +31,7 @@ from mconvert import engine
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.options import Options
-from mtrain import checkpoint, distributed, weights
+from mtrain import checkpoint, distributed, flops, precision, weights
 from mtrain.config import Config, dump
 from mtrain.data.loader import RankBatches, build_splits
 from mtrain.errors import TrainError
@@ -86,9 +86,10 @@ class Trainer:
         splits = build_splits(config.data, {"train": t.steps * t.global_batch_size,
                                             "valid": e.steps * t.global_batch_size if e.interval else 0})
         mesh = dims.build_mesh(self.env.device.type)
+        self.precision = precision.resolve(t.precision, self.env.device, self.env.world, self.out)
         self.parallel = build_parallel_model(
             model_config, dims, mesh, device=self.env.device, dp_mode=config.parallel.dp_mode,
-            precision=t.precision, recompute=t.recompute, compile_layers=t.compile,
+            precision=self.precision, recompute=t.recompute, compile_mode=t.compile,
             moe_capacity_factor=t.moe_capacity_factor)
         self.parts = self.parallel.parts
         self.model = self.parts[0]  # the whole model without pipeline parallel
@@ -118,15 +119,19 @@ class Trainer:
         self.valid = splits["valid"]
         for part in self.parts:
             moe.set_aux_loss_scale(part, 1.0 / self.batches.micro_batches)
-        self.autocast = t.precision == "bf16" and not uses_fsdp_mixed_precision(self.model)
+        self.autocast = self.precision == "bf16" and not uses_fsdp_mixed_precision(self.model)
         self.pp_group = group(mesh, "pp")
         self.schedule = None
         if dims.pp > 1:
             n = self.batches.micro_batches
             self.schedule = build_schedule(self.parts, self.parallel.stage_ids, dims, self.pp_group, self.env.device,
                                            n, lambda out, target: self._cross_entropy(out, target) / n)
+        self.throughput, line = flops.throughput_for(model_config, config.data.seq_len, self.env.world,
+                                                     self.env.device, self.precision, config.logging.peak_tflops)
+        self.out(line)
         self.metrics = Metrics(enabled=self.env.is_main, total_steps=t.steps, interval=config.logging.interval,
-                               tensorboard_dir=config.logging.tensorboard_dir, out=self.out)
+                               tensorboard_dir=config.logging.tensorboard_dir, out=self.out,
+                               throughput=self.throughput)
 
     def _model_source(self, resume: Path | None) -> tuple[ModelConfig, ModelIR | None]:
         """The model config, and the IR to finetune from (None when resuming or pretraining)."""
@@ -162,7 +167,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens = self.config.train.global_batch_size * self.config.data.seq_len
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "aux_loss": self._aux_loss(),
-                "tokens_per_s": tokens / elapsed, "step_time": elapsed}
+                "tokens_per_s": tokens / elapsed, "step_time": elapsed, **self.throughput.scalars(tokens / elapsed)}
 
     def forward_backward(self) -> float:
         """Gradients of the next global batch's mean loss (synced over the layout); returns that loss."""

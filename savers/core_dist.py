@@ -2,7 +2,8 @@
 
 The checkpoint is layout-independent: every tensor is written whole, layers stacked, one layer block at a
 time. `--tp` only decides the vocabulary padding (Megatron pads to a multiple of divisible_by x TP of the run
-that will load it). The common state goes to `common.pt`, which every megatron-core release reads.
+that will load it). The common state goes to `common.pt`, which every megatron-core release reads. torch_dist
+checkpoints get the SHA-256 manifest `integrity.json` that megatron-core writes with --verify-integrity.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 from mconvert.formats import hf_dir
 from mconvert.formats.dcp import DcpWriter
+from mconvert.formats.integrity import write_manifest
 from mconvert.formats.torch_zip import save as torch_save
 from mconvert.savers import megatron_files
 
@@ -31,11 +33,12 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
                            "drop --pp/--vpp/--ep (Megatron reshards them when it loads)")
     check_model(c, options)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
+    iteration = megatron_files.iteration(ir, options)
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
                                  divisible_by=options.make_vocab_size_divisible_by,
                                  impl=options.transformer_impl, ckpt_format=backend,
-                                 expert_layout=options.expert_layout)
-    iteration = megatron_files.iteration(ir, options)
+                                 expert_layout=options.expert_layout,
+                                 tokenizer_model=megatron_files.tokenizer_model(ir, out, options, iteration))
     it_dir = out / core.iteration_dir(iteration)
     it_dir.mkdir(parents=True)
     ctx = Ctx(c, padded)
@@ -56,6 +59,8 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
               "num_floating_point_operations_so_far": 0, "content_metadata": dict(core_dist.CONTENT_METADATA)}
     torch_save(common, it_dir / core_dist.COMMON_FILE, background=False)
     hf_dir.write_json(it_dir / core_dist.METADATA_JSON, core_dist.metadata_json(backend))
+    if backend == "torch_dist":  # megatron-core verifies it with --verify-integrity
+        write_manifest(it_dir)
     megatron_files.finish_checkpoint(ir, out, it_dir, iteration)
 
 

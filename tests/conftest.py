@@ -161,3 +161,48 @@ def tokens() -> torch.Tensor:
 @pytest.fixture(scope="session")
 def gpt2_dir(tmp_path_factory) -> Path:
     return make_hf_model(tmp_path_factory.mktemp("gpt2") / "hf", "gpt2", seed=2)
+
+
+# megatron-core itself, in the environments scripts/megatron_envs.sh builds (.venv-mcore-0.16, .venv-mcore-0.19)
+REPO = Path(__file__).resolve().parents[1]
+MEGATRON_LM = Path(__file__).resolve().parent / "megatron_lm"  # scripts run inside those environments
+
+
+@pytest.fixture(scope="session")
+def mcore_python():
+    """`mcore_python("0.19")`: the python of the megatron-core 0.19 environment; skips the test without it."""
+
+    def get(version: str) -> Path:
+        env = REPO / f".venv-mcore-{version}"
+        if not (env / ".mconvert-env").is_file():
+            pytest.skip(f"megatron-core {version} environment not built: run `bash scripts/megatron_envs.sh`")
+        return env / "bin" / "python"
+
+    return get
+
+
+def run_megatron(python: Path, script: str, *args: str, timeout: int = 1200) -> str:
+    """Run tests/megatron_lm/<script> with `python` (a megatron-core environment); returns its stdout."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env |= {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    result = subprocess.run([str(python), str(MEGATRON_LM / script), *map(str, args)], capture_output=True,
+                            text=True, env=env, timeout=timeout)
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result.stdout
+
+
+@pytest.fixture(scope="session")
+def megatron019_written(tmp_path_factory, mcore_python) -> Path:
+    """Checkpoints written by Megatron-LM 0.19's own save_checkpoint (tests/megatron_lm/specs.py), with
+    Megatron's logits beside each (`<name>.pt`)."""
+    import json
+
+    from tests.megatron_lm.specs import VOCAB, specs
+
+    python = mcore_python("0.19")
+    root = tmp_path_factory.mktemp("megatron019")
+    write_tokenizer(root / "tokenizer", VOCAB)
+    run_megatron(python, "save.py", root, json.dumps(specs(str(root / "tokenizer"))))
+    return root

@@ -312,11 +312,17 @@ def _first(value: Any) -> float | None:
 
 
 def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_size: int, divisible_by: int,
-                     impl: Impl, ckpt_format: str = "torch",
-                     expert_layout: ExpertLayout = "sequential") -> argparse.Namespace:
+                     impl: Impl, ckpt_format: str = "torch", expert_layout: ExpertLayout = "sequential",
+                     tokenizer_model: str | None = None) -> argparse.Namespace:
     """A Megatron `args` namespace describing the model, so Megatron-LM can resume or finetune from it.
 
     Only plain values and torch dtypes: Megatron's own loader refuses anything else under weights_only.
+    With --use-checkpoint-args Megatron-LM takes tokenizer_type and tokenizer_model from here: `tokenizer_model`
+    is the tokenizer directory the checkpoint carries (a HuggingFaceTokenizer); without one, tokenizer_type is
+    left unset (None) so that the run's own --tokenizer-type applies, except GPT-2's GPT2BPETokenizer, Megatron's
+    own tokenizer for that family (it then needs --vocab-file/--merge-file). The norm epsilon goes under both
+    names Megatron-LM has used: `layernorm_epsilon` (megatron-core's config field, the args name since 2024) and
+    `norm_epsilon` (the older args name, still read by tools/checkpoint's loaders).
     """
     if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3" and not c.is_mla:
         raise ConvertError(f"Megatron supports only Llama 3 rope scaling; this model has {c.rope_scaling}")
@@ -344,6 +350,7 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling),
         rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling else 8.0,
         normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=c.norm_eps,
+        norm_epsilon=c.norm_eps,
         apply_layernorm_1p=False, layernorm_zero_centered_gamma=False, qk_layernorm=c.qk_norm,
         swiglu=c.gated, openai_gelu=c.activation == "gelu_tanh", squared_relu=False, bias_gelu_fusion=False,
         add_bias_linear=c.proj_bias, add_qkv_bias=c.qkv_bias,
@@ -370,7 +377,9 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
         world_size=layout.tp * layout.pp * layout.ep, data_parallel_size=1,
         vocab_size=c.vocab_size, padded_vocab_size=padded_vocab_size, make_vocab_size_divisible_by=divisible_by,
-        tokenizer_type="GPT2BPETokenizer" if c.family == "gpt2" else "HuggingFaceTokenizer", tokenizer_model=None,
+        tokenizer_model=tokenizer_model,
+        tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else "GPT2BPETokenizer" if c.family == "gpt2"
+        else None,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
         ckpt_format=ckpt_format, transformer_impl="transformer_engine" if impl == "te" else "local",
         use_legacy_models=False, bert_binary_head=True,
@@ -381,4 +390,6 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     if c.is_moe and expert_layout == "legacy_grouped":
         # Megatron-LM before March 2026 (the GroupedMLP's last version) picks it under TE only with this flag
         values["moe_use_legacy_grouped_gemm"] = True
+    if c.is_moe and expert_layout == "single_grouped":  # megatron-core requires the TE op fuser for it
+        values |= {"moe_single_grouped_weight": True, "use_transformer_engine_op_fuser": True}
     return argparse.Namespace(**values)

@@ -21,6 +21,16 @@ number (`decoder.layers.3.self_attention.linear_qkv.weight` [rows, h], `decoder.
 linear_fc1.weight` [E, 2f, h]) and its extra states are `shard_0_1` (experts `shard_{e}_{E}`). The loader reads
 either layout, whatever the args say. Multi-token-prediction modules are keyed one by one in every case,
 `mtp.layers.{m}.` and `mtp.layers.{m}.transformer_layer.` (a layer's keys), and the embedding is stored once.
+
+Checkpoints saved with megatron-core's `singleton_local_shards` metadata (Megatron-LM's default in Sept-Oct
+2025, recorded in the common state's `content_metadata`) also keep every layer under its own number, and in
+addition every expert under its own key and SwiGLU's fc1 as its two halves (mconvert.schemas.swiglu_halves):
+
+    decoder.layers.3.mlp.linear_fc1.weight_w                   [f, h]     gate of layer 3
+    decoder.layers.3.mlp.experts.experts.1.linear_fc1.weight_v [f, h]     up of layer 3's expert 1
+    decoder.layers.3.mlp.experts.experts.1.linear_fc2.weight   [h, f]
+
+(Multi-token-prediction modules saved that way are refused: none has been seen.)
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from mconvert.ir import ModelConfig
 from mconvert.mapping import Row, expand
 from mconvert.rules import GATE_UP, Rule, Table, norm
 from mconvert.schemas import core, core_deepseek
+from mconvert.schemas.swiglu_halves import HALF_KEY, halves
 
 METADATA_JSON = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -48,6 +59,14 @@ EXPERT_RULES = (
     Rule(f"{EXPERTS}.linear_fc1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",
                                           "layers.{L}.moe.experts.{E}.up.weight"), GATE_UP),
     Rule(f"{EXPERTS}.linear_fc2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
+)
+
+
+SINGLETON_EXPERTS = "decoder.layers.{L}.mlp.experts.experts.{E}"
+SINGLETON_EXPERT_RULES = (
+    Rule(f"{SINGLETON_EXPERTS}.linear_fc1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",
+                                                    "layers.{L}.moe.experts.{E}.up.weight"), GATE_UP),
+    Rule(f"{SINGLETON_EXPERTS}.linear_fc2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
 )
 
 
@@ -108,6 +127,13 @@ def layer_key(key: str, prefix: str) -> str:
     return prefix + key.removeprefix(STACKED_PREFIX)
 
 
+def detect_singleton(keys) -> bool:
+    """Saved with `singleton_local_shards`: experts under their own numbers, or SwiGLU halves (a dense model
+    without SwiGLU stores the same keys either way)."""
+    return any(re.match(r"decoder\.layers\.\d+\.mlp\.experts\.experts\.\d+\.", k) or HALF_KEY.fullmatch(k)
+               for k in keys)
+
+
 @dataclass(frozen=True)
 class Placed:
     """One stored block: the row (IR names, rule; a unique key), the stored key, its leading indices in the stack
@@ -120,21 +146,31 @@ class Placed:
     stack: tuple[int, ...] = ()
 
 
-def placements(config: ModelConfig, impl: core.Impl = "local", per_layer: bool | None = None) -> list[Placed]:
+def placements(config: ModelConfig, impl: core.Impl = "local", per_layer: bool | None = None, *,
+               singleton: bool = False) -> list[Placed]:
     """Every block of the checkpoint in file order: embeddings, each layer (dense rules, then its experts), head,
     MTP modules (their own tensors, then their layer's). Layers are stacked unless `per_layer` (by default: as
-    megatron-core stores this config). Loader and saver both walk this list, so they cannot disagree."""
+    megatron-core stores this config); with `singleton` (read only; see the module docstring) every block is a
+    whole tensor of its own. Loader and saver both walk this list, so the two directions cannot disagree."""
     t, n = table(impl, config.is_mla), config.num_layers
     per_layer = per_layer_keys(config) if per_layer is None else per_layer
     out = [Placed(r, r.key) for r in expand(t, config, layers=[], head=False)]
     for L in range(n):
         rows = expand(t, config, layers=[(L, L)], experts=[], embedding=False, head=False)
-        out += _layer_blocks(config, L, rows, layer_prefix(config, L, per_layer))
+        out += _singleton_blocks(config, L, rows) if singleton else \
+            _layer_blocks(config, L, rows, layer_prefix(config, L, per_layer))
     out += [Placed(r, r.key) for r in expand(t, config, layers=[], embedding=False, mtp=[])]
     for M in range(config.mtp_layers):
         rows = expand(t, config, layers=[], experts=[], embedding=False, head=False, mtp=[(M, M)])
         out += _layer_blocks(config, n + M, rows, layer_prefix(config, n + M, per_layer))
     return out
+
+
+def _singleton_blocks(config: ModelConfig, L: int, rows: list[Row]) -> list[Placed]:
+    """Layer L saved with `singleton_local_shards`: whole tensors, experts under their own numbers, SwiGLU halves."""
+    experts = range(config.num_experts or 0) if config.is_moe_layer(L) else ()
+    own = [Row(*rule.keys(L=L, E=E), rule) for E in experts for rule in SINGLETON_EXPERT_RULES]
+    return [Placed(r, r.key) for r in halves(rows + own)]
 
 
 def _layer_blocks(config: ModelConfig, L: int, rows: list[Row], prefix: str) -> list[Placed]:
