@@ -19,6 +19,7 @@ from mconvert.savers import megatron_files
 
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
+from mconvert.mapping import check_plan
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.rules import Ctx
@@ -40,12 +41,14 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
                                  expert_layout=options.expert_layout,
                                  tokenizer_model=megatron_files.tokenizer_model(ir, out, options, iteration))
     it_dir = out / core.iteration_dir(iteration)
+    placements = core_dist.placements(c, options.transformer_impl)
+    check_plan(ir.tensors, [(backend, [placed.row for placed in placements])], where=f"saver core ({backend})")
     it_dir.mkdir(parents=True)
     ctx = Ctx(c, padded)
     writer = _writer(backend, it_dir)
     try:
         with progress.task(f"{it_dir.name} ({backend})", ir.nbytes) as advance:
-            for placed in core_dist.placements(c, options.transformer_impl):
+            for placed in placements:
                 tensors = [ir[n].load() for n in placed.row.ir]
                 _write_blocks(writer, placed, tensors, ctx, c)
                 advance(sum(t.nbytes for t in tensors))

@@ -300,3 +300,33 @@ def test_an_epsilon_the_latent_norms_do_not_share_is_refused(tmp_path):
     src = make_deepseek(tmp_path / "hf", rms_norm_eps=1e-5)
     out = run_cli("inspect", src, expect_error=True)
     assert "rms_norm_eps 1e-05 (transformers' latent norms use 1e-6: one epsilon for all norms is carried)" in out
+
+
+@pytest.mark.parametrize("fmt", ["torch_dcp", "fsdp_dtensor"])
+def test_megatron_dcp_formats_hold_mla_and_refuse_mtp(ds_dir, tmp_path, tokens, fmt):
+    """Megatron-LM's plain DCP formats take the torch format's MLA names; MTP modules (keys unchecked there) are
+    refused on both sides rather than dropped."""
+    out = run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", ds_dir, "--save-dir", tmp_path / "x",
+                  expect_error=True)
+    assert f"--ckpt-format {fmt}: the model has 1 multi-token-prediction module(s)" in out
+    assert not (tmp_path / "x").exists()
+    run_cli("--saver", "core", "--ckpt-format", fmt, "--skip-mtp", "--load-dir", ds_dir, "--save-dir", tmp_path / "c")
+    run_cli("--saver", "deepseek_hf", "--load-dir", tmp_path / "c", "--save-dir", tmp_path / "hf")
+    expected = {n: t for n, t in ir_tensors(ds_dir).items() if not n.startswith(("mtp.", f"layers.{LAYERS}."))}
+    assert_same_tensors(expected, ir_tensors(tmp_path / "hf"))
+
+
+def test_a_plan_that_drops_a_tensor_is_refused_before_writing(ds_dir, tmp_path, monkeypatch):
+    """The torch_dist and DCP savers check that their plan writes every IR tensor (a table missing a family's
+    tensors once wrote a model without its attention and exited 0)."""
+    from mconvert.schemas import core_dcp, core_dist
+
+    real_rows, real_placements = core_dcp.rows, core_dist.placements
+    monkeypatch.setattr(core_dcp, "rows", lambda *a, **k: [r for r in real_rows(*a, **k) if "kv_down" not in r.key])
+    monkeypatch.setattr(core_dist, "placements",
+                        lambda *a, **k: [p for p in real_placements(*a, **k) if "kv_down" not in p.key])
+    for fmt in ("torch_dcp", "torch_dist"):
+        out = run_cli("--saver", "core", "--ckpt-format", fmt, "--skip-mtp", "--load-dir", ds_dir, "--save-dir",
+                      tmp_path / fmt, expect_error=True)
+        assert "layers.0.attn.kv_down.weight" in out, out
+        assert not (tmp_path / fmt).exists()
