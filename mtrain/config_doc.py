@@ -54,6 +54,17 @@ MODEL_HELP = {
     "moe_ffn_hidden_size": "MoE: each expert's FFN size (null: ffn_hidden_size)",
     "dense_layers": "MoE: layers with a dense MLP of ffn_hidden_size",
     "moe_norm_topk": "MoE: renormalize the top-k routing weights to sum to 1",
+    "q_lora_rank": "MLA: rank of the query's low-rank projection (null: one q projection)",
+    "kv_lora_rank": "MLA: size of the key/value latent (null: multi-head attention)",
+    "qk_rope_head_dim": "MLA: rotary part of each query/key head (head_dim holds it)",
+    "v_head_dim": "MLA: size of a value head",
+    "moe_shared_expert_ffn_hidden_size": "MoE: FFN of the shared expert(s) every token uses",
+    "moe_router_score": "MoE: router scores by softmax or sigmoid (DeepSeek-V3)",
+    "moe_router_expert_bias": "MoE: per-expert bias on the scores that choose experts",
+    "moe_router_groups": "MoE: experts split in groups for group-limited routing",
+    "moe_router_group_topk": "MoE: groups each token may choose experts from",
+    "moe_router_scaling_factor": "MoE: the routed experts' weights are scaled by it",
+    "mtp_layers": "multi-token-prediction modules after the last layer",
     "dtype": "dtype of stored weights (training: fp32 master)",
     "bos_token_id": "beginning-of-sequence token id",
     "eos_token_id": "end-of-sequence id(s): generation stops there",
@@ -83,11 +94,15 @@ def reference(config: Config | None = None) -> str:
             else:
                 value = None if required else f.default if f.default is not dataclasses.MISSING else f.default_factory()
             entry = f"  {f.name}: {_yaml(value)}"
-            kind = type_name(hints[f.name]) + (", required" if required else "")
-            line = f"{entry:<{VALUE_COLUMN}}# {kind}: {field_help(cls, f)}"
+            entry = f"{entry:<{max(VALUE_COLUMN, len(entry) + 1)}}# "  # a long name still gets a space before #
+            kind, need = type_name(hints[f.name]), ", required" if required else ""
+            line = f"{entry}{kind}{need}: {field_help(cls, f)}"
             if len(line) > MAX_WIDTH:  # a long list of choices: the meaning goes on the line above
                 lines.append(f"  # {field_help(cls, f)}")
-                line = f"{entry:<{VALUE_COLUMN}}# {kind}"
+                line = f"{entry}{kind}{need}"
+            if len(line) > MAX_WIDTH:  # and a very long one on a line of its own
+                lines.append(f"  # one of: {kind}")
+                line = f"{entry}choice{need}"
             lines.append(line)
     return "\n".join(lines) + "\n"
 

@@ -18,11 +18,12 @@ from mconvert.formats.torch_zip import save as torch_save
 from mconvert.savers import megatron_files
 
 from mconvert.errors import ConvertError
-from mconvert.ir import ModelIR
+from mconvert.ir import ModelConfig, ModelIR
+from mconvert.mapping import check_plan
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.rules import Ctx
-from mconvert.schemas import core, core_dist
+from mconvert.schemas import core, core_deepseek, core_dist
 from mconvert.transforms import padded_vocab_size
 
 
@@ -31,7 +32,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     if layout.pp > 1 or layout.vpp > 1 or layout.ep > 1:
         raise ConvertError(f"--ckpt-format {backend} checkpoints do not depend on the pipeline or expert layout; "
                            "drop --pp/--vpp/--ep (Megatron reshards them when it loads)")
-    layout.check_model(c)
+    check_model(c, options)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
     iteration = megatron_files.iteration(ir, options)
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
@@ -40,12 +41,14 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
                                  expert_layout=options.expert_layout,
                                  tokenizer_model=megatron_files.tokenizer_model(ir, out, options, iteration))
     it_dir = out / core.iteration_dir(iteration)
+    placements = core_dist.placements(c, options.transformer_impl)
+    check_plan(ir.tensors, [(backend, [placed.row for placed in placements])], where=f"saver core ({backend})")
     it_dir.mkdir(parents=True)
     ctx = Ctx(c, padded)
     writer = _writer(backend, it_dir)
     try:
         with progress.task(f"{it_dir.name} ({backend})", ir.nbytes) as advance:
-            for placed in core_dist.placements(c, options.transformer_impl):
+            for placed in placements:
                 tensors = [ir[n].load() for n in placed.row.ir]
                 _write_blocks(writer, placed, tensors, ctx, c)
                 advance(sum(t.nbytes for t in tensors))
@@ -62,6 +65,17 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     if backend == "torch_dist":  # megatron-core verifies it with --verify-integrity
         write_manifest(it_dir)
     megatron_files.finish_checkpoint(ir, out, it_dir, iteration)
+
+
+def check_model(c: ModelConfig, options: Options) -> None:
+    """Refuse, before writing, a model this layout or implementation cannot hold."""
+    problems = core_deepseek.saver_problems(c, options.layout.tp, options.transformer_impl)
+    if c.mtp_layers and c.tie_embeddings and options.layout.pp > 1 and options.ckpt_format == "torch":
+        problems.append("multi-token prediction with tied embeddings over pipeline stages (which copy Megatron keeps "
+                        "on the last stage is not settled here): use --pp 1 or --ckpt-format torch_dist")
+    if problems:
+        raise ConvertError("saver core: " + "; ".join(problems))
+    options.layout.check_model(c)
 
 
 def _write_blocks(writer, placed: core_dist.Placed, tensors: list[torch.Tensor], ctx: Ctx, c) -> None:
