@@ -9,8 +9,8 @@ The model reaches its layer's slot through `LayerContext.cache` (a `LayerCache`)
 for later positions; what that is belongs to the attention variant:
 
     standard / grouped-query attention   k, v after rotary: (B, ng, T, hd) each, appended along dim 2
-    an attention that caches something else appends its own tensors, each along its own sequence dim, e.g. a
-    compressed latent (B, T, r) and a shared rotary key (B, 1, T, d): append(latent, k_rope, dim=(1, 2))
+    multi-latent attention (mla.py)      kv_norm(latent) (B, T, r) and the rotated shared key (B, 1, T, dr):
+                                         append(latent, k_rope, dim=(1, 2)); keys and values re-expanded from them
 
 Buffers are allocated on the first append with room for `max_len` positions, so a step copies only its new
 entries. A cache serves one sequence batch from position 0 onwards; build a new one per generation.

@@ -1,6 +1,6 @@
 """Generation: the key/value cache gives the same logits and greedy tokens as recomputing the whole sequence, and
-transformers' greedy generate; batched prompts equal one-by-one generation; contexts beyond the model's positions
-are refused; the `generate` command prints ids and text."""
+transformers' greedy generate (DeepSeek-V3's multi-latent attention too); batched prompts equal one-by-one
+generation; contexts beyond the model's positions are refused; the `generate` command prints ids and text."""
 
 from __future__ import annotations
 
@@ -130,3 +130,51 @@ def test_a_layer_cache_keeps_tensors_along_their_own_dims():
         cache.append(latent[:, :1], rope_k[:, :, :1], dim=(1, 2))
     with pytest.raises(TrainError, match="one sequence dim per tensor and the same number of new positions"):
         LayerCache(max_len=5).append(latent[:, :2], rope_k[:, :, :3], dim=(1, 2))
+
+
+# -- DeepSeek-V3: multi-latent attention caches its latent and rotary key -------------------------------------------
+
+DEEPSEEK = {"query_lora_mtp1": dict(mtp=1), "no_query_lora": dict(q_lora_rank=None)}
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    from tests.deepseek_models import make_deepseek
+
+    out = {}
+    for name, overrides in DEEPSEEK.items():
+        path = make_deepseek(tmp_path_factory.mktemp(name) / "hf", seed=11, **overrides)
+        out[name] = (path, load_model(path)[0])
+    return out
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_deepseek_cached_logits_equal_a_whole_pass(deepseek, name):
+    """Past YaRN's original 64 positions; each layer keeps kv_norm(latent) (B, T, 32) and the rotated shared key
+    (B, 1, T, 8), not full keys and values; the MTP module's layer has no slot (generation does not run it)."""
+    model = deepseek[name][1]
+    tokens = torch.randint(3, 300, (2, 80), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        whole = model(tokens)
+        cache = KVCache(batch=2, max_len=80)
+        pieces = [model(tokens[:, :30], cache=cache), model(tokens[:, 30:33], cache=cache)]
+        pieces += [model(tokens[:, i:i + 1], cache=cache) for i in range(33, 80)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, atol=2e-5, rtol=1e-5)
+    assert sorted(cache.layers) == [0, 1, 2]
+    assert all([tuple(t.shape) for t in layer.buffers] == [(2, 80, 32), (2, 1, 80, 8)]
+               for layer in cache.layers.values())
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_deepseek_greedy_with_the_cache_equals_without_and_transformers(deepseek, name):
+    import transformers
+
+    path, model = deepseek[name]
+    prompt = [5, 17, 42, 8]
+    cached = generate(model, prompt, max_new_tokens=70, greedy=True)
+    assert cached == generate(model, prompt, max_new_tokens=70, greedy=True, use_cache=False)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=70, do_sample=False, eos_token_id=None,
+                                  attention_mask=torch.ones(1, 4, dtype=torch.long), pad_token_id=0)[0, 4:].tolist()
+    assert cached == want and len(want) == 70
