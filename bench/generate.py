@@ -2,6 +2,7 @@
 
     python bench/generate.py [--new-tokens 400] [--repeats 2] [--batch 1] [--threads 1]
     python bench/generate.py --vocab 4096 --hidden 128 --layers 4 --no-tie     # a deeper model, small vocabulary
+    python bench/generate.py --mla      # DeepSeek's multi-latent attention (latent hidden/2, rotary part 4)
 
 The default model is a random Llama of about 1.8M parameters sized like a small experiment on a real tokenizer:
 a 32000-token vocabulary (tied embeddings, which hold most of the parameters), hidden 48, 4 layers, 512 positions.
@@ -34,14 +35,17 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=48)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--no-tie", dest="tie", action="store_false", help="a separate output head")
+    parser.add_argument("--mla", action="store_true", help="multi-latent attention (a deepseek_v3 model, dense)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     heads = 4
-    config = ModelConfig(family="llama", num_layers=args.layers, hidden_size=args.hidden,
-                         ffn_hidden_size=args.hidden * 3, num_attention_heads=heads, num_query_groups=heads // 2,
-                         head_dim=args.hidden // heads, vocab_size=args.vocab, max_position_embeddings=512,
-                         tie_embeddings=args.tie)
+    mla = dict(family="deepseek_v3", num_query_groups=heads, kv_lora_rank=args.hidden // 2, qk_rope_head_dim=4,
+               v_head_dim=args.hidden // heads)
+    config = ModelConfig(**dict(family="llama", num_layers=args.layers, hidden_size=args.hidden,
+                                ffn_hidden_size=args.hidden * 3, num_attention_heads=heads, num_query_groups=heads // 2,
+                                head_dim=args.hidden // heads, vocab_size=args.vocab, max_position_embeddings=512,
+                                tie_embeddings=args.tie) | (mla if args.mla else {}))
     model = build_model(config, device=torch.device("cpu"))
     names = [n for n, _ in model.named_parameters()]
     weights.load_full_weights(model, weights.random_init(config, 0, 0.02, names))
@@ -49,7 +53,8 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (16,), generator=g).tolist() for _ in range(args.batch)]
-    print(f"model: {params:,} parameters (vocabulary {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
+    print(f"model: {config.family}, {params:,} parameters (vocabulary {args.vocab}, hidden {args.hidden}, "
+          f"{args.layers} layers, "
           f"{'tied' if args.tie else 'separate'} head); {args.batch} prompt(s) of 16 tokens + {args.new_tokens} new "
           f"tokens, greedy, {args.threads} thread(s)")
 
