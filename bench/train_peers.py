@@ -52,7 +52,7 @@ MODEL = {"hidden": 384, "layers": 6, "heads": 6, "kv_heads": 2, "head_dim": 64, 
 OPTIM = {"lr": 3e-4, "min_lr": 3e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0,
          "warmup_steps": 10}
 MICRO_BATCH = 4
-HEADS = {"mtrain": "mtrain/x", "mtrain ddp": "mtrain DDP/x", "mtrain compile": "mtrain compile/x"}
+HEADS = {"mtrain": "mtrain/x", "mtrain fsdp": "mtrain FSDP/x", "mtrain compile": "mtrain compile/x"}
 
 
 # -- environments -------------------------------------------------------------------------------------------------
@@ -215,11 +215,11 @@ def build_runs(args, world: int, pythons: dict[str, Path], data: dict, log_dir: 
 
 
 def mtrain_variants(args, world: int) -> dict[str, dict]:
-    """mtrain as it runs by default, with whole-model compilation, and with two ranks DDP besides FSDP (the peers
-    run DDP there): the default first, the others' ratios are also taken against each of these."""
+    """mtrain as it runs by default (two ranks: dp_mode auto, i.e. DDP on a CPU, as the peers run), with whole-model
+    compilation, and with two ranks FSDP too: the default first, the others' ratios are also taken against it."""
     variants = {"mtrain": {}}
     if world > 1:
-        variants["mtrain ddp"] = {"parallel": {"dp_mode": "ddp"}}
+        variants["mtrain fsdp"] = {"parallel": {"dp_mode": "fsdp"}}
     if args.compile:
         variants["mtrain compile"] = {"train": {"compile": "model"}} | (
             {"parallel": {"dp_mode": "ddp"}} if world > 1 else {})
