@@ -8,7 +8,8 @@ sequences of 256 tokens, micro batch 4 per rank, fp32, AdamW (lr 3e-4, betas 0.9
 0.1), gradient clipping at 1.0, 10 warmup steps then cosine to 3e-5; real text (bench/peer_data.py), every
 trainer reading the same global batches in the same order. Not the same: the initial weights (each trainer's own
 init) and what each does by default (mtrain and HF decay matrices only, litgpt every weight; litgpt compiles the
-model; with two ranks the peers run DDP, mtrain FSDP unless asked for DDP: both are shown).
+model; with two ranks the peers run DDP, and so does mtrain by default (`parallel.dp_mode auto` on a CPU); its
+FSDP is shown too).
 
 Each trainer is a set of processes (one per rank) that the bench releases one optimizer step at a time
 (bench/peers/pace.py); in every round each trainer runs --steps steps, the order rotating, and a trainer's
