@@ -61,12 +61,20 @@ def load(path: Path, options: Options) -> ModelIR:
 def _dequantized(hf: dict, source: dict[str, LazyTensor], where: str) -> tuple[dict[str, LazyTensor], list[str]]:
     """FP8 block-quantized weights (DeepSeek's release) become lazy bfloat16 tensors, dequantized when read."""
     quant = hf.get("quantization_config") or {}
+    if not isinstance(quant, dict):
+        raise ConvertError(f"{where}: quantization_config {quant!r}: expected a mapping such as "
+                           f"{fp8.QUANTIZATION_CONFIG}")
     if not quant and not any(k.endswith(".weight" + fp8.SCALE_SUFFIX) for k in source):
         return source, []
     if quant.get("quant_method", "fp8") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
         raise ConvertError(f"{where}: quantization_config {quant} is not FP8 e4m3 with block scales, the only "
                            "quantization mconvert reads")
-    block = tuple(int(b) for b in quant.get("weight_block_size", fp8.BLOCK))
+    block = quant.get("weight_block_size", list(fp8.BLOCK))
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ConvertError(f"{where}: quantization_config.weight_block_size {block!r}: expected two positive "
+                           f"integers, the rows and columns of a scaled block (DeepSeek-V3: {list(fp8.BLOCK)})")
+    block = tuple(block)
     source, count = fp8.dequantized(source, block)
     return source, [f"{count} FP8 weights ({block[0]}x{block[1]} block scales) dequantized to bfloat16 as they are "
                     "read"]

@@ -1,0 +1,67 @@
+"""DeepSeek's inputs beyond plain config values: FP8 block-scaled weights and their quantization_config, YaRN
+rope parameters (and every family's rope_parameters / rope_scaling), MTP layers. Each bad one is refused naming the
+field or tensor; none converts into a model whose weights or positions silently differ from the checkpoint's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.adversarial.conftest import convert_refused, fresh
+
+SCALED = "model.layers.0.self_attn.q_a_proj.weight"  # an FP8 weight of the tiny model ([48, 64], one block)
+
+
+def _edit_config(src: Path, **fields) -> None:
+    config = json.loads((src / "config.json").read_text())
+    config.update(fields)
+    (src / "config.json").write_text(json.dumps(config))
+
+
+def _edit_weights(src: Path, edit) -> None:
+    weights = load_file(src / "model.safetensors")
+    edit(weights)
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+
+
+# -- quantization_config ---------------------------------------------------------------------------------------------
+
+QUANTIZATION = [
+    ("a list", [1, 2], "quantization_config [1, 2]: expected a mapping"),
+    ("a string", "fp8", "quantization_config 'fp8': expected a mapping"),
+    ("block of zero rows", {"quant_method": "fp8", "weight_block_size": [0, 128]}, "weight_block_size [0, 128]"),
+    ("one block size", {"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size [128]"),
+    ("three block sizes", {"quant_method": "fp8", "weight_block_size": [128, 128, 128]},
+     "weight_block_size [128, 128, 128]"),
+    ("text block size", {"quant_method": "fp8", "weight_block_size": "ab"}, "weight_block_size 'ab'"),
+    ("fractional block", {"quant_method": "fp8", "weight_block_size": [1.5, 128]}, "weight_block_size [1.5, 128]"),
+    ("null block", {"quant_method": "fp8", "weight_block_size": None}, "weight_block_size None"),
+]
+
+
+@pytest.mark.parametrize("what,value,named", QUANTIZATION, ids=[w for w, _, _ in QUANTIZATION])
+def test_malformed_quantization_config(newer_sources, tmp_path, what, value, named):
+    src = fresh(newer_sources["deepseek_fp8"], tmp_path)
+    _edit_config(src, quantization_config=value)
+    convert_refused(src, tmp_path, culprits=("config.json", named))
+
+
+SCALES = [
+    ("a bfloat16 weight with a scale", lambda w: w.update({SCALED: w[SCALED].to(torch.bfloat16)}), "(bfloat16)"),
+    ("an e5m2 weight with a scale", lambda w: w.update({SCALED: w[SCALED].to(torch.float8_e5m2)}), "(float8_e5m2)"),
+    ("an integer scale", lambda w: w.update({SCALED + "_scale_inv": w[SCALED + "_scale_inv"].to(torch.int32)}),
+     "(int32)"),
+]
+
+
+@pytest.mark.parametrize("what,edit,named", SCALES, ids=[w for w, _, _ in SCALES])
+def test_scale_beside_a_weight_it_cannot_scale(newer_sources, tmp_path, what, edit, named):
+    """A scale multiplies whatever weight it sits beside: anything but FP8 e4m3 scaled by floats is refused."""
+    src = fresh(newer_sources["deepseek_fp8"], tmp_path)
+    _edit_weights(src, edit)
+    out = convert_refused(src, tmp_path, culprits=(SCALED, named, "float8_e4m3fn"))
+    assert "without a _scale_inv" not in out  # reported once, as what it is
