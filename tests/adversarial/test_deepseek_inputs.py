@@ -65,3 +65,43 @@ def test_scale_beside_a_weight_it_cannot_scale(newer_sources, tmp_path, what, ed
     _edit_weights(src, edit)
     out = convert_refused(src, tmp_path, culprits=(SCALED, named, "float8_e4m3fn"))
     assert "without a _scale_inv" not in out  # reported once, as what it is
+
+
+# -- YaRN and the other rope types ------------------------------------------------------------------------------------
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7}  # the tiny model's
+ROPE = [
+    ("unknown rope_type", YARN | {"rope_type": "foo"}, "rope_scaling.rope_type='foo'"),
+    ("yarn without factor", {k: v for k, v in YARN.items() if k != "factor"}, "rope_scaling.factor missing"),
+    ("yarn without original length", {k: v for k, v in YARN.items() if k != "original_max_position_embeddings"},
+     "rope_scaling.original_max_position_embeddings missing"),
+    ("negative original length", YARN | {"original_max_position_embeddings": -64},
+     "rope_scaling.original_max_position_embeddings=-64"),
+    ("fractional original length", YARN | {"original_max_position_embeddings": 64.5},
+     "rope_scaling.original_max_position_embeddings=64.5"),
+    ("text beta_fast", YARN | {"beta_fast": "x"}, "rope_scaling.beta_fast='x'"),
+    ("list mscale", YARN | {"mscale": [1]}, "rope_scaling.mscale=[1]"),
+    ("llama3 without its frequency factors", YARN | {"rope_type": "llama3"}, "rope_scaling.low_freq_factor missing"),
+    ("rope_parameters a list", [1, 2], "rope_parameters [1, 2]: expected a mapping"),
+]
+
+
+@pytest.mark.parametrize("saver", ["core", "deepseek_hf"])
+@pytest.mark.parametrize("what,value,named", ROPE, ids=[w for w, _, _ in ROPE])
+def test_bad_rope_parameters(deepseek_sources, tmp_path, what, value, named, saver):
+    """Each was converted to HF unchanged (exit 0; transformers cannot load it), or stopped the core saver with a
+    KeyError/ValueError traceback; a list instead of a mapping was dropped: plain rope, theta 10000, exit 0."""
+    src = fresh(deepseek_sources["deepseek_hf"], tmp_path)
+    _edit_config(src, rope_parameters=value)
+    convert_refused(src, tmp_path, saver=saver, culprits=("config.json", named))
+
+
+@pytest.mark.parametrize("family", ["llama_mistral", "qwen3_moe_hf"])
+def test_rope_scaling_that_is_not_a_mapping(sources, newer_sources, tmp_path, family):
+    src = fresh({**sources, **newer_sources}[family], tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = "yarn"
+    (src / "config.json").write_text(json.dumps(config))
+    convert_refused(src, tmp_path, culprits=("config.json", "rope_scaling 'yarn': expected a mapping"))
