@@ -157,6 +157,16 @@ def test_single_grouped_weight_of_another_expert_count(newer_sources, tmp_path, 
                                                                  f"[{count}, 192, 64]", "implies 8"))
 
 
+def test_qwen3_moe_expert_count_spelled_twice_differently(newer_sources, tmp_path):
+    """transformers 5 writes num_local_experts, the hub's configs num_experts: a config with both must agree (the
+    tensors' count won, whatever the other said)."""
+    src = fresh(newer_sources["qwen3_moe_hf"], tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    config["num_experts"] = config["num_local_experts"] - 1
+    (src / "config.json").write_text(json.dumps(config))
+    convert_refused(src, tmp_path, culprits=("config.json", "num_experts=3", "num_local_experts=4", "disagree"))
+
+
 # -- integer tensors under weight names -----------------------------------------------------------------------------
 
 def test_integer_weight_in_hf(sources, tmp_path):
