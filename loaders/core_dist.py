@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from mconvert.formats import hf_dir
 from mconvert.formats.dcp import DcpReader
+from mconvert.formats.integrity import Manifest
 from mconvert.formats.torch_pickle import safe_load
 
 from mconvert.config_checks import MEGATRON_INTEGERS, check_integers, with_where
@@ -28,6 +29,9 @@ def is_dist_checkpoint(it_dir: Path) -> bool:
 
 
 def open_store(it_dir: Path):
+    manifest = Manifest.find(it_dir)
+    if manifest is not None:  # metadata.json picks the reader: verified before it is believed
+        manifest.check_file(core_dist.METADATA_JSON)
     meta = hf_dir.read_json(it_dir / core_dist.METADATA_JSON)
     backend = meta.get("sharded_backend")
     if backend == "torch_dist":
