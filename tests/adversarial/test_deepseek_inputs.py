@@ -105,3 +105,26 @@ def test_rope_scaling_that_is_not_a_mapping(sources, newer_sources, tmp_path, fa
     config["rope_scaling"] = "yarn"
     (src / "config.json").write_text(json.dumps(config))
     convert_refused(src, tmp_path, culprits=("config.json", "rope_scaling 'yarn': expected a mapping"))
+
+
+ARGS_ROPE = [
+    ("rope_type", "foo", "args.rope_type='foo': expected 'rope' or 'yarn'"),
+    ("rotary_scaling_factor", "x", "args.rotary_scaling_factor='x': expected a number"),
+    ("rotary_scaling_factor", [4.0], "args.rotary_scaling_factor=[4.0]: expected a number"),
+    ("mscale", "a", "args.mscale='a': expected a number"),
+    ("beta_fast", "fast", "args.beta_fast='fast': expected a number"),
+]
+
+
+@pytest.mark.parametrize("field,value,named", ARGS_ROPE, ids=[f"{f}={v!r}" for f, v, _ in ARGS_ROPE])
+def test_bad_yarn_args(deepseek_sources, tmp_path, field, value, named):
+    """Megatron's YaRN args: text or lists were a ValueError/TypeError traceback; an unknown rope_type meant plain
+    rope (the YaRN scaling dropped, exit 0)."""
+    from mconvert.formats.torch_pickle import safe_load
+
+    src = fresh(deepseek_sources["deepseek_core"], tmp_path)
+    for f in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = safe_load(f, mmap=False)
+        setattr(state["args"], field, value)
+        torch.save(state, f)
+    convert_refused(src, tmp_path, saver="deepseek_hf", culprits=(named,))
