@@ -47,11 +47,13 @@ def load(path: Path, options: Options) -> ModelIR:
     copies = {name: take_copies(pieces, rf"model\.layers\.\d+\.{re.escape(suffix)}")
               for name, suffix in (("embed.weight", "embed_tokens.weight"),
                                    ("lm_head.weight", "shared_head.head.weight"))}
-    drop = hf_deepseek.DROP + ((r"lm_head\.weight",) if config.tie_embeddings else ())
-    tensors = to_ir(pieces, expand(table, config), ctx, where=str(root), drop=drop)
+    # tied: a stored lm_head.weight must be the embedding again, never a distinct matrix silently dropped
+    tied = take_copies(pieces, r"lm_head\.weight") if config.tie_embeddings else []
+    tensors = to_ir(pieces, expand(table, config), ctx, where=str(root), drop=hf_deepseek.DROP)
     for name, found in copies.items():
         verify_copies(tensors, name if name in tensors else "embed.weight", found, hf_deepseek.MTP_COPIES[0], ctx,
                       kept_for="the MTP layers")
+    verify_copies(tensors, "embed.weight", tied, hf_deepseek.MTP_COPIES[0], ctx)
     layout = {"experts": "fused (transformers 5 in-memory names)" if fused else "one tensor per expert",
               "rotary rows": "interleaved (rope_interleave)" if hf_deepseek.rope_interleaved(hf) else "half split"}
     assets = hf_dir.tokenizer_files(options.tokenizer or root)

@@ -128,3 +128,29 @@ def test_bad_yarn_args(deepseek_sources, tmp_path, field, value, named):
         setattr(state["args"], field, value)
         torch.save(state, f)
     convert_refused(src, tmp_path, saver="deepseek_hf", culprits=(named,))
+
+
+# -- tied embeddings --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["deepseek_hf", "qwen3_moe_hf"])
+@pytest.mark.parametrize("head", ["distinct", "equal"])
+def test_tied_embeddings_with_a_stored_lm_head(deepseek_sources, newer_sources, tmp_path, family, head):
+    """DeepSeek dropped a distinct stored head when config.json said tied (exit 0, the head replaced by the
+    embedding); a copy equal to the embedding is fine."""
+    from tests.adversarial.conftest import cli
+
+    src = fresh({**deepseek_sources, **newer_sources}[family], tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    config |= {"tie_word_embeddings": True, "num_nextn_predict_layers": 0}
+    (src / "config.json").write_text(json.dumps(config))
+
+    def edit(w):
+        for key in [k for k in w if k.startswith("model.layers.3.") and family == "deepseek_hf"]:
+            del w[key]  # the MTP layer: its own copy of the head would be checked first
+        w["lm_head.weight"] = w["model.embed_tokens.weight"] + (1.0 if head == "distinct" else 0.0)
+
+    _edit_weights(src, edit)
+    if head == "equal":
+        cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "ok", "-q")
+        return
+    convert_refused(src, tmp_path, culprits=("lm_head.weight", "differs from", "model.embed_tokens.weight"))
