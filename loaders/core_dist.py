@@ -18,7 +18,7 @@ from mconvert.formats.torch_pickle import safe_load
 from mconvert.config_checks import MEGATRON_INTEGERS, check_integers, with_where
 from mconvert.errors import ConvertError, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
-from mconvert.mapping import Row, to_ir
+from mconvert.mapping import Row, to_ir, verify_copies
 from mconvert.options import Options
 from mconvert.rules import Ctx
 from mconvert.schemas import core, core_dist
@@ -110,6 +110,9 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
         raise ConvertError(f"{it_dir}: the tensors do not match a {config.family} model with these args. "
                            + mismatch(missing, extra))
     tensors = to_ir(source, rows, Ctx(config, padded), where=str(it_dir), cache=LoadCache(4))
+    if tied_copy in store.tensors:  # a stored copy of the tied embedding: checked, never silently dropped
+        copy = LazyTensor(*_shape_dtype(store, tied_copy), lambda: store.read(tied_copy), f"{it_dir.name}:{tied_copy}")
+        verify_copies(tensors, "embed.weight", [[copy]], core.TIED_OUTPUT, Ctx(config, padded))
     layout = {"format": backend, "padded_vocab": padded,
               "transformer_impl": impl if config.is_moe or config.is_mla else "any",
               "layers": "one key per layer" if per_layer else "stacked",

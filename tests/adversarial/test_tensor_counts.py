@@ -167,6 +167,22 @@ def test_qwen3_moe_expert_count_spelled_twice_differently(newer_sources, tmp_pat
     convert_refused(src, tmp_path, culprits=("config.json", "num_experts=3", "num_local_experts=4", "disagree"))
 
 
+@pytest.mark.parametrize("head", ["distinct", "equal"])
+def test_torch_dist_tied_model_with_a_stored_output_layer(sources, tmp_path, head):
+    """A tied model's output_layer.weight in a torch_dist checkpoint was ignored whatever it held (exit 0)."""
+    from tests.adversarial.conftest import cli
+
+    src = tmp_path / "src"
+    cli("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", sources["gpt2_hf"], "--save-dir", src, "-q")
+    (src / "iter_0000001" / "integrity.json").unlink()  # the attacker rewrites it, or there is none
+    embed = "embedding.word_embeddings.weight"
+    edit_dcp(src / "iter_0000001", lambda s: s.update({"output_layer.weight": s[embed] + (head == "distinct")}))
+    if head == "equal":
+        cli("--saver", "gpt2_hf", "--load-dir", src, "--save-dir", tmp_path / "ok", "-q")
+        return
+    convert_refused(src, tmp_path, saver="gpt2_hf", culprits=("output_layer.weight", "differs from", embed))
+
+
 # -- integer tensors under weight names -----------------------------------------------------------------------------
 
 def test_integer_weight_in_hf(sources, tmp_path):
