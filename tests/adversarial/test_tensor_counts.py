@@ -208,3 +208,10 @@ def test_integer_weight_in_torch_dcp(newer_sources, tmp_path):
     edit_dcp(next(src.glob("iter_*")), lambda s: s.update({key: (s[key] * 100).to(torch.int16)}))
     convert_refused(src, tmp_path, saver="llama_mistral", culprits=(key, "int16", "floating-point"))
 
+
+
+def test_integer_weight_in_an_mtrain_step(mtrain_run, tmp_path):
+    run = fresh(mtrain_run["run"], tmp_path, "run")
+    key = "layers.0.attn.q.weight"
+    edit_dcp(run / "step_0000002", lambda s: s["model"].update({key: (s["model"][key] * 100).to(torch.int32)}))
+    convert_refused(run, tmp_path, saver="llama_mistral", culprits=(f"model.{key}", "int32", "floating-point"))
