@@ -86,6 +86,10 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     if model_type not in ARCHITECTURES:
         raise ConvertError(f"{where}: model_type {model_type!r} is not a Qwen model (expected one of "
                            f"{', '.join(ARCHITECTURES)})")
+    counts = {k: hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
+    if len(set(map(repr, counts.values()))) > 1:  # which one transformers takes depends on its version
+        raise ConvertError(f"{where}: {' and '.join(f'{k}={v!r}' for k, v in counts.items())} disagree: the two "
+                           "spellings of the expert count must give one number")
     hf = DEFAULTS[model_type] | {k: v for k, v in hf.items() if v is not None or k == "sliding_window"}
     if hf["hidden_act"] != "silu":
         raise ConvertError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported for {model_type} "
