@@ -103,7 +103,7 @@ def _auto(directory: Path) -> Tokenizer:
         raise TrainError(f"{directory}: reading this tokenizer needs transformers (pip install 'mconvert[hub]')") \
             from None
     try:
-        impl = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        impl = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except Exception as e:
         raise TrainError(f"{directory}: not a tokenizer directory ({type(e).__name__}: {e})") from None
     return Tokenizer("transformers", directory, impl, impl.eos_token_id, len(impl))

@@ -167,6 +167,17 @@ def test_qwen3_moe_expert_count_spelled_twice_differently(newer_sources, tmp_pat
     convert_refused(src, tmp_path, culprits=("config.json", "num_experts=3", "num_local_experts=4", "disagree"))
 
 
+
+@pytest.mark.parametrize("value", [3, "0", [0.0], [True]])  # null means [] as in transformers
+def test_qwen3_moe_mlp_only_layers_not_a_list_of_layers(newer_sources, tmp_path, value):
+    """mlp_only_layers of another kind was refused with Python's own words ("'int' object is not iterable"), or
+    taken ("0" -> layer 0); the error names the field."""
+    src = fresh(newer_sources["qwen3_moe_hf"], tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    config["mlp_only_layers"] = value
+    (src / "config.json").write_text(json.dumps(config))
+    convert_refused(src, tmp_path, culprits=("config.json", "mlp_only_layers must be a list of layer numbers"))
+
 @pytest.mark.parametrize("head", ["distinct", "equal"])
 def test_torch_dist_tied_model_with_a_stored_output_layer(sources, tmp_path, head):
     """A tied model's output_layer.weight in a torch_dist checkpoint was ignored whatever it held (exit 0)."""
