@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from mconvert.formats.writeback import Writeback
 
+from mconvert.blocks import Blocks, as_blocks
 from mconvert.errors import ConvertError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -112,10 +115,19 @@ class Entry:
     dtype: torch.dtype
 
 
-def write(path: Path | str, entries: Iterable[Entry], produce: Callable[[Entry], torch.Tensor],
-          metadata: dict[str, str] | None = None, on_tensor: Callable[[int], None] | None = None) -> int:
-    """Write a safetensors file, asking `produce` for each entry's tensor in order; returns bytes written."""
-    entries = list(entries)
+@dataclass(frozen=True)
+class Layout:
+    """Where everything goes in one safetensors file, known before any tensor is produced: the header (with its
+    8-byte length) and each tensor's absolute offset. Writers of different tensor ranges can then work at once."""
+
+    header: bytes
+    entries: tuple[Entry, ...]
+    starts: tuple[int, ...]
+    size: int
+
+
+def layout(entries: Iterable[Entry], metadata: dict[str, str] | None = None) -> Layout:
+    entries = tuple(entries)
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     for e in entries:
@@ -126,19 +138,50 @@ def write(path: Path | str, entries: Iterable[Entry], produce: Callable[[Entry],
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    written = 0
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for e in entries:
-            t = produce(e)
-            if tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
-                raise ConvertError(f"{path}: tensor {e.name} came out {list(t.shape)} {t.dtype}, "
+    base = 8 + len(blob)
+    starts = tuple(base + header[e.name]["data_offsets"][0] for e in entries)  # type: ignore[index]
+    return Layout(struct.pack("<Q", len(blob)) + blob, entries, starts, base + offset)
+
+
+def write(path: Path | str, entries: Iterable[Entry], produce: Callable[[Entry], torch.Tensor | Blocks],
+          metadata: dict[str, str] | None = None, on_tensor: Callable[[int], None] | None = None) -> int:
+    """Write a safetensors file, asking `produce` for each entry's tensor (or its blocks) in order; returns bytes
+    written."""
+    plan = layout(entries, metadata)
+    write_range(path, plan, 0, len(plan.entries), produce, on_tensor)
+    return plan.size
+
+
+def write_range(path: Path | str, plan: Layout, first: int, stop: int,
+                produce: Callable[[Entry], torch.Tensor | Blocks], on_tensor: Callable[[int], None] | None = None,
+                ) -> None:
+    """Tensors [first, stop) of the file `plan` describes, each at its offset; the range starting at 0 also writes
+    the header and sets the file's size. Other ranges of the same file may be written at the same time (the file
+    is opened without truncation and every write goes to its own offset): the file is whole when all are done."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        if first == 0:
+            os.ftruncate(fd, plan.size)
+            _pwrite_all(fd, memoryview(plan.header), 0)
+        writeback = Writeback(fd, plan.starts[first] if first < len(plan.entries) else plan.size)
+        for e, start in zip(plan.entries[first:stop], plan.starts[first:stop]):
+            produced = produce(e)
+            if tuple(produced.shape) != tuple(e.shape) or produced.dtype != e.dtype:
+                raise ConvertError(f"{path}: tensor {e.name} came out {list(produced.shape)} {produced.dtype}, "
                                    f"planned {list(e.shape)} {e.dtype}")
-            t = t.detach().contiguous()
-            if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-            written += t.nbytes
+            blocks = as_blocks(produced)
+            position = start
+            for buffer in blocks.buffers():
+                position = _pwrite_all(fd, buffer, position)
+                writeback.advance(position)
             if on_tensor:
-                on_tensor(t.nbytes)
-    return 8 + len(blob) + written
+                on_tensor(blocks.nbytes)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, buffer: memoryview, position: int) -> int:
+    while len(buffer):
+        n = os.pwrite(fd, buffer, position)
+        buffer, position = buffer[n:], position + n
+    return position

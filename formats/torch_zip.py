@@ -22,11 +22,14 @@ import mmap
 import pickle
 import struct
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from mconvert.formats.writeback import Writeback
 
+from mconvert.blocks import Blocks, as_blocks
 from mconvert.errors import ConvertError
 
 try:  # ISA-L's CRC-32 (the very same checksum) runs about 6x faster than zlib's; zipfile calls it for every byte
@@ -104,6 +107,7 @@ class TorchFileWriter:
         else:
             self._file, self._own = target, False
         self._out = Window(self._file)
+        self._writeback = Writeback(self._file.fileno(), self._file.tell())
         self._prefix = archive or "archive"
         self._zip = zipfile.ZipFile(self._out, "w", zipfile.ZIP_STORED, allowZip64=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if background else None
@@ -113,35 +117,39 @@ class TorchFileWriter:
         self._closed = False
         self.bytes_written = 0
 
-    def _record(self, name: str, data) -> None:
+    def _record(self, name: str, data: bytes | Iterable) -> None:
+        """One stored record; `data` is bytes or an iterable of buffers written one after another."""
         info = zipfile.ZipInfo(f"{self._prefix}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
         # Local header = 30 bytes + name + our padding field (4 + n) + the zip64 field (20): pad the data to ALIGN.
         header = 30 + len(info.filename.encode()) + 4 + 20
         pad = -(self._out.tell() + header) % ALIGN
         info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         with self._zip.open(info, "w", force_zip64=True) as f:
-            f.write(data)
+            for buffer in [data] if isinstance(data, bytes) else data:
+                f.write(buffer)
+        self._writeback.advance(self._file.tell())
 
-    def _write_tensor(self, key: str, t: torch.Tensor) -> None:
-        data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-        self._record(f"data/{key}", data)
+    def _write_tensor(self, key: str, blocks: Blocks) -> None:
+        self._record(f"data/{key}", blocks.buffers())
 
     def _wait(self, keep: int) -> None:
         while len(self._pending) > keep:
             self._pending.popleft().result()  # re-raises a failed write here
 
-    def add(self, tensor: torch.Tensor) -> StoredTensor:
-        """Write (or queue) the tensor's bytes; return a handle to put in the object passed to `finish`."""
-        t = tensor.detach().cpu().contiguous()  # a contiguous view is written as is: only its own bytes
+    def add(self, tensor: torch.Tensor | Blocks) -> StoredTensor:
+        """Write (or queue) the tensor's bytes; return a handle to put in the object passed to `finish`. Blocks
+        (see mconvert.blocks) are written one after another, never joined."""
+        blocks = as_blocks(tensor)
         key = str(self._count)
         self._count += 1
         if self._pool is None:
-            self._write_tensor(key, t)
+            self._write_tensor(key, blocks)
         else:
             self._wait(self._max_pending - 1)
-            self._pending.append(self._pool.submit(self._write_tensor, key, t))
-        self.bytes_written += t.nbytes
-        return StoredTensor(_StorageRef(key, t.dtype, t.numel()), tuple(t.shape))
+            self._pending.append(self._pool.submit(self._write_tensor, key, blocks))
+        self.bytes_written += blocks.nbytes
+        numel = blocks.nbytes // blocks.dtype.itemsize
+        return StoredTensor(_StorageRef(key, blocks.dtype, numel), blocks.shape)
 
     def finish(self, obj: Any) -> int:
         """Pickle `obj` (tensors already replaced by `add` handles, or small tensors added now) and close."""

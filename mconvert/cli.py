@@ -15,11 +15,10 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from mconvert import engine, registry
+from mconvert import registry
 from mconvert.errors import ConvertError
-from mconvert.layout import ParallelLayout
-from mconvert.options import LAYOUT_OPTIONS, Options
-from mconvert.progress import Progress, human_bytes
+
+# Everything that needs torch is imported where it is used: `mconvert --help` must not pay for it.
 
 POSITIVE = click.IntRange(min=1)
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -99,6 +98,8 @@ def _fail_cleanly(func):
               "else 1.")
 @click.option("--model-type", type=click.Choice(["GPT"]), default="GPT", hidden=True,
               help="Accepted for Megatron compatibility; only GPT models exist here.")
+@click.option("--workers", type=POSITIVE, help="Output files (or parts of one) written at once. Default: one per CPU, "
+              "up to 8. Under torchrun, per rank: each rank writes its share of the files.")
 @click.option("--force", is_flag=True, help="Replace an existing, non-empty --save-dir.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.pass_context
@@ -118,6 +119,10 @@ def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, quiet, **
     """
     if ctx.invoked_subcommand is not None:
         return
+    from mconvert import engine, workers
+    from mconvert.options import LAYOUT_OPTIONS
+    from mconvert.progress import Progress, human_bytes
+
     if not (saver and load_dir and save_dir):
         if not (saver or load_dir or save_dir):
             click.echo(ctx.get_help())
@@ -128,9 +133,18 @@ def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, quiet, **
     target = registry.get_saver(saver)
     _check_applicable(ctx, source, target)
     options = _options(opts)
-    progress = Progress(enabled=not quiet)
-    summary = engine.convert(load_dir, save_dir, loader=source.name, saver=target.name, options=options,
-                             force=force, progress=progress)
+    grouped = workers.init_from_env()  # under torchrun: every rank writes its share
+    try:
+        progress = Progress(enabled=not quiet)
+        summary = engine.convert(load_dir, save_dir, loader=source.name, saver=target.name, options=options,
+                                 force=force, progress=progress)
+    finally:
+        if grouped:
+            import torch.distributed
+
+            torch.distributed.destroy_process_group()
+    if not workers.team().leader:
+        return  # rank 0 reports
     ir = summary.ir
     for note in ir.source.notes:
         click.echo(f"note: {note}", err=True)
@@ -154,7 +168,10 @@ def _check_applicable(ctx: click.Context, loader: registry.Plugin, saver: regist
         raise ConvertError(f"{flags} does not apply to loader {loader.name} / saver {saver.name}")
 
 
-def _options(o: dict) -> Options:
+def _options(o: dict):
+    from mconvert.layout import ParallelLayout
+    from mconvert.options import Options
+
     layout = ParallelLayout(tp=o["tp"], pp=o["pp"], vpp=o["vpp"], ep=o["ep"], etp=o["etp"],
                             first_stage_layers=o["first_stage_layers"], last_stage_layers=o["last_stage_layers"])
     return Options(
@@ -168,6 +185,7 @@ def _options(o: dict) -> Options:
         tokenizer=o["tokenizer"],
         max_shard_size=parse_size(o["max_shard_size"]),
         iteration=o["iteration"],
+        workers=o["workers"],
     )
 
 
@@ -180,6 +198,7 @@ def _options(o: dict) -> Options:
 def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors: bool) -> None:
     """Show a checkpoint's format, config, layout, size and tensors (reads no tensor data)."""
     from mconvert.inspect import describe
+    from mconvert.options import Options
 
     click.echo(describe(path, loader, Options(true_vocab_size=true_vocab_size), tensors=tensors))
 
@@ -197,6 +216,7 @@ def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, true_v
     Exits with status 1 when a config field or a tensor differs.
     """
     from mconvert.inspect import compare as run
+    from mconvert.options import Options
 
     text, same = run(a, b, loader_a, loader_b, Options(true_vocab_size=true_vocab_size))
     click.echo(text)

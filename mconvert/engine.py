@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from mconvert import workers
 from mconvert.errors import ConvertError
 from mconvert.formats import hf_dir
 from mconvert.ir import ModelIR
@@ -105,7 +106,7 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
 def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progress = QUIET) -> None:
     """Write `ir` with `saver` into `dst`, all or nothing (the caller has checked the destination)."""
     plugin = get_saver(saver)
-    with staged_output(dst) as staging:
+    with workers.shared_staging(dst, staged_output) as staging:  # under torchrun, one directory for every rank
         plugin.func(ir, staging, options, progress)
 
 

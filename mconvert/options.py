@@ -31,3 +31,4 @@ class Options:
     tokenizer: Path | None = None  # tokenizer files to carry into the output
     max_shard_size: int = 5 * 1024**3  # bytes per safetensors shard (HF savers)
     iteration: int | None = None  # Megatron iteration to write; default: the source's, else 1
+    workers: int | None = None  # output files written at once (threads); None: one per CPU (mconvert.workers)

@@ -9,10 +9,12 @@ from typing import Any
 from mconvert.formats import hf_dir
 from mconvert.formats.safetensors_io import Entry
 
+from mconvert import workers
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.mapping import check_plan, expand, from_ir
 from mconvert.options import Options
 from mconvert.progress import Progress
+from mconvert.row_plan import RowPlanner
 from mconvert.rules import Ctx, Table
 from mconvert.schemas.hf_common import generation_config
 
@@ -30,10 +32,18 @@ def save_hf(ir: ModelIR, out: Path, options: Options, progress: Progress, *, tab
     check_plan(ir.tensors, [("model", rows)], where=where)
     plan = {p.key: p for p in from_ir(ir, rows, ctx)}
     entries = [Entry(p.key, p.shape, p.dtype) for p in plan.values()]
-    hf_dir.write_weights(out, entries, lambda e: plan[e.name].produce(ir, ctx), options.max_shard_size, progress)
-    hf_dir.write_json(out / "config.json", hf_config)
-    hf_dir.write_json(out / "generation_config.json", generation_config(config))
-    write_tokenizer(ir, out, options, progress)
+    planner = RowPlanner(ctx)
+    jobs, index = hf_dir.weight_jobs(out, entries, lambda e: plan[e.name].produce(ir, planner),
+                                     options.max_shard_size, pieces=workers.slots(options.workers))
+
+    def finish(_) -> None:
+        if index is not None:
+            hf_dir.write_json(out / hf_dir.SAFE_INDEX, index)
+        hf_dir.write_json(out / "config.json", hf_config)
+        hf_dir.write_json(out / "generation_config.json", generation_config(config))
+        write_tokenizer(ir, out, options, progress)
+
+    workers.run(jobs, workers=options.workers, progress=progress, finish=finish)
 
 
 def with_token_ids(ir: ModelIR, options: Options) -> ModelConfig:

@@ -109,7 +109,8 @@ def test_shapes_disagreeing_across_tp_ranks(llama_dir, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_failed_conversion_leaves_no_partial_output(llama_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_failed_conversion_leaves_no_partial_output(llama_dir, tmp_path, monkeypatch, workers):
     dst = tmp_path / "out"
     calls = {"n": 0}
     original = TorchFileWriter.add
@@ -122,8 +123,9 @@ def test_failed_conversion_leaves_no_partial_output(llama_dir, tmp_path, monkeyp
 
     monkeypatch.setattr(TorchFileWriter, "add", failing_add)
     with pytest.raises(OSError, match="No space left"):
-        convert(llama_dir, dst, "--tp", "2", "--pp", "2")
-    assert calls["n"] == 7
+        convert(llama_dir, dst, "--tp", "2", "--pp", "2", "--workers", workers)
+    # one worker stops at once; with two, the other stops after the tensor it is writing (its two TP pieces)
+    assert calls["n"] == 7 if workers == 1 else 7 <= calls["n"] <= 7 + 2
     assert sorted(os.listdir(tmp_path)) == []  # neither the output nor a staging directory
 
 
