@@ -26,6 +26,7 @@ import torch
 from mconvert.formats.torch_pickle import safe_load_bytes
 from mconvert.formats.torch_zip import map_tensor
 
+from mconvert.blocks import Blocks
 from mconvert.errors import ConvertError, format_names
 
 METADATA = ".metadata"
@@ -195,8 +196,8 @@ class DcpReader:
     def _chunk(self, c: Chunk) -> torch.Tensor:
         return map_tensor(self.root / c.file, c.start, c.length, self._map(c.file))
 
-    def read(self, fqn: str, index: int | tuple[int, ...] = ()) -> torch.Tensor:
-        """The whole tensor, or its block at leading `index` (one layer of a stack, or one layer's expert)."""
+    def _select(self, fqn: str, index: int | tuple[int, ...]):
+        """(entry, index, bounds [lo, hi) of the block asked for, the chunks overlapping it)."""
         entry = self.tensors.get(fqn)
         if entry is None:
             raise ConvertError(f"{self.root}: no tensor {fqn!r} in the checkpoint")
@@ -206,6 +207,31 @@ class DcpReader:
         hi = tuple(i + 1 for i in index) + entry.shape[k:]
         pieces = [c for c in entry.chunks
                   if all(o < h and o + s > a for o, s, a, h in zip(c.offsets, c.sizes, lo, hi))]
+        return entry, index, lo, hi, pieces
+
+    def read_blocks(self, fqn: str, index: int | tuple[int, ...] = ()) -> Blocks:
+        """`read` as Blocks: when the chunks tile the block along its first dimension (Megatron stores SwiGLU's
+        fc1 as its gate and up halves), the mapped chunks themselves, without joining them."""
+        entry, index, lo, hi, pieces = self._select(fqn, index)
+        k = len(index)
+        pieces = sorted(pieces, key=lambda c: c.offsets[k] if k < len(c.offsets) else 0)
+        rows, parts = lo[k] if k < len(lo) else 0, []
+        for c in pieces:
+            whole = all(o <= a and o + s >= b for o, s, a, b in zip(c.offsets[:k], c.sizes[:k], lo, hi)) and \
+                all(o == a and s == b - a for o, s, a, b in zip(c.offsets[k + 1:], c.sizes[k + 1:], lo[k + 1:],
+                                                                  hi[k + 1:]))
+            if k >= len(entry.shape) or not whole or c.offsets[k] != rows:
+                return Blocks.of(self.read(fqn, index))
+            parts.append(self._chunk(c)[tuple(i - o for i, o in zip(index, c.offsets))])
+            rows += c.sizes[k]
+        if k >= len(entry.shape) or rows != hi[k]:
+            return Blocks.of(self.read(fqn, index))
+        return Blocks(tuple(entry.shape[k:]), entry.dtype, tuple(parts))
+
+    def read(self, fqn: str, index: int | tuple[int, ...] = ()) -> torch.Tensor:
+        """The whole tensor, or its block at leading `index` (one layer of a stack, or one layer's expert)."""
+        entry, index, lo, hi, pieces = self._select(fqn, index)
+        k = len(index)
         if len(pieces) == 1 and _covers(pieces[0], lo, hi, k):  # a window on one mapped chunk: no copy
             c = pieces[0]
             return self._chunk(c)[tuple(i - o for i, o in zip(index, c.offsets))]

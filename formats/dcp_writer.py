@@ -15,15 +15,18 @@ threads), so a cluster has enough files to share out.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import pickle
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from mconvert.formats.block_writer import Sender
 from mconvert.formats.dcp import METADATA
 from mconvert.formats.torch_zip import ALIGN, TorchFileWriter
 
@@ -56,6 +59,9 @@ def plan(root: Path, items: list[Item], files: int | None = None,
          ) -> tuple[list[Job], Callable[[list[Any]], None]]:
     """Jobs writing `items` into `files` .distcp files in `root` (default: `file_count`), and the finish step
     writing `.metadata` from their results."""
+    # `.metadata` is made of torch.distributed.checkpoint's classes, whose import costs about half a second of
+    # CPU: start it now, beside the writing (mostly the kernel's work), rather than after it.
+    threading.Thread(target=_import_metadata_classes, name="mconvert-dcp-import", daemon=True).start()
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for item in items:
         if item.global_shape is not None:
@@ -85,7 +91,7 @@ def _write_file(path: Path, items: list[Item], members: list[int], advance: Call
     """Write the `members` of `items` one after another; their `.metadata` entries, by item index."""
     entries = []
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
+    with open(path, "wb") as f, contextlib.closing(Sender()) as sender:
         for k in members:
             item = items[k]
             if item.global_shape is None:
@@ -95,7 +101,7 @@ def _write_file(path: Path, items: list[Item], members: list[int], advance: Call
             else:
                 f.write(b"\0" * (-f.tell() % ALIGN))  # start every archive aligned, so its tensor maps aligned
                 start = f.tell()
-                writer = TorchFileWriter(f, background=False)
+                writer = TorchFileWriter(f, background=False, sender=sender)
                 handle = writer.add(item.produce())
                 if handle.shape != tuple(item.shape) or handle.dtype != item.dtype:
                     raise ConvertError(f"{path}: chunk of {item.fqn} at {list(item.offsets)} came out "
@@ -113,12 +119,18 @@ def object_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _import_metadata_classes():
+    from torch.distributed.checkpoint import metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return metadata, _StorageInfo
+
+
 def write_metadata(root: Path, entries: list[tuple], tensors: dict) -> None:
     """`.metadata` made of torch.distributed.checkpoint's own classes, as its reader (and Megatron's) expects.
 
     `entries` are (fqn, chunk offsets or None for a bytes item, chunk sizes, file, start, length)."""
-    from torch.distributed.checkpoint import metadata as dcp_md
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    dcp_md, _StorageInfo = _import_metadata_classes()
 
     state, storage = {}, {}
     chunks: dict[str, list] = {}

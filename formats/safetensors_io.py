@@ -10,6 +10,7 @@ arrives, so a multi-GB shard never sits in memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from mconvert.formats.block_writer import Sender, pwrite_all
 from mconvert.formats.writeback import Writeback
 
 from mconvert.blocks import Blocks, as_blocks
@@ -158,30 +160,20 @@ def write_range(path: Path | str, plan: Layout, first: int, stop: int,
     """Tensors [first, stop) of the file `plan` describes, each at its offset; the range starting at 0 also writes
     the header and sets the file's size. Other ranges of the same file may be written at the same time (the file
     is opened without truncation and every write goes to its own offset): the file is whole when all are done."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
+    with contextlib.ExitStack() as stack:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        stack.callback(os.close, fd)
         if first == 0:
             os.ftruncate(fd, plan.size)
-            _pwrite_all(fd, memoryview(plan.header), 0)
+            pwrite_all(fd, memoryview(plan.header), 0)
         writeback = Writeback(fd, plan.starts[first] if first < len(plan.entries) else plan.size)
+        sender = stack.enter_context(contextlib.closing(Sender()))
         for e, start in zip(plan.entries[first:stop], plan.starts[first:stop]):
             produced = produce(e)
             if tuple(produced.shape) != tuple(e.shape) or produced.dtype != e.dtype:
                 raise ConvertError(f"{path}: tensor {e.name} came out {list(produced.shape)} {produced.dtype}, "
                                    f"planned {list(e.shape)} {e.dtype}")
             blocks = as_blocks(produced)
-            position = start
-            for buffer in blocks.buffers():
-                position = _pwrite_all(fd, buffer, position)
-                writeback.advance(position)
+            sender.send(blocks, fd, start, writeback=writeback)
             if on_tensor:
                 on_tensor(blocks.nbytes)
-    finally:
-        os.close(fd)
-
-
-def _pwrite_all(fd: int, buffer: memoryview, position: int) -> int:
-    while len(buffer):
-        n = os.pwrite(fd, buffer, position)
-        buffer, position = buffer[n:], position + n
-    return position

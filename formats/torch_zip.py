@@ -22,11 +22,11 @@ import mmap
 import pickle
 import struct
 import zipfile
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from mconvert.formats.block_writer import Sender
 from mconvert.formats.writeback import Writeback
 
 from mconvert.blocks import Blocks, as_blocks
@@ -40,6 +40,9 @@ except ImportError:  # pragma: no cover - the `isal` wheel is a dependency; zlib
     pass
 
 ALIGN = 64
+# zipfile's record writer counts the bytes and CRC it is given in these two attributes (CPython 3.6 to 3.13); the
+# tensor bytes are sent past it, so they are set directly. Without them, tensors go through write() (slower).
+_COUNTS_BYTES = all(a in zipfile._ZipWriteFile.__init__.__code__.co_names for a in ("_file_size", "_crc"))
 _STORAGE_TYPES = {dtype: getattr(torch, name) for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 _STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 
@@ -96,11 +99,12 @@ class TorchFileWriter:
 
     `target` is a path, or an open binary file positioned where the archive starts (left open). With
     `background` the tensor bytes are checksummed and written by a helper thread, overlapping with the caller
-    preparing the next tensor; at most `max_pending` tensors wait at a time.
+    preparing the next tensor; at most `max_pending` tensors wait at a time. `sender` (see formats.block_writer)
+    may be shared by archives written one after another by one thread (DCP files hold one per chunk).
     """
 
     def __init__(self, target: Path | str | BinaryIO, *, archive: str | None = None, background: bool = True,
-                 max_pending: int = 2) -> None:
+                 max_pending: int = 2, sender: Sender | None = None) -> None:
         if isinstance(target, (str, Path)):
             self._file, self._own = open(target, "wb"), True  # noqa: SIM115
             archive = archive or Path(target).stem
@@ -108,6 +112,7 @@ class TorchFileWriter:
             self._file, self._own = target, False
         self._out = Window(self._file)
         self._writeback = Writeback(self._file.fileno(), self._file.tell())
+        self._sender, self._own_sender = (sender, False) if sender else (Sender(), True)  # one writing thread
         self._prefix = archive or "archive"
         self._zip = zipfile.ZipFile(self._out, "w", zipfile.ZIP_STORED, allowZip64=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if background else None
@@ -117,20 +122,29 @@ class TorchFileWriter:
         self._closed = False
         self.bytes_written = 0
 
-    def _record(self, name: str, data: bytes | Iterable) -> None:
-        """One stored record; `data` is bytes or an iterable of buffers written one after another."""
+    def _record(self, name: str, data: bytes | Blocks) -> None:
+        """One stored record of `data`: bytes, or blocks sent by `formats.block_writer` (file to file where it can)
+        behind zipfile's back, telling it the size and CRC it would have counted."""
         info = zipfile.ZipInfo(f"{self._prefix}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
         # Local header = 30 bytes + name + our padding field (4 + n) + the zip64 field (20): pad the data to ALIGN.
         header = 30 + len(info.filename.encode()) + 4 + 20
         pad = -(self._out.tell() + header) % ALIGN
         info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         with self._zip.open(info, "w", force_zip64=True) as f:
-            for buffer in [data] if isinstance(data, bytes) else data:
-                f.write(buffer)
+            if isinstance(data, bytes):
+                f.write(data)
+            elif not _COUNTS_BYTES:
+                f.write(data.join().reshape(-1).view(torch.uint8).numpy())
+            else:
+                self._file.flush()
+                start = self._file.tell()
+                end, crc = self._sender.send(data, self._file.fileno(), start, crc=0, writeback=self._writeback)
+                self._file.seek(end)
+                f._file_size, f._crc = end - start, crc  # what f.write() would have counted
         self._writeback.advance(self._file.tell())
 
     def _write_tensor(self, key: str, blocks: Blocks) -> None:
-        self._record(f"data/{key}", blocks.buffers())
+        self._record(f"data/{key}", blocks)
 
     def _wait(self, keep: int) -> None:
         while len(self._pending) > keep:
@@ -190,6 +204,8 @@ class TorchFileWriter:
             try:
                 self._zip.close()
             finally:
+                if self._own_sender:
+                    self._sender.close()
                 if self._own:
                     self._file.close()
 

@@ -102,4 +102,5 @@ def _lazy(store, key: str, index: tuple[int, ...], it_dir: Path, config) -> Lazy
         raise ConvertError(f"{it_dir}: {key} stacks {list(shape[:len(index)])} (layers, experts), the args say "
                            f"{list(want)}")
     origin = f"{it_dir.name}:{key}" + (f"{list(index)}" if index else "")
-    return LazyTensor(tuple(shape[len(index):]), dtype, lambda: store.read(key, index), origin)
+    blocks = (lambda: store.read_blocks(key, index)) if hasattr(store, "read_blocks") else None
+    return LazyTensor(tuple(shape[len(index):]), dtype, lambda: store.read(key, index), origin, blocks)

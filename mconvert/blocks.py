@@ -8,27 +8,24 @@ belongs. `Blocks` is that promise:
     shape [6144, 2048]  =  parts ( q rows of group 0 | k of group 0 | v of group 0 | q of group 1 | … )
                             each a contiguous tensor; their bytes, in order, are the tensor's bytes
 
-Blocks usually view the source's memory map, so holding one costs no process memory.
+Blocks usually view the source's memory map, so holding one costs no process memory. A part need not be
+contiguous (a row-parallel piece is every row's left half). How parts reach a file is `formats.block_writer`'s
+business.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from mconvert.errors import ConvertError
 
-WRITE_SIZE = 8 << 20  # bytes per write(): large enough for few syscalls, small enough to stay in the CPU caches
-
 
 @dataclass(frozen=True)
 class Blocks:
-    """`shape`/`dtype` of the whole; `parts` contiguous tensors whose bytes, one after another, are its bytes.
-
-    Parts are cut along dimension 0 (rows; the elements of a 1-D tensor), so each holds whole rows.
-    """
+    """`shape`/`dtype` of the whole; `parts` tensors whose bytes (each part's in row-major order), one after
+    another, are its bytes. Parts are cut along dimension 0 (rows; the elements of a 1-D tensor)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -36,7 +33,7 @@ class Blocks:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> Blocks:
-        t = tensor.detach().cpu().contiguous()  # a contiguous view stays a view: only its own bytes are written
+        t = tensor.detach().cpu()  # a view stays a view: only its own bytes are written
         return cls(tuple(t.shape), t.dtype, (t,) if t.numel() else ())
 
     @property
@@ -74,20 +71,11 @@ class Blocks:
             return self.parts[0].reshape(self.shape)
         return torch.cat([p.reshape(-1) for p in self.parts]).reshape(self.shape)
 
-    def buffers(self, size: int = WRITE_SIZE) -> Iterator[memoryview]:
-        """The bytes, as memoryviews of at most `size` bytes (no copy)."""
-        for p in self.parts:
-            if not p.numel():
-                continue
-            view = memoryview(p.reshape(-1).view(torch.uint8).numpy())
-            for i in range(0, len(view), size):
-                yield view[i:i + size]
-
     def check(self, shape: tuple[int, ...], dtype: torch.dtype, where: str) -> Blocks:
         """Refuse blocks that do not make the planned tensor (a loader or rule bug, caught before writing)."""
         got = sum(p.numel() for p in self.parts)
         if tuple(self.shape) != tuple(shape) or self.dtype != dtype or got * self.dtype.itemsize != self.nbytes or \
-                any(p.dtype != self.dtype or not p.is_contiguous() for p in self.parts):
+                any(p.dtype != self.dtype for p in self.parts):
             raise ConvertError(f"{where}: expected {list(shape)} {dtype}, got {list(self.shape)} {self.dtype} in "
                                f"{len(self.parts)} blocks of {got} elements")
         return self
