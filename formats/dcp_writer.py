@@ -19,11 +19,12 @@ import contextlib
 import functools
 import io
 import pickle
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from mconvert.formats.block_writer import Sender
@@ -93,23 +94,89 @@ def _write_file(path: Path, items: list[Item], members: list[int], advance: Call
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f, contextlib.closing(Sender()) as sender:
         for k in members:
-            item = items[k]
-            if item.global_shape is None:
-                start = f.tell()
-                f.write(item.produce())
-                entries.append((k, (item.fqn, None, None, path.name, start, f.tell() - start)))
-            else:
-                f.write(b"\0" * (-f.tell() % ALIGN))  # start every archive aligned, so its tensor maps aligned
-                start = f.tell()
-                writer = TorchFileWriter(f, background=False, sender=sender)
-                handle = writer.add(item.produce())
-                if handle.shape != tuple(item.shape) or handle.dtype != item.dtype:
-                    raise ConvertError(f"{path}: chunk of {item.fqn} at {list(item.offsets)} came out "
-                                       f"{list(handle.shape)} {handle.dtype}, planned {list(item.shape)} {item.dtype}")
-                writer.finish(handle)
-                entries.append((k, (item.fqn, item.offsets, handle.shape, path.name, start, f.tell() - start)))
-            advance(item.nbytes)
+            entries.append((k, _write_item(f, path.name, items[k], sender)))
+            advance(items[k].nbytes)
     return entries
+
+
+def _write_item(f: BinaryIO, name: str, item: Item, sender: Sender) -> tuple:
+    """Append `item` to the open file `f` (called `name`); its `.metadata` entry."""
+    if item.global_shape is None:
+        start = f.tell()
+        f.write(item.produce())
+        return item.fqn, None, None, name, start, f.tell() - start
+    f.write(b"\0" * (-f.tell() % ALIGN))  # start every archive aligned, so its tensor maps aligned
+    start = f.tell()
+    writer = TorchFileWriter(f, background=False, sender=sender)
+    handle = writer.add(item.produce())
+    if handle.shape != tuple(item.shape) or handle.dtype != item.dtype:
+        raise ConvertError(f"{f.name}: chunk of {item.fqn} at {list(item.offsets)} came out {list(handle.shape)} "
+                           f"{handle.dtype}, planned {list(item.shape)} {item.dtype}")
+    writer.finish(handle)
+    return item.fqn, tuple(item.offsets), handle.shape, name, start, f.tell() - start
+
+
+class DcpWriter:
+    """Write a DCP directory as chunks come, in one thread (savers plan instead, to write files in parallel).
+
+    Items go to the file with the fewest bytes so far. Inside a process group every rank writes its own files
+    (`__{rank}_{i}.distcp`) and rank 0 gathers the entries and writes `.metadata`, as DCP does. A context manager.
+    """
+
+    def __init__(self, root: Path, *, rank: int = 0, files: int = 2) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._files = [open(self.root / f"__{rank}_{i}.distcp", "wb") for i in range(files)]  # noqa: SIM115
+        self._sizes = [0] * files
+        self._sender = Sender()
+        self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.entries: list[tuple] = []
+
+    def __enter__(self) -> DcpWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _add(self, item: Item) -> None:
+        i = min(range(len(self._files)), key=lambda i: (self._sizes[i], i))
+        self._sizes[i] += item.nbytes
+        f = self._files[i]
+        self.entries.append(_write_item(f, Path(f.name).name, item, self._sender))
+
+    def add_chunk(self, fqn: str, global_shape, offsets, tensor: torch.Tensor) -> None:
+        """One chunk of tensor `fqn` (global shape `global_shape`) starting at `offsets`."""
+        shape, dtype = tuple(global_shape), tensor.dtype
+        if self.tensors.setdefault(fqn, (shape, dtype)) != (shape, dtype):
+            raise ConvertError(f"{fqn}: chunks disagree on the global shape or dtype: {self.tensors[fqn]} vs "
+                               f"{(shape, dtype)}")
+        self._add(Item(fqn, tensor.numel() * tensor.element_size(), lambda: tensor, shape, tuple(offsets),
+                       tuple(tensor.shape), dtype))
+
+    def add_bytes(self, fqn: str, data: bytes) -> None:
+        self._add(Item(fqn, len(data), lambda: data))
+
+    def add_object(self, fqn: str, obj) -> None:
+        """A bytes item holding `torch.save(obj)` (how Megatron stores non-tensor state)."""
+        self.add_bytes(fqn, object_bytes(obj))
+
+    def close(self) -> None:
+        self._sender.close()
+        for f in self._files:
+            f.close()
+
+    def finish(self, group=None) -> None:
+        """Close the files and write `.metadata` (rank 0 of `group` gathers every rank's entries)."""
+        self.close()
+        entries, tensors = list(self.entries), dict(self.tensors)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered = [None] * torch.distributed.get_world_size(group)
+            torch.distributed.all_gather_object(gathered, (entries, tensors), group=group)
+            if torch.distributed.get_rank(group) != 0:
+                return
+            entries = [e for part, _ in gathered for e in part]
+            tensors = {k: v for _, part in gathered for k, v in part.items()}
+        write_metadata(self.root, entries, tensors)
 
 
 def object_bytes(obj: Any) -> bytes:
@@ -131,9 +198,13 @@ def write_metadata(root: Path, entries: list[tuple], tensors: dict) -> None:
 
     `entries` are (fqn, chunk offsets or None for a bytes item, chunk sizes, file, start, length)."""
     dcp_md, _StorageInfo = _import_metadata_classes()
-
     state, storage = {}, {}
     chunks: dict[str, list] = {}
+    # Equal names as one object each: the pickle then refers back to it, however the entries were gathered (in
+    # this process, or from other ranks), so the file's bytes depend on the checkpoint alone.
+    entries = [(sys.intern(fqn), offsets, sizes, sys.intern(file), start, length)
+               for fqn, offsets, sizes, file, start, length in entries]
+    tensors = {sys.intern(k): v for k, v in tensors.items()}
     for fqn, offsets, sizes, file, start, length in entries:
         key = dcp_md.MetadataIndex(fqn, torch.Size(offsets) if offsets is not None else None)
         storage[key] = _StorageInfo(relative_path=file, offset=start, length=length)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import os
 import sys
 import threading
@@ -95,6 +96,9 @@ def run(jobs: list[Job], *, workers: int | None, progress: Progress,
     """Run `jobs` (this rank's share of them under torchrun) on `workers` threads, then `finish(results)` on rank 0
     with every job's result in job order; returns the results (on every rank)."""
     me = team()
+    pending = _STAGING.get()
+    if pending is not None:
+        pending.ran = True
     mine = assign([j.nbytes for j in jobs], me.size)[me.rank]
     results: dict[int, Any] = {}
     error: BaseException | None = None
@@ -193,6 +197,9 @@ def shared_staging(dst: Path, staged: Callable[[Path], contextlib.AbstractContex
     import torch.distributed as dist
 
     with contextlib.ExitStack() as stack:
+        block = _Block()
+        token = _STAGING.set(block)
+        stack.callback(_STAGING.reset, token)
         made: list[Any] = [None, None]
         if me.leader:
             try:
@@ -207,6 +214,9 @@ def shared_staging(dst: Path, staged: Callable[[Path], contextlib.AbstractContex
             yield Path(made[0])
         except BaseException as e:  # noqa: BLE001
             error = e
+            if not block.ran:  # failed before the saver's `run`: take part in its gather, as the others do
+                with contextlib.suppress(BaseException):
+                    _gather({}, error, me)
         _gather({}, error, me)  # every rank done (or all of them fail; rank 0's failure removes the staging)
         status: list[Any] = [None]
         if me.leader:
@@ -217,6 +227,18 @@ def shared_staging(dst: Path, staged: Callable[[Path], contextlib.AbstractContex
         dist.broadcast_object_list(status, src=0)
         if status[0] is not None:
             raise ConvertError(f"rank 0 could not move the output into place at {dst}: {status[0]}")
+
+
+@dataclass
+class _Block:
+    """A shared-staging block: has the saver reached `run` (and its gather) on this rank?"""
+
+    ran: bool = False
+
+
+# The shared-staging block this code runs in, if any: a rank failing before the saver's `run` must still take part
+# in that run's gather, or the ranks' collectives would no longer pair up.
+_STAGING: contextvars.ContextVar[_Block | None] = contextvars.ContextVar("mconvert_staging", default=None)
 
 
 def init_from_env() -> bool:

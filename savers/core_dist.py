@@ -40,7 +40,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
                                  expert_layout=options.expert_layout)
     iteration = megatron_files.iteration(ir, options)
     it_dir = out / core.iteration_dir(iteration)
-    it_dir.mkdir(parents=True)
+    it_dir.mkdir(parents=True, exist_ok=True)  # under torchrun every rank prepares the same directory
     planner = RowPlanner(Ctx(c, padded))
     items = [item for placed in core_dist.placements(c, options.transformer_impl)
              for item in _blocks(ir, placed, planner)]
