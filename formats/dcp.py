@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from mconvert.formats.torch_pickle import safe_load_bytes
-from mconvert.formats.torch_zip import map_tensor
+from mconvert.formats.torch_pickle import map_tensor, safe_load_bytes
 
 from mconvert.blocks import Blocks
 from mconvert.errors import ConvertError, format_names

@@ -3,7 +3,9 @@
 Reading never executes code from the file: `torch.load(weights_only=True)` with an explicit allow-list. Megatron
 pickles its args with a few of its own classes inside (enums); those names map to inert stand-ins, so reading
 needs no Megatron install. Anything else the pickle asks for is refused with an error naming the global.
-(Writing lives in `formats.torch_zip`.)
+`map_tensor` reads a tensor archive embedded in a bigger file (a DCP chunk) through the same `torch.load`, on the
+meta device: torch then reads only the pickle and the record headers and says where the storage's bytes are, which
+become a view of the caller's memory map, nothing copied. (Writing lives in `formats.torch_zip`.)
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import collections
 import contextlib
 import io
+import mmap
 import pathlib
 import pickle
 import re
@@ -162,6 +165,64 @@ def safe_load_bytes(data: bytes, where: str) -> Any:
                            "on the allow-list of safe types") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise ConvertError(f"{where}: not a readable torch object (truncated or corrupt?): {_first_line(e)}") from None
+
+
+def map_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> torch.Tensor:
+    """The tensor torch.save'd at bytes [offset, offset+length) of `path`, as a view of `mapping` (no copy)."""
+    where = f"{path}: the tensor archive at byte {offset}"
+    try:
+        with open(path, "rb") as f:  # a tensor needs nothing beyond torch's own allow-list
+            meta = torch.load(_ReadWindow(f, offset, length), map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ConvertError(f"{where}: refusing to unpickle: {_first_line(e)}") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ConvertError(f"{where} is not readable (truncated or corrupt?): {_first_line(e)}") from None
+    if not isinstance(meta, torch.Tensor):
+        raise ConvertError(f"{where} holds a {type(meta).__name__}, not a tensor")
+    storage = meta.untyped_storage()
+    start = getattr(storage, "_checkpoint_offset", None)  # where torch found the storage, from the archive's start
+    if start is None:
+        raise ConvertError(f"{where}: this torch ({torch.__version__}) does not report storage offsets; torch >= 2.6 "
+                           "is needed to read distributed checkpoints")
+    nbytes = storage.nbytes()
+    if start + nbytes > length:
+        raise ConvertError(f"{where} lacks the bytes of its storage (truncated?)")
+    if not nbytes:
+        return torch.empty(meta.shape, dtype=meta.dtype)
+    flat = torch.frombuffer(mapping, dtype=meta.dtype, count=nbytes // meta.dtype.itemsize, offset=offset + start)
+    return flat.as_strided(meta.shape, meta.stride(), meta.storage_offset())
+
+
+class _ReadWindow:
+    """Bytes [base, base+length) of an open file, as a seekable file object for torch's zip reader."""
+
+    def __init__(self, f, base: int, length: int) -> None:
+        self.f, self.base, self.length, self.pos = f, base, length, 0
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.length - self.pos if n is None or n < 0 else min(n, self.length - self.pos)
+        self.f.seek(self.base + self.pos)
+        data = self.f.read(max(n, 0))
+        self.pos += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
 
 
 def _first_line(e: Exception) -> str:

@@ -9,8 +9,10 @@ couple of tensors, whatever the file size. The archive is written with Python's 
 faster than torch's own writer) and can start anywhere in an open file: distributed-checkpoint files embed one
 such archive per tensor chunk.
 
-Reading `map_tensor` maps such an embedded single-tensor archive without copying it: its pickle is read by a
-tiny unpickler that knows only how torch rebuilds a tensor, and the bytes are a view of a private memory map.
+Records are laid out by Python's zipfile, not by torch's writer (miniz), so the archive does not claim torch's
+`.format_version`: with it, torch would compute storage offsets from miniz's layout (its
+`calculate_storage_offsets` option and meta-device loads) instead of reading each record's header. Reading is
+torch's own `torch.load` (see `formats.torch_pickle`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import io
-import mmap
 import pickle
 import struct
 import zipfile
@@ -30,7 +31,6 @@ from mconvert.formats.block_writer import Sender
 from mconvert.formats.writeback import Writeback
 
 from mconvert.blocks import Blocks, as_blocks
-from mconvert.errors import ConvertError
 
 try:  # ISA-L's CRC-32 (the very same checksum) runs about 6x faster than zlib's; zipfile calls it for every byte
     from isal.isal_zlib import crc32 as _fast_crc32
@@ -44,7 +44,6 @@ ALIGN = 64
 # tensor bytes are sent past it, so they are set directly. Without them, tensors go through write() (slower).
 _COUNTS_BYTES = all(a in zipfile._ZipWriteFile.__init__.__code__.co_names for a in ("_file_size", "_crc"))
 _STORAGE_TYPES = {dtype: getattr(torch, name) for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
-_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 
 
 class _StorageRef:
@@ -184,8 +183,8 @@ class TorchFileWriter:
         _Pickler(buf, protocol=2).dump(obj)
         self._wait(0)
         data = buf.getvalue()
-        for name, value in (("data.pkl", data), (".format_version", b"1"), (".storage_alignment", b"64"),
-                            ("byteorder", b"little"), ("version", b"3\n")):
+        for name, value in (("data.pkl", data), (".storage_alignment", b"64"), ("byteorder", b"little"),
+                            ("version", b"3\n")):
             self._record(name, value)
         self.close()
         self.bytes_written += len(data)
@@ -213,87 +212,3 @@ class TorchFileWriter:
 def save(obj: Any, target: Path | str | BinaryIO, **kwargs) -> int:
     """`torch.save` through the streaming writer (same format); returns the bytes written."""
     return TorchFileWriter(target, **kwargs).finish(obj)
-
-
-class _TensorPickle(pickle.Unpickler):
-    """Reads the pickle of a torch.save'd tensor and nothing else: no other global can be named."""
-
-    def __init__(self, data: bytes, rebuild) -> None:
-        super().__init__(io.BytesIO(data))
-        self._rebuild = rebuild
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return self._rebuild
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if (module, name) == ("torch", "Size"):
-            return torch.Size
-        raise pickle.UnpicklingError(f"unexpected global {module}.{name} in a tensor archive")
-
-    def persistent_load(self, pid):
-        _, dtype, key, _location, numel = pid
-        return dtype, str(key), int(numel)
-
-
-def map_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> torch.Tensor:
-    """The tensor torch.save'd at bytes [offset, offset+length) of `path`, as a view of `mapping` (no copy)."""
-    with open(path, "rb") as f:
-        f.seek(offset)
-        window = _ReadWindow(f, offset, length)
-        try:
-            archive = zipfile.ZipFile(window)
-            names = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
-            pickled = archive.read(names["data.pkl"])
-        except (zipfile.BadZipFile, KeyError, OSError) as e:
-            raise ConvertError(f"{path}: bytes {offset}..{offset + length} are not a torch tensor archive "
-                               f"(truncated or corrupt?): {e}") from None
-        starts = {}
-        for key, info in names.items():
-            if key.startswith("data/"):
-                f.seek(offset + info.header_offset)
-                header = f.read(30)
-                name_len, extra_len = struct.unpack("<HH", header[26:30])
-                starts[key[5:]] = offset + info.header_offset + 30 + name_len + extra_len
-
-    def rebuild(storage, storage_offset, size, stride, *_):
-        dtype, key, numel = storage
-        if key not in starts or starts[key] + numel * dtype.itemsize > offset + length:
-            raise ConvertError(f"{path}: tensor archive at byte {offset} lacks the bytes of storage {key}")
-        flat = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=starts[key]) if numel else \
-            torch.empty(0, dtype=dtype)
-        return flat.as_strided(tuple(size), tuple(stride), storage_offset)
-
-    try:
-        tensor = _TensorPickle(pickled, rebuild).load()
-    except pickle.UnpicklingError as e:
-        raise ConvertError(f"{path}: refusing the tensor archive at byte {offset}: {e}") from None
-    if not isinstance(tensor, torch.Tensor):
-        raise ConvertError(f"{path}: the archive at byte {offset} holds a {type(tensor).__name__}, not a tensor")
-    return tensor
-
-
-class _ReadWindow:
-    """Bytes [base, base+length) of an open file, as a seekable file object for zipfile."""
-
-    def __init__(self, f: BinaryIO, base: int, length: int) -> None:
-        self.f, self.base, self.length, self.pos = f, base, length, 0
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.length - self.pos if n is None or n < 0 else min(n, self.length - self.pos)
-        self.f.seek(self.base + self.pos)
-        data = self.f.read(max(n, 0))
-        self.pos += len(data)
-        return data
-
-    def seekable(self) -> bool:
-        return True

@@ -121,3 +121,47 @@ def test_megatron_training_state_reads(tmp_path):
     assert loaded["model"]["decoder.layers.0.self_attention.linear_qkv._extra_state"].getvalue() == b"te-state"
     np_state = loaded["rng_state"][0]["np_rng_state"]
     assert np_state[0] == "MT19937" and np.array_equal(np_state[1], np_rng[1])
+
+
+def test_torch_finds_our_storages_where_they_are(tmp_path):
+    """torch may compute storage offsets from its own writer's layout instead of reading record headers (its
+    `calculate_storage_offsets` option, meta-device loads); our files must not invite that, or it reads wrong bytes."""
+    from torch.utils.serialization import config
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(n, generator=gen) for i, n in enumerate([1000, 7, 333, 1, 64, 5])}
+    writer = TorchFileWriter(tmp_path / "x.pt", archive="common")  # record names decide where headers end
+    writer.finish({k: writer.add(v) for k, v in tensors.items()})
+    with config.patch({"load.calculate_storage_offsets": True}):
+        loaded = torch.load(tmp_path / "x.pt", mmap=True, weights_only=True)
+        meta = torch.load(tmp_path / "x.pt", map_location="meta", weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    raw = (tmp_path / "x.pt").read_bytes()
+    for k, v in tensors.items():
+        at = meta[k].untyped_storage()._checkpoint_offset
+        assert raw[at:at + v.nbytes] == v.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_embedded_tensor_archives_are_mapped_or_refused(tmp_path):
+    import mmap
+
+    from mconvert.formats.torch_pickle import map_tensor
+
+    path = tmp_path / "chunks.bin"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 64)
+        start = f.tell()
+        TorchFileWriter(f, background=False).finish(torch.arange(12.0).reshape(3, 4)[1:])
+        end = f.tell()
+        torch.save({"not": "a tensor"}, f)
+        other_end = f.tell()
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    t = map_tensor(path, start, end - start, mapping)
+    assert torch.equal(t, torch.arange(4.0, 12.0).reshape(2, 4))
+    base = torch.frombuffer(mapping, dtype=torch.uint8)
+    assert base.data_ptr() <= t.data_ptr() < base.data_ptr() + len(mapping)  # a view of the file: nothing copied
+    with pytest.raises(ConvertError, match="holds a dict, not a tensor"):
+        map_tensor(path, end, other_end - end, mapping)
+    with pytest.raises(ConvertError, match="is not readable"):
+        map_tensor(path, start, 100, mapping)
