@@ -62,9 +62,6 @@ class Sender:
 
     def close(self) -> None:
         self._sources.close()
-        if os.environ.get("MCONVERT_DEBUG_SEND"):
-            print(f"sender: {self.copied >> 20} MiB copied file to file, {self.written >> 20} MiB written, "
-                  f"{self._sources.refreshes} map reads", flush=True)
 
     def _span(self, part: torch.Tensor) -> Span | None:
         if not self._copy_files or part.numel() * part.element_size() < SPAN_MIN:

@@ -180,12 +180,13 @@ def shard_plan(entries: list[safetensors_io.Entry], max_shard_size: int) -> list
 
 def weight_jobs(out: Path, entries: list[safetensors_io.Entry],
                 produce: Callable[[safetensors_io.Entry], torch.Tensor | Blocks], max_shard_size: int,
-                pieces: int = 1) -> tuple[list[Job], dict | None]:
-    """Jobs writing the safetensors shards, each shard cut into up to `pieces` byte-balanced ranges of tensors that
-    can be written at once (the bytes do not depend on the cut); and the index to write when they are done (None
-    for a single `model.safetensors`)."""
+                parallel: int = 1) -> tuple[list[Job], dict | None]:
+    """Jobs writing the safetensors shards, each shard cut into byte-balanced ranges of tensors written at once
+    when there are fewer shards than `parallel` writers (the bytes do not depend on the cut); and the index to
+    write when they are done (None for a single `model.safetensors`)."""
     shards = shard_plan(entries, max_shard_size)
     n = len(shards)
+    pieces = -(-parallel // n)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map: dict[str, str] = {}
     jobs = []

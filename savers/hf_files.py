@@ -34,7 +34,7 @@ def save_hf(ir: ModelIR, out: Path, options: Options, progress: Progress, *, tab
     entries = [Entry(p.key, p.shape, p.dtype) for p in plan.values()]
     planner = RowPlanner(ctx)
     jobs, index = hf_dir.weight_jobs(out, entries, lambda e: plan[e.name].produce(ir, planner),
-                                     options.max_shard_size, pieces=workers.slots(options.workers))
+                                     options.max_shard_size, parallel=workers.slots(options.workers))
 
     def finish(_) -> None:
         if index is not None:

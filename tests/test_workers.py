@@ -21,6 +21,7 @@ TARGETS = {
     "torch_dist": ["--saver", "core", "--ckpt-format", "torch_dist"],
     "legacy TP2": ["--saver", "legacy", "--tp", "2"],
     "HF shards": ["--saver", "llama_mistral", "--max-shard-size", "150KB"],
+    "HF one file": ["--saver", "llama_mistral"],  # written in byte ranges, by several writers at once
 }
 
 
@@ -75,8 +76,9 @@ def test_file_to_file_copies_write_what_memory_writes(llama_dir, tmp_path, monke
 def test_torchrun_ranks_write_the_same_bytes(llama_dir, tmp_path):
     """Two ranks of one torchrun launch share each conversion (one worker each: the jobs are split between the
     processes); a failure on one rank, while writing or before, fails both and leaves nothing behind."""
+    shared = ("core TP2 PP2", "torch_dist", "HF one file")
     spec = [{"args": ["-q", *TARGETS[t], "--workers", "1", "--load-dir", str(llama_dir),
-                      "--save-dir", str(tmp_path / "ranks" / t)]} for t in ("core TP2 PP2", "torch_dist", "HF shards")]
+                      "--save-dir", str(tmp_path / "ranks" / t)]} for t in shared]
     spec += [{"args": ["-q", *TARGETS["core TP2 PP2"], "--workers", "1", "--load-dir", str(llama_dir),
                        "--save-dir", str(tmp_path / "failed" / f"{rank}_{where}")], "fail_rank": rank, "fail_in": where}
              for rank, where in ((1, "write"), (0, "plan"), (1, "plan"))]
@@ -87,7 +89,7 @@ def test_torchrun_ranks_write_the_same_bytes(llama_dir, tmp_path):
                            str(ROOT / "tests" / "helpers_mconvert_ranks.py"), str(tmp_path / "spec.json")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    for t in ("core TP2 PP2", "torch_dist", "HF shards"):
+    for t in shared:
         alone = convert(llama_dir, tmp_path / "alone" / t, TARGETS[t], "--workers", "1")
         assert files(tmp_path / "ranks" / t) == files(alone), t
     assert list((tmp_path / "failed").iterdir()) == []  # neither the output nor a staging directory
