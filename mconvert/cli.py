@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import re
 from pathlib import Path
 
@@ -119,18 +121,19 @@ def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, quiet, **
     """
     if ctx.invoked_subcommand is not None:
         return
-    from mconvert import engine, workers
-    from mconvert.options import LAYOUT_OPTIONS
-    from mconvert.progress import Progress, human_bytes
-
     if not (saver and load_dir and save_dir):
         if not (saver or load_dir or save_dir):
             click.echo(ctx.get_help())
             return
         missing = [n for n, v in (("--saver", saver), ("--load-dir", load_dir), ("--save-dir", save_dir)) if not v]
         raise click.UsageError(f"a conversion needs {', '.join(missing)}")
-    source = engine.resolve_loader(loader, load_dir)
-    target = registry.get_saver(saver)
+    with _long_lived_imports():
+        from mconvert import engine, workers
+        from mconvert.options import LAYOUT_OPTIONS
+        from mconvert.progress import Progress, human_bytes
+
+        source = engine.resolve_loader(loader, load_dir)
+        target = registry.get_saver(saver)
     _check_applicable(ctx, source, target)
     options = _options(opts)
     grouped = workers.init_from_env()  # under torchrun: every rank writes its share
@@ -139,6 +142,7 @@ def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, quiet, **
         summary = engine.convert(load_dir, save_dir, loader=source.name, saver=target.name, options=options,
                                  force=force, progress=progress)
     finally:
+        gc.unfreeze()
         if grouped:
             import torch.distributed
 
@@ -157,6 +161,19 @@ def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, quiet, **
         f"({human_bytes(rate)}/s)",
         err=True,
     )
+
+
+@contextlib.contextmanager
+def _long_lived_imports():
+    """Importing torch and the plugins makes about half a million objects that live as long as the process: no
+    garbage collection while they are made, and none scanning them afterwards (gc.freeze; about a tenth of the
+    CPU time of a conversion otherwise goes to collections)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def _check_applicable(ctx: click.Context, loader: registry.Plugin, saver: registry.Plugin) -> None:
