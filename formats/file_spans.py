@@ -11,7 +11,9 @@ is looked up in the kernel's own table of this process's mappings (Linux `/proc/
 
     file offset of address a = offset + (a - start), when [a, a + nbytes) lies inside one file mapping
 
-The file is reopened by path and must still be the same inode. Elsewhere (no /proc) nothing is found, and the
+The file is reopened by path and must still be the same inode. A private mapping may hold pages changed in memory
+since (torch byte-swaps a big-endian checkpoint in place): such a span is only used when the kernel's page table
+(`/proc/self/pagemap`) shows none of its pages turned anonymous. Elsewhere (no /proc) nothing is found, and the
 caller writes the bytes as usual.
 """
 
@@ -26,6 +28,8 @@ import torch
 
 REFRESH_SECONDS = 0.01  # an address in no known mapping re-reads the table, at most this often
 MAPS = "/proc/self/maps"
+PAGEMAP = "/proc/self/pagemap"
+_PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61  # pagemap entry flags (Documentation/admin-guide/mm/pagemap)
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class Mapping:
     start: int
     end: int
     offset: int
-    device: str
+    private: bool  # copy-on-write: pages written in memory no longer match the file
     inode: int
     path: str  # "" for anonymous memory
 
@@ -52,6 +56,7 @@ class SourceMap:
         self._starts: list[int] = []
         self._read_at = float("-inf")
         self._fds: dict[tuple[str, int], int | None] = {}
+        self._pagemap: int | None = None
         self.refreshes = 0
 
     def find(self, t: torch.Tensor) -> Span | None:
@@ -65,8 +70,30 @@ class SourceMap:
             m = self._lookup(start)
         if m is None or not m.path.startswith("/") or start + nbytes > m.end:
             return None
+        if m.private and not self._unchanged(start, nbytes):
+            return None
         fd = self._open(m)
         return None if fd is None else Span(fd, m.offset + start - m.start)
+
+    def _unchanged(self, start: int, nbytes: int) -> bool:
+        """Do the pages of [start, start+nbytes) of a private file mapping still hold the file's bytes? Each is
+        either not in memory yet (read from the file when touched) or a page of the file, never an anonymous
+        copy. Unknown (no pagemap) counts as changed."""
+        import numpy as np
+
+        page = os.sysconf("SC_PAGE_SIZE")
+        first, last = start // page, (start + nbytes - 1) // page
+        try:
+            if self._pagemap is None:
+                self._pagemap = os.open(PAGEMAP, os.O_RDONLY)
+            raw = os.pread(self._pagemap, (last - first + 1) * 8, first * 8)
+        except OSError:
+            return False
+        entries = np.frombuffer(raw, dtype=np.uint64)
+        if len(entries) != last - first + 1:
+            return False
+        resident = (entries & np.uint64(_PRESENT | _SWAPPED)) != 0
+        return bool(np.all(~resident | ((entries & np.uint64(_FILE)) != 0)))
 
     def _lookup(self, address: int) -> Mapping | None:
         i = bisect.bisect_right(self._starts, address) - 1
@@ -88,8 +115,8 @@ class SourceMap:
             if len(fields) < 5:
                 continue
             lo, hi = fields[0].split("-")
-            mappings.append(Mapping(int(lo, 16), int(hi, 16), int(fields[2], 16), fields[3], int(fields[4]),
-                                    fields[5] if len(fields) > 5 else ""))
+            mappings.append(Mapping(int(lo, 16), int(hi, 16), int(fields[2], 16), fields[1].endswith("p"),
+                                    int(fields[4]), fields[5] if len(fields) > 5 else ""))
         mappings.sort(key=lambda m: m.start)
         self._mappings, self._starts = mappings, [m.start for m in mappings]
 
@@ -107,7 +134,8 @@ class SourceMap:
         return self._fds[key]
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), self._pagemap]:
             if fd is not None:
                 os.close(fd)
         self._fds.clear()
+        self._pagemap = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import struct
 
@@ -165,3 +166,29 @@ def test_embedded_tensor_archives_are_mapped_or_refused(tmp_path):
         map_tensor(path, end, other_end - end, mapping)
     with pytest.raises(ConvertError, match="is not readable"):
         map_tensor(path, start, 100, mapping)
+
+
+def test_mapped_bytes_go_file_to_file_unless_changed_in_memory(tmp_path):
+    """Tensors mapped from a file are copied file to file (copy_file_range); a private mapping changed in memory
+    (torch byte-swaps big-endian checkpoints in place) must be written from memory instead."""
+    from mconvert.formats.block_writer import Sender
+
+    from mconvert.blocks import Blocks
+
+    tensors = {"a": torch.randn(1024, 512), "b": torch.randn(1024, 512)}
+    save_file(tensors, tmp_path / "src.safetensors")
+    source = safetensors_io.SafetensorsFile(tmp_path / "src.safetensors")
+    a, b = source.get("a"), source.get("b")
+    b[3, 7] = 42.0  # a page of b becomes this process's own copy
+    sender = Sender()
+    fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        end, _ = sender.send(Blocks.of(a), fd, 0)
+        sender.send(Blocks.of(b), fd, end)
+    finally:
+        os.close(fd)
+        sender.close()
+    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.float32).view(2048, 512)
+    assert torch.equal(out[:1024], tensors["a"]) and out[1024 + 3, 7] == 42.0
+    assert torch.equal(out[1024:], b)
+    assert sender.copied == a.nbytes and sender.written == b.nbytes
