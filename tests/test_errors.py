@@ -112,20 +112,25 @@ def test_shapes_disagreeing_across_tp_ranks(llama_dir, tmp_path):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_failed_conversion_leaves_no_partial_output(llama_dir, tmp_path, monkeypatch, workers):
     dst = tmp_path / "out"
-    calls = {"n": 0}
+    calls = {"n": 0, "fail_at": 7}
     original = TorchFileWriter.add
 
     def failing_add(self, tensor):
         calls["n"] += 1
-        if calls["n"] == 7:
+        if calls["n"] == calls["fail_at"]:
             raise OSError("No space left on device")
         return original(self, tensor)
 
     monkeypatch.setattr(TorchFileWriter, "add", failing_add)
+    if workers > 1:  # count the tensors of a whole conversion first
+        calls["fail_at"] = 0
+        convert(llama_dir, tmp_path / "whole", "--tp", "2", "--pp", "2", "--workers", workers)
+        shutil.rmtree(tmp_path / "whole")
+        whole, calls["n"], calls["fail_at"] = calls["n"], 0, 7
     with pytest.raises(OSError, match="No space left"):
         convert(llama_dir, dst, "--tp", "2", "--pp", "2", "--workers", workers)
-    # one worker stops at once; with two, the other stops after the tensor it is writing (its two TP pieces)
-    assert calls["n"] == 7 if workers == 1 else 7 <= calls["n"] <= 7 + 2
+    # one worker stops at once; with two, the other stops at its next tensor, having written part of its files
+    assert calls["n"] == 7 if workers == 1 else 7 <= calls["n"] < whole
     assert sorted(os.listdir(tmp_path)) == []  # neither the output nor a staging directory
 
 
