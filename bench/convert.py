@@ -1,6 +1,6 @@
 """Conversion speed and memory on a 1.1B Llama, side by side with `cp` of the same bytes, in one run.
 
-    python bench/convert.py --vs-cp [--rounds 5] [--workers 1,2] [--models /tmp/bench-models] [--keep]
+    python bench/convert.py --vs-cp [--rounds 5] [--layers 22] [--workers 1,2] [--models /tmp/bench-models] [--keep]
 
 Builds (once, cached in --models, outside the repository) a random bf16 Llama with TinyLlama-1.1B shapes from a
 `transformers` LlamaConfig, as `save_pretrained` lays it out; the Megatron sources (core torch TP2 PP2 and
@@ -27,17 +27,21 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SHAPES = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
-              vocab_size=32000, max_position_embeddings=2048)  # TinyLlama-1.1B
-LAYERS = 22
+SIZES = {  # transformers LlamaConfig fields and the layer count of the real model
+    "1.1b": (dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
+                  vocab_size=32000, max_position_embeddings=2048), 22),  # TinyLlama-1.1B
+    "7b": (dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+                vocab_size=32000, max_position_embeddings=4096), 32),  # Llama-2-7B
+}
 
 
-def build_llama(root: Path, layers: int) -> None:
+def build_llama(root: Path, layers: int, size: str = "1.1b") -> None:
     """A random bf16 Llama as `save_pretrained` would write it, from a transformers LlamaConfig (built on the meta
     device, then filled tensor by tensor: no fp32 copy of the model)."""
     import torch
@@ -45,7 +49,7 @@ def build_llama(root: Path, layers: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         **SHAPES)
+                         **SIZES[size][0])
     config.torch_dtype = "bfloat16"
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -84,10 +88,12 @@ def tree_memory(pid: int) -> int:
     return total
 
 
-def measure(cmd: list[str]) -> Run:
-    """Run `cmd`, then `sync`: wall seconds (both), the command's CPU seconds, its peak process-tree memory."""
+def measure(cmd: list[str], stdout: list[str] | None = None) -> Run:
+    """Run `cmd`, then `sync`: wall seconds (both), the command's CPU seconds, its peak process-tree memory (its
+    standard output appended to `stdout` when given)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sink = tempfile.TemporaryFile() if stdout is not None else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.PIPE)
     peak = 0
     done = threading.Event()
 
@@ -104,6 +110,10 @@ def measure(cmd: list[str]) -> Run:
     proc.returncode = os.waitstatus_to_exitcode(status)
     done.set()
     sampler.join()
+    if stdout is not None:
+        sink.seek(0)
+        stdout.append(sink.read().decode())
+        sink.close()
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{err.decode()}")
     os.sync()
@@ -125,17 +135,21 @@ def cases(models: Path, hf: Path) -> dict[str, tuple[Path, list[str]]]:
     }
 
 
-def prepare(models: Path) -> Path:
-    hf = models / f"llama_1.1b_{LAYERS}l"
+def prepare(models: Path, layers: int) -> Path:
+    """The HF source (1.1B shapes, `layers` layers) and the Megatron sources made from it (kept for the next run
+    with --keep: remade when the layer count changes)."""
+    hf = models / f"llama_1.1b_{layers}l"
     if not (hf / "config.json").is_file():
         t = time.perf_counter()
-        build_llama(hf, LAYERS)
+        build_llama(hf, layers)
         print(f"built {hf} in {time.perf_counter() - t:.0f} s", flush=True)
     for name, args in (("core_tp2pp2", ["--saver", "core", "--tp", "2", "--pp", "2"]),
                        ("torch_dist", ["--saver", "core", "--ckpt-format", "torch_dist"])):
-        if not (models / name / "latest_checkpointed_iteration.txt").is_file():
+        made = models / f"{name}.source"  # which HF model it was made from
+        if not made.is_file() or made.read_text() != hf.name:
             subprocess.run([*mconvert_cmd(), *args, "--load-dir", str(hf), "--save-dir", str(models / name)],
                            check=True, stderr=subprocess.DEVNULL)
+            made.write_text(hf.name)
     return hf
 
 
@@ -158,8 +172,8 @@ def bench_cases(models: Path, hf: Path, rounds: int, workers: list[int], vs_cp: 
                 print(f"round {r + 1}/{rounds}: {name:<20} workers {w}: {run.wall:6.2f} s{ratio}", flush=True)
         shutil.rmtree(out, ignore_errors=True)
     nbytes = sum(f.stat().st_size for f in hf.rglob("*") if f.is_file())
-    print(f"\n1.1B Llama, {nbytes / 1e9:.2f} GB bf16; medians over {rounds} interleaved rounds; memory = peak "
-          "RssAnon+RssShmem")
+    print(f"\nLlama with 1.1B shapes ({hf.name}), {nbytes / 1e9:.2f} GB bf16; medians over {rounds} interleaved "
+          "rounds; memory = peak RssAnon+RssShmem")
     print(f"{'case':<20} {'variant':<12} {'wall s':>7} {'user s':>7} {'sys s':>6} {'peak MiB':>9} {'vs cp':>6} "
           f"{'1->N':>6}")
     for name in table:
@@ -231,6 +245,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vs-cp", action="store_true", help="time cp -r of each source beside its conversions")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=SIZES["1.1b"][1],
+                        help="layers of the model the cases convert (1.1B shapes; 22 is the real 1.1B)")
     parser.add_argument("--workers", default="1,2", help="worker counts to compare, e.g. 1,2")
     parser.add_argument("--models", type=Path, default=Path("/tmp/bench-models"), help="models and outputs live here")
     parser.add_argument("--growth", default="4,8,16", help="layer counts for the memory-growth check ('' to skip)")
@@ -239,7 +255,7 @@ def main() -> None:
     args.models.mkdir(parents=True, exist_ok=True)
     made = [p for p in args.models.iterdir()]
     try:
-        hf = prepare(args.models)
+        hf = prepare(args.models, args.layers)
         bench_cases(args.models, hf, args.rounds, [int(w) for w in args.workers.split(",")], args.vs_cp)
         if args.growth:
             bench_growth(args.models, [int(n) for n in args.growth.split(",")])
@@ -248,8 +264,8 @@ def main() -> None:
         shutil.rmtree(args.models / "out", ignore_errors=True)
         if not args.keep:
             for p in args.models.iterdir():
-                if p not in made and p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
+                if p not in made:
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
 
 
 if __name__ == "__main__":

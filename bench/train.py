@@ -111,6 +111,10 @@ def make_data(root: Path, vocab: int, tokens: int, seed: int = 0) -> str:
 
 
 def main() -> None:
+    if "--peers" in sys.argv:
+        from train_peers import main as peers_main  # noqa: E402
+
+        return peers_main([a for a in sys.argv[1:] if a != "--peers"])
     if "--layouts" in sys.argv or "--worker" in sys.argv:
         from train_layouts import main as layouts_main  # noqa: E402  (bench/ is on sys.path as the script's dir)
 

@@ -109,12 +109,11 @@ def run_once(name: str, args, prefix: str, tmp: Path) -> float:
 
 
 def flops_per_token(args, moe: bool) -> float:
-    """Training FLOPs per token: 6 x parameters used per token + attention scores (6 x 2 x L x seq x h / 2)."""
-    m = model_section(args, moe)
-    h, f, L = m["hidden_size"], m["ffn_hidden_size"], m["num_layers"]
-    kv = m["num_query_groups"] * m["head_dim"]
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f * (m["moe_top_k"] if moe else 1)
-    return 6 * (L * per_layer + 2 * h * m["vocab_size"]) + 6 * L * args.seq * h
+    """Training model FLOPs per token (mtrain/flops.py: 6 x matmul weights per token + attention)."""
+    from mconvert.ir import ModelConfig
+    from mtrain.flops import flops_per_token as count
+
+    return count(ModelConfig(**model_section(args, moe)), args.seq)
 
 
 def main(argv: list[str]) -> None:

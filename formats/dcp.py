@@ -14,6 +14,7 @@ Writing is planned, then done file by file, possibly in parallel: see `formats.d
 from __future__ import annotations
 
 import collections
+import io
 import mmap
 import pathlib
 import pickle
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from mconvert.formats.contained import inside
+from mconvert.formats.integrity import Manifest
 from mconvert.formats.torch_pickle import map_tensor, safe_load_bytes
 
 from mconvert.blocks import Blocks
@@ -81,6 +84,11 @@ class _TensorProperties(Record):
 
 _RECORDS = {key: type(key[1], (_TensorProperties if key[1] == "TensorProperties" else Record,),
                       {"__module__": "mconvert.formats.dcp.records"}) for key in _DCP_CLASSES}
+# megatron-core's subclasses in `.metadata` files of its torch_dist checkpoints (Oct-Nov 2025: MCoreMetadata, a
+# Metadata with an `mcore_data` field; MCoreSavePlan, a SavePlan): read as the records of their base classes.
+_MCORE = "megatron.core.dist_checkpointing.strategies.torch"
+_RECORDS |= {(_MCORE, "MCoreMetadata"): _RECORDS[("torch.distributed.checkpoint.metadata", "Metadata")],
+             (_MCORE, "MCoreSavePlan"): _RECORDS[("torch.distributed.checkpoint.planner", "SavePlan")]}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -100,20 +108,53 @@ class _MetadataUnpickler(pickle.Unpickler):
                            "which is not one of torch.distributed.checkpoint's metadata classes")
 
 
-def read_metadata(root: Path) -> Record:
-    """The `.metadata` of a DCP directory, read through the allow-list (as plain records)."""
+def read_metadata(root: Path, manifest: Manifest | None = None) -> Record:
+    """The `.metadata` of a DCP directory, read through the allow-list (as plain records); verified against the
+    directory's integrity manifest, when given, before it is unpickled."""
     path = root / METADATA
     if not path.is_file():
         raise ConvertError(f"{root}: no {METADATA} file: not a torch.distributed.checkpoint directory, or an "
                            "incomplete copy (the file name starts with a dot: keep it when copying)")
+    data = path.read_bytes()
+    if manifest is not None:
+        manifest.check_bytes(METADATA, data)
     try:
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(f, path).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-        raise ConvertError(f"{path}: corrupt distributed-checkpoint metadata: {e}") from None
+        md = _MetadataUnpickler(io.BytesIO(data), path).load()
+    except ConvertError:
+        raise
+    except Exception as e:  # whatever a damaged pickle makes the unpickler trip over
+        raise ConvertError(f"{path}: corrupt distributed-checkpoint metadata: {type(e).__name__}: {e}") from None
     if type(md).__name__ != "Metadata" or not hasattr(md, "state_dict_metadata"):
         raise ConvertError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
+    try:
+        _check_records(md, path)
+    except (AttributeError, TypeError, IndexError, KeyError, ValueError) as e:
+        raise ConvertError(f"{path}: corrupt distributed-checkpoint metadata: {type(e).__name__}: {e}") from None
     return md
+
+
+def _check_records(md: Record, path: Path) -> None:
+    """The fields readers use have the types DCP writes (a crafted file could put anything there)."""
+    def ints(value) -> bool:
+        return isinstance(value, (tuple, list)) and all(isinstance(x, int) and x >= 0 for x in value)
+
+    state, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
+    if not isinstance(state, dict) or not isinstance(storage, dict):
+        raise ConvertError(f"{path}: corrupt distributed-checkpoint metadata: no state_dict_metadata or storage_data "
+                           "mapping")
+    for key, info in storage.items():
+        fields = (getattr(info, "relative_path", None), getattr(info, "offset", None), getattr(info, "length", None))
+        if not (isinstance(getattr(key, "fqn", None), str) and isinstance(fields[0], str)
+                and all(isinstance(x, int) and x >= 0 for x in fields[1:])):
+            raise ConvertError(f"{path}: corrupt storage record for {getattr(key, 'fqn', key)!r}: {fields}")
+    for fqn, meta in state.items():
+        if type(meta).__name__ != "TensorStorageMetadata":
+            continue
+        chunks = getattr(meta, "chunks", None)
+        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+        if not (ints(getattr(meta, "size", None)) and isinstance(dtype, torch.dtype) and isinstance(chunks, list)
+                and all(ints(getattr(c, "offsets", None)) and ints(getattr(c, "sizes", None)) for c in chunks)):
+            raise ConvertError(f"{path}: corrupt tensor record for {fqn!r}")
 
 
 @dataclass(frozen=True)
@@ -137,7 +178,8 @@ class DcpReader:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        md = read_metadata(self.root)
+        self.manifest = Manifest.find(self.root)  # integrity.json: each file is verified when first mapped
+        md = read_metadata(self.root, self.manifest)
         where = {}  # (fqn, chunk offsets) -> storage; a dataclass default (offset None) is not in the pickle
         for k, v in md.storage_data.items():
             offset = getattr(k, "offset", None)
@@ -156,6 +198,8 @@ class DcpReader:
                                         info.length))
                 self.tensors[fqn] = TensorEntry(tuple(meta.size), meta.properties.dtype, tuple(chunks))
         self._check_files()
+        if self.manifest is not None:
+            self.manifest.check_complete()
         self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
@@ -175,6 +219,10 @@ class DcpReader:
                 need[c.file] = max(need.get(c.file, 0), c.start + c.length)
         for info in self.bytes_items.values():
             need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+        for f in need:  # names written in .metadata: they must stay inside the checkpoint
+            if not isinstance(f, str):
+                raise ConvertError(f"{self.root / METADATA}: a relative_path is {f!r}, not a file name")
+            inside(self.root, f, f"{METADATA} relative_path")
         missing = [f for f in need if not (self.root / f).is_file()]
         if missing:
             raise ConvertError(f"{self.root}: missing checkpoint file(s) {format_names(sorted(missing))} listed in "
@@ -190,7 +238,10 @@ class DcpReader:
             if file not in self._maps:
                 with open(self.root / file, "rb") as f:
                     self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            return self._maps[file]
+            mapping = self._maps[file]
+        if self.manifest is not None:  # hashed in one pass through the map its bytes are then read from
+            self.manifest.check_file(file, mapping)
+        return mapping
 
     def _chunk(self, c: Chunk) -> torch.Tensor:
         return map_tensor(self.root / c.file, c.start, c.length, self._map(c.file))
@@ -256,9 +307,7 @@ class DcpReader:
         info = self.bytes_items.get(fqn)
         if info is None:
             raise ConvertError(f"{self.root}: no bytes item {fqn!r} in the checkpoint")
-        with open(self.root / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            return f.read(info.length)
+        return bytes(self._map(info.relative_path)[info.offset:info.offset + info.length])
 
     def read_object(self, fqn: str):
         """A bytes item holding a torch.save'd object, unpickled safely."""

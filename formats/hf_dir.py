@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from mconvert.formats import safetensors_io
+from mconvert.formats.contained import inside
 from mconvert.formats.torch_pickle import safe_load
 
 from mconvert.blocks import Blocks
@@ -57,21 +58,21 @@ def read_json(path: Path) -> dict:
         raise ConvertError(f"{path}: file not found")
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{path}: not valid JSON: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ConvertError(f"{path}: not valid JSON: {type(e).__name__}: {e}") from None
+    except OSError as e:
+        raise ConvertError(f"{path}: cannot read: {e.strerror}") from None
     if not isinstance(data, dict):
         raise ConvertError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
 
 
 def is_hf_dir(path: Path, model_types: tuple[str, ...]) -> bool:
+    """Does config.json name one of `model_types`? A config.json that cannot be read is an error, not a no."""
     cfg = path / "config.json"
     if not cfg.is_file():
         return False
-    try:
-        return json.loads(cfg.read_text()).get("model_type") in model_types
-    except (OSError, json.JSONDecodeError):
-        return False
+    return read_json(cfg).get("model_type") in model_types
 
 
 def open_weights(root: Path) -> dict[str, LazyTensor]:
@@ -90,13 +91,17 @@ def _open_indexed(root: Path, index_name: str) -> dict[str, LazyTensor]:
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
         raise ConvertError(f"{root / index_name}: no weight_map")
+    odd = [f"{k!r}: {f!r}" for k, f in weight_map.items() if not isinstance(f, str)]
+    if odd:
+        raise ConvertError(f"{root / index_name}: weight_map values must be file names, found {', '.join(odd[:3])}")
     files = sorted(set(weight_map.values()))
-    absent = [f for f in files if not (root / f).is_file()]
+    paths = {f: inside(root, f, f"{index_name} weight_map entry") for f in files}
+    absent = [f for f in files if not paths[f].is_file()]
     if absent:
         raise ConvertError(f"{root / index_name} lists shard file(s) that are missing: {', '.join(absent)}")
     tensors: dict[str, LazyTensor] = {}
     for name in files:
-        found = _open_file(root / name)
+        found = _open_file(paths[name])
         wanted = {k for k, f in weight_map.items() if f == name}
         lost = sorted(wanted - set(found))
         if lost:

@@ -81,25 +81,28 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                                f"file has {size} bytes")
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConvertError(f"{path}: corrupt safetensors header: {e}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ConvertError(f"{path}: corrupt safetensors header: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise ConvertError(f"{path}: corrupt safetensors header: a JSON {type(header).__name__}, not an object")
     base = 8 + n
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise ConvertError(f"{path}: corrupt safetensors header: __metadata__ is a {type(metadata).__name__}, not an "
+                           "object of strings")
     infos: dict[str, TensorInfo] = {}
     need = base
     for name, entry in header.items():
         try:
             dtype = DTYPES[entry["dtype"]]
-            shape = tuple(int(s) for s in entry["shape"])
-            start, end = (int(x) for x in entry["data_offsets"])
+            shape = tuple(_count(s) for s in entry["shape"])
+            start, end = (_count(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise ConvertError(f"{path}: corrupt safetensors header entry for {name!r}: {entry!r}") from None
+            raise ConvertError(f"{path}: corrupt safetensors header entry for {name!r}: {str(entry)[:200]}") from None
         numel = 1
         for s in shape:
             numel *= s
-        if end - start != numel * dtype.itemsize or start < 0:
+        if end - start != numel * dtype.itemsize:
             raise ConvertError(f"{path}: tensor {name!r} {list(shape)} {entry['dtype']} claims bytes "
                                f"[{start}, {end}), which does not match its size")
         infos[name] = TensorInfo(shape, dtype, base + start, base + end)
@@ -107,7 +110,24 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     if size < need:
         raise ConvertError(f"{path}: truncated: its header describes {need} bytes of tensors and header, but the file "
                            f"has only {size} bytes (an interrupted download or copy?)")
+    _check_disjoint(path, infos)
     return infos, metadata
+
+
+def _count(value) -> int:
+    """A shape or offset entry: a non-negative JSON integer (not a float, a bool or text)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(value)
+    return value
+
+
+def _check_disjoint(path: Path, infos: dict[str, TensorInfo]) -> None:
+    """Two tensors sharing bytes would make one model out of another's weights: the format forbids it."""
+    spans = sorted((i.start, i.end, name) for name, i in infos.items() if i.end > i.start)
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise ConvertError(f"{path}: tensors {a!r} and {b!r} claim overlapping bytes (from {start_b} on); each "
+                               "tensor must have its own bytes")
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,12 @@ import io
 import mmap
 import pathlib
 import pickle
+import pickletools
 import re
 import signal
 import threading
 import types
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,13 @@ STAND_INS = (
     "megatron.model.enums.ModelType",
     "megatron.model.enums.AttnMaskType",
     "megatron.model.enums.PositionEmbeddingType",
+    # megatron-core 0.17-0.19: FP4 recipes in args, the enum's second home, the rerun state machine's record of
+    # a failed validation call (NamedTuples) and its status enum
+    "megatron.core.enums.Fp4Recipe",
+    "megatron.core.transformer.enums.ModelType",
+    "megatron.core.rerun_state_machine.RerunValidationStatus",
+    "megatron.core.rerun_state_machine.Call",
+    "megatron.core.rerun_state_machine.Caller",
 )
 
 
@@ -119,7 +128,9 @@ def _allowing(entries: list) -> Iterator[None]:
         added = [e for e in entries if _global_name(e) not in present]
         torch.serialization.add_safe_globals(added)
         try:
-            yield
+            with warnings.catch_warnings():  # a crafted protocol-4 pickle is refused; torch's warning adds nothing
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                yield
         finally:
             torch.serialization._weights_only_unpickler._remove_safe_globals(added)
 
@@ -147,7 +158,7 @@ def safe_load(path: Path | str, *, mmap: bool = True) -> Any:
                 "it with plain tensors and dicts."
             ) from None
         raise ConvertError(f"{path}: refusing to unpickle: {_first_line(e)}") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+    except Exception as e:  # a damaged archive or pickle trips torch over anything (even an AssertionError)
         raise ConvertError(
             f"{path}: not a readable torch checkpoint (truncated or corrupt?): {_first_line(e)}"
         ) from None
@@ -160,10 +171,11 @@ def safe_load_bytes(data: bytes, where: str) -> Any:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = _UNSAFE.search(str(e))
-        name = found.group(1) if found else _first_line(e)
-        raise ConvertError(f"{where}: refusing to unpickle: it asks for the Python global `{name}`, which is not "
-                           "on the allow-list of safe types") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        if found:
+            raise ConvertError(f"{where}: refusing to unpickle: it asks for the Python global `{found.group(1)}`, "
+                               "which is not on the allow-list of safe types") from None
+        raise ConvertError(f"{where}: refusing to unpickle: {_first_line(e)}") from None
+    except Exception as e:
         raise ConvertError(f"{where}: not a readable torch object (truncated or corrupt?): {_first_line(e)}") from None
 
 
@@ -175,7 +187,7 @@ def map_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> torc
             meta = torch.load(_ReadWindow(f, offset, length), map_location="meta", weights_only=True)
     except pickle.UnpicklingError as e:
         raise ConvertError(f"{where}: refusing to unpickle: {_first_line(e)}") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+    except Exception as e:  # a damaged archive trips torch's zip reader over anything (even an AssertionError)
         raise ConvertError(f"{where} is not readable (truncated or corrupt?): {_first_line(e)}") from None
     if not isinstance(meta, torch.Tensor):
         raise ConvertError(f"{where} holds a {type(meta).__name__}, not a tensor")
@@ -190,7 +202,10 @@ def map_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> torc
     if not nbytes:
         return torch.empty(meta.shape, dtype=meta.dtype)
     flat = torch.frombuffer(mapping, dtype=meta.dtype, count=nbytes // meta.dtype.itemsize, offset=offset + start)
-    return flat.as_strided(meta.shape, meta.stride(), meta.storage_offset())
+    try:
+        return flat.as_strided(meta.shape, meta.stride(), meta.storage_offset())
+    except RuntimeError as e:  # sizes and strides reaching beyond the storage
+        raise ConvertError(f"{where} is not readable (corrupt sizes?): {_first_line(e)}") from None
 
 
 class _ReadWindow:
@@ -226,8 +241,17 @@ class _ReadWindow:
 
 
 def _first_line(e: Exception) -> str:
+    """The reason in an exception's text: torch's weights-only errors bury it after "WeightsUnpickler error:"."""
     text = str(e).strip()
-    for line in text.splitlines():
-        if "WeightsUnpickler error" in line:
-            return line.strip()
+    found = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)", text, re.S)
+    if found and found.group(1).strip():
+        reason = " ".join(found.group(1).split())
+        op = re.fullmatch(r"Unsupported operand (\d+)", reason)
+        if op:  # e.g. pickle protocol 4's FRAME, or an opcode that builds objects by calling them
+            name = _OPCODES.get(int(op.group(1)), "unknown")
+            return f"the pickle uses opcode {op.group(1)} ({name}), which the safe reader does not accept"
+        return reason
     return text.splitlines()[0] if text else type(e).__name__
+
+
+_OPCODES = {ord(op.code) if len(op.code) == 1 else -1: op.name for op in pickletools.opcodes}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import io
 import pickle
 import struct
@@ -180,12 +181,17 @@ class TorchFileWriter:
                     return writer.add(o).__reduce_ex__(2)
                 return NotImplemented
 
-        _Pickler(buf, protocol=2).dump(obj)
-        self._wait(0)
-        data = buf.getvalue()
-        for name, value in (("data.pkl", data), (".storage_alignment", b"64"), ("byteorder", b"little"),
-                            ("version", b"3\n")):
-            self._record(name, value)
+        try:
+            _Pickler(buf, protocol=2).dump(obj)
+            self._wait(0)
+            data = buf.getvalue()
+            for name, value in (("data.pkl", data), (".storage_alignment", b"64"), ("byteorder", b"little"),
+                                ("version", b"3\n")):
+                self._record(name, value)
+        except BaseException:  # e.g. a full disk: release the file now, not in ZipFile.__del__ (which would fail)
+            with contextlib.suppress(Exception):
+                self.close()
+            raise
         self.close()
         self.bytes_written += len(data)
         return self.bytes_written

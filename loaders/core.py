@@ -10,12 +10,14 @@ import re
 from pathlib import Path
 
 import torch
+from mconvert.loaders.core_dcp import is_dcp_checkpoint, load_dcp
 from mconvert.loaders.core_dist import load_dist
 from mconvert.loaders.megatron_files import (
     RankFiles,
     chunks_in_files,
     find_iteration,
     first_model,
+    has_markers,
     is_dist_checkpoint,
     read_parts,
     tokenizer,
@@ -36,11 +38,10 @@ DROP = (r".*\._extra_state", r".*rotary_pos_emb\.inv_freq")
 
 
 def is_core_checkpoint(path: Path) -> bool:
-    try:
-        it_dir, _ = find_iteration(path)
-    except ConvertError:
+    if not has_markers(path):
         return False
-    if is_dist_checkpoint(it_dir):
+    it_dir, _ = find_iteration(path)  # a broken tracker file is reported (see registry.detect_loader)
+    if is_dist_checkpoint(it_dir) or is_dcp_checkpoint(it_dir):
         return True
     model = first_model(it_dir)  # core keys are flat (`embedding.`, `decoder.`); legacy ones nest
     return model is not None and any(k.startswith(("decoder.", "embedding.", "output_layer")) for k in model)
@@ -49,10 +50,13 @@ def is_core_checkpoint(path: Path) -> bool:
 @register_loader("core", aliases=("megatron", "mcore"), detect=is_core_checkpoint,
                  options=("true_vocab_size", "tokenizer"))
 def load(path: Path, options: Options) -> ModelIR:
-    """Megatron-core GPT: `torch` (local or Transformer-Engine names), `torch_dist` or `zarr`, detected."""
+    """Megatron-core GPT: `torch` (local or Transformer-Engine names), `torch_dist`, `zarr`, `torch_dcp` or
+    `fsdp_dtensor`, detected."""
     it_dir, iteration = find_iteration(Path(path))
     if is_dist_checkpoint(it_dir):
         return load_dist(it_dir, iteration, options)
+    if is_dcp_checkpoint(it_dir):
+        return load_dcp(it_dir, iteration, options)
     files = RankFiles(it_dir)
 
     def tensors_of(tp: int, pp: int, ep: int, entry: str) -> dict[str, LazyTensor]:

@@ -8,10 +8,13 @@ from typing import Any
 
 from mconvert.formats import hf_dir
 
+from mconvert.config_checks import HF_INTEGERS, check_integers, with_where
 from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo, dtype_name
-from mconvert.mapping import expand, to_ir
+from mconvert.mapping import expand, take_copies, to_ir, verify_copies
 from mconvert.options import Options
-from mconvert.rules import Ctx, Table
+from mconvert.rules import Ctx, Rule, Table
+
+TIED_HEAD = Rule("lm_head.weight", ("embed.weight",))  # a stored copy of the tied embedding
 
 
 def load_hf(path: Path, options: Options, *, name: str, config_from_hf: Callable[[dict, str], ModelConfig],
@@ -20,17 +23,23 @@ def load_hf(path: Path, options: Options, *, name: str, config_from_hf: Callable
             layout: Callable[[dict[str, LazyTensor]], dict[str, Any]] = lambda s: {}) -> ModelIR:
     """An HF model directory (or hub id) through one family's table, strictly.
 
-    The weights' dtype wins over config.json's; with tied embeddings a stored `lm_head.weight` is the embedding
-    again and is not read. `table` may depend on the stored keys (a family stored in two layouts).
+    The weights' dtype wins over config.json's; with tied embeddings a stored `lm_head.weight` must equal the
+    embedding (checked when it is read). `table` may depend on the stored keys (a family stored in two layouts).
     """
     root = hf_dir.resolve(path)
-    config = config_from_hf(hf_dir.read_json(root / "config.json"), str(root / "config.json"))
+    raw = hf_dir.read_json(root / "config.json")
+    check_integers(raw, HF_INTEGERS, str(root / "config.json"))
+    config = with_where(str(root / "config.json"), lambda: config_from_hf(raw, str(root / "config.json")))
     source = fix_source(hf_dir.open_weights(root))
     if embed_key in source:
         config = config.replace(dtype=dtype_name(source[embed_key].dtype))
-    drop = drop + ((r"lm_head\.weight",) if config.tie_embeddings else ())
+    pieces = {k: [v] for k, v in source.items()}
+    # Tied: a stored lm_head.weight must be the embedding again (checked when the embedding is read), never a
+    # distinct matrix silently dropped.
+    copies = take_copies(pieces, r"lm_head\.weight") if config.tie_embeddings else []
     rows = expand(table(source) if callable(table) else table, config)
-    tensors = to_ir({k: [v] for k, v in source.items()}, rows, Ctx(config, config.vocab_size), where=str(root),
-                    drop=drop)
+    ctx = Ctx(config, config.vocab_size)
+    tensors = to_ir(pieces, rows, ctx, where=str(root), drop=drop)
+    verify_copies(tensors, "embed.weight", copies, TIED_HEAD, ctx)
     assets = hf_dir.tokenizer_files(options.tokenizer or root)
     return ModelIR(config, tensors, SourceInfo(f"{name} (Hugging Face)", root, layout(source)), assets)

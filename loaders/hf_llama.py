@@ -9,6 +9,7 @@ from mconvert.formats import hf_dir
 from mconvert.formats.torch_pickle import safe_load
 from mconvert.loaders.hf_files import load_hf
 
+from mconvert.config_checks import META_INTEGERS, check_integers, with_where
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import expand, to_ir
@@ -41,6 +42,7 @@ def load_meta(root: Path, options: Options) -> ModelIR:
     files = sorted(root.glob("consolidated.*.pth"), key=lambda p: int(re.sub(r"\D", "", p.name) or 0))
     shards = [safe_load(f) for f in files]
     params = hf_dir.read_json(root / "params.json")
+    check_integers(params.get("model", params), META_INTEGERS, str(root / "params.json"))
     dim = int(params.get("model", params).get("dim", 0))
     pieces: dict[str, list[LazyTensor]] = {}
     for f, shard in zip(files, shards):
@@ -60,9 +62,9 @@ def load_meta(root: Path, options: Options) -> ModelIR:
         raise ConvertError(f"{root}: params.json (dim {dim}, multiple_of {p['multiple_of']}, ffn_dim_multiplier "
                            f"{p.get('ffn_dim_multiplier')}) implies an FFN size other than the tensors' {ffn}: "
                            "the config contradicts the tensors")
-    config, notes = meta_llama.config_from_params(
+    config, notes = with_where(str(root / "params.json"), lambda: meta_llama.config_from_params(
         params, vocab_size=vocab, ffn_hidden_size=ffn, tied="output.weight" not in pieces,
-        dtype=dtype_name(embed[0].dtype), where=str(root / "params.json"))
+        dtype=dtype_name(embed[0].dtype), where=str(root / "params.json")))
     table = meta_llama.table(ROW if by_hidden else COLUMN)
     ctx = Ctx(config, config.vocab_size)
     tensors = to_ir(pieces, expand(table, config), ctx, where=str(root), drop=meta_llama.DROP, cache=LoadCache(4))

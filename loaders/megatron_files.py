@@ -11,9 +11,12 @@ from typing import Any
 
 import torch
 from mconvert.formats import hf_dir
+from mconvert.formats.contained import inside
 from mconvert.formats.torch_pickle import safe_load
-from mconvert.loaders.core_dist import is_dist_checkpoint
+from mconvert.loaders.core_dcp import is_dcp_checkpoint
+from mconvert.loaders.core_dist import config_from_args, is_dist_checkpoint
 
+from mconvert.config_checks import MEGATRON_INTEGERS, check_integers
 from mconvert.errors import ConvertError, format_names
 from mconvert.ir import LazyTensor, ModelConfig
 from mconvert.layout import Chunk, ParallelLayout, chunks_of
@@ -38,32 +41,49 @@ def find_iteration(path: Path) -> tuple[Path, int | None]:
         if not it_dir.is_dir():
             raise ConvertError(f"{tracker} names iteration {text}, but {it_dir} does not exist")
         return it_dir, iteration
-    if _rank_dirs(path) or is_dist_checkpoint(path):
+    if _rank_dirs(path) or is_dist_checkpoint(path) or is_dcp_checkpoint(path):
         m = re.fullmatch(r"iter_(\d{7})", path.name)
         return path, int(m.group(1)) if m else None
-    raise ConvertError(f"{path}: not a Megatron checkpoint: no {core.TRACKER}, no mp_rank_* folders and no "
-                       "metadata.json")
+    raise ConvertError(f"{path}: not a Megatron checkpoint: no {core.TRACKER}, no mp_rank_* folders, no "
+                       "metadata.json and no .metadata")
 
 
 def _rank_dirs(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("mp_rank_*") if p.is_dir() and core.RANK_DIR.fullmatch(p.name))
 
 
+def check_args(args: Any, where: str) -> None:
+    """Megatron's `args` (argparse.Namespace or SimpleNamespace): integer fields must hold whole numbers."""
+    if not hasattr(args, "__dict__"):
+        raise ConvertError(f"{where}: 'args' is a {type(args).__name__}, not a namespace of Megatron arguments")
+    check_integers(vars(args), MEGATRON_INTEGERS, where, "args.")
+
+
+def has_markers(path: Path) -> bool:
+    """Does `path` look like a Megatron checkpoint (tracker file, rank folders, dist-checkpoint metadata or a
+    Megatron DCP directory)?"""
+    path = Path(path)
+    return (path / core.TRACKER).is_file() or bool(_rank_dirs(path)) or is_dist_checkpoint(path) or \
+        is_dcp_checkpoint(path)
+
+
 def first_model(path: Path) -> dict | None:
-    """The first chunk's model dict of rank 0 of a `torch`-format checkpoint, or None (for format detection)."""
-    try:
-        it_dir, _ = find_iteration(Path(path))
-    except ConvertError:
+    """The first chunk's model dict of rank 0 of a `torch`-format checkpoint (for format detection): None when
+    `path` is not a Megatron checkpoint or is a distributed one; a broken one raises, naming the file."""
+    if not has_markers(path):
         return None
+    it_dir, _ = find_iteration(Path(path))
     dirs = _rank_dirs(it_dir)
-    if not dirs or not (dirs[0] / core.CHECKPOINT_FILE).is_file():
+    if not dirs:
         return None
-    try:
-        state = safe_load(dirs[0] / core.CHECKPOINT_FILE)
-    except ConvertError:
-        return None
+    file = dirs[0] / core.CHECKPOINT_FILE
+    if not file.is_file():
+        raise ConvertError(f"{dirs[0]}: no {core.CHECKPOINT_FILE}")
+    state = safe_load(file)
     model = state.get("model", state.get("model0")) if isinstance(state, dict) else None
-    return model if isinstance(model, dict) else None
+    if not isinstance(model, dict):
+        raise ConvertError(f"{file}: expected a dict with a 'model' (or 'model0') dict of tensors")
+    return model
 
 
 class RankFiles:
@@ -77,6 +97,7 @@ class RankFiles:
         self.args = first.get("args")
         if self.args is None:
             raise ConvertError(f"{dirs[0] / core.CHECKPOINT_FILE}: no 'args' entry; cannot tell the model shape")
+        check_args(self.args, str(dirs[0] / core.CHECKPOINT_FILE))
         # checkpoint_version < 3.0 files call it model_parallel_size
         self.tp = int(getattr(self.args, "tensor_model_parallel_size", None) or
                       getattr(self.args, "model_parallel_size", None) or 1)
@@ -101,6 +122,7 @@ class RankFiles:
         self.states = {idx: first if self.files[idx].parent == dirs[0] else self._load(self.files[idx].parent)
                        for idx in self.files}
         self.it_dir = it_dir
+        check_same_save(self)
 
     @staticmethod
     def _load(d: Path) -> dict[str, Any]:
@@ -127,6 +149,48 @@ class RankFiles:
     def rel(self, idx: tuple[int, int, int]) -> str:
         f = self.files[idx]
         return f"{f.parent.parent.name}/{f.parent.name}/{f.name}"
+
+
+# args that legitimately differ between the rank files of one save: each process records its own rank.
+_PER_RANK_ARGS = re.compile(r"(.*_)?rank")
+
+
+def check_same_save(files: RankFiles) -> None:
+    """The rank files of one checkpoint come from one save: the same iteration and args
+    (apart from each process's own rank). Files copied in from another run or iteration would otherwise be
+    stitched into one model."""
+    ref_idx = (0, 0, 0)
+    ref = files.states[ref_idx]
+    ref_args = _comparable(ref.get("args"))
+    for idx, state in files.states.items():
+        if idx == ref_idx:
+            continue
+        differ = [f"{key} {state.get(key)!r} vs {ref.get(key)!r}" for key in ("iteration",)
+                  if not _same(state.get(key), ref.get(key))]
+        args = _comparable(state.get("args"))
+        differ += [f"args.{k} {args.get(k)!r} vs {ref_args.get(k)!r}" for k in sorted(set(args) | set(ref_args))
+                   if not _same(args.get(k), ref_args.get(k))]
+        if differ:
+            raise ConvertError(f"{files.rel(idx)} and {files.rel(ref_idx)} come from different saves: "
+                               f"{'; '.join(differ[:4])}{' …' if len(differ) > 4 else ''}. Every rank file of a "
+                               "checkpoint must come from the same save")
+
+
+def _comparable(args: Any) -> dict[str, Any]:
+    fields = vars(args) if hasattr(args, "__dict__") else {}
+    return {k: v for k, v in fields.items() if not _PER_RANK_ARGS.fullmatch(k)}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
+            bool(torch.equal(a, b))
+    try:
+        if bool(a == b):
+            return True
+    except Exception:  # e.g. numpy arrays: compare what they show
+        pass
+    return type(a) is type(b) and repr(a) == repr(b)  # stand-ins (no ==), NaN
 
 
 def _check_distinct(paths: list[Path]) -> None:
@@ -226,16 +290,25 @@ def config(args: Any, options: Options, padded: int, dtype: str, it_dir: Path,
     stored = getattr(args, "params_dtype", None)
     if isinstance(stored, torch.dtype) and stored != getattr(torch, dtype):
         notes.append(f"args.params_dtype is {stored} but the tensors are {dtype}; using the tensors' dtype")
-    return core.config_from_args(args, vocab_size=vocab, padded_vocab_size=padded, dtype=dtype,
-                                 where=str(it_dir)), notes
+    return config_from_args(args, vocab_size=vocab, padded_vocab_size=padded, dtype=dtype, where=str(it_dir)), notes
+
 
 
 def tokenizer(options: Options, it_dir: Path, args, notes: list[str]) -> dict[str, Path]:
-    for candidate in (options.tokenizer, it_dir / "tokenizer", getattr(args, "tokenizer_model", None)):
-        if candidate and Path(candidate).is_dir():
+    """--tokenizer, else the iteration's `tokenizer/` folder, else args.tokenizer_model when it lies inside the
+    checkpoint (a path the checkpoint names elsewhere is refused: pass it as --tokenizer if you trust it)."""
+    from_args = getattr(args, "tokenizer_model", None)
+    for candidate in (options.tokenizer, it_dir / "tokenizer", from_args):
+        if candidate and isinstance(candidate, (str, Path)) and Path(candidate).is_dir():
+            if candidate is from_args:
+                root = it_dir.parent if re.fullmatch(r"iter_\d+|release", it_dir.name) else it_dir
+                try:
+                    inside(root, candidate, "args.tokenizer_model")
+                except ConvertError as e:
+                    raise ConvertError(f"{e}; pass --tokenizer {candidate} to take the tokenizer from there") from None
             found = hf_dir.tokenizer_files(Path(candidate))
             if found:
-                if candidate == getattr(args, "tokenizer_model", None):
+                if candidate is from_args:
                     notes.append(f"tokenizer files taken from args.tokenizer_model = {candidate}")
                 return found
     return {}

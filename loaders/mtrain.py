@@ -45,7 +45,10 @@ def load(path: Path, options: Options) -> ModelIR:
         raise ConvertError(f"{path}: no complete mtrain checkpoint (expected {checkpoint.META_FILE} in a step "
                            "directory, or a `latest` file naming one)")
     meta = checkpoint.read_meta(step_dir)
-    config = ModelConfig.from_dict(meta["model_config"])
+    try:
+        config = ModelConfig.from_dict(meta["model_config"])
+    except ConvertError as e:
+        raise ConvertError(f"{step_dir / checkpoint.META_FILE}: model_config: {e}") from None
     reader = DcpReader(step_dir)  # its allow-listed unpickler: torch's own reader would unpickle anything
     prefix = checkpoint.MODEL_PREFIX
     stored = {key[len(prefix):]: (entry.shape, entry.dtype) for key, entry in reader.tensors.items()

@@ -3,12 +3,14 @@
     mconvert --loader llama_mistral --saver core --tp 4 --pp 2 --load-dir HF_DIR --save-dir OUT
     mconvert inspect PATH
     mconvert compare A B
+    mconvert verify A B
     mconvert plugins
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import re
@@ -19,6 +21,7 @@ from click.core import ParameterSource
 
 from mconvert import registry
 from mconvert.errors import ConvertError
+from mconvert.staging import Interrupted
 
 # Everything that needs torch is imported where it is used: `mconvert --help` must not pay for it.
 
@@ -43,12 +46,20 @@ def parse_size(text: str) -> int:
 
 
 def _fail_cleanly(func):
+    """One `Error:` line and a non-zero exit for bad input, an OS error, or an interruption (SIGINT: 130,
+    SIGTERM: 143, as a shell reports them); never a traceback."""
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
         except ConvertError as e:
             raise click.ClickException(str(e)) from None
+        except OSError as e:
+            raise click.ClickException(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}") from None
+        except (KeyboardInterrupt, Interrupted) as e:
+            name = e.name if isinstance(e, Interrupted) else "SIGINT"
+            click.echo(f"Error: interrupted by {name}; no output was left behind", err=True)
+            raise SystemExit(128 + (e.signum if isinstance(e, Interrupted) else 2)) from None
 
     return wrapper
 
@@ -77,17 +88,20 @@ def _fail_cleanly(func):
 @click.option("--transformer-impl", "--saver-transformer-impl", "transformer_impl",
               type=click.Choice(["local", "te", "transformer_engine"]), default="local", show_default=True,
               help="Megatron key names: local modules or Transformer Engine's fused names.")
-@click.option("--expert-layout", type=click.Choice(["sequential", "grouped", "legacy_grouped"]),
+@click.option("--expert-layout", type=click.Choice(["sequential", "grouped", "legacy_grouped", "single_grouped"]),
               help="How Megatron stores MoE experts: sequential (local_experts.{j}, default), grouped (Transformer "
-              "Engine grouped GEMM, linear_fc1.weight{j}; needs --transformer-impl te) or legacy_grouped "
-              "(GroupedMLP weight1/weight2 of older Megatron-LM).")
-@click.option("--moe-grouped-gemm", "expert_layout", flag_value="grouped",
-              help="Same as --expert-layout grouped (Megatron's flag).")
-@click.option("--ckpt-format", type=click.Choice(["torch", "torch_dist", "zarr"]), default="torch",
+              "Engine grouped GEMM, linear_fc1.weight{j}; needs --transformer-impl te), legacy_grouped "
+              "(GroupedMLP weight1/weight2 of older Megatron-LM) or single_grouped (TE grouped GEMM with one "
+              "[experts, out, in] linear_fc1.weight; needs --transformer-impl te).")
+@click.option("--moe-grouped-gemm", is_flag=True, help="Same as --expert-layout grouped (Megatron's flag).")
+@click.option("--moe-single-grouped-weight", is_flag=True,
+              help="Same as --expert-layout single_grouped (Megatron's flag; with or without --moe-grouped-gemm).")
+@click.option("--ckpt-format", type=click.Choice(["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]),
+              default="torch",
               show_default=True, help="Megatron checkpoint format written by the core saver.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Cast all weights (default: keep the source's).")
-@click.option("--bf16", "dtype", flag_value="bf16", help="Same as --dtype bf16.")
-@click.option("--fp16", "dtype", flag_value="fp16", help="Same as --dtype fp16.")
+@click.option("--bf16", "bf16", is_flag=True, help="Same as --dtype bf16.")
+@click.option("--fp16", "fp16", is_flag=True, help="Same as --dtype fp16.")
 @click.option("--make-vocab-size-divisible-by", type=POSITIVE, default=128, show_default=True,
               help="Megatron pads the vocabulary to a multiple of this times TP.")
 @click.option("--true-vocab-size", type=POSITIVE,
@@ -103,10 +117,13 @@ def _fail_cleanly(func):
 @click.option("--workers", type=POSITIVE, help="Output files (or parts of one) written at once. Default: one per CPU, "
               "up to 8. Under torchrun, per rank: each rank writes its share of the files.")
 @click.option("--force", is_flag=True, help="Replace an existing, non-empty --save-dir.")
+@click.option("--verify", "verify_output", is_flag=True,
+              help="Before moving the output into place, run it and the source on the same tokens (as `mconvert "
+              "verify` does); if they differ, nothing is written and the exit status is 1.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.pass_context
 @_fail_cleanly
-def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, quiet, **opts) -> None:
+def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, verify_output, quiet, **opts) -> None:
     """Convert and reshard Megatron and Hugging Face checkpoints.
 
     \b
@@ -139,8 +156,9 @@ def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, quiet, **
     grouped = workers.init_from_env()  # under torchrun: every rank writes its share
     try:
         progress = Progress(enabled=not quiet)
+        check = _verify_output(load_dir, source.name, save_dir, options, progress) if verify_output else None
         summary = engine.convert(load_dir, save_dir, loader=source.name, saver=target.name, options=options,
-                                 force=force, progress=progress)
+                                 force=force, progress=progress, check=check)
     finally:
         gc.unfreeze()
         if grouped:
@@ -176,8 +194,27 @@ def _long_lived_imports():
         gc.enable()
 
 
+def _verify_output(load_dir: Path, loader: str, save_dir: Path, options, progress):
+    """`--verify`: a check of the staged output against the source (read again, without the --dtype cast)."""
+
+    def check(staging: Path) -> None:
+        from mconvert.verify import VerifySettings, verify
+        from mconvert.verify.report import summary_line
+
+        settings = VerifySettings(loader_a=loader, options=dataclasses.replace(options, dtype=None))
+        report = verify(load_dir, staging, settings, progress, labels=(str(load_dir), str(save_dir)))
+        click.echo(f"verify: {summary_line(report)}", err=True)
+        if not report.passed:
+            raise ConvertError(f"the output does not verify against {load_dir}; nothing was written to {save_dir}")
+
+    return check
+
+
 def _check_applicable(ctx: click.Context, loader: registry.Plugin, saver: registry.Plugin) -> None:
     given = [n for n in PLUGIN_OPTIONS if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+    flags = ("moe_grouped_gemm", "moe_single_grouped_weight")
+    if any(ctx.get_parameter_source(f) == ParameterSource.COMMANDLINE for f in flags) and "expert_layout" not in given:
+        given.append("expert_layout")  # --moe-grouped-gemm and --moe-single-grouped-weight set the expert layout
     understood = loader.options | saver.options
     ignored = [n for n in given if n not in understood]
     if ignored:
@@ -194,9 +231,9 @@ def _options(o: dict):
     return Options(
         layout=layout,
         transformer_impl="te" if o["transformer_impl"] in ("te", "transformer_engine") else "local",
-        expert_layout=o["expert_layout"] or "sequential",
+        expert_layout=_expert_layout(o),
         ckpt_format=o["ckpt_format"],
-        dtype=DTYPES[o["dtype"]] if o["dtype"] else None,
+        dtype=_dtype(o),
         make_vocab_size_divisible_by=o["make_vocab_size_divisible_by"],
         true_vocab_size=o["true_vocab_size"],
         tokenizer=o["tokenizer"],
@@ -206,18 +243,40 @@ def _options(o: dict):
     )
 
 
+def _expert_layout(o: dict) -> str:
+    """--moe-grouped-gemm is --expert-layout grouped, and with --moe-single-grouped-weight (as Megatron pairs them)
+    single_grouped; naming another layout beside them is a contradiction."""
+    flag = "single_grouped" if o["moe_single_grouped_weight"] else "grouped" if o["moe_grouped_gemm"] else None
+    if flag and o["expert_layout"] not in (None, flag):
+        given = "--moe-single-grouped-weight" if flag == "single_grouped" else "--moe-grouped-gemm"
+        raise ConvertError(f"{given} and --expert-layout {o['expert_layout']} contradict each other; give one "
+                           "expert layout")
+    return flag or o["expert_layout"] or "sequential"
+
+
+def _dtype(o: dict) -> str | None:
+    """--dtype, --bf16 and --fp16 name one dtype; two different ones are a contradiction, not "the last wins"."""
+    given = {f"--dtype {o['dtype']}": o["dtype"]} if o["dtype"] else {}
+    given |= {f"--{flag}": flag for flag in ("bf16", "fp16") if o[flag]}
+    if len({DTYPES[v] for v in given.values()}) > 1:
+        raise ConvertError(f"{' and '.join(given)} contradict each other; give one dtype")
+    return DTYPES[next(iter(given.values()))] if given else None
+
+
 @main.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--loader", help="Format of PATH; detected when omitted.")
 @click.option("--true-vocab-size", type=POSITIVE, help="Real vocabulary size of a padded (Megatron) source.")
 @click.option("--tensors/--no-tensors", default=True, show_default=True, help="Print the table of tensors.")
+@click.option("--values/--no-values", default=True, show_default=True,
+              help="Read every tensor once to report NaN and infinite values (--no-values reads no tensor data).")
 @_fail_cleanly
-def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors: bool) -> None:
-    """Show a checkpoint's format, config, layout, size and tensors (reads no tensor data)."""
+def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors: bool, values: bool) -> None:
+    """Show a checkpoint's format, config, layout, size, tensors and any NaN/Inf values."""
     from mconvert.inspect import describe
     from mconvert.options import Options
 
-    click.echo(describe(path, loader, Options(true_vocab_size=true_vocab_size), tensors=tensors))
+    click.echo(describe(path, loader, Options(true_vocab_size=true_vocab_size), tensors=tensors, values=values))
 
 
 @main.command()
@@ -238,6 +297,44 @@ def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, true_v
     text, same = run(a, b, loader_a, loader_b, Options(true_vocab_size=true_vocab_size))
     click.echo(text)
     if not same:
+        raise SystemExit(1)
+
+
+@main.command("verify")
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@click.option("--loader-a", help="Format of A; detected when omitted.")
+@click.option("--loader-b", help="Format of B; detected when omitted.")
+@click.option("--true-vocab-size", type=POSITIVE, help="Real vocabulary size, for padded (Megatron) checkpoints.")
+@click.option("--tokens", type=POSITIVE, default=256, show_default=True,
+              help="Random tokens to run, in sequences of --seq-len.")
+@click.option("--seq-len", type=POSITIVE, default=128, show_default=True, help="Length of each sequence.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random tokens.")
+@click.option("--prompt", help="Run this text, tokenized with a checkpoint's tokenizer, instead of random tokens.")
+@click.option("--device", default="cpu", show_default=True, help="Where to run: cpu, cuda, cuda:1, ...")
+@click.option("--reference", type=click.Choice(["transformers"]),
+              help="Run the Hugging Face side with transformers itself instead of mtrain's model.")
+@click.option("--per-layer", is_flag=True, help="Show the difference after every layer.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@_fail_cleanly
+def verify_command(a: Path, b: Path, loader_a, loader_b, true_vocab_size, per_layer, as_json, quiet, **given) -> None:
+    """Run A and B on the same tokens and check that they compute the same thing (any formats and layouts).
+
+    Reports the max |logit difference|, the mean KL divergence and the top-1 agreement. Exits with status 1
+    unless the logits agree (exactly when both hold the same dtypes; within the measured effect of rounding
+    when a conversion cast them) and no config field that changes the outputs differs.
+    """
+    from mconvert.options import Options
+    from mconvert.progress import Progress
+    from mconvert.verify import VerifySettings, verify
+    from mconvert.verify.report import text, to_json
+
+    settings = VerifySettings(loader_a=loader_a, loader_b=loader_b, options=Options(true_vocab_size=true_vocab_size),
+                              **given)
+    report = verify(a, b, settings, Progress(enabled=not (quiet or as_json)))
+    click.echo(to_json(report) if as_json else text(report, per_layer))
+    if not report.passed:
         raise SystemExit(1)
 
 

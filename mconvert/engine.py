@@ -7,19 +7,18 @@ directory, so the destination either holds a complete checkpoint or is left as i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mconvert import workers
+from mconvert import staging, workers
 from mconvert.errors import ConvertError
-from mconvert.formats import hf_dir
+from mconvert.formats import contained, hf_dir
 from mconvert.ir import ModelIR
 from mconvert.options import Options
 from mconvert.progress import QUIET, Progress
@@ -35,34 +34,45 @@ class Summary:
 
 
 def check_destination(src: Path, dst: Path, force: bool) -> None:
-    """Refuse to touch an existing output without --force, and never write into the source."""
+    """Refuse to touch an existing output without --force, never write into the source or replace the current
+    directory, and fail now (before reading the source) when the output cannot be created."""
     src_r, dst_r = src.resolve(), dst.resolve()
     if dst_r == src_r or src_r in dst_r.parents or dst_r in src_r.parents:
         raise ConvertError(f"--save-dir {dst} overlaps --load-dir {src}; choose a separate directory")
+    cwd = Path.cwd().resolve()
+    if dst_r == cwd or dst_r in cwd.parents:
+        raise ConvertError(f"--save-dir {dst} is the current directory or holds it; the output directory is created "
+                           "(or replaced) whole, so name a new one, e.g. --save-dir converted")
     if dst.exists() and not dst.is_dir():
         raise ConvertError(f"--save-dir {dst} exists and is not a directory")
     if dst.is_dir() and any(dst.iterdir()) and not force:
         raise ConvertError(f"--save-dir {dst} already exists and is not empty; pass --force to replace it")
+    staging.check_writable(dst_r)
 
 
 @contextmanager
 def staged_output(dst: Path) -> Iterator[Path]:
-    """A staging directory that becomes `dst` only if the block succeeds (replacing an old `dst`)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
-    try:
-        yield staging
-        _sync_tree(staging)
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.replace(dst, old / dst.name)
-            os.replace(staging, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, dst)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    """A staging directory that becomes `dst` only if the block succeeds (replacing an old `dst`); on any failure
+    or interruption (SIGINT, SIGTERM) nothing is left behind, not even the parent directories it created."""
+    dst = dst.absolute()
+    created = staging.make_parents(dst.parent)
+    staging.remove_stale(dst.parent)
+    with staging.terminating_raises():
+        work = staging.make_dir(dst.parent, dst.name)
+        try:
+            yield work
+            _sync_tree(work)
+            if dst.exists():
+                old = staging.make_dir(dst.parent, dst.name, "old")
+                os.replace(dst, old / dst.name)
+                os.replace(work, dst)
+                staging.remove(old)
+            else:
+                os.replace(work, dst)
+        except BaseException:
+            staging.remove(work)
+            staging.remove_empty(created)
+            raise
 
 
 def _sync_tree(root: Path) -> None:
@@ -80,12 +90,16 @@ def tree_size(root: Path) -> tuple[int, int]:
 
 
 def resolve_source(path: Path | str) -> Path:
-    """The checkpoint location: an existing path, or a hub id (`org/name`) found in the local HF cache."""
+    """The checkpoint location: an existing path, or a hub id (`org/name`) found in the local HF cache; checked
+    to hold no link leading out of it (see mconvert.formats.contained) before any reader opens a file."""
     if Path(path).exists():
-        return Path(path)
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
-        return hf_dir.resolve(path)  # a clear error when the id is not in the cache
-    raise ConvertError(f"{path}: no such file or directory")
+        found = Path(path)
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+        found = hf_dir.resolve(path)  # a clear error when the id is not in the cache
+    else:
+        raise ConvertError(f"{path}: no such file or directory")
+    contained.check_tree(found)
+    return found
 
 
 def resolve_loader(name: str | None, path: Path) -> Plugin:
@@ -103,20 +117,29 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
     return ir
 
 
-def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progress = QUIET) -> None:
-    """Write `ir` with `saver` into `dst`, all or nothing (the caller has checked the destination)."""
+def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progress = QUIET,
+         check: Callable[[Path], None] | None = None) -> None:
+    """Write `ir` with `saver` into `dst`, all or nothing (the caller has checked the destination). `check` runs
+    on the complete output before it is moved into place (e.g. `--verify`); if it raises, nothing is left."""
     plugin = get_saver(saver)
-    with workers.shared_staging(dst, staged_output) as staging:  # under torchrun, one directory for every rank
-        plugin.func(ir, staging, options, progress)
+    options = options if options.final_dir else dataclasses.replace(options, final_dir=Path(dst).resolve())
+    try:
+        with workers.shared_staging(dst, staged_output) as work:  # under torchrun, one directory for every rank
+            plugin.func(ir, work, options, progress)
+            if check is not None and workers.team().leader:  # a failure here fails every rank
+                check(work)
+    except OSError as e:  # disk full, quota, I/O error (writing, or reading the source): staging is gone already
+        where = f" ({e.filename})" if e.filename else ""
+        raise ConvertError(f"converting into {dst} failed: {e.strerror or e}{where}; nothing was left behind") from None
 
 
 def convert(src: Path, dst: Path, *, loader: str | None, saver: str, options: Options, force: bool = False,
-            progress: Progress = QUIET) -> Summary:
-    """Convert the checkpoint at `src` into `saver`'s format at `dst`."""
+            progress: Progress = QUIET, check: Callable[[Path], None] | None = None) -> Summary:
+    """Convert the checkpoint at `src` into `saver`'s format at `dst` (`check`: see `save`)."""
     start = time.perf_counter()
     get_saver(saver)  # an unknown saver fails before any reading
     check_destination(src, dst, force)
     ir = load(src, options, loader)
-    save(ir, dst, options, saver, progress)
+    save(ir, dst, options, saver, progress, check)
     written, files = tree_size(dst)
     return Summary(time.perf_counter() - start, written, files, ir)

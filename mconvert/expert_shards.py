@@ -9,6 +9,9 @@ expert-major stack:
     fc1 whole  [n, 2f, h]   expert e's rows are [gate_e ; up_e]      (HF's fused `gate_up_proj`)
     fc2 whole  [n, h, f]    expert e is down_e                       (HF's fused `down_proj`)
 
+Transformer Engine's single grouped weight (moe_single_grouped_weight) stores that stack as is, per TP rank r
+`[n, 2f/tp, h]` (each expert [gate_r ; up_r]) and `[n, h, f/tp]`.
+
 Megatron's legacy GroupedMLP stores an expert-parallel rank's n = `ctx.local_experts` experts per TP rank r as
 
     weight1  [h, n*2f/tp]   memory = expert 0 [gate_0,r ; up_0,r]^T | expert 1 … (see transforms)
@@ -87,7 +90,14 @@ def expert_tp(inner: Shard) -> Shard:
     return Shard(f"expert_{inner.name}", shard, unshard)
 
 
+# TE's single grouped weight: the expert-major stack, each expert split over TP as its dense counterpart
+STACKED_GATED_COLUMN = Shard("stacked_gated_column", lambda t, ctx: gated_chunks(t, ctx.tp, dim=1),
+                             lambda ps, ctx: gated_unchunk(ps, dim=1))
+STACKED_ROW = Shard("stacked_row", lambda t, ctx: chunks(t, ctx.tp, 2), lambda ps, ctx: cat_pieces(ps, 2))
+
 EXPERT_GATED_COLUMN = expert_tp(GATED_COLUMN)
 EXPERT_ROW = expert_tp(ROW)
 EXPERT_GROUPED_GEMM_FC1 = expert_tp(GROUPED_GEMM_FC1)
 EXPERT_GROUPED_GEMM_FC2 = expert_tp(GROUPED_GEMM_FC2)
+EXPERT_STACKED_GATED_COLUMN = expert_tp(STACKED_GATED_COLUMN)
+EXPERT_STACKED_ROW = expert_tp(STACKED_ROW)

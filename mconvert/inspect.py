@@ -12,7 +12,9 @@ from mconvert.options import Options
 from mconvert.progress import human_bytes
 
 
-def describe(path: Path, loader: str | None, options: Options, *, tensors: bool = True) -> str:
+def describe(path: Path, loader: str | None, options: Options, *, tensors: bool = True, values: bool = True) -> str:
+    """The report `mconvert inspect` prints. With `values`, every tensor is read once (one at a time) to count
+    NaN and infinite values: conversion carries them, so inspect is where they show."""
     plugin = engine.resolve_loader(loader, path)
     ir = engine.load(path, options, plugin.name)
     src, c = ir.source, ir.config
@@ -31,13 +33,28 @@ def describe(path: Path, loader: str | None, options: Options, *, tensors: bool 
         *(f"  {k:<26}{v}" for k, v in c.to_dict().items()),
     ]
     lines += [f"note: {n}" for n in src.notes]
+    bad = {name: found for name, t in ir if (found := non_finite(t.load())) is not None} if values else {}
+    if values:
+        lines.append("values:      " + (f"non-finite values in {len(bad)} of {len(ir.tensors)} tensors: "
+                                        + ", ".join(f"{n} ({v})" for n, v in list(bad.items())[:8])
+                                        + (" …" if len(bad) > 8 else "") if bad else "all finite"))
     if tensors:
         width = max(len(n) for n in ir.tensors)
         lines.append(f"tensors ({len(ir.tensors)}):")
         for name, t in ir:
             dtype = str(t.dtype).removeprefix("torch.")
-            lines.append(f"  {name:<{width}}  {str(list(t.shape)):<16} {dtype:<9} {t.origin}")
+            flag = f"  [{bad[name]}]" if name in bad else ""
+            lines.append(f"  {name:<{width}}  {str(list(t.shape)):<16} {dtype:<9} {t.origin}{flag}")
     return "\n".join(lines)
+
+
+def non_finite(t: torch.Tensor) -> str | None:
+    """`3 NaN, 1 Inf` for a floating tensor holding such values, else None."""
+    if not t.is_floating_point():
+        return None
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    parts = [f"{nan} NaN" if nan else "", f"{inf} Inf" if inf else ""]
+    return ", ".join(p for p in parts if p) or None
 
 
 def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, options: Options) -> tuple[str, bool]:
@@ -75,6 +92,20 @@ def _compare_tensor(ir_a: ModelIR, ir_b: ModelIR, name: str) -> str | None:
     if x.dtype != y.dtype:
         diff = (x.double() - y.double()).abs().max().item()
         return f"dtype {x.dtype} vs {y.dtype}, max |diff| {diff:.3g}"
-    if torch.equal(x, y):
+    if same_values(x, y):
         return None
-    return f"differs, max |diff| {(x.double() - y.double()).abs().max().item():.3g}"
+    nan_x, nan_y = x.isnan() if x.is_floating_point() else None, y.isnan() if y.is_floating_point() else None
+    if nan_x is not None and not torch.equal(nan_x, nan_y):
+        return f"differs: NaN in different places ({int(nan_x.sum())} in A, {int(nan_y.sum())} in B)"
+    both = ~nan_x if nan_x is not None else torch.ones_like(x, dtype=torch.bool)
+    return f"differs, max |diff| {(x.double() - y.double())[both].abs().max().item():.3g}"
+
+
+def same_values(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal element by element, NaN equal to NaN in the same place (a checkpoint compared with itself is
+    identical even when it holds NaN)."""
+    if torch.equal(x, y):
+        return True
+    if not x.is_floating_point():
+        return False
+    return bool(((x == y) | (x.isnan() & y.isnan())).all())

@@ -21,9 +21,10 @@ from typing import Any, Literal, get_args
 import torch
 
 from mconvert.blocks import Blocks
+from mconvert.config_checks import check_model_config
 from mconvert.errors import ConvertError, mismatch
 
-Family = Literal["llama", "mistral", "mixtral", "gpt2"]
+Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe"]
 Norm = Literal["rmsnorm", "layernorm"]
 Activation = Literal["swiglu", "gelu_tanh", "gelu"]
 PositionEmbedding = Literal["rope", "learned"]
@@ -44,13 +45,20 @@ class ModelConfig:
     """Everything about a decoder-only transformer that the weights alone do not say.
 
     Mixture of experts: every layer holds `num_experts` experts except `dense_layers`, which hold a dense MLP of
-    `ffn_hidden_size`; each expert's FFN is `moe_ffn_hidden_size`. With no dense layer the expert size is kept in
-    `ffn_hidden_size` alone (`moe_ffn_hidden_size` None), one spelling per model. `moe_norm_topk`: the top-k
+    `ffn_hidden_size`; each expert's FFN is `moe_ffn_hidden_size`, None when it equals `ffn_hidden_size` (one
+    spelling per model). A dense size no layer uses is kept as the source states it (Qwen3-MoE's
+    `intermediate_size`, Megatron's `ffn_hidden_size`), so configs round-trip. `moe_norm_topk`: the top-k
     routing weights are renormalized to sum to 1 (HF `norm_topk_prob`; Megatron's default softmax-after-top-k),
     or used as the softmax over all experts gave them (Megatron `moe_router_pre_softmax`).
 
     `padded_vocab_size` is informational: the padded size found in the source (Megatron), which savers recompute
     for their own layout.
+
+    `qk_norm`: queries and keys are normalized per head (over head_dim, the model's norm and epsilon) after their
+    projections and before rotary positions (Qwen3, Megatron `qk_layernorm`). `full_attention_layers`: the layers
+    exempt from `sliding_window`, which attend to every earlier key (Qwen2's first `max_window_layers`, the zeros
+    of Megatron's `window_attn_skip_freq`); kept without a window too, where it changes nothing, so that a Qwen
+    config.json's `max_window_layers` survives a round trip.
     """
 
     family: Family
@@ -85,6 +93,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    qk_norm: bool = False
+    full_attention_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -105,6 +115,20 @@ class ModelConfig:
             raise ConvertError(f"MoE config needs 0 < moe_top_k <= num_experts, got {self.moe_top_k}, "
                                f"{self.num_experts}")
         self._check_moe_layers()
+        self._check_window_layers()
+        check_model_config(self)  # non-finite or out-of-range numbers (NaN epsilon, negative rope theta, ...)
+
+    def _check_window_layers(self) -> None:
+        full = tuple(self.full_attention_layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers for i in full) \
+                or full != tuple(sorted(set(full))):
+            raise ConvertError(f"full_attention_layers must be distinct layer numbers in [0, {self.num_layers}) in "
+                               f"increasing order, got {list(full)}")
+        object.__setattr__(self, "full_attention_layers", full)  # a JSON list reads back as the same tuple
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (keys a query sees, itself included), or None for full attention."""
+        return None if layer in self.full_attention_layers else self.sliding_window
 
     def _check_moe_layers(self) -> None:
         dense = tuple(self.dense_layers)
@@ -121,9 +145,7 @@ class ModelConfig:
                                                      or self.moe_ffn_hidden_size <= 0):
             raise ConvertError(f"moe_ffn_hidden_size must be a positive integer, got {self.moe_ffn_hidden_size}")
         object.__setattr__(self, "dense_layers", dense)  # a JSON list reads back as the same tuple
-        if self.is_moe and not dense and self.moe_ffn_hidden_size is not None:
-            # no dense MLP anywhere: the expert size is the only FFN size (one spelling per model)
-            object.__setattr__(self, "ffn_hidden_size", self.moe_ffn_hidden_size)
+        if self.moe_ffn_hidden_size == self.ffn_hidden_size:  # one spelling per model
             object.__setattr__(self, "moe_ffn_hidden_size", None)
 
     @property

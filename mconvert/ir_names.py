@@ -8,6 +8,7 @@ tensors contradict its config is refused), savers iterate it, tests pin it per f
     layers.{L}.attn_norm.{weight,bias}    [h]             bias for LayerNorm only
     layers.{L}.attn.{q,k,v}.{weight,bias} [nh*hd, h] / [ng*hd, h]
     layers.{L}.attn.o.{weight,bias}       [h, nh*hd] / [h]
+    layers.{L}.attn.{q,k}_norm.{weight,bias} [hd]         per-head norm of q and k (qk_norm; bias for LayerNorm)
     layers.{L}.mlp_norm.{weight,bias}     [h]
     layers.{L}.mlp.{gate,up}.{weight,bias}  [f, h]        gate only for gated activations
     layers.{L}.mlp.down.{weight,bias}     [h, f]
@@ -44,6 +45,18 @@ def attention_shapes(prefix: str, c: ModelConfig) -> dict[str, Shape]:
     return shapes
 
 
+def qk_norm_shapes(prefix: str, c: ModelConfig) -> dict[str, Shape]:
+    """One norm over head_dim for all query heads and one for all key heads (Qwen3's q_norm / k_norm)."""
+    if not c.qk_norm:
+        return {}
+    shapes: dict[str, Shape] = {}
+    for name in ("q_norm", "k_norm"):
+        shapes[f"{prefix}.{name}.weight"] = (c.head_dim,)
+        if c.norm == "layernorm":
+            shapes[f"{prefix}.{name}.bias"] = (c.head_dim,)
+    return shapes
+
+
 def mlp_shapes(prefix: str, c: ModelConfig, bias: bool, ffn: int | None = None) -> dict[str, Shape]:
     h, f = c.hidden_size, ffn or c.ffn_hidden_size
     shapes: dict[str, Shape] = {}
@@ -62,6 +75,7 @@ def layer_shapes(layer: int, c: ModelConfig) -> dict[str, Shape]:
     p = f"layers.{layer}"
     shapes = norm_shapes(f"{p}.attn_norm", c)
     shapes |= attention_shapes(f"{p}.attn", c)
+    shapes |= qk_norm_shapes(f"{p}.attn", c)
     shapes |= norm_shapes(f"{p}.mlp_norm", c)
     if c.is_moe_layer(layer):
         shapes[f"{p}.moe.router.weight"] = (c.num_experts, c.hidden_size)

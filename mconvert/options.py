@@ -13,10 +13,11 @@ from mconvert.layout import ParallelLayout
 LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers")
 
 TransformerImpl = Literal["local", "te"]
-CkptFormat = Literal["torch", "torch_dist", "zarr"]
+CkptFormat = Literal["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]
 # Megatron MoE expert weights: SequentialMLP (one module per expert), TE grouped GEMM (`weight{j}` per expert),
-# or the legacy GroupedMLP (`weight1`/`weight2` holding all local experts).
-ExpertLayout = Literal["sequential", "grouped", "legacy_grouped"]
+# the legacy GroupedMLP (`weight1`/`weight2` holding all local experts), or TE's grouped GEMM with
+# moe_single_grouped_weight (one `weight` [n, out, in] per grouped linear).
+ExpertLayout = Literal["sequential", "grouped", "legacy_grouped", "single_grouped"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,3 +33,6 @@ class Options:
     max_shard_size: int = 5 * 1024**3  # bytes per safetensors shard (HF savers)
     iteration: int | None = None  # Megatron iteration to write; default: the source's, else 1
     workers: int | None = None  # output files written at once (threads); None: one per CPU (mconvert.workers)
+    # Where the output lives once complete (savers write into a staging directory beside it, see engine.save):
+    # Megatron savers record the carried tokenizer's final path in args.tokenizer_model.
+    final_dir: Path | None = None

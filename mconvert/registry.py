@@ -100,9 +100,25 @@ def savers() -> list[Plugin]:
 
 
 def detect_loader(path: Path) -> Plugin:
-    """The loader whose format `path` is in; an error lists the formats tried."""
-    candidates = [p for p in loaders() if p.detect is not None and p.detect(path)]
-    if not candidates:
-        tried = ", ".join(p.name for p in loaders() if p.detect is not None)
-        raise ConvertError(f"{path}: cannot tell the checkpoint format (tried: {tried}); pass --loader NAME")
-    return candidates[0]
+    """The loader whose format `path` is in; an error lists the formats tried.
+
+    A detector answers False when its format's markers are absent, and raises ConvertError when they are present
+    but the files are broken (malformed config.json, a refused pickle, a bad tracker file): that error, naming the
+    format and the file, is what the user needs, not "cannot tell the format".
+    """
+    candidates, broken = [], {}
+    for p in loaders():
+        if p.detect is None:
+            continue
+        try:
+            if p.detect(path):
+                candidates.append(p)
+        except ConvertError as e:
+            broken.setdefault(str(e), []).append(p.name)
+    if candidates:
+        return candidates[0]
+    if broken:
+        raise ConvertError("; ".join(f"{message} (detected as a {' / '.join(names)} checkpoint)"
+                                     for message, names in broken.items()))
+    tried = ", ".join(p.name for p in loaders() if p.detect is not None)
+    raise ConvertError(f"{path}: cannot tell the checkpoint format (tried: {tried}); pass --loader NAME")

@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -35,12 +36,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from mconvert.formats import hf_dir
+from mconvert.formats.contained import check_tree, inside
 from mconvert.formats.dcp import read_metadata
+from mconvert.formats.torch_pickle import safe_load
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
-from mtrain import weights
+from mtrain import safe_dcp, weights
 from mtrain.errors import TrainError
 from mtrain.optim import Optimizers
 
@@ -49,6 +54,7 @@ FORMAT_VERSION = 2  # 2: optimizer state by parameter name (flattened), parallel
 READABLE_VERSIONS = (1, 2)  # the model tensors of version 1 are stored the same way
 META_FILE = "mtrain.json"
 LATEST_FILE = "latest"
+STEP_NAME = re.compile(r"step_\d{7,}")
 MODEL_PREFIX = "model."
 
 
@@ -67,26 +73,49 @@ def is_complete(path: Path) -> bool:
 
 
 def find_latest(root: Path) -> Path | None:
-    """The newest complete checkpoint in `root` (per `latest`, else the highest complete step directory)."""
+    """The newest complete checkpoint in `root` (per `latest`, else the highest complete step directory).
+
+    `latest` may only name a step directory of `root` (it is read from disk like any checkpoint file)."""
     root = Path(root)
     latest = root / LATEST_FILE
     if latest.is_file():
-        candidate = root / latest.read_text().strip()
+        try:
+            name = latest.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise TrainError(f"{latest}: cannot read it ({e}); remove it to resume from the newest complete "
+                             "step directory") from None
+        if not STEP_NAME.fullmatch(name):
+            raise TrainError(f"{latest} names {name[:60]!r}, not a step directory (step_NNNNNNN) of {root}; remove "
+                             "it to resume from the newest complete step directory")
+        candidate = inside(root, name, f"the step named by {LATEST_FILE}")
         if is_complete(candidate):
             return candidate
-    steps = sorted((p for p in root.glob("step_*") if is_complete(p)), key=lambda p: p.name)
+    steps = sorted((p for p in root.glob("step_*") if STEP_NAME.fullmatch(p.name) and is_complete(p)),
+                   key=lambda p: p.name)
     return steps[-1] if steps else None
 
 
 def read_meta(path: Path) -> dict:
+    """mtrain.json of a step directory, checked: format and version, step and sample counts, world size."""
     f = Path(path) / META_FILE
     if not f.is_file():
         raise TrainError(f"{path} is not an mtrain checkpoint (no {META_FILE}); give a step directory or the "
                          "checkpoint directory holding `latest`")
-    meta = json.loads(f.read_text())
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise TrainError(f"{f}: not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict):
+        raise TrainError(f"{f}: expected a JSON object, found {type(meta).__name__}")
     if meta.get("format") != FORMAT or meta.get("version") not in READABLE_VERSIONS:
         raise TrainError(f"{f}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
                          f"{FORMAT!r} version {' or '.join(map(str, READABLE_VERSIONS))}")
+    counts = {k: meta.get(k) for k in ("step", "world_size")} | \
+        ({"consumed_samples": meta["consumed_samples"]} if "consumed_samples" in meta else {})
+    bad = [f"{k}={v!r}" for k, v in counts.items()
+           if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "world_size" else 0)]
+    if bad or not isinstance(meta.get("model_config"), dict):
+        raise TrainError(f"{f}: {', '.join(bad) or 'no model_config object'}: not what mtrain writes")
     return meta
 
 
@@ -135,19 +164,27 @@ class Checkpointer:
             partial.mkdir()
         _barrier()
         state_dict = {"model": model_state(parts), "optimizer": optimizers.state_dict()}
-        with single_process_ok():
-            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True))
-        _save_rng(partial / "rng" / f"rank_{_rank():05d}.pt")
-        _barrier()
-        if _rank() == 0:
-            meta = dict(format=FORMAT, version=FORMAT_VERSION, step=state.step,
-                        consumed_samples=state.consumed_samples, world_size=_world(), parallel=layout,
-                        model_config=model_config.to_dict(), config=config,
-                        tokenizer="tokenizer" if tokenizer else None)
-            _write_synced(partial / META_FILE, json.dumps(meta, indent=2))
-            if tokenizer:
-                _copy_tokenizer(Path(tokenizer), partial / "tokenizer")
-            self._commit(partial, final)
+        try:
+            with single_process_ok():
+                dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True))
+            _save_rng(partial / "rng" / f"rank_{_rank():05d}.pt")
+            _barrier()
+            if _rank() == 0:
+                meta = dict(format=FORMAT, version=FORMAT_VERSION, step=state.step,
+                            consumed_samples=state.consumed_samples, world_size=_world(), parallel=layout,
+                            model_config=model_config.to_dict(), config=config,
+                            tokenizer="tokenizer" if tokenizer else None)
+                _write_synced(partial / META_FILE, json.dumps(meta, indent=2))
+                if tokenizer:
+                    _copy_tokenizer(Path(tokenizer), partial / "tokenizer")
+                self._commit(partial, final)
+        except (OSError, CheckpointException) as e:  # a full disk, a quota: DCP wraps each rank's OSError
+            if _rank() == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+            reason = getattr(cause, "strerror", None) or str(cause).strip().splitlines()[0]
+            raise TrainError(f"saving checkpoint {name} into {self.root} failed: {reason}; the previous checkpoint "
+                             "is untouched") from None
         _barrier()
         return final
 
@@ -167,10 +204,19 @@ class Checkpointer:
     def load(self, path: Path, parts: list[nn.Module], optimizers: Optimizers | None,
              layout: dict | None = None) -> TrainState:
         """Restore model (and optimizer, RNG) from `path`, whatever the layout that wrote it. The RNG states are
-        restored only under the layout that saved them (each rank's state belongs to its place in the layout)."""
-        meta = read_meta(path)
-        # stored_shapes unpickles .metadata through the allow-list first, so torch's dcp.load below (plain pickle)
-        # only ever sees metadata made of DCP's own classes
+        restored only under the layout that saved them (each rank's state belongs to its place in the layout).
+
+        Every byte is read through an allow-list (see mtrain.safe_dcp). A checkpoint that cannot be read
+        (truncated, corrupt, tampered with) is refused, naming its step and how to resume from the one before;
+        a checkpoint of another model is refused by `weights.check_shapes`."""
+        try:
+            check_tree(path)
+            meta = read_meta(path)
+            if "consumed_samples" not in meta:
+                raise TrainError(f"{path / META_FILE}: no consumed_samples: not what mtrain writes")
+            reader = safe_dcp.SafeReader(path)
+        except ConvertError as e:
+            raise unreadable(path, e) from None
         weights.check_shapes(parts[0], stored_shapes(path), f"checkpoint {path}")
         if optimizers is not None and meta["version"] < 2:
             raise TrainError(f"checkpoint {path} (mtrain format version 1) keeps its optimizer state in the older "
@@ -178,8 +224,13 @@ class Checkpointer:
         state_dict = {"model": model_state(parts)}
         if optimizers is not None:
             state_dict["optimizer"] = optimizers.state_dict()
-        with single_process_ok():
-            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(path)))
+        try:
+            with single_process_ok():
+                dcp.load(state_dict, storage_reader=reader, planner=safe_dcp.SafePlanner())
+        except CheckpointException as e:  # DCP wraps each rank's failure (ours: ConvertError); a BaseException
+            raise unreadable(path, next(iter(e.failures.values()))[0] if e.failures else e) from None
+        except Exception as e:
+            raise unreadable(path, e) from None
         for part in parts:
             own = get_model_state_dict(part)
             set_model_state_dict(part, {k: state_dict["model"][k] for k in own})
@@ -188,7 +239,10 @@ class Checkpointer:
         rng = path / "rng" / f"rank_{_rank():05d}.pt"
         same_layout = meta["world_size"] == _world() and meta.get("parallel") == layout
         if same_layout and rng.is_file():
-            _load_rng(rng)
+            try:
+                _load_rng(rng)
+            except ConvertError as e:
+                raise unreadable(path, e) from None
         return TrainState(step=meta["step"], consumed_samples=meta["consumed_samples"])
 
 
@@ -217,15 +271,37 @@ def _save_rng(path: Path) -> None:
 
 
 def _load_rng(path: Path) -> None:
-    state = torch.load(path, weights_only=True)
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    """Restore the RNG states `_save_rng` wrote (through the allow-listed unpickler); anything else is refused."""
+    state = safe_load(path, mmap=False)
+    try:
+        torch.set_rng_state(state["torch"])
+        n = state["numpy"]
+        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), int(n["pos"]), int(n["has_gauss"]),
+                             float(n["cached_gaussian"])))
+        p = state["python"]
+        random.setstate((int(p["version"]), tuple(int(x) for x in p["state"]), p["gauss_next"]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        raise ConvertError(f"{path}: not the RNG state mtrain writes ({type(e).__name__}: {e})") from None
+
+
+def unreadable(path: Path, error: Exception) -> TrainError:
+    """The error for a checkpoint that cannot be resumed: which step, why, and how to resume from the one before.
+
+    mtrain refuses rather than falling back by itself: a silent fallback would retrain steps without anyone
+    knowing the newest checkpoint was lost (and a tampered one should be looked at)."""
+    path = Path(path)
+    root = path.parent
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    earlier = sorted(p for p in root.glob("step_*") if STEP_NAME.fullmatch(p.name) and p.name < path.name
+                     and is_complete(p))
+    if earlier:
+        hint = (f"To resume from {earlier[-1].name}, the newest complete checkpoint before it, move {path.name} out "
+                f"of the way (e.g. mv {path} {root / ('broken-' + path.name)}) and run again")
+    else:
+        hint = f"There is no earlier complete checkpoint in {root}: remove {path.name} to start the run over"
+    return TrainError(f"cannot resume from checkpoint {path.name} in {root}: {reason}. {hint}")
 
 
 def _write_synced(path: Path, text: str) -> None:

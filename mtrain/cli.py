@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import click
@@ -20,6 +21,24 @@ from mconvert.errors import ConvertError
 EXTRA = {"ignore_unknown_options": True, "allow_extra_args": True}
 
 
+class _Finite(click.ParamType):
+    """A float >= 0 that is a number (click's FloatRange lets NaN through: every comparison with it is False)."""
+
+    name = "number"
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number) or number < 0:
+            self.fail(f"{value!r} is not a finite number >= 0", param, ctx)
+        return number
+
+
+FINITE = _Finite()
+
+
 def _fail_cleanly(func):
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -27,6 +46,8 @@ def _fail_cleanly(func):
             return func(*args, **kwargs)
         except ConvertError as e:  # TrainError too: a user error, shown without a traceback
             raise click.ClickException(str(e)) from None
+        except OSError as e:  # a full disk, an unreadable file: one line too
+            raise click.ClickException(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}") from None
 
     return wrapper
 
@@ -44,7 +65,7 @@ def main() -> None:
 @click.option("--json-key", "--json-keys", "json_keys", multiple=True, default=("text",), show_default=True,
               help="Field(s) to tokenize; one dataset per key.")
 @click.option("--append-eod", is_flag=True, help="End every document with the tokenizer's eos token.")
-@click.option("--workers", type=int, default=1, show_default=True, help="Tokenizer processes.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Tokenizer processes.")
 @_fail_cleanly
 def preprocess(input_, output_prefix, tokenizer, json_keys, append_eod, workers) -> None:
     """Tokenize JSON lines into Megatron indexed datasets (.bin/.idx)."""
@@ -103,9 +124,9 @@ def finetune(ctx, load, loader, config_file) -> None:
 @click.option("--load", required=True, type=click.Path(path_type=Path), help="Any checkpoint mconvert reads.")
 @click.option("--loader", help="mconvert loader of --load (detected when omitted).")
 @click.option("--data", "data", multiple=True, required=True, help="Dataset prefix (repeat for several).")
-@click.option("--seq-len", type=int, default=1024, show_default=True)
-@click.option("--batch-size", type=int, default=8, show_default=True)
-@click.option("--max-samples", type=int, help="Stop after this many windows.")
+@click.option("--seq-len", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--max-samples", type=click.IntRange(min=1), help="Stop after this many windows.")
 @_fail_cleanly
 def evaluate(load, loader, data, seq_len, batch_size, max_samples) -> None:
     """Loss and perplexity of a checkpoint on datasets (consecutive windows, no shuffle)."""
@@ -124,11 +145,11 @@ def evaluate(load, loader, data, seq_len, batch_size, max_samples) -> None:
 @click.option("--tokenizer", type=click.Path(path_type=Path), help="Default: the checkpoint's tokenizer files.")
 @click.option("--prompt", help="Text to continue.")
 @click.option("--tokens", "token_ids", help="Token ids to continue instead of --prompt, e.g. '1 5 9'.")
-@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True)
 @click.option("--greedy", is_flag=True, help="Always take the most likely token.")
-@click.option("--temperature", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int)
-@click.option("--top-p", type=float)
+@click.option("--temperature", type=FINITE, default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=1))
+@click.option("--top-p", type=FINITE)
 @click.option("--seed", type=int, default=0, show_default=True)
 @_fail_cleanly
 def generate(load, loader, tokenizer, prompt, token_ids, max_new_tokens, greedy, temperature, top_k, top_p,
@@ -155,11 +176,9 @@ def generate(load, loader, tokenizer, prompt, token_ids, max_new_tokens, greedy,
 
 
 def _tokenizer_of(ir) -> Path | None:
-    files = {name: path for name, path in ir.assets.items()}
-    for name in ("tokenizer.json", "tokenizer.model"):
-        if name in files:
-            return Path(files[name]).parent if name == "tokenizer.json" else Path(files[name])
-    return None
+    from mtrain.data.tokenizer import checkpoint_tokenizer
+
+    return checkpoint_tokenizer(ir.assets)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
+from mtrain.config_ranges import check_ranges
 from mtrain.errors import TrainError
 
 
@@ -44,13 +45,15 @@ class TrainSection:
     micro_batch_size: int = 4
     global_batch_size: int = 32
     seed: int = 1234  # weight initialization and any randomness in the model
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights and optimizer state
+    # bf16: bf16 compute, fp32 master weights and optimizer state; auto: bf16 where the device does it fast
+    precision: Literal["fp32", "bf16", "auto"] = "fp32"
     # Activation recomputation in backward: full: each layer's activations; selective: the attention core only
     recompute: Literal["none", "selective", "full"] = "none"
     deterministic: bool = False
     init_std: float = 0.02
     exit_after_steps: int | None = None  # stop (with a checkpoint) after this many steps in this run
-    compile: bool = False  # torch.compile each layer (slow to start on CPU)
+    # torch.compile: none, each layer, or the whole model / pipeline stage (README: when it pays; slow to start)
+    compile: Literal["none", "layers", "model"] = "none"
     moe_capacity_factor: float | None = None  # MoE: experts take at most factor * fair share of tokens; None: dropless
 
 
@@ -66,6 +69,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
+    fused: bool | None = None  # fused AdamW kernel; None: where the device has one (CPU, CUDA), else foreach
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +116,7 @@ class ParallelConfig:
 class LoggingConfig:
     interval: int = 10
     tensorboard_dir: str | None = None
+    peak_tflops: float | None = None  # per-device peak for MFU (default: known GPUs; CPUs log achieved FLOP/s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,6 +328,9 @@ def validate(c: Config) -> None:
         raise TrainError(f"optim.min_lr {c.optim.min_lr} is above optim.lr {c.optim.lr}")
     if t.moe_capacity_factor is not None and t.moe_capacity_factor <= 0:
         raise TrainError(f"train.moe_capacity_factor must be positive (or null: dropless), got {t.moe_capacity_factor}")
+    check_ranges(c)  # NaN, infinities, negative intervals and counts
+    if c.logging.peak_tflops is not None and not c.logging.peak_tflops > 0:
+        raise TrainError(f"logging.peak_tflops must be positive (per-device peak TFLOP/s), got {c.logging.peak_tflops}")
     validate_parallel(c.parallel)
 
 

@@ -8,12 +8,14 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from mtrain.errors import TrainError
+from mtrain.flops import Throughput
 
 
 class Metrics:
     def __init__(self, *, enabled: bool, total_steps: int, interval: int, tensorboard_dir: str | None,
-                 out: Callable[[str], None] = print):
+                 out: Callable[[str], None] = print, throughput: Throughput | None = None):
         self.enabled, self.total_steps, self.interval, self.out = enabled, total_steps, max(1, interval), out
+        self.throughput = throughput  # MFU or achieved FLOP/s after tokens/s
         self.start = time.perf_counter()
         self.first_step: int | None = None
         self.writer = None
@@ -46,6 +48,8 @@ class Metrics:
         if s.get("aux_loss") is not None:
             parts.append(f"aux loss {s['aux_loss']:.4f}")
         parts.append(f"{s['tokens_per_s']:,.0f} tok/s")
+        if self.throughput is not None:
+            parts.append(self.throughput.describe(s["tokens_per_s"]))
         parts.append(f"{_hms(elapsed)} elapsed, {_hms(left)} left")
         return " | ".join(parts)
 

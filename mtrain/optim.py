@@ -1,4 +1,9 @@
-"""AdamW and the learning-rate schedule: linear warmup, then cosine or linear decay to a floor."""
+"""AdamW and the learning-rate schedule: linear warmup, then cosine or linear decay to a floor.
+
+AdamW runs fused (one kernel over all tensors of a device and dtype: PyTorch's `fused=True`) where PyTorch has that
+kernel for the parameters' device, CPU and CUDA among them; elsewhere the multi-tensor `foreach` implementation.
+Both compute the same update (tests/mtrain/test_mtrain_speed.py checks it); `optim.fused: false` forces foreach.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from mtrain.config import OptimConfig
+from mtrain.errors import TrainError
 
 # Optimizer state keyed by parameter name ("state.layers.3.attn.q.weight.exp_avg"), the same whatever the layout
 # and however the parameters are split into pipeline stages: a checkpoint resumes under any layout.
@@ -41,7 +47,24 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             **implementation(decay + no_decay, cfg.fused))
+
+
+def implementation(params: list[torch.Tensor], fused: bool | None) -> dict[str, bool]:
+    """AdamW's keyword for the fused kernel when asked for (or, with None, when every parameter's device has it),
+    for foreach otherwise. PyTorch lists the devices with a fused AdamW in _get_fused_kernels_supported_devices."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    supported = set(_get_fused_kernels_supported_devices())
+    can = bool(params) and all(p.device.type in supported and p.is_floating_point() for p in params)
+    if fused is None:
+        fused = can
+    elif fused and not can:
+        devices = sorted({p.device.type for p in params} - supported)
+        raise TrainError(f"optim.fused is true but PyTorch has no fused AdamW for {', '.join(devices) or 'these'} "
+                         "parameters; set optim.fused to null (automatic) or false")
+    return {"fused": True} if fused else {"foreach": True}
 
 
 class Optimizers:

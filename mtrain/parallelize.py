@@ -5,7 +5,7 @@
             tensor/sequence parallel (parallel/tensor_parallel.py)
             expert parallel and expert tensor parallel (parallel/expert_parallel.py)
             context parallel (parallel/context_parallel.py)
-            activation recomputation, torch.compile of each layer
+            activation recomputation, torch.compile (each layer, or the whole stage)
             FSDP2 over the "dp_cp" ranks (or DDP for data parallelism alone)
             to_empty(device), init_buffers()
     weights.load_full_weights(parallel.parts, ...)
@@ -37,6 +37,7 @@ from mtrain.parallel.tensor_parallel import apply_tensor_parallel
 DPMode = Literal["fsdp", "ddp"]
 Precision = Literal["fp32", "bf16"]
 Recompute = Literal["none", "selective", "full"]
+CompileMode = Literal["none", "layers", "model"]
 
 
 @dataclass
@@ -73,7 +74,7 @@ class ParallelModel:
 
 def build_parallel_model(config: ModelConfig, dims: ParallelDims, mesh: DeviceMesh | None, *, device: torch.device,
                          dp_mode: DPMode = "fsdp", precision: Precision = "fp32", recompute: Recompute = "none",
-                         compile_layers: bool = False, moe_capacity_factor: float | None = None) -> ParallelModel:
+                         compile_mode: CompileMode = "none", moe_capacity_factor: float | None = None) -> ParallelModel:
     """This rank's parallelized parts with uninitialized weights (fp32) and initialized buffers on `device`."""
     coords = Coords.of(mesh)
     if dims.pp > 1:
@@ -95,9 +96,7 @@ def build_parallel_model(config: ModelConfig, dims: ParallelDims, mesh: DeviceMe
         if dims.cp > 1:
             apply_context_parallel(part, mesh["cp"])
         apply_recompute(part, recompute)
-        if compile_layers:
-            for block in part.layers.values():
-                block.compile()
+        apply_compile(part, compile_mode)
         if mesh is not None and mesh["dp_cp"].size() > 1:
             if dp_mode == "fsdp":
                 ignored = set(expert_parameters([part])) if sharded_experts else set()
@@ -140,6 +139,17 @@ def apply_recompute(model: Transformer, mode: Recompute) -> None:
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=True)
         else:
             block.attn.core = checkpoint_wrapper(block.attn.core, preserve_rng_state=True)
+
+
+def apply_compile(model: Transformer, mode: CompileMode) -> None:
+    """torch.compile in place (parameter names unchanged): `layers` compiles each layer alone (one graph reused
+    by every layer of the same shape), `model` the whole model or pipeline stage, so the embedding, final norm and
+    output head are compiled too (FSDP's and DDP's hooks included: Dynamo leaves what it cannot capture to eager)."""
+    if mode == "layers":
+        for block in model.layers.values():
+            block.compile()
+    elif mode == "model":
+        model.compile()
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, precision: Precision, ignored: set[nn.Parameter]) -> None:

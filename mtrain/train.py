@@ -28,9 +28,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from mconvert import engine
+from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.options import Options
-from mtrain import checkpoint, distributed, weights
+from mtrain import checkpoint, distributed, flops, precision, weights
 from mtrain.config import Config, dump
 from mtrain.data.loader import RankBatches, build_splits
 from mtrain.errors import TrainError
@@ -85,9 +86,10 @@ class Trainer:
         splits = build_splits(config.data, {"train": t.steps * t.global_batch_size,
                                             "valid": e.steps * t.global_batch_size if e.interval else 0})
         mesh = dims.build_mesh(self.env.device.type)
+        self.precision = precision.resolve(t.precision, self.env.device, self.env.world, self.out)
         self.parallel = build_parallel_model(
             model_config, dims, mesh, device=self.env.device, dp_mode=config.parallel.dp_mode,
-            precision=t.precision, recompute=t.recompute, compile_layers=t.compile,
+            precision=self.precision, recompute=t.recompute, compile_mode=t.compile,
             moe_capacity_factor=t.moe_capacity_factor)
         self.parts = self.parallel.parts
         self.model = self.parts[0]  # the whole model without pipeline parallel
@@ -117,21 +119,30 @@ class Trainer:
         self.valid = splits["valid"]
         for part in self.parts:
             moe.set_aux_loss_scale(part, 1.0 / self.batches.micro_batches)
-        self.autocast = t.precision == "bf16" and not uses_fsdp_mixed_precision(self.model)
+        self.autocast = self.precision == "bf16" and not uses_fsdp_mixed_precision(self.model)
         self.pp_group = group(mesh, "pp")
         self.schedule = None
         if dims.pp > 1:
             n = self.batches.micro_batches
             self.schedule = build_schedule(self.parts, self.parallel.stage_ids, dims, self.pp_group, self.env.device,
                                            n, lambda out, target: self._cross_entropy(out, target) / n)
+        self.throughput, line = flops.throughput_for(model_config, config.data.seq_len, self.env.world,
+                                                     self.env.device, self.precision, config.logging.peak_tflops)
+        self.out(line)
         self.metrics = Metrics(enabled=self.env.is_main, total_steps=t.steps, interval=config.logging.interval,
-                               tensorboard_dir=config.logging.tensorboard_dir, out=self.out)
+                               tensorboard_dir=config.logging.tensorboard_dir, out=self.out,
+                               throughput=self.throughput)
 
     def _model_source(self, resume: Path | None) -> tuple[ModelConfig, ModelIR | None]:
         """The model config, and the IR to finetune from (None when resuming or pretraining)."""
         c = self.config
         if resume is not None:
-            stored = ModelConfig.from_dict(checkpoint.read_meta(resume)["model_config"])
+            try:
+                meta = checkpoint.read_meta(resume)
+                stored = ModelConfig.from_dict(meta["model_config"])
+            except ConvertError as e:
+                raise checkpoint.unreadable(resume, e) from None
+            check_finetune_source(c, resume, meta)
             return c.model or stored, None
         if c.checkpoint.finetune:
             ir = engine.load(Path(c.checkpoint.finetune), Options(), c.checkpoint.loader)
@@ -156,7 +167,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens = self.config.train.global_batch_size * self.config.data.seq_len
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "aux_loss": self._aux_loss(),
-                "tokens_per_s": tokens / elapsed, "step_time": elapsed}
+                "tokens_per_s": tokens / elapsed, "step_time": elapsed, **self.throughput.scalars(tokens / elapsed)}
 
     def forward_backward(self) -> float:
         """Gradients of the next global batch's mean loss (synced over the layout); returns that loss."""
@@ -315,6 +326,22 @@ class Trainer:
             self.metrics.close()
         self._deterministic.__exit__(None, None, None)
         distributed.shutdown(self.env)
+
+
+def check_finetune_source(c: Config, resume: Path, meta: dict) -> None:
+    """`finetune --load X` into a checkpoint.dir that already holds a run: resuming that run is right only when
+    it is the same finetune (started from X); otherwise --load would be silently ignored, so refuse."""
+    wanted = c.checkpoint.finetune
+    if not wanted:
+        return
+    started = ((meta.get("config") or {}).get("checkpoint") or {}).get("finetune")
+    if started and Path(started).resolve() == Path(wanted).resolve():
+        return
+    origin = f"finetuned from {started}" if started else "trained from scratch"
+    raise TrainError(f"checkpoint.dir {c.checkpoint.dir} already holds a run ({origin}, latest checkpoint "
+                     f"{resume.name}), which would be resumed and --load {wanted} ignored. To finetune from {wanted}, "
+                     "give an empty checkpoint.dir; to continue that run, run `mtrain pretrain` with its config (no "
+                     "--load)")
 
 
 def _value(loss: torch.Tensor) -> float:

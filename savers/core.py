@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from mconvert.savers import megatron_files
+from mconvert.savers.core_dcp import save_dcp
 from mconvert.savers.core_dist import save_dist
 
 from mconvert.errors import ConvertError
@@ -20,7 +21,7 @@ from mconvert.options import LAYOUT_OPTIONS, Options
 from mconvert.progress import Progress
 from mconvert.registry import register_saver
 from mconvert.rules import Ctx
-from mconvert.schemas import core, rank_plan
+from mconvert.schemas import core, core_dcp, rank_plan
 from mconvert.transforms import padded_vocab_size
 
 
@@ -28,18 +29,21 @@ from mconvert.transforms import padded_vocab_size
                 options=(*LAYOUT_OPTIONS, "transformer_impl", "expert_layout", "ckpt_format",
                          "make_vocab_size_divisible_by", "iteration"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
-    """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`
-    or `zarr` (--ckpt-format)."""
+    """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`,
+    `zarr`, `torch_dcp` or `fsdp_dtensor` (--ckpt-format)."""
     check_expert_layout(ir, options)
+    if options.ckpt_format in core_dcp.FORMATS:
+        return save_dcp(ir, out, options, progress)
     if options.ckpt_format != "torch":
         return save_dist(ir, out, options, progress)
     c, layout = ir.config, options.layout
     layout.check_model(c)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
+    iteration = megatron_files.iteration(ir, options)
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
                                  divisible_by=options.make_vocab_size_divisible_by, impl=options.transformer_impl,
-                                 expert_layout=options.expert_layout)
-    iteration = megatron_files.iteration(ir, options)
+                                 expert_layout=options.expert_layout,
+                                 tokenizer_model=megatron_files.tokenizer_model(ir, out, options, iteration))
     ctx = Ctx(c, padded, tp=layout.tp, etp=layout.expert_tp, local_experts=(c.num_experts or 0) // layout.ep)
     parts = plan(ir, options)
     top = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration}
@@ -62,9 +66,10 @@ def check_expert_layout(ir: ModelIR, options: Options) -> None:
     if not ir.config.is_moe:
         raise ConvertError(f"--expert-layout {options.expert_layout} needs a mixture-of-experts model; this one "
                            "is dense")
-    if options.expert_layout == "grouped" and options.transformer_impl != "te":
-        raise ConvertError("--expert-layout grouped is Transformer Engine's grouped GEMM (TEGroupedMLP) and needs "
-                           "--transformer-impl te; with local modules use sequential or legacy_grouped")
+    if options.expert_layout in ("grouped", "single_grouped") and options.transformer_impl != "te":
+        raise ConvertError(f"--expert-layout {options.expert_layout} is Transformer Engine's grouped GEMM "
+                           "(TEGroupedMLP) and needs --transformer-impl te; with local modules use sequential or "
+                           "legacy_grouped")
 
 
 def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = None) -> dict[str, object]:
@@ -76,7 +81,8 @@ def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = No
         moe = config is not None and config.is_moe_layer(L)
         modules = core.extra_state_modules(
             options.transformer_impl, expert_layout=options.expert_layout if moe else None,
-            local_experts=config.num_experts // options.layout.ep if moe else 0)
+            local_experts=config.num_experts // options.layout.ep if moe else 0,
+            qk_norm=config is not None and config.qk_norm)
         for module in modules:
             out[f"{module.format(l=l)}._extra_state"] = value
     if chunk.has_head:

@@ -2,7 +2,8 @@
 
 The checkpoint is layout-independent: every tensor is written whole, layers stacked, one layer block at a
 time. `--tp` only decides the vocabulary padding (Megatron pads to a multiple of divisible_by x TP of the run
-that will load it). The common state goes to `common.pt`, which every megatron-core release reads.
+that will load it). The common state goes to `common.pt`, which every megatron-core release reads. torch_dist
+checkpoints get the SHA-256 manifest `integrity.json` that megatron-core writes with --verify-integrity.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 from mconvert.formats import dcp_writer, hf_dir
+from mconvert.formats.integrity import write_manifest
 from mconvert.formats.torch_zip import save as torch_save
 from mconvert.savers import megatron_files
 
@@ -34,11 +36,12 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
                            "drop --pp/--vpp/--ep (Megatron reshards them when it loads)")
     layout.check_model(c)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
+    iteration = megatron_files.iteration(ir, options)
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
                                  divisible_by=options.make_vocab_size_divisible_by,
                                  impl=options.transformer_impl, ckpt_format=backend,
-                                 expert_layout=options.expert_layout)
-    iteration = megatron_files.iteration(ir, options)
+                                 expert_layout=options.expert_layout,
+                                 tokenizer_model=megatron_files.tokenizer_model(ir, out, options, iteration))
     it_dir = out / core.iteration_dir(iteration)
     it_dir.mkdir(parents=True, exist_ok=True)  # under torchrun every rank prepares the same directory
     planner = RowPlanner(Ctx(c, padded))
@@ -54,6 +57,8 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
             write_dcp_metadata(results)
         torch_save(common, it_dir / core_dist.COMMON_FILE, background=False)
         hf_dir.write_json(it_dir / core_dist.METADATA_JSON, core_dist.metadata_json(backend))
+        if backend == "torch_dist":  # megatron-core verifies it with --verify-integrity
+            write_manifest(it_dir)
         megatron_files.finish_checkpoint(ir, out, it_dir, iteration)
 
     if backend == "torch_dist":
@@ -69,10 +74,10 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
 def _blocks(ir: ModelIR, placed: core_dist.Placed, planner: RowPlanner) -> list[dcp_writer.Item]:
     """One stored block at its place in the stack; a plain concatenation (SwiGLU's [gate ; up]) goes out as its
     parts at their offsets, as Megatron itself stores them."""
-    c, rule = ir.config, placed.row.rule
+    rule = placed.row.rule
     tensors = [ir[n] for n in placed.row.ir]
     whole_shape = tuple(rule.piece_shapes([t.shape for t in tensors], planner.ctx)[0])
-    stack = tuple(c.num_layers if i == 0 else c.num_experts for i in range(len(placed.index)))
+    stack = placed.stack
     lead = (1,) * len(stack)
     dtype = tensors[0].dtype
     if rule.join.concat_dim is None:

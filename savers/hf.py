@@ -19,6 +19,7 @@ SAVERS = {
     "mistral": "llama_mistral",
     "gpt2": "gpt2_hf",
     "mixtral": "mixtral_hf",
+    "qwen2": "qwen_hf", "qwen3": "qwen_hf", "qwen3_moe": "qwen_hf",
 }
 
 

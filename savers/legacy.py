@@ -32,6 +32,9 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if c.is_moe:
         raise ConvertError("the legacy saver writes dense models only; save a mixture-of-experts model with "
                            "--saver core")
+    if c.qk_norm:
+        raise ConvertError("Megatron's legacy model has no per-head q/k norms (qk_layernorm); save this model with "
+                           "--saver core")
     layout.check_model(c)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
     args = legacy.args_from_config(c, layout, padded_vocab_size=padded,

@@ -61,6 +61,13 @@ def write_parts(ir: ModelIR, planner: RowPlanner, parts: list[Part], ranks: list
             writer.finish(top | models[k] | {"num_floating_point_operations_so_far": 0})
 
 
+def tokenizer_model(ir: ModelIR, out: Path, options: Options, iteration_number: int) -> str | None:
+    """Where the carried tokenizer will be once the output is in place (for args.tokenizer_model), or None."""
+    if not ir.assets:
+        return None
+    return str((options.final_dir or Path(out).resolve()) / core.iteration_dir(iteration_number) / "tokenizer")
+
+
 def _rows(part: Part) -> tuple[Row, ...]:
     return part.rows + ((part.tied_copy,) if part.tied_copy else ())
 

@@ -61,6 +61,28 @@ def make_hf_model(path: Path, family: str = "llama", *, seed: int = 0, dtype: to
                          max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
                          tie_word_embeddings=False, rope_theta=1e6, router_aux_loss_coef=0.02,
                          router_jitter_noise=0.01)),
+        # Qwen2: biases on q/k/v only, a window of 8 from layer 2 on (max_window_layers), tied embeddings
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                  dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                       num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-6,
+                       use_sliding_window=True, sliding_window=8, max_window_layers=2, bos_token_id=1,
+                       eos_token_id=2, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                                   "rope_theta": 1e6})),
+        # Qwen3: per-head q/k norms, head_dim 16 != hidden / heads = 8, max_window_layers inert (no window)
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                  dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=16, vocab_size=300, max_position_embeddings=256,
+                       rms_norm_eps=1e-6, max_window_layers=3, bos_token_id=1, eos_token_id=2,
+                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+        # Qwen3-MoE: experts in layers 1 and 3 (decoder_sparse_step 2), a dense FFN (96) other than the experts'
+        # (32), top-k renormalized; 4 experts, 2 key/value groups (TP 2 keeps whole groups)
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                      dict(num_hidden_layers=4, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                           max_position_embeddings=256, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+                           decoder_sparse_step=2, norm_topk_prob=True, router_aux_loss_coef=0.02,
+                           bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
         # n_inner None means 4 * n_embd; gelu_new is the tanh approximation; wte and lm_head tied
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
                  dict(n_layer=4, n_embd=64, n_head=4, n_inner=None, n_positions=128, vocab_size=300,
@@ -139,3 +161,48 @@ def tokens() -> torch.Tensor:
 @pytest.fixture(scope="session")
 def gpt2_dir(tmp_path_factory) -> Path:
     return make_hf_model(tmp_path_factory.mktemp("gpt2") / "hf", "gpt2", seed=2)
+
+
+# megatron-core itself, in the environments scripts/megatron_envs.sh builds (.venv-mcore-0.16, .venv-mcore-0.19)
+REPO = Path(__file__).resolve().parents[1]
+MEGATRON_LM = Path(__file__).resolve().parent / "megatron_lm"  # scripts run inside those environments
+
+
+@pytest.fixture(scope="session")
+def mcore_python():
+    """`mcore_python("0.19")`: the python of the megatron-core 0.19 environment; skips the test without it."""
+
+    def get(version: str) -> Path:
+        env = REPO / f".venv-mcore-{version}"
+        if not (env / ".mconvert-env").is_file():
+            pytest.skip(f"megatron-core {version} environment not built: run `bash scripts/megatron_envs.sh`")
+        return env / "bin" / "python"
+
+    return get
+
+
+def run_megatron(python: Path, script: str, *args: str, timeout: int = 1200) -> str:
+    """Run tests/megatron_lm/<script> with `python` (a megatron-core environment); returns its stdout."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env |= {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    result = subprocess.run([str(python), str(MEGATRON_LM / script), *map(str, args)], capture_output=True,
+                            text=True, env=env, timeout=timeout)
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result.stdout
+
+
+@pytest.fixture(scope="session")
+def megatron019_written(tmp_path_factory, mcore_python) -> Path:
+    """Checkpoints written by Megatron-LM 0.19's own save_checkpoint (tests/megatron_lm/specs.py), with
+    Megatron's logits beside each (`<name>.pt`)."""
+    import json
+
+    from tests.megatron_lm.specs import VOCAB, specs
+
+    python = mcore_python("0.19")
+    root = tmp_path_factory.mktemp("megatron019")
+    write_tokenizer(root / "tokenizer", VOCAB)
+    run_megatron(python, "save.py", root, json.dumps(specs(str(root / "tokenizer"))))
+    return root

@@ -3,6 +3,8 @@ GPTModel's sharded state dict at TP = world size, and compare every tensor with 
 checkpoint of the same model (the fixtures), rank by rank. Prints one line `OK <n>` or raises.
 
     torchrun --nproc-per-node TP tests/helpers_mcore_load.py CKPT_ITER_DIR REFERENCE_DIR
+
+Runs in a megatron-core environment (scripts/megatron_envs.sh); needs nothing from this repository.
 """
 
 import sys
@@ -17,8 +19,11 @@ warnings.filterwarnings("ignore")
 def main() -> None:
     ckpt, reference = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
-    from mconvert.formats.torch_pickle import safe_load
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing, parallel_state  # registers Megatron's classes for weights_only
+
+    def safe_load(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig

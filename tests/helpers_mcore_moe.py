@@ -4,7 +4,8 @@
 
 Each CORE_DIR must be a TP1 PP1 EP1 `core` checkpoint of HF_MIXTRAL_DIR's model with the local spec, in the
 sequential or legacy_grouped expert layout, or a torch_dist checkpoint (read by dist_checkpointing). Needs
-megatron-core 0.16 (the last release with the legacy GroupedMLP, and the last for Python 3.11); no GPU. Runs in
+megatron-core 0.16 (the last release with the legacy GroupedMLP, and the last for Python 3.11; its environment
+is .venv-mcore-0.16, see scripts/megatron_envs.sh; nothing from this repository is imported); no GPU. Runs in
 its own process (it starts a process group and patches torch.cuda). Prints `OK <dir> <max |logit difference|>`
 per checkpoint. Megatron builds a local-spec GPTModel with SequentialMLP or GroupedMLP experts, loads the file
 with strict=True, and runs a forward pass on CPU, with four stand-ins for CUDA-only pieces: the current device is
@@ -22,7 +23,13 @@ import types
 
 import torch
 import torch.nn.functional as F
-from mconvert.formats.torch_pickle import safe_load
+
+
+def safe_load(path: str):
+    """torch.load without code execution; importing megatron.core allows its own classes (our args have none)."""
+    import megatron.core  # noqa: F401
+
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def cpu_grouped_gemm(x: torch.Tensor, w: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False):

@@ -12,7 +12,7 @@ import torch
 from mconvert.formats.torch_pickle import safe_load
 from mconvert.formats.torch_zip import TorchFileWriter
 
-from tests.conftest import run_cli
+from tests.conftest import make_hf_model, run_cli
 
 
 def convert(src, dst, *extra, expect_error=False):
@@ -127,8 +127,8 @@ def test_failed_conversion_leaves_no_partial_output(llama_dir, tmp_path, monkeyp
         convert(llama_dir, tmp_path / "whole", "--tp", "2", "--pp", "2", "--workers", workers)
         shutil.rmtree(tmp_path / "whole")
         whole, calls["n"], calls["fail_at"] = calls["n"], 0, 7
-    with pytest.raises(OSError, match="No space left"):
-        convert(llama_dir, dst, "--tp", "2", "--pp", "2", "--workers", workers)
+    out = convert(llama_dir, dst, "--tp", "2", "--pp", "2", "--workers", workers, expect_error=True)
+    assert f"Error: converting into {dst} failed: No space left on device; nothing was left behind" in out  # one line
     # one worker stops at once; with two, the other stops at its next tensor, having written part of its files
     assert calls["n"] == 7 if workers == 1 else 7 <= calls["n"] < whole
     assert sorted(os.listdir(tmp_path)) == []  # neither the output nor a staging directory
@@ -143,8 +143,7 @@ def test_failed_conversion_keeps_the_old_output(llama_dir, tmp_path, monkeypatch
         raise OSError("disk failure")
 
     monkeypatch.setattr(TorchFileWriter, "add", failing_add)
-    with pytest.raises(OSError):
-        convert(llama_dir, dst, "--tp", "2", "--force")
+    assert "disk failure" in convert(llama_dir, dst, "--tp", "2", "--force", expect_error=True)
     assert sorted(p.relative_to(dst) for p in dst.rglob("*")) == before
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
@@ -201,7 +200,7 @@ def test_mtrain_checkpoint_with_unsafe_metadata(tmp_path):
 
 
 @pytest.mark.parametrize("setting,value", [("apply_layernorm_1p", True), ("moe_router_score_function", "sigmoid"),
-                                           ("position_embedding_type", "yarn"), ("qk_layernorm", True)])
+                                           ("position_embedding_type", "yarn"), ("rotary_interleaved", True)])
 def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_path):
     """A Megatron model that computes something else is refused by name, not converted into a different model."""
     convert(mixtral_dir, tmp_path / "core")
@@ -212,6 +211,19 @@ def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_
     out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
     assert f"Megatron settings that change what the model computes and that mconvert cannot carry (yet): " \
            f"{setting}={value!r}; refusing" in out
+    assert not (tmp_path / "hf").exists()
+
+
+def test_qk_layernorm_without_its_norms_is_refused(mixtral_dir, tmp_path):
+    """qk_layernorm is carried now (Qwen3): args that claim it over files without q/k_layernorm are inconsistent."""
+    convert(mixtral_dir, tmp_path / "core")
+    target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    state = safe_load(target, mmap=False)
+    state["args"].qk_layernorm = True
+    torch.save(state, target)
+    out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
+    assert "the tensors do not match a qwen3_moe model with this config (4 layers). Missing tensors: " \
+           "mp_rank_00/model/decoder.layers.0.self_attention.q_layernorm.weight" in out
     assert not (tmp_path / "hf").exists()
 
 
@@ -260,3 +272,11 @@ def test_mtrain_loader_file_names_follow_the_trainer():
     from mtrain import checkpoint
 
     assert (loader.META_FILE, loader.LATEST_FILE) == (checkpoint.META_FILE, checkpoint.LATEST_FILE)
+
+
+def test_a_fractional_rope_theta_is_refused_for_megatron(tmp_path):
+    """Megatron's --rotary-base is an integer: truncating 10000.5 would change every rotary angle."""
+    src = make_hf_model(tmp_path / "hf", "llama", rope_theta=10000.5)
+    out = run_cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "core", expect_error=True)
+    assert "Megatron's rotary_base is an integer; this model's rope_theta is 10000.5" in out
+    assert not (tmp_path / "core").exists()

@@ -168,7 +168,8 @@ def test_gpt2_core_keys_and_args(gpt2_dir, tmp_path):
     args = first["args"]
     assert (args.position_embedding_type, args.normalization, args.openai_gelu, args.add_bias_linear,
             args.untie_embeddings_and_output_weights, args.swiglu, args.ffn_hidden_size, args.tokenizer_type) == (
-        "learned_absolute", "LayerNorm", True, True, False, False, 256, "GPT2BPETokenizer")
+        "learned_absolute", "LayerNorm", True, True, False, False, 256, "HuggingFaceTokenizer")  # the one carried
+    assert args.tokenizer_model == str((tmp_path / "core" / "iter_0000001" / "tokenizer").resolve())
 
 
 def test_megatron_fused_bias_gelu_is_the_tanh_approximation():

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 from tests.conftest import make_hf_model, run_cli
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                    reason="megatron-core is not installed (pip install megatron-core)")
-def test_megatron_core_runs_our_moe_checkpoints(mixtral_dir, tmp_path):
+def test_megatron_core_runs_our_moe_checkpoints(mixtral_dir, tmp_path, mcore_python):
     """SequentialMLP and the legacy GroupedMLP (torch format) and a torch_dist checkpoint (loaded by Megatron's
     dist_checkpointing), each reached through a TP2/EP2 reshard, in one Megatron process."""
     run_cli("--saver", "core", "--tp", "2", "--ep", "2", "--pp", "2", "--transformer-impl", "te", "--moe-grouped-gemm",
@@ -27,7 +21,7 @@ def test_megatron_core_runs_our_moe_checkpoints(mixtral_dir, tmp_path):
             "--save-dir", tmp_path / "torch_dist")
     helper = Path(__file__).with_name("helpers_mcore_moe.py")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(helper), str(mixtral_dir), str(tmp_path / "sequential"),
+    result = subprocess.run([mcore_python("0.16"), str(helper), str(mixtral_dir), str(tmp_path / "sequential"),
                              str(tmp_path / "legacy_grouped"), str(tmp_path / "torch_dist")],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -37,16 +31,14 @@ def test_megatron_core_runs_our_moe_checkpoints(mixtral_dir, tmp_path):
     assert sum(line.startswith("OK ") for line in result.stdout.splitlines()) == 3  # logits within 1e-5
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                    reason="megatron-core is not installed (pip install megatron-core)")
-def test_megatron_core_agrees_on_the_sliding_window(tmp_path):
+def test_megatron_core_agrees_on_the_sliding_window(tmp_path, mcore_python):
     """HF's sliding_window counts the query itself, Megatron's window_size does not: a window of 8 on 24 tokens
     makes an off-by-one show in Megatron's own logits."""
     src = make_hf_model(tmp_path / "hf", "mixtral", seed=7, sliding_window=8)
     run_cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "core")
     helper = Path(__file__).with_name("helpers_mcore_moe.py")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(helper), str(src), str(tmp_path / "core")], capture_output=True,
+    result = subprocess.run([mcore_python("0.16"), str(helper), str(src), str(tmp_path / "core")], capture_output=True,
                             text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "window (7, 0), strict load: <All keys matched successfully>" in result.stdout

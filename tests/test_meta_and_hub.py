@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,8 +85,10 @@ def test_hub_id_from_the_local_cache(llama_dir, tmp_path):
     snapshot.mkdir(parents=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123456789abcdef")
-    for f in llama_dir.iterdir():
-        (snapshot / f.name).symlink_to(f)
+    (repo / "blobs").mkdir()
+    for i, f in enumerate(sorted(llama_dir.iterdir())):  # as huggingface_hub lays out a cache: links into blobs/
+        shutil.copyfile(f, repo / "blobs" / f"blob{i}")
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / f"blob{i}")
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "mconvert", "--loader", "llama_mistral", "--saver", "core", "--load-dir"]
     subprocess.run([*cmd, "tiny-org/tiny-llama", "--save-dir", str(tmp_path / "core")], env=env, check=True,

@@ -51,9 +51,10 @@ def test_the_config_says_which_layers_hold_experts():
     assert names["layers.0.mlp.gate.weight"] == (96, 32) and "layers.0.moe.router.weight" not in names
     assert names["layers.1.moe.experts.3.down.weight"] == (32, 24) and "layers.1.mlp.up.weight" not in names
     assert ModelConfig.from_json(CONFIG.to_json()) == CONFIG
-    # with no dense layer the expert size is the only FFN size: one spelling per model
+    # a dense size no layer uses is kept (configs round-trip); equal sizes are spelled once
     every = CONFIG.replace(dense_layers=())
-    assert (every.ffn_hidden_size, every.moe_ffn_hidden_size) == (24, None)
+    assert (every.ffn_hidden_size, every.moe_ffn_hidden_size, every.expert_ffn_hidden_size) == (96, 24, 24)
+    assert CONFIG.replace(moe_ffn_hidden_size=96).moe_ffn_hidden_size is None
 
 
 @pytest.mark.parametrize("change, message", [

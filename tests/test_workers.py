@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,18 +35,26 @@ def convert(src: Path, dst: Path, target: list[str], *extra) -> Path:
     return dst
 
 
+def taken(root: Path) -> dict[str, bytes]:
+    """The files of `root`, which is then removed: the next variant is written to the same path (Megatron args
+    name the final path of the tokenizer carried beside the checkpoint, so only outputs at one path compare)."""
+    found = files(root)
+    shutil.rmtree(root)
+    return found
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_more_workers_write_the_same_bytes(target, llama_dir, tmp_path):
-    one = convert(llama_dir, tmp_path / "one", TARGETS[target], "--workers", "1")
-    three = convert(llama_dir, tmp_path / "three", TARGETS[target], "--workers", "3")
-    assert files(one) == files(three)
+    one = taken(convert(llama_dir, tmp_path / "out", TARGETS[target], "--workers", "1"))
+    three = taken(convert(llama_dir, tmp_path / "out", TARGETS[target], "--workers", "3"))
+    assert one == three
 
 
 def test_experts_with_more_workers(mixtral_dir, tmp_path):
     target = ["--saver", "core", "--tp", "2", "--ep", "2"]
-    one = convert(mixtral_dir, tmp_path / "one", target, "--workers", "1")
-    four = convert(mixtral_dir, tmp_path / "four", target, "--workers", "4")
-    assert files(one) == files(four)
+    one = taken(convert(mixtral_dir, tmp_path / "out", target, "--workers", "1"))
+    four = taken(convert(mixtral_dir, tmp_path / "out", target, "--workers", "4"))
+    assert one == four
 
 
 def test_file_to_file_copies_write_what_memory_writes(llama_dir, tmp_path, monkeypatch):
@@ -54,6 +63,7 @@ def test_file_to_file_copies_write_what_memory_writes(llama_dir, tmp_path, monke
     dist = convert(llama_dir, tmp_path / "dist", TARGETS["torch_dist"])
     chain = [(llama_dir, "core", TARGETS["core TP2 PP2"]), (core, "hf", ["--saver", "llama_mistral"]),
              (core, "dist", TARGETS["torch_dist"]), (dist, "hf2", ["--saver", "llama_mistral"])]
+    out = tmp_path / "out"
     copied = []
     real = os.copy_file_range
 
@@ -65,12 +75,13 @@ def test_file_to_file_copies_write_what_memory_writes(llama_dir, tmp_path, monke
     monkeypatch.setattr(block_writer, "SPAN_MIN", 0)
     monkeypatch.setattr(os, "copy_file_range", counting)
     for src, name, target in chain:
-        convert(src, tmp_path / "copied" / name, target)
+        convert(src, out / name, target)
+    by_copies = taken(out)
     assert sum(copied) > 600_000  # most of each model's bytes (about 750 KB) went file to file
     monkeypatch.delattr(os, "copy_file_range")
     for src, name, target in chain:
-        convert(src, tmp_path / "written" / name, target)
-    assert files(tmp_path / "copied") == files(tmp_path / "written")
+        convert(src, out / name, target)
+    assert taken(out) == by_copies
 
 
 def test_torchrun_ranks_write_the_same_bytes(llama_dir, tmp_path):
@@ -83,6 +94,7 @@ def test_torchrun_ranks_write_the_same_bytes(llama_dir, tmp_path):
                        "--save-dir", str(tmp_path / "failed" / f"{rank}_{where}")], "fail_rank": rank, "fail_in": where}
              for rank, where in ((1, "write"), (0, "plan"), (1, "plan"))]
     (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "failed").mkdir()  # made here, it stays: failures must leave it empty
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -90,8 +102,8 @@ def test_torchrun_ranks_write_the_same_bytes(llama_dir, tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     for t in shared:
-        alone = convert(llama_dir, tmp_path / "alone" / t, TARGETS[t], "--workers", "1")
-        assert files(tmp_path / "ranks" / t) == files(alone), t
+        by_ranks = taken(tmp_path / "ranks" / t)
+        assert by_ranks == taken(convert(llama_dir, tmp_path / "ranks" / t, TARGETS[t], "--workers", "1")), t
     assert list((tmp_path / "failed").iterdir()) == []  # neither the output nor a staging directory
 
 

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 
+from mconvert.config_checks import check_true_vocab_size
 from mconvert.errors import ConvertError
 from mconvert.formats.hf_dir import tokenizer_vocab_size
 from mconvert.ir import ModelConfig
@@ -58,6 +59,9 @@ ATTENTION = (
     *linear("decoder.layers.{l}.self_attention.linear_proj", "layers.{L}.attn.o", shard=ROW, bias_shard=REPLICATE),
     *linear("decoder.layers.{l}.self_attention.linear_qkv", "layers.{L}.attn.q", "layers.{L}.attn.k",
             "layers.{L}.attn.v", join=QKV, shard=COLUMN),
+    # qk_layernorm: one norm over head_dim, the same name under both specs (a TENorm under TE)
+    *norm("decoder.layers.{l}.self_attention.q_layernorm", "layers.{L}.attn.q_norm"),
+    *norm("decoder.layers.{l}.self_attention.k_layernorm", "layers.{L}.attn.k_norm"),
 )
 MLP = (  # gated fc1 first: it wins when the model has a gate (see rules.active)
     *linear("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp.gate", "layers.{L}.mlp.up", join=GATE_UP,
@@ -107,13 +111,15 @@ TIED_OUTPUT = Rule("output_layer.weight", ("embed.weight",), VOCAB, COLUMN)
 
 
 def extra_state_modules(impl: Impl, *, expert_layout: ExpertLayout | None = None,
-                        local_experts: int = 0) -> tuple[str, ...]:
+                        local_experts: int = 0, qk_norm: bool = False) -> tuple[str, ...]:
     """Modules (templates) that store an `_extra_state` entry in every layer (MoE layers: give the layout)."""
     modules = ("self_attention.linear_proj", "self_attention.linear_qkv")
     if expert_layout is None:
         modules += ("mlp.linear_fc1", "mlp.linear_fc2")
     if impl == "te":
         modules = ("self_attention.core_attention", *modules)
+        if qk_norm:  # TENorm modules, like MoE layers' pre_mlp_layernorm
+            modules += ("self_attention.q_layernorm", "self_attention.k_layernorm")
     moe = core_moe.extra_state_modules(expert_layout, impl, local_experts) if expert_layout else ()
     return tuple(f"decoder.layers.{{l}}.{m}" for m in modules) + moe
 
@@ -125,6 +131,7 @@ def true_vocab_size(args: Any, given: int | None, assets: dict, padded: int, whe
     """The unpadded vocabulary, from the first that says: --true-vocab-size, args.vocab_size (Megatron),
     args.orig_vocab_size (HF's megatron_gpt2 script), the checkpoint's tokenizer (what Megatron padded from),
     GPT2BPETokenizer's 50257 when args name that tokenizer; else all `padded` rows. Notes say what was guessed."""
+    check_true_vocab_size(given, args, tokenizer_vocab_size(assets), where)
     recorded = given or getattr(args, "vocab_size", None) or getattr(args, "orig_vocab_size", None)
     if recorded:
         vocab, notes = int(recorded), []
@@ -149,12 +156,10 @@ _SETTINGS = (
     ("rotary_percent", False, lambda v: v is None or float(v) == 1.0),
     ("rotary_seq_len_interpolation_factor", False, lambda v: v in (None, 1, 1.0)),
     ("no_rope_freq", False, lambda v: not v),
-    ("qk_layernorm", False, lambda v: not v),
     ("layernorm_zero_centered_gamma", False, lambda v: not v),
     ("apply_layernorm_1p", False, lambda v: not v),
     ("apply_residual_connection_post_layernorm", False, lambda v: not v),
     ("squared_relu", False, lambda v: not v),
-    ("window_attn_skip_freq", False, lambda v: v in (None, 1)),
     ("moe_shared_expert_intermediate_size", True, lambda v: not v),
     ("moe_router_enable_expert_bias", True, lambda v: not v),
     ("moe_router_score_function", True, lambda v: v in (None, "softmax")),
@@ -189,11 +194,12 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
     rope = position == "rope"
     experts = get("num_experts")
     window = get("window_size")
+    sliding_window = int(window[0]) + 1 if window and int(window[0]) >= 0 else None  # see args_from_config
     ffn = get("ffn_hidden_size") or 4 * hidden
     dense = _dense_layers(get("moe_layer_freq", 1), layers, where) if experts else ()
-    family = "mixtral" if experts else "mistral" if window else "llama" if rope else "gpt2"
+    qkv_bias_only = bool(get("add_qkv_bias", False)) and not get("add_bias_linear", True)
     return ModelConfig(
-        family=family,
+        family=_family(bool(experts), bool(get("qk_layernorm")), qkv_bias_only, bool(sliding_window), rope),
         num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=int(ffn),
@@ -221,7 +227,9 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
         proj_bias=bool(get("add_bias_linear", True)),
         mlp_bias=bool(get("add_bias_linear", True)),
         tie_embeddings=not get("untie_embeddings_and_output_weights", False),
-        sliding_window=int(window[0]) + 1 if window and int(window[0]) >= 0 else None,  # see args_from_config
+        sliding_window=sliding_window,
+        full_attention_layers=_full_attention_layers(get("window_attn_skip_freq"), layers, where),
+        qk_norm=bool(get("qk_layernorm")),
         num_experts=int(experts) if experts else None,
         moe_top_k=int(get("moe_router_topk", 2)) if experts else None,
         moe_aux_loss_coeff=_first(get("moe_aux_loss_coeff")) if experts else None,
@@ -233,6 +241,31 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
 # Megatron hard-codes these for --use-rope-scaling (Llama 3.1); only the factor is an argument.
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
+
+
+def _family(moe: bool, qk_norm: bool, qkv_bias_only: bool, window: bool, rope: bool) -> str:
+    """The IR family Megatron args describe (which HF format `--saver hf` writes): Megatron's Qwen recipes use
+    `--qk-layernorm` (Qwen3, Qwen3-MoE) or `--add-qkv-bias --disable-bias-linear` (Qwen2 / 2.5)."""
+    if qk_norm:
+        return "qwen3_moe" if moe else "qwen3"
+    if moe:
+        return "mixtral"
+    if qkv_bias_only:
+        return "qwen2"
+    return "mistral" if window else "llama" if rope else "gpt2"
+
+
+def _full_attention_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:
+    """The layers without the window, from window_attn_skip_freq: every N-th layer (counting from 1) for an int N,
+    or the zeros of a 0/1 pattern with one entry per layer (1 = sliding window); None: every layer slides."""
+    if freq is None:
+        return ()
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return tuple(i for i in range(num_layers) if (i + 1) % freq == 0)
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(f in (0, 1) for f in freq):
+        return tuple(i for i, f in enumerate(freq) if not f)
+    raise ConvertError(f"{where}: window_attn_skip_freq={freq!r} is neither a positive integer nor a 0/1 pattern "
+                       f"with one entry per layer ({num_layers})")
 
 
 def _dense_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:
@@ -253,11 +286,17 @@ def _first(value: Any) -> float | None:
 
 
 def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_size: int, divisible_by: int,
-                     impl: Impl, ckpt_format: str = "torch",
-                     expert_layout: ExpertLayout = "sequential") -> argparse.Namespace:
+                     impl: Impl, ckpt_format: str = "torch", expert_layout: ExpertLayout = "sequential",
+                     tokenizer_model: str | None = None) -> argparse.Namespace:
     """A Megatron `args` namespace describing the model, so Megatron-LM can resume or finetune from it.
 
     Only plain values and torch dtypes: Megatron's own loader refuses anything else under weights_only.
+    With --use-checkpoint-args Megatron-LM takes tokenizer_type and tokenizer_model from here: `tokenizer_model`
+    is the tokenizer directory the checkpoint carries (a HuggingFaceTokenizer); without one, tokenizer_type is
+    left unset (None) so that the run's own --tokenizer-type applies, except GPT-2's GPT2BPETokenizer, Megatron's
+    own tokenizer for that family (it then needs --vocab-file/--merge-file). The norm epsilon goes under both
+    names Megatron-LM has used: `layernorm_epsilon` (megatron-core's config field, the args name since 2024) and
+    `norm_epsilon` (the older args name, still read by tools/checkpoint's loaders).
     """
     if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3":
         raise ConvertError(f"Megatron supports only Llama 3 rope scaling; this model has {c.rope_scaling}")
@@ -268,6 +307,8 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     if c.proj_bias != c.mlp_bias or (c.proj_bias and not c.qkv_bias):
         raise ConvertError("Megatron's add_bias_linear puts a bias on every linear (add_qkv_bias on q/k/v alone); "
                            f"this model has qkv_bias={c.qkv_bias}, proj_bias={c.proj_bias}, mlp_bias={c.mlp_bias}")
+    if c.rope_theta != int(c.rope_theta):
+        raise ConvertError(f"Megatron's rotary_base is an integer; this model's rope_theta is {c.rope_theta}")
     rope = c.position_embedding == "rope"
     vpp = layout.vpp if layout.vpp > 1 else None
     dtype = c.torch_dtype
@@ -283,13 +324,18 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling),
         rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling else 8.0,
         normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=c.norm_eps,
-        apply_layernorm_1p=False, layernorm_zero_centered_gamma=False, qk_layernorm=False,
+        norm_epsilon=c.norm_eps,
+        apply_layernorm_1p=False, layernorm_zero_centered_gamma=False, qk_layernorm=c.qk_norm,
         swiglu=c.gated, openai_gelu=c.activation == "gelu_tanh", squared_relu=False, bias_gelu_fusion=False,
         add_bias_linear=c.proj_bias, add_qkv_bias=c.qkv_bias,
         untie_embeddings_and_output_weights=not c.tie_embeddings,
         # Megatron's window (left, right) lets a query see `left` earlier keys and itself; the IR's (and HF's)
         # sliding_window counts the query too
         window_size=(c.sliding_window - 1, 0) if c.sliding_window else None,
+        # per layer (from 1): 1 slides, 0 attends to everything (no effect without window_size, but kept: it is
+        # the Qwen config's max_window_layers)
+        window_attn_skip_freq=[0 if i in c.full_attention_layers else 1 for i in range(c.num_layers)]
+        if c.full_attention_layers else None,
         num_experts=c.num_experts, moe_router_topk=c.moe_top_k or 2,
         moe_ffn_hidden_size=c.expert_ffn_hidden_size if c.is_moe else None,
         moe_layer_freq=[0 if i in c.dense_layers else 1 for i in range(c.num_layers)] if c.dense_layers else 1,
@@ -305,7 +351,9 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
         world_size=layout.tp * layout.pp * layout.ep, data_parallel_size=1,
         vocab_size=c.vocab_size, padded_vocab_size=padded_vocab_size, make_vocab_size_divisible_by=divisible_by,
-        tokenizer_type="GPT2BPETokenizer" if c.family == "gpt2" else "HuggingFaceTokenizer", tokenizer_model=None,
+        tokenizer_model=tokenizer_model,
+        tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else "GPT2BPETokenizer" if c.family == "gpt2"
+        else None,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
         ckpt_format=ckpt_format, transformer_impl="transformer_engine" if impl == "te" else "local",
         use_legacy_models=False, bert_binary_head=True,
@@ -315,4 +363,6 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     if c.is_moe and expert_layout == "legacy_grouped":
         # Megatron-LM before March 2026 (the GroupedMLP's last version) picks it under TE only with this flag
         values["moe_use_legacy_grouped_gemm"] = True
+    if c.is_moe and expert_layout == "single_grouped":  # megatron-core requires the TE op fuser for it
+        values |= {"moe_single_grouped_weight": True, "use_transformer_engine_op_fuser": True}
     return argparse.Namespace(**values)

@@ -1,4 +1,4 @@
-"""Megatron-core MoE layers: the router and the three ways Megatron stores expert weights, and their detection.
+"""Megatron-core MoE layers: the router and the four ways Megatron stores expert weights, and their detection.
 
 Keys are local to the file; `j` counts an expert-parallel rank's experts from 0 (global expert `ep*E/EP + j`),
 f is the per-expert FFN size (moe_ffn_hidden_size), etp the expert tensor-parallel size (default TP).
@@ -13,6 +13,9 @@ f is the per-expert FFN size (moe_ffn_hidden_size), etp the expert tensor-parall
     legacy_grouped  (GroupedMLP; removed from Megatron-LM in March 2026, no _extra_state)
     mlp.experts.weight1                              [h, n*2f/etp]    transposed, see mconvert.expert_shards
     mlp.experts.weight2                              [n*f/etp, h]
+    single_grouped  (TEGroupedMLP with moe_single_grouped_weight, megatron-core 0.18+, TE >= 2.14)
+    mlp.experts.linear_fc1.weight                    [n, 2f/etp, h]   expert-major; each [gate_r ; up_r]
+    mlp.experts.linear_fc2.weight                    [n, h, f/etp]    one _extra_state per grouped linear
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from mconvert.expert_shards import (
     EXPERT_GROUPED_GEMM_FC1,
     EXPERT_GROUPED_GEMM_FC2,
     EXPERT_ROW,
+    EXPERT_STACKED_GATED_COLUMN,
+    EXPERT_STACKED_ROW,
     STACK,
     STACK_GATE_UP,
 )
@@ -54,6 +59,11 @@ EXPERTS: dict[str, tuple[tuple[Rule, ...], tuple[Rule, ...]]] = {
         Rule("decoder.layers.{l}.mlp.experts.weight1", _GATE_UP, STACK_GATE_UP, EXPERT_GROUPED_GEMM_FC1),
         Rule("decoder.layers.{l}.mlp.experts.weight2", _DOWN, STACK, EXPERT_GROUPED_GEMM_FC2),
     )),
+    "single_grouped": ((), (
+        Rule("decoder.layers.{l}.mlp.experts.linear_fc1.weight", _GATE_UP, STACK_GATE_UP,
+             EXPERT_STACKED_GATED_COLUMN),
+        Rule("decoder.layers.{l}.mlp.experts.linear_fc2.weight", _DOWN, STACK, EXPERT_STACKED_ROW),
+    )),
 }
 
 
@@ -66,7 +76,7 @@ def extra_state_modules(layout: ExpertLayout, impl: str, local_experts: int) -> 
     norm = ("decoder.layers.{l}.pre_mlp_layernorm",) if impl == "te" else ()
     if layout == "sequential":
         return norm + tuple(f"{_EXPERTS}.local_experts.{j}.linear_fc{k}" for j in range(local_experts) for k in (1, 2))
-    if layout == "grouped":
+    if layout in ("grouped", "single_grouped"):
         return norm + (f"{_EXPERTS}.linear_fc1", f"{_EXPERTS}.linear_fc2")
     return norm
 
@@ -75,6 +85,7 @@ _MARKERS = {
     "sequential": re.compile(r"decoder\.layers\.\d+\.mlp\.experts\.local_experts\.\d+\.linear_fc[12]\.weight"),
     "grouped": re.compile(r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc[12]\.weight\d+"),
     "legacy_grouped": re.compile(r"decoder\.layers\.\d+\.mlp\.experts\.weight[12]"),
+    "single_grouped": re.compile(r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc[12]\.weight"),
 }
 
 
@@ -96,7 +107,8 @@ def detect_expert_tp(shapes: dict[str, tuple[int, ...]], layout: ExpertLayout, *
     """
     column, pattern = {"sequential": (1, r".*\.local_experts\.0\.linear_fc2\.weight"),
                        "grouped": (1, r".*\.mlp\.experts\.linear_fc2\.weight0"),
-                       "legacy_grouped": (0, r".*\.mlp\.experts\.weight2")}[layout]
+                       "legacy_grouped": (0, r".*\.mlp\.experts\.weight2"),
+                       "single_grouped": (2, r".*\.mlp\.experts\.linear_fc2\.weight")}[layout]
     for key, shape in shapes.items():
         if re.fullmatch(pattern, key):
             width = shape[column] // (local_experts if layout == "legacy_grouped" else 1)

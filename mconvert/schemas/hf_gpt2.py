@@ -147,6 +147,7 @@ def check_expressible(c: ModelConfig) -> None:
          c.head_dim * c.num_attention_heads != c.hidden_size),
         ("mixture of experts", c.is_moe),
         (f"sliding window {c.sliding_window}", c.sliding_window is not None),
+        ("per-head q/k norms", c.qk_norm),
     ) if bad]
     if problems:
         raise ConvertError("the model cannot be written as Hugging Face GPT-2: " + "; ".join(problems)

@@ -61,6 +61,9 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         (f"{c.norm} (they use RMSNorm)", c.norm != "rmsnorm"),
         ("learned position embeddings (they use rotary)", c.position_embedding != "rope"),
         ("experts (save it as mixtral)", c.is_moe),
+        ("per-head q/k norms (save it as qwen3)", c.qk_norm),
+        (f"no sliding window in layers {list(c.full_attention_layers)} (Mistral's applies to every layer)",
+         c.sliding_window is not None and bool(c.full_attention_layers)),
     ) if bad]
     if unsupported:
         raise ConvertError(f"HF {MODEL_TYPES[c.family].removesuffix('ForCausalLM')} cannot hold this model: "

@@ -97,10 +97,14 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         (f"{c.norm} (Mixtral uses RMSNorm)", c.norm != "rmsnorm"),
         (f"activation {c.activation} (Mixtral uses SwiGLU)", c.activation != "swiglu"),
         ("learned position embeddings (Mixtral uses rotary)", c.position_embedding != "rope"),
+        (f"no sliding window in layers {list(c.full_attention_layers)} (Mixtral's applies to every layer)",
+         c.sliding_window is not None and bool(c.full_attention_layers)),
+        ("per-head q/k norms (save it as qwen3_moe)", c.qk_norm),
     ) if bad]
     if unsupported:
         raise ConvertError(f"HF Mixtral cannot hold this model: {', '.join(unsupported)}")
     return rope_decoder_config(c, ARCHITECTURE, MODEL_TYPE) | {
+        "intermediate_size": c.expert_ffn_hidden_size,  # Mixtral's only FFN is the experts
         "num_local_experts": c.num_experts,
         "num_experts_per_tok": c.moe_top_k,
         "output_router_logits": False,

@@ -34,6 +34,16 @@ class Tokenizer:
         return self.impl.decode(ids)
 
 
+def checkpoint_tokenizer(assets: dict[str, Path]) -> Path | None:
+    """The tokenizer among a checkpoint's files (`ModelIR.assets`): its tokenizer.json directory, or its
+    sentencepiece tokenizer.model; None when it carries neither."""
+    if "tokenizer.json" in assets:
+        return Path(assets["tokenizer.json"]).parent
+    if "tokenizer.model" in assets:
+        return Path(assets["tokenizer.model"])
+    return None
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer at `path`; the end-of-document id is the tokenizer's eos token when it names one."""
     path = Path(path)

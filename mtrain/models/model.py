@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mconvert.ir import ModelConfig
 from mtrain.models import rope
@@ -42,14 +43,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32 and not isinstance(self.weight, DTensor):
+            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)  # one kernel, the same bits
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
 
 
-def make_norm(c: ModelConfig) -> nn.Module:
+def make_norm(c: ModelConfig, size: int | None = None) -> nn.Module:
+    """The model's norm over `size` features (the hidden size unless given)."""
+    size = size or c.hidden_size
     if c.norm == "layernorm":
-        return nn.LayerNorm(c.hidden_size, eps=c.norm_eps)
-    return RMSNorm(c.hidden_size, c.norm_eps)
+        return nn.LayerNorm(size, eps=c.norm_eps)
+    return RMSNorm(size, c.norm_eps)
 
 
 class LayerContext(NamedTuple):
@@ -82,23 +87,33 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped key/value heads (GQA), rotary or no positions, optional window."""
+    """Multi-head attention with grouped key/value heads (GQA), rotary or no positions, optional window (which
+    layer `layer` may be exempt from), optional per-head norms of queries and keys (Qwen3's q_norm / k_norm)."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int = 0):
         super().__init__()
         self.head_dim = c.head_dim
         self.q = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
         self.k = nn.Linear(c.hidden_size, c.num_query_groups * c.head_dim, bias=c.qkv_bias)
         self.v = nn.Linear(c.hidden_size, c.num_query_groups * c.head_dim, bias=c.qkv_bias)
         self.o = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.proj_bias)
+        if c.qk_norm:  # one norm over head_dim shared by all query heads, one by all key heads
+            self.q_norm = make_norm(c, c.head_dim)
+            self.k_norm = make_norm(c, c.head_dim)
+        self.full_attention = layer in c.full_attention_layers  # no sliding window in this layer
         self.core = CoreAttention()
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts come from the weights (-1), so a tensor-parallel shard works with its local heads.
-        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, ng, T, hd)
+        q = self.q(x).view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
+        k = self.k(x).view(B, T, -1, self.head_dim)  # (B, T, ng, hd)
+        if hasattr(self, "q_norm"):  # before rotary, as Qwen3 and Megatron's qk_layernorm do
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, ng, T, hd)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, ng, T, hd)
+        if self.full_attention:
+            ctx = ctx._replace(window=None)
         if ctx.rot is not None:
             q, k = rope.apply(q, *ctx.rot), rope.apply(k, *ctx.rot)
         y = self.core(q, k, v, ctx)  # (B, nh, T, hd)
@@ -129,7 +144,7 @@ class Block(nn.Module):
     def __init__(self, c: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(c)
-        self.attn = Attention(c)
+        self.attn = Attention(c, layer)
         self.mlp_norm = make_norm(c)
         if c.is_moe_layer(layer):
             self.moe = MoE(c)

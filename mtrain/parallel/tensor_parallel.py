@@ -8,7 +8,8 @@
     embeddings  vocabulary-parallel: rows split, each rank looks up its rows, the sum is the output
     head        column-parallel over the vocabulary; the loss runs on vocab-sharded logits (`loss_parallel`),
                 full logits are never gathered. Tied: the embedding's row-split weight is the head's.
-    norms       replicated weights (DTensors too: foreach optimizers and clipping must see DTensors only)
+    norms       replicated weights (DTensors too: foreach optimizers and clipping must see DTensors only);
+                per-head q/k norms run on the rank's heads, their gradients summed over the ranks
 
 Sequence parallel keeps the activations outside those regions (norms, residual adds) split over the sequence,
 (B, T/tp, h) per rank: an all-gather before each column-parallel region and a reduce-scatter after each row-
@@ -90,6 +91,11 @@ def _parallelize_block(block: Block, mesh: DeviceMesh, sequence_parallel: bool) 
         "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
         "attn.o": RowwiseParallel(output_layouts=seq),
     }
+    if hasattr(block.attn, "q_norm"):
+        # per-head norms see this rank's heads, (B, T, heads/tp, hd): a replicated weight whose gradient sums
+        # over the ranks' heads, which DTensor's sequence-parallel style does with the heads as the split dim
+        plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if sequence_parallel:  # one all-gather of the sequence for q, k and v together
         plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
     if hasattr(block, "mlp"):

@@ -6,7 +6,7 @@ SPEC.json is a list of scenarios: {"cli": [args of the `mtrain` command]} runs t
 {"config": {raw config}, "out": "result.json"} runs the Trainer and has rank 0 write its losses; with
 "record": "prefix" every rank also saves its gradients at the steps in "grads_at" and its final weights to
 prefix.rank{R}.pt (see recording.py). A scenario that should fail gives "error": "result.json": rank 0 writes the
-message of the TrainError it raised.
+message of the TrainError it raised. "compile_backend": "aot_eager" makes train.compile use that backend.
 """
 
 from __future__ import annotations
@@ -27,6 +27,12 @@ from tests.mtrain.recording import RecordingTrainer  # noqa: E402
 
 
 def run(spec: dict) -> None:
+    if "compile_backend" in spec:  # e.g. aot_eager: Dynamo and AOT autograd without inductor's slow CPU codegen
+        import torch
+
+        compile_module = torch.nn.Module.compile
+        backend = spec["compile_backend"]
+        torch.nn.Module.compile = lambda self, **kw: compile_module(self, backend=backend)
     if "cli" in spec:
         main(spec["cli"], standalone_mode=False)
         return

@@ -40,6 +40,21 @@ CONFIGS = {
                     num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5,
                     num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
                     tie_word_embeddings=False, sliding_window=None),
+    # biases on q/k/v only; a window of 8 from layer 1 on (layer 0 attends fully); tied embeddings
+    "qwen2": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  use_sliding_window=True, sliding_window=8, max_window_layers=1, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # per-head q/k norms, head_dim (16) != hidden / heads (8)
+    "qwen3": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # a dense layer (mlp_only_layers) before an expert layer of a different FFN size, top-k renormalized
+    "qwen3_moe": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=16, vocab_size=VOCAB,
+                      max_position_embeddings=256, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=True, mlp_only_layers=[0], router_aux_loss_coef=0.02,
+                      tie_word_embeddings=False),
 }
 
 
@@ -53,6 +68,9 @@ def make_hf(family: str, seed: int = 0, **overrides):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = classes[family]
     torch.manual_seed(seed)

@@ -80,7 +80,7 @@ def test_unknown_model_field(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     (["--train.steps", "many"], "train.steps: expected an integer, found 'many'"),
-    (["--train.precision", "fp8"], "train.precision: 'fp8' is not one of fp32, bf16"),
+    (["--train.precision", "fp8"], "train.precision: 'fp8' is not one of fp32, bf16, auto"),
     (["--optim.lr", "fast"], "optim.lr: expected a number, found 'fast'"),
     (["--train.deterministic", "maybe"], "train.deterministic: expected true or false, found 'maybe'"),
     (["--train.global_batch_size", "6", "--train.micro_batch_size", "4"],

@@ -119,7 +119,7 @@ def test_compiled_layers_match(corpus, monkeypatch):  # noqa: F811
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend="aot_eager"))
     plain = Trainer(tiny_config(corpus, train={"steps": 2}), out=lambda _: None)
-    compiled = Trainer(tiny_config(corpus, train={"steps": 2, "compile": True}), out=lambda _: None)
+    compiled = Trainer(tiny_config(corpus, train={"steps": 2, "compile": "layers"}), out=lambda _: None)
     assert all(getattr(block, "_compiled_call_impl", None) is not None for block in compiled.model.layers.values())
     assert [n for n, _ in compiled.model.named_parameters()] == [n for n, _ in plain.model.named_parameters()]
     a, b = plain.run(), compiled.run()

@@ -115,12 +115,12 @@ def test_a_crash_during_save_keeps_the_last_good_checkpoint(corpus, tmp_path, mo
     def dying_save(state_dict, storage_writer):
         if "step_0000008" in str(storage_writer.path):
             (Path(storage_writer.path) / "__0_0.distcp").write_bytes(b"half a file")
-            raise OSError("disk full")
+            raise KeyboardInterrupt  # the process dies mid-save (a full disk is a clean error: tests/adversarial)
         return real_save(state_dict, storage_writer=storage_writer)
 
     with monkeypatch.context() as m:
         m.setattr(checkpoint.dcp, "save", dying_save)
-        with pytest.raises(OSError, match="disk full"):
+        with pytest.raises(KeyboardInterrupt):
             run(config)
     assert (tmp_path / "latest").read_text() == "step_0000004\n"
     assert (tmp_path / ".step_0000008.partial").is_dir() and not (tmp_path / "step_0000008").exists()

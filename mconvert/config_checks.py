@@ -1,0 +1,111 @@
+"""Sanity of configuration values, wherever they come from (config.json, Megatron args, params.json, mtrain).
+
+A checkpoint's config is untrusted input like its tensors: JSON admits `NaN` and `Infinity`, a hand-edited file
+can say `hidden_size: 64.5` (which `int()` would quietly turn into 64) or a negative rope theta. Such a model
+would convert without complaint and compute garbage, so:
+
+- `check_model_config` (run by every `ModelConfig`) refuses non-finite or out-of-range values;
+- `check_integers` refuses, in a raw source mapping, integer fields holding fractions, text or booleans, before
+  a reader converts them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from mconvert.errors import ConvertError
+
+# Fields of the raw sources that hold counts or sizes (HF config.json, Megatron args, Meta params.json).
+HF_INTEGERS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "sliding_window",
+               "num_local_experts", "num_experts_per_tok", "num_experts", "moe_intermediate_size", "max_window_layers",
+               "decoder_sparse_step", "n_layer", "n_embd", "n_head", "n_inner", "n_positions",
+               "n_ctx")
+MEGATRON_INTEGERS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                     "kv_channels", "max_position_embeddings", "seq_length", "num_experts", "moe_router_topk",
+                     "moe_ffn_hidden_size", "padded_vocab_size", "vocab_size", "orig_vocab_size",
+                     "tensor_model_parallel_size", "model_parallel_size", "pipeline_model_parallel_size",
+                     "expert_model_parallel_size", "expert_tensor_parallel_size", "make_vocab_size_divisible_by")
+META_INTEGERS = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of")  # vocab_size -1: from the tokenizer
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_integers(values: Mapping[str, Any], names: Iterable[str], where: str, label: str = "") -> None:
+    """Each of `names` present in `values` as a number (or a boolean) must be a non-negative whole number; text
+    is left to the reader, whose conversion reports it."""
+    bad = []
+    for name in names:
+        value = values.get(name)
+        if value is None or isinstance(value, str):
+            continue
+        whole = _is_number(value) and math.isfinite(value) and float(value).is_integer() and value >= 0
+        if not whole:
+            bad.append(f"{label}{name}={value!r}")
+    if bad:
+        raise ConvertError(f"{where}: {', '.join(bad)}: expected a whole number >= 0")
+
+
+def check_model_config(c) -> None:
+    """Refuse a ModelConfig whose numbers are non-finite or out of range (one error lists them all)."""
+    bad = []
+
+    def need(name: str, ok: bool, expected: str) -> None:
+        if not ok:
+            bad.append(f"{name}={getattr(c, name)!r} ({expected})")
+
+    for name in ("norm_eps", "rope_theta"):
+        v = getattr(c, name)
+        need(name, _is_number(v) and math.isfinite(v) and v > 0, "a finite number > 0")
+    for name in ("moe_aux_loss_coeff", "moe_jitter_eps"):
+        v = getattr(c, name)
+        need(name, v is None or (_is_number(v) and math.isfinite(v) and v >= 0), "a finite number >= 0, or null")
+    for name in ("sliding_window", "moe_top_k"):
+        v = getattr(c, name)
+        need(name, v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
+             "a positive integer, or null")
+    v = c.num_experts
+    need("num_experts", v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+         "a whole number, or null")
+    v = c.padded_vocab_size
+    need("padded_vocab_size", v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= c.vocab_size),
+         f"an integer >= vocab_size {c.vocab_size}, or null")
+    for name in ("qkv_bias", "proj_bias", "mlp_bias", "tie_embeddings", "moe_norm_topk", "qk_norm"):
+        need(name, isinstance(getattr(c, name), bool), "true or false")
+    if c.rope_scaling is not None:
+        scaling = c.rope_scaling
+        numbers_ok = isinstance(scaling, dict) and all(
+            not _is_number(x) or math.isfinite(x) for x in scaling.values())
+        factor = scaling.get("factor", 1.0) if isinstance(scaling, dict) else None
+        need("rope_scaling", numbers_ok and _is_number(factor) and factor > 0,
+             "a mapping of finite numbers with factor > 0")
+    if bad:
+        raise ConvertError(f"config values out of range: {'; '.join(bad)}")
+
+
+def check_true_vocab_size(given: int | None, args: Any, tokenizer_size: int | None, where: str) -> None:
+    """--true-vocab-size may fill in a size the checkpoint does not record, never contradict one it does: a
+    smaller value would silently drop the rows of real tokens."""
+    if given is None:
+        return
+    recorded = getattr(args, "vocab_size", None) or getattr(args, "orig_vocab_size", None)
+    if recorded and given != recorded:
+        name = "args.vocab_size" if getattr(args, "vocab_size", None) else "args.orig_vocab_size"
+        raise ConvertError(f"{where}: --true-vocab-size {given} contradicts the vocabulary recorded in the checkpoint "
+                           f"({name} = {recorded}); drop the option to use the recorded size")
+    if tokenizer_size and given < tokenizer_size:
+        raise ConvertError(f"{where}: --true-vocab-size {given} is smaller than the checkpoint's tokenizer "
+                           f"({tokenizer_size} tokens): the rows of its last {tokenizer_size - given} tokens would be "
+                           "dropped")
+
+
+def with_where(where: str, build: Callable[[], Any]) -> Any:
+    """`build()`, with a ConvertError that does not say where (a value ModelConfig refuses) prefixed by `where`."""
+    try:
+        return build()
+    except ConvertError as e:
+        raise ConvertError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None

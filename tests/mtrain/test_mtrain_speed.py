@@ -1,0 +1,166 @@
+"""What makes mtrain fast must not change its numbers: fused AdamW against foreach, whole-model compilation against
+eager; and what it reports about speed: model FLOPs per token, MFU / achieved FLOP/s, the bf16-on-CPU check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mconvert.ir import ModelConfig
+from mtrain import flops, precision
+from mtrain.config import OptimConfig
+from mtrain.errors import TrainError
+from mtrain.optim import build_optimizer, implementation
+from mtrain.train import Trainer
+from tests.mtrain.corpus import TINY_LLAMA, TINY_MIXTRAL, corpus, one_thread, tiny_config  # noqa: F401
+
+
+def test_fused_adamw_matches_foreach():
+    """The same gradients through fused and foreach AdamW (weight decay on matrices only, LR changing every step)
+    give the same weights and moments to float32 rounding."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+              for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [build_optimizer(m, OptimConfig(fused=f, weight_decay=0.1)) for m, f in zip(models, (True, False))]
+    assert opts[0].defaults["fused"] and opts[1].defaults["foreach"] and not opts[1].defaults["fused"]
+    for step in range(20):
+        grads = [torch.randn_like(p) * (step + 1) for p in models[0].parameters()]
+        for model, opt in zip(models, opts):
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * (1 + step % 5)
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+            opt.step()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opts[0].state[p][key], opts[1].state[q][key], rtol=1e-6, atol=1e-9)
+
+
+def test_trainer_runs_fused_adamw_on_cpu_and_matches_foreach(corpus):  # noqa: F811
+    fused = Trainer(tiny_config(corpus, train={"steps": 4}), out=lambda _: None)
+    foreach = Trainer(tiny_config(corpus, train={"steps": 4}, optim={"fused": False}), out=lambda _: None)
+    assert fused.optimizer.optimizers[0].defaults["fused"] is True
+    assert foreach.optimizer.optimizers[0].defaults["foreach"] is True
+    a, b = fused.run(), foreach.run()
+    assert a.losses == pytest.approx(b.losses, rel=1e-5)
+    for p, q in zip(fused.model.parameters(), foreach.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_adamw_refused_where_pytorch_has_none():
+    with torch.device("meta"):
+        params = [torch.nn.Parameter(torch.empty(2, 2))]
+    assert implementation(params, None) == {"foreach": True}
+    with pytest.raises(TrainError, match="optim.fused is true but PyTorch has no fused AdamW for meta parameters"):
+        implementation(params, True)
+
+
+def test_whole_model_compile_is_exact(corpus, monkeypatch):  # noqa: F811
+    """train.compile model compiles the whole model in place (names unchanged). The aot_eager backend stands in for
+    inductor (whose cold CPU compile takes ~20 s): Dynamo capture and AOT autograd's forward and backward graphs
+    run, and the result is the same as eager to the bit, losses and weights, over several optimizer steps."""
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend="aot_eager"))
+    eager = Trainer(tiny_config(corpus, train={"steps": 4}), out=lambda _: None)
+    compiled = Trainer(tiny_config(corpus, train={"steps": 4, "compile": "model"}), out=lambda _: None)
+    assert compiled.model._compiled_call_impl is not None
+    assert all(getattr(b, "_compiled_call_impl", None) is None for b in compiled.model.layers.values())
+    assert [n for n, _ in compiled.model.named_parameters()] == [n for n, _ in eager.model.named_parameters()]
+    a, b = eager.run(), compiled.run()
+    assert a.losses == b.losses
+    for (name, p), q in zip(eager.model.named_parameters(), compiled.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_compile_mode_values(corpus):  # noqa: F811
+    with pytest.raises(TrainError, match="train.compile: True is not one of none, layers, model"):
+        tiny_config(corpus, train={"compile": True})
+
+
+def test_flops_per_token_counts_matmuls_and_attention():
+    c = ModelConfig(**TINY_LLAMA)
+    h, f, nh, ng, hd, V, L = (c.hidden_size, c.ffn_hidden_size, c.num_attention_heads, c.num_query_groups,
+                              c.head_dim, c.vocab_size, c.num_layers)
+    per_layer = h * nh * hd + 2 * h * ng * hd + nh * hd * h + 3 * h * f  # q, k and v, o, SwiGLU gate/up/down
+    assert flops.matmul_params(c) == L * per_layer + h * V
+    assert flops.flops_per_token(c, 32) == 6 * (L * per_layer + h * V) + 12 * L * nh * hd * 32
+    window = c.replace(sliding_window=8)  # attention over the window only
+    assert flops.flops_per_token(window, 32) == 6 * (L * per_layer + h * V) + 12 * L * nh * hd * 8
+
+
+def test_flops_of_moe_count_the_active_experts():
+    c = ModelConfig(**TINY_MIXTRAL)
+    h, hd = c.hidden_size, c.head_dim
+    attention = 2 * h * c.num_attention_heads * hd + 2 * h * c.num_query_groups * hd
+    expert = 3 * h * c.expert_ffn_hidden_size
+    assert flops.matmul_params(c) == c.num_layers * (attention + h * c.num_experts + c.moe_top_k * expert) \
+        + h * c.vocab_size
+
+
+def test_throughput_reports_mfu_with_a_peak_and_flops_without():
+    t = flops.Throughput(flops_per_token=1e9, devices=2, peak_tflops=100.0)
+    assert t.mfu(50_000) == pytest.approx(0.25)  # 5e13 FLOP/s over 2 x 1e14
+    assert t.describe(50_000) == "MFU 25.0%"
+    assert t.scalars(50_000) == pytest.approx({"tflops": 50.0, "mfu": 0.25})
+    cpu = flops.Throughput(flops_per_token=1e8, devices=1, peak_tflops=None)
+    assert cpu.describe(1234) == "123 GFLOP/s" and cpu.scalars(1234) == pytest.approx({"tflops": 0.1234})
+
+
+def test_training_log_shows_flops(corpus):  # noqa: F811
+    lines = []
+    Trainer(tiny_config(corpus, train={"steps": 2}, logging={"interval": 1}), out=lines.append).run()
+    assert any(s.startswith("model FLOPs per token: ") and "achieved FLOP/s (no peak: on a CPU)" in s for s in lines)
+    steps = [s for s in lines if s.startswith("step ")]
+    assert len(steps) == 2 and all("FLOP/s |" in s for s in steps)
+    lines.clear()
+    Trainer(tiny_config(corpus, train={"steps": 1}, logging={"interval": 1, "peak_tflops": 1.0}),
+            out=lines.append).run()
+    assert any("logging MFU against 1 TFLOP/s per device (logging.peak_tflops)" in s for s in lines)
+    assert any(s.startswith("step ") and "| MFU " in s for s in lines)
+
+
+def test_peak_tflops_must_be_positive(corpus):  # noqa: F811
+    with pytest.raises(TrainError, match="logging.peak_tflops must be positive"):
+        tiny_config(corpus, logging={"peak_tflops": 0})
+
+
+@pytest.mark.parametrize("slowdown, choice", [(2.0, "fp32"), (1.0, "fp32"), (0.5, "bf16")])
+def test_precision_auto_on_cpu_follows_the_measurement(slowdown, choice):
+    lines = []
+    got = precision.resolve("auto", torch.device("cpu"), 1, lines.append, measure=lambda: slowdown)
+    assert got == choice
+    assert lines == [f"train.precision auto: {choice} (bf16 measured {slowdown:.1f}x "
+                     + ("slower than" if slowdown > 1 else "the time of") + " fp32 on this CPU)"]
+
+
+def test_bf16_on_a_slow_cpu_warns_with_the_measured_slowdown():
+    lines = []
+    assert precision.resolve("bf16", torch.device("cpu"), 1, lines.append, measure=lambda: 27.0) == "bf16"
+    assert lines[0].startswith("warning: train.precision bf16 on a CPU without fast bf16 matrix units: bf16 "
+                               "measured 27.0x slower than fp32")
+    lines.clear()
+    assert precision.resolve("bf16", torch.device("cpu"), 1, lines.append, measure=lambda: 0.6) == "bf16"
+    assert precision.resolve("fp32", torch.device("cpu"), 1, lines.append, measure=lambda: 1 / 0) == "fp32"
+    assert lines == []
+
+
+def test_bf16_slowdown_is_measured():
+    """The probe really times both: a positive, finite ratio (its size depends on the CPU)."""
+    ratio = precision.bf16_slowdown(repeats=1)
+    assert 0 < ratio < float("inf")
+
+
+def test_whole_model_compile_under_fsdp_and_ddp_trains_like_one_process(corpus, tmp_path):  # noqa: F811
+    """Two data-parallel ranks with train.compile model (FSDP: the graph breaks at the layers' FSDP hooks; DDP)
+    give the one-process eager losses."""
+    from tests.mtrain.launch import launch, losses
+
+    raw = tiny_config(corpus, train={"steps": 3, "compile": "model"}).to_dict()
+    specs = [{"config": raw | {"parallel": raw["parallel"] | {"dp_mode": mode}}, "out": str(tmp_path / f"{mode}.json"),
+              "compile_backend": "aot_eager"} for mode in ("fsdp", "ddp")]
+    launch(specs, tmp_path, nproc=2)
+    reference = Trainer(tiny_config(corpus, train={"steps": 3}), out=lambda _: None).run().losses
+    for mode in ("fsdp", "ddp"):
+        assert losses(tmp_path / f"{mode}.json") == pytest.approx(reference, rel=1e-5), mode
