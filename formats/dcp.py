@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import io
 import mmap
+import os
 import pathlib
 import pickle
 import threading
@@ -26,9 +27,9 @@ from pathlib import Path
 import torch
 from mconvert.formats.contained import inside
 from mconvert.formats.integrity import Manifest
-from mconvert.formats.torch_pickle import map_tensor, safe_load_bytes
+from mconvert.formats.torch_pickle import locate_tensor, map_tensor, safe_load_bytes
 
-from mconvert.blocks import Blocks
+from mconvert.blocks import Blocks, FileBytes
 from mconvert.errors import ConvertError, format_names
 
 METADATA = ".metadata"
@@ -201,6 +202,7 @@ class DcpReader:
         if self.manifest is not None:
             self.manifest.check_complete()
         self._maps: dict[str, mmap.mmap] = {}
+        self._identities: dict[str, tuple[int, int, int, int]] = {}
         self._lock = threading.Lock()
 
     def _storage(self, where: dict, fqn: str, offsets) -> Record:
@@ -238,6 +240,7 @@ class DcpReader:
             if file not in self._maps:
                 with open(self.root / file, "rb") as f:
                     self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                    self._identities[file] = FileBytes.identity_of(os.fstat(f.fileno()))
             mapping = self._maps[file]
         if self.manifest is not None:  # hashed in one pass through the map its bytes are then read from
             self.manifest.check_file(file, mapping)
@@ -245,6 +248,13 @@ class DcpReader:
 
     def _chunk(self, c: Chunk) -> torch.Tensor:
         return map_tensor(self.root / c.file, c.start, c.length, self._map(c.file))
+
+    def _sourced_chunk(self, c: Chunk) -> tuple[torch.Tensor, FileBytes | None]:
+        """The chunk and, when it is contiguous, where its bytes are in its file."""
+        t, at = locate_tensor(self.root / c.file, c.start, c.length, self._map(c.file))
+        if not (t.numel() and t.is_contiguous()):
+            return t, None
+        return t, FileBytes(os.path.abspath(self.root / c.file), at, self._identities[c.file], t._version)
 
     def _select(self, fqn: str, index: int | tuple[int, ...]):
         """(entry, index, bounds [lo, hi) of the block asked for, the chunks overlapping it)."""
@@ -265,18 +275,21 @@ class DcpReader:
         entry, index, lo, hi, pieces = self._select(fqn, index)
         k = len(index)
         pieces = sorted(pieces, key=lambda c: c.offsets[k] if k < len(c.offsets) else 0)
-        rows, parts = lo[k] if k < len(lo) else 0, []
+        rows, parts, sources = lo[k] if k < len(lo) else 0, [], []
         for c in pieces:
             whole = all(o <= a and o + s >= b for o, s, a, b in zip(c.offsets[:k], c.sizes[:k], lo, hi)) and \
                 all(o == a and s == b - a for o, s, a, b in zip(c.offsets[k + 1:], c.sizes[k + 1:], lo[k + 1:],
                                                                   hi[k + 1:]))
             if k >= len(entry.shape) or not whole or c.offsets[k] != rows:
                 return Blocks.of(self.read(fqn, index))
-            parts.append(self._chunk(c)[tuple(i - o for i, o in zip(index, c.offsets))])
+            chunk, source = self._sourced_chunk(c)
+            part = chunk[tuple(i - o for i, o in zip(index, c.offsets))]
+            parts.append(part)
+            sources.append(source.within(chunk, part) if source is not None else None)
             rows += c.sizes[k]
         if k >= len(entry.shape) or rows != hi[k]:
             return Blocks.of(self.read(fqn, index))
-        return Blocks(tuple(entry.shape[k:]), entry.dtype, tuple(parts))
+        return Blocks(tuple(entry.shape[k:]), entry.dtype, tuple(parts), tuple(sources))
 
     def read(self, fqn: str, index: int | tuple[int, ...] = ()) -> torch.Tensor:
         """The whole tensor, or its block at leading `index` (one layer of a stack, or one layer's expert)."""

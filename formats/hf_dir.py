@@ -113,7 +113,8 @@ def _open_indexed(root: Path, index_name: str) -> dict[str, LazyTensor]:
 def _open_file(path: Path) -> dict[str, LazyTensor]:
     if path.suffix == ".safetensors":
         f = safetensors_io.SafetensorsFile(path)
-        return {k: LazyTensor(i.shape, i.dtype, lambda k=k: f.get(k), f"{path.name}:{k}") for k, i in f.infos.items()}
+        return {k: LazyTensor(i.shape, i.dtype, lambda k=k: f.get(k), f"{path.name}:{k}", lambda k=k: f.get_blocks(k))
+                for k, i in f.infos.items()}
     state = safe_load(path)
     if not isinstance(state, dict):
         raise ConvertError(f"{path}: expected a dict of tensors, found {type(state).__name__}")

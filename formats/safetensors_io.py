@@ -23,7 +23,7 @@ import torch
 from mconvert.formats.block_writer import Sender, pwrite_all
 from mconvert.formats.writeback import Writeback
 
-from mconvert.blocks import Blocks, as_blocks
+from mconvert.blocks import Blocks, FileBytes, as_blocks
 from mconvert.errors import ConvertError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -51,6 +51,7 @@ class SafetensorsFile:
         self.path = Path(path)
         self.infos, self.metadata = read_header(self.path)
         self._map: mmap.mmap | None = None
+        self._identity: tuple[int, int, int, int] | None = None
 
     def get(self, name: str) -> torch.Tensor:
         info = self.infos.get(name)
@@ -59,11 +60,19 @@ class SafetensorsFile:
         if self._map is None:
             with open(self.path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._identity = FileBytes.identity_of(os.fstat(f.fileno()))
         count = (info.end - info.start) // info.dtype.itemsize
         if count == 0:
             return torch.empty(info.shape, dtype=info.dtype)
         flat = torch.frombuffer(self._map, dtype=info.dtype, count=count, offset=info.start)
         return flat.view(info.shape)
+
+    def get_blocks(self, name: str) -> Blocks:
+        """`get` as one block that knows its bytes are the file's bytes [start, end), unchanged."""
+        t = self.get(name)
+        if not t.numel():
+            return Blocks.of(t)
+        return Blocks.of(t, FileBytes(os.path.abspath(self.path), self.infos[name].start, self._identity, t._version))
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:

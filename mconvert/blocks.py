@@ -11,6 +11,15 @@ belongs. `Blocks` is that promise:
 Blocks usually view the source's memory map, so holding one costs no process memory. A part need not be
 contiguous (a row-parallel piece is every row's left half). How parts reach a file is `formats.block_writer`'s
 business.
+
+Provenance: a loader that maps a stretch of a checkpoint file unchanged (a safetensors entry, the storage of a
+torch zip record, a DCP chunk) says so with a `FileBytes` beside the part: which file, where, and the file's
+identity when it was opened. Row slices keep it (`rows`: the offset moves by the rows skipped); anything that
+computes a new tensor (a cast, a dequantization, a transpose, a join) makes a part without it. A writer may then
+copy those bytes file to file, without asking the kernel where the memory came from:
+
+    part  = mapped[100:300]               (rows of a [4096, 2048] bf16 entry starting at byte 8_000)
+    bytes = FileBytes(path, 8_000 + 100 * 4096, identity)
 """
 
 from __future__ import annotations
@@ -23,18 +32,59 @@ from mconvert.errors import ConvertError
 
 
 @dataclass(frozen=True)
+class FileBytes:
+    """Where a contiguous part's bytes are, unchanged, in a file: `path` at byte `offset`. `identity` (device,
+    inode, size, mtime) is the file's when the loader mapped it: a file replaced or changed since is not used.
+    `version` is the part's in-place version counter (torch counts writes to a tensor and its views) when its
+    provenance was recorded: a part written in place since then no longer holds the file's bytes."""
+
+    path: str
+    offset: int
+    identity: tuple[int, int, int, int]
+    version: int = 0
+
+    @staticmethod
+    def identity_of(stat) -> tuple[int, int, int, int]:
+        return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+    def holds(self, part: torch.Tensor) -> bool:
+        """Does `part` still show exactly these file bytes (contiguous, never written in place since)?"""
+        return part.is_contiguous() and part._version == self.version
+
+    def within(self, base: torch.Tensor, view: torch.Tensor) -> FileBytes | None:
+        """The provenance of `view`, a contiguous view into `base` (whose provenance this is)."""
+        if not (self.holds(base) and view.is_contiguous()):
+            return None
+        return FileBytes(self.path, self.offset + view.data_ptr() - base.data_ptr(), self.identity, view._version)
+
+
+@dataclass(frozen=True)
 class Blocks:
     """`shape`/`dtype` of the whole; `parts` tensors whose bytes (each part's in row-major order), one after
-    another, are its bytes. Parts are cut along dimension 0 (rows; the elements of a 1-D tensor)."""
+    another, are its bytes. Parts are cut along dimension 0 (rows; the elements of a 1-D tensor). `sources`, when
+    not empty, has one entry per part: its `FileBytes`, or None."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     parts: tuple[torch.Tensor, ...]
+    sources: tuple[FileBytes | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.sources and len(self.sources) != len(self.parts):
+            raise ValueError(f"{len(self.sources)} sources for {len(self.parts)} parts")
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> Blocks:
+    def of(cls, tensor: torch.Tensor, source: FileBytes | None = None) -> Blocks:
+        """One tensor as one part; `source` only from a loader that mapped it from a file unchanged."""
         t = tensor.detach().cpu()  # a view stays a view: only its own bytes are written
-        return cls(tuple(t.shape), t.dtype, (t,) if t.numel() else ())
+        if not t.numel():
+            return cls(tuple(t.shape), t.dtype, ())
+        return cls(tuple(t.shape), t.dtype, (t,), (source,) if source is not None and source.holds(t) else ())
+
+    def source(self, i: int) -> FileBytes | None:
+        """Part `i`'s provenance, if it has one and still holds the file's bytes."""
+        found = self.sources[i] if self.sources else None
+        return found if found is not None and found.holds(self.parts[i]) else None
 
     @property
     def nbytes(self) -> int:
@@ -50,14 +100,16 @@ class Blocks:
             n *= s
         return n
 
-    def rows(self, start: int, stop: int) -> list[torch.Tensor]:
-        """Rows [start, stop) as views of the parts."""
+    def rows(self, start: int, stop: int) -> list[tuple[torch.Tensor, FileBytes | None]]:
+        """Rows [start, stop) as views of the parts, each with its provenance (see `FileBytes.within`)."""
         out, at = [], 0
-        for p in self.parts:
+        for i, p in enumerate(self.parts):
             n = p.shape[0] if p.dim() else 1
             lo, hi = max(start, at), min(stop, at + n)
             if lo < hi:
-                out.append(p[lo - at:hi - at])
+                view = p[lo - at:hi - at]
+                source = self.source(i)
+                out.append((view, source.within(p, view) if source is not None else None))
             at += n
             if at >= stop:
                 break
@@ -94,4 +146,4 @@ def reshape(value: torch.Tensor | Blocks, shape: tuple[int, ...]) -> torch.Tenso
         n *= s
     if n * value.dtype.itemsize != value.nbytes:
         raise ConvertError(f"cannot view {list(value.shape)} as {list(shape)}")
-    return Blocks(tuple(shape), value.dtype, value.parts)
+    return Blocks(tuple(shape), value.dtype, value.parts, value.sources)

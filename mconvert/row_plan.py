@@ -78,8 +78,13 @@ class RowPlanner:
         if plan is None:
             return None
         dtype = inputs[0].dtype
-        return [Blocks(out.shape, dtype, tuple(v for j, a, b in out.runs for v in inputs[j].rows(a, b)))
-                for out in plan]
+        made = []
+        for out in plan:
+            pieces = [v for j, a, b in out.runs for v in inputs[j].rows(a, b)]
+            sources = tuple(s for _, s in pieces)
+            made.append(Blocks(out.shape, dtype, tuple(p for p, _ in pieces),
+                               sources if any(s is not None for s in sources) else ()))
+        return made
 
 
 def probe(fn: Callable[[list[torch.Tensor]], list[torch.Tensor]],
