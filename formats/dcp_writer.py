@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 import torch
 from mconvert.formats.block_writer import Sender
 from mconvert.formats.dcp import METADATA
+from mconvert.formats.integrity import file_digest
 from mconvert.formats.torch_zip import ALIGN, TorchFileWriter
 
 from mconvert.errors import ConvertError
@@ -56,10 +57,12 @@ def file_count(nbytes: int) -> int:
     return max(2, -(-nbytes // FILE_BYTES))
 
 
-def plan(root: Path, items: list[Item], files: int | None = None,
-         ) -> tuple[list[Job], Callable[[list[Any]], None]]:
+def plan(root: Path, items: list[Item], files: int | None = None, *, digests: bool = False,
+         ) -> tuple[list[Job], Callable[[list[Any]], dict[str, str]]]:
     """Jobs writing `items` into `files` .distcp files in `root` (default: `file_count`), and the finish step
-    writing `.metadata` from their results."""
+    writing `.metadata` from their results. With `digests` each job also hashes the file it wrote (SHA-256, read
+    back from the page cache by the worker that wrote it, so hashing is shared out like the writing); the finish
+    step returns them by file name (for `formats.integrity.write_manifest`)."""
     # `.metadata` is made of torch.distributed.checkpoint's classes, whose import costs about half a second of
     # CPU: start it now, beside the writing (mostly the kernel's work), rather than after it.
     threading.Thread(target=_import_metadata_classes, name="mconvert-dcp-import", daemon=True).start()
@@ -77,26 +80,29 @@ def plan(root: Path, items: list[Item], files: int | None = None,
         members[i].append(k)
         load[i] += item.nbytes
     names = [f"__0_{i}.distcp" for i in range(n)]
-    jobs = [Job(f"{root.name}/{name}", load[i], functools.partial(_write_file, root / name, items, members[i]),
+    jobs = [Job(f"{root.name}/{name}", load[i],
+                functools.partial(_write_file, root / name, items, members[i], digests=digests),
                 files=(root / name,)) for i, name in enumerate(names)]
 
-    def finish(results: list[Any]) -> None:
-        entries = dict(e for per_file in results for e in per_file)
+    def finish(results: list[Any]) -> dict[str, str]:
+        entries = dict(e for per_file, _ in results for e in per_file)
         write_metadata(root, [entries[k] for k in range(len(items))], tensors)
+        return {name: digest for name, (_, digest) in zip(names, results) if digest is not None}
 
     return jobs, finish
 
 
-def _write_file(path: Path, items: list[Item], members: list[int], advance: Callable[[int], None],
-                ) -> list[tuple[int, tuple]]:
-    """Write the `members` of `items` one after another; their `.metadata` entries, by item index."""
+def _write_file(path: Path, items: list[Item], members: list[int], advance: Callable[[int], None], *,
+                digests: bool = False) -> tuple[list[tuple[int, tuple]], str | None]:
+    """Write the `members` of `items` one after another; their `.metadata` entries, by item index, and the file's
+    SHA-256 when asked."""
     entries = []
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f, contextlib.closing(Sender()) as sender:
         for k in members:
             entries.append((k, _write_item(f, path.name, items[k], sender)))
             advance(items[k].nbytes)
-    return entries
+    return entries, file_digest(path) if digests else None
 
 
 def _write_item(f: BinaryIO, name: str, item: Item, sender: Sender) -> tuple:

@@ -157,7 +157,12 @@ class TorchFileWriter:
         key = str(self._count)
         self._count += 1
         if self._pool is None:
-            self._write_tensor(key, blocks)
+            try:
+                self._write_tensor(key, blocks)
+            except BaseException:  # e.g. a full disk: release the archive now, not in ZipFile.__del__
+                with contextlib.suppress(Exception):
+                    self.close()
+                raise
         else:
             self._wait(self._max_pending - 1)
             self._pending.append(self._pool.submit(self._write_tensor, key, blocks))

@@ -53,18 +53,17 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
               "num_floating_point_operations_so_far": 0, "content_metadata": dict(core_dist.CONTENT_METADATA)}
 
     def finish(results: list) -> None:
-        if backend == "torch_dist":
-            write_dcp_metadata(results)
+        hashed = write_dcp_metadata(results) if backend == "torch_dist" else {}
         torch_save(common, it_dir / core_dist.COMMON_FILE, background=False)
         hf_dir.write_json(it_dir / core_dist.METADATA_JSON, core_dist.metadata_json(backend))
         if backend == "torch_dist":  # megatron-core verifies it with --verify-integrity
-            write_manifest(it_dir)
+            write_manifest(it_dir, known=hashed)  # the .distcp files hashed by the workers that wrote them
         megatron_files.finish_checkpoint(ir, out, it_dir, iteration)
 
     if backend == "torch_dist":
         data = dcp_writer.object_bytes(extra_state)
         jobs, write_dcp_metadata = dcp_writer.plan(it_dir, items + [dcp_writer.Item(k, len(data), lambda: data)
-                                                                    for k in extra_keys])
+                                                                    for k in extra_keys], digests=True)
     else:
         jobs = [Job(f"{it_dir.name} ({backend})", ir.nbytes,
                     lambda advance: _write_zarr(it_dir, items, dict.fromkeys(extra_keys, extra_state), advance))]
