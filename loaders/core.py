@@ -69,7 +69,8 @@ def load(path: Path, options: Options) -> ModelIR:
     chunks = chunks_in_files(files, LAYER_KEY, tensors_of)
     names = files.chunk_names()
     first_model = files.model(0, 0, 0, names[0])
-    impl = "te" if any(k.endswith("linear_qkv.layer_norm_weight") for k in first_model) else "local"
+    impl = "te" if any(k.endswith(("linear_qkv.layer_norm_weight", "linear_kv_up_proj.layer_norm_weight"))
+                       for k in first_model) else "local"
     embed_key = "embedding.word_embeddings.weight"
     if embed_key not in first_model:
         raise ConvertError(f"{files.rel((0, 0, 0))}: no {embed_key} in the first pipeline stage")
@@ -81,11 +82,12 @@ def load(path: Path, options: Options) -> ModelIR:
     notes += config_notes
     expert_layout, etp = _experts(files, names, config, notes) if config.is_moe else (None, files.tp)
     ctx = Ctx(config, padded, tp=files.tp, etp=etp, local_experts=(config.num_experts or 0) // files.ep)
-    parts = rank_plan.plan(core.table(impl, expert_layout or "sequential"), config, chunks, ep=files.ep,
-                           entry_names=names, tied_copy=core.TIED_OUTPUT)
+    parts = rank_plan.plan(core.table(impl, expert_layout or "sequential", config.is_mla), config, chunks,
+                           ep=files.ep, entry_names=names, tied_copy=core.TIED_OUTPUT, embed_copy=core.MTP_EMBEDDING)
     source, rows, copies = read_parts(files, parts, tensors_of)
     tensors = to_ir(source, rows, ctx, where=str(it_dir), drop=DROP, cache=LoadCache(4))
-    verify_copies(tensors, "embed.weight", copies, core.TIED_OUTPUT, ctx)
+    verify_copies(tensors, "embed.weight", copies, core.TIED_OUTPUT, ctx,
+                  kept_for="the MTP modules" if config.mtp_layers else "the tied output layer")
     layout = {"tp": files.tp, "pp": files.pp, "vpp": len(names) if names != ["model"] else 1, "ep": files.ep,
               "stage_layers": [sum(len(c.layers) for c in chunks if c.pp == p) for p in range(files.pp)],
               "transformer_impl": impl, "padded_vocab": padded}

@@ -50,6 +50,10 @@ def load_dcp(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     notes: list[str] = []
     assets = tokenizer(options, it_dir, args, notes)
     config, config_notes = megatron_config(args, options, padded, dtype_name(embed.dtype), it_dir, assets)
+    if config.mtp_layers:
+        raise ConvertError(f"{it_dir}: a {args.ckpt_format} checkpoint with multi-token-prediction modules "
+                           f"(args.mtp_num_layers {config.mtp_layers}) is not read: their keys in this format are "
+                           "unchecked")
     notes += config_notes
     impl = core_dcp.detect_impl(model)
     unprefixed = [k.removeprefix(prefix) for k in model]

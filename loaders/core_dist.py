@@ -88,10 +88,13 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
 
     source: dict[str, list[LazyTensor]] = {}
     rows: list[Row] = []
-    impl = core_dist.detect_impl(store.tensors)
+    impl, per_layer = core_dist.detect_impl(store.tensors), core_dist.detect_per_layer(store.tensors)
     singleton = core_dist.detect_singleton(store.tensors)
-    placed_blocks = core_dist.placements(config, impl, per_layer=core_dist.detect_per_layer(store.tensors),
-                                         singleton=singleton)
+    if singleton and config.mtp_layers:
+        raise ConvertError(f"{it_dir}: multi-token-prediction modules in a checkpoint saved with "
+                           "singleton_local_shards are not read: this tool reads MTP modules from megatron-core's "
+                           "default torch_dist layout only")
+    placed_blocks = core_dist.placements(config, impl, per_layer=per_layer, singleton=singleton)
     for placed in placed_blocks:
         rows.append(placed.row)
         source[placed.row.key] = [_lazy(store, placed, it_dir)]
@@ -103,7 +106,9 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
         raise ConvertError(f"{it_dir}: the tensors do not match a {config.family} model with these args. "
                            + mismatch(missing, extra))
     tensors = to_ir(source, rows, Ctx(config, padded), where=str(it_dir), cache=LoadCache(4))
-    layout = {"format": backend, "padded_vocab": padded, "transformer_impl": impl if config.is_moe else "any",
+    layout = {"format": backend, "padded_vocab": padded,
+              "transformer_impl": impl if config.is_moe or config.is_mla else "any",
+              "layers": "one key per layer" if per_layer else "stacked",
               "common": "common.pt" if (it_dir / core_dist.COMMON_FILE).is_file() else core_dist.COMMON_STATE}
     if singleton:
         layout["singleton_local_shards"] = True

@@ -21,6 +21,8 @@ LOADERS = {
     "gpt2": "gpt2_hf",
     "mixtral": "mixtral_hf",
     "qwen2": "qwen_hf", "qwen3": "qwen_hf", "qwen3_moe": "qwen_hf",
+    "deepseek_v3": "deepseek_hf",
+    "deepseek_v2": "deepseek_hf",
 }
 
 

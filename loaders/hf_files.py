@@ -27,9 +27,7 @@ def load_hf(path: Path, options: Options, *, name: str, config_from_hf: Callable
     embedding (checked when it is read). `table` may depend on the stored keys (a family stored in two layouts).
     """
     root = hf_dir.resolve(path)
-    raw = hf_dir.read_json(root / "config.json")
-    check_integers(raw, HF_INTEGERS, str(root / "config.json"))
-    config = with_where(str(root / "config.json"), lambda: config_from_hf(raw, str(root / "config.json")))
+    _, config = read_config(root, config_from_hf)
     source = fix_source(hf_dir.open_weights(root))
     if embed_key in source:
         config = config.replace(dtype=dtype_name(source[embed_key].dtype))
@@ -43,3 +41,12 @@ def load_hf(path: Path, options: Options, *, name: str, config_from_hf: Callable
     verify_copies(tensors, "embed.weight", copies, TIED_HEAD, ctx)
     assets = hf_dir.tokenizer_files(options.tokenizer or root)
     return ModelIR(config, tensors, SourceInfo(f"{name} (Hugging Face)", root, layout(source)), assets)
+
+
+def read_config(root: Path, config_from_hf: Callable[[dict, str], ModelConfig]) -> tuple[dict[str, Any], ModelConfig]:
+    """(config.json as read, its IR config): counts that are not whole numbers and values the IR refuses are
+    reported against the file."""
+    where = str(root / "config.json")
+    raw = hf_dir.read_json(root / "config.json")
+    check_integers(raw, HF_INTEGERS, where)
+    return raw, with_where(where, lambda: config_from_hf(raw, where))

@@ -260,10 +260,11 @@ def read_parts(files: RankFiles, parts: list[Part], tensors_of: Callable[[int, i
                                    f"{format_names(diff, 5)}")
             part_rows = [r for r in part_rows if part.is_expert(r)]
             keys = [k for k in keys if k not in dense]  # whatever is left must be this rank's experts (strict)
-        copy_key = part.tied_copy.key if part.tied_copy else extra_copy_key if part.chunk.has_head else None
-        if copy_key in keys:
-            copies.append([m[copy_key] for m in models])
-            keys.remove(copy_key)
+        copy_keys = [r.key for r in part.copies] or ([extra_copy_key] if part.chunk.has_head else [])
+        for copy_key in copy_keys:
+            if copy_key in keys:
+                copies.append([m[copy_key] for m in models])
+                keys.remove(copy_key)
         prefix = f"{files.files[(0, pp, ep)].parent.name}/{part.entry}/"  # TP rank 0's folder: keys agree over TP
         source |= {prefix + k: [m[k] for m in models] for k in keys}
         rows += [Row(prefix + r.key, r.ir, r.rule) for r in part_rows]

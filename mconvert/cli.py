@@ -31,7 +31,7 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
 # Options that only some loaders/savers understand; giving one to a plugin that ignores it is an error.
 PLUGIN_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers", "transformer_impl",
                   "expert_layout", "ckpt_format", "make_vocab_size_divisible_by", "iteration", "true_vocab_size",
-                  "max_shard_size")
+                  "max_shard_size", "fp8_weights")
 
 
 def parse_size(text: str) -> int:
@@ -116,6 +116,10 @@ def _fail_cleanly(func):
               help="Accepted for Megatron compatibility; only GPT models exist here.")
 @click.option("--workers", type=POSITIVE, help="Output files (or parts of one) written at once. Default: one per CPU, "
               "up to 8. Under torchrun, per rank: each rank writes its share of the files.")
+@click.option("--fp8-weights", is_flag=True, help="Write the linear weights of the layers FP8 (e4m3) with 128x128 "
+              "block scales (weight_scale_inv), as DeepSeek-V3 ships them (saver deepseek_hf).")
+@click.option("--skip-mtp", is_flag=True, help="Leave out multi-token-prediction modules (DeepSeek-V3's MTP "
+              "layers); without it they are converted, or the conversion fails if the target cannot hold them.")
 @click.option("--force", is_flag=True, help="Replace an existing, non-empty --save-dir.")
 @click.option("--verify", "verify_output", is_flag=True,
               help="Before moving the output into place, run it and the source on the same tokens (as `mconvert "
@@ -240,6 +244,8 @@ def _options(o: dict):
         max_shard_size=parse_size(o["max_shard_size"]),
         iteration=o["iteration"],
         workers=o["workers"],
+        skip_mtp=o["skip_mtp"],
+        fp8_weights=o["fp8_weights"],
     )
 
 

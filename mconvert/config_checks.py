@@ -22,17 +22,29 @@ HF_INTEGERS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_att
                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "sliding_window",
                "num_local_experts", "num_experts_per_tok", "num_experts", "moe_intermediate_size", "max_window_layers",
                "decoder_sparse_step", "n_layer", "n_embd", "n_head", "n_inner", "n_positions",
-               "n_ctx")
+               "n_ctx",
+               # DeepSeek-V3/V2
+               "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+               "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "first_k_dense_replace",
+               "num_nextn_predict_layers", "moe_layer_freq")
 MEGATRON_INTEGERS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                      "kv_channels", "max_position_embeddings", "seq_length", "num_experts", "moe_router_topk",
                      "moe_ffn_hidden_size", "padded_vocab_size", "vocab_size", "orig_vocab_size",
                      "tensor_model_parallel_size", "model_parallel_size", "pipeline_model_parallel_size",
-                     "expert_model_parallel_size", "expert_tensor_parallel_size", "make_vocab_size_divisible_by")
+                     "expert_model_parallel_size", "expert_tensor_parallel_size", "make_vocab_size_divisible_by",
+                     # multi-latent attention, DeepSeek routing, MTP
+                     "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                     "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk",
+                     "mtp_num_layers", "original_max_position_embeddings")
 META_INTEGERS = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of")  # vocab_size -1: from the tokenizer
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_integers(values: Mapping[str, Any], names: Iterable[str], where: str, label: str = "") -> None:
@@ -64,17 +76,21 @@ def check_model_config(c) -> None:
     for name in ("moe_aux_loss_coeff", "moe_jitter_eps"):
         v = getattr(c, name)
         need(name, v is None or (_is_number(v) and math.isfinite(v) and v >= 0), "a finite number >= 0, or null")
-    for name in ("sliding_window", "moe_top_k"):
+    for name in ("sliding_window", "moe_top_k", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim",
+                 "moe_shared_expert_ffn_hidden_size", "moe_router_groups", "moe_router_group_topk"):
         v = getattr(c, name)
-        need(name, v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
-             "a positive integer, or null")
-    v = c.num_experts
-    need("num_experts", v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-         "a whole number, or null")
+        need(name, v is None or (_is_integer(v) and v > 0), "a positive integer, or null")
+    for name in ("num_experts", "mtp_layers"):
+        v = getattr(c, name)
+        need(name, (v is None and name == "num_experts") or (_is_integer(v) and v >= 0),
+             "a whole number, or null" if name == "num_experts" else "a whole number >= 0")
+    v = c.moe_router_scaling_factor
+    need("moe_router_scaling_factor", _is_number(v) and math.isfinite(v) and v > 0, "a finite number > 0")
     v = c.padded_vocab_size
     need("padded_vocab_size", v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= c.vocab_size),
          f"an integer >= vocab_size {c.vocab_size}, or null")
-    for name in ("qkv_bias", "proj_bias", "mlp_bias", "tie_embeddings", "moe_norm_topk", "qk_norm"):
+    for name in ("qkv_bias", "proj_bias", "mlp_bias", "tie_embeddings", "moe_norm_topk", "qk_norm",
+                 "moe_router_expert_bias"):
         need(name, isinstance(getattr(c, name), bool), "true or false")
     if c.rope_scaling is not None:
         scaling = c.rope_scaling

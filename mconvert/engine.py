@@ -112,6 +112,8 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
     plugin = resolve_loader(loader, path)
     ir = plugin.func(path, options)
     ir.check()
+    if options.skip_mtp:
+        ir = ir.without_mtp()
     if options.dtype:  # every tensor: a checkpoint may mix dtypes (bf16 weights, fp32 norms)
         ir = ir.cast(options.dtype)
     return ir

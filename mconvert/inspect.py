@@ -30,7 +30,7 @@ def describe(path: Path, loader: str | None, options: Options, *, tensors: bool 
         f"parameters:  {ir.num_params:,} ({human_bytes(ir.nbytes)} as {c.dtype})",
         f"tokenizer:   {', '.join(sorted(ir.assets)) or 'none found'}",
         "config:",
-        *(f"  {k:<26}{v}" for k, v in c.to_dict().items()),
+        *(f"  {k + ' ':<26}{v}" for k, v in c.to_dict().items()),
     ]
     lines += [f"note: {n}" for n in src.notes]
     bad = {name: found for name, t in ir if (found := non_finite(t.load())) is not None} if values else {}

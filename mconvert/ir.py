@@ -22,13 +22,15 @@ import torch
 
 from mconvert.blocks import Blocks
 from mconvert.config_checks import check_model_config
+from mconvert.deepseek import check_config
 from mconvert.errors import ConvertError, mismatch
 
-Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe"]
+Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2"]
 Norm = Literal["rmsnorm", "layernorm"]
 Activation = Literal["swiglu", "gelu_tanh", "gelu"]
 PositionEmbedding = Literal["rope", "learned"]
 DType = Literal["float32", "bfloat16", "float16"]
+RouterScore = Literal["softmax", "sigmoid"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,6 +61,12 @@ class ModelConfig:
     exempt from `sliding_window`, which attend to every earlier key (Qwen2's first `max_window_layers`, the zeros
     of Megatron's `window_attn_skip_freq`); kept without a window too, where it changes nothing, so that a Qwen
     config.json's `max_window_layers` survives a round trip.
+
+    DeepSeek-V3 (the fields after `full_attention_layers`; their defaults describe every other family, see
+    mconvert/deepseek.py for what each means and how it is checked): multi-latent attention when `kv_lora_rank` is
+    set (then `head_dim` is a query/key head, its no-position part plus `qk_rope_head_dim`), shared experts beside
+    the routed ones, sigmoid router scores with a per-expert choice bias, group-limited top-k and a scaling of the
+    routed output, and `mtp_layers` multi-token-prediction modules after the last layer.
     """
 
     family: Family
@@ -95,6 +103,17 @@ class ModelConfig:
     pad_token_id: int | None = None
     qk_norm: bool = False
     full_attention_layers: tuple[int, ...] = ()
+    q_lora_rank: int | None = None  # MLA: rank of the query's low-rank projection; None: one q projection
+    kv_lora_rank: int | None = None  # MLA: size of the key/value latent; None: standard attention
+    qk_rope_head_dim: int | None = None  # MLA: the rotary part of each query/key head
+    v_head_dim: int | None = None  # MLA: size of a value head
+    moe_shared_expert_ffn_hidden_size: int | None = None  # FFN of the shared expert(s) every token goes through
+    moe_router_score: RouterScore = "softmax"
+    moe_router_expert_bias: bool = False  # a per-expert bias added to the scores to choose experts, not to weigh
+    moe_router_groups: int | None = None  # experts split in groups; each token chooses among ...
+    moe_router_group_topk: int | None = None  # ... this many groups (best top-2 sums)
+    moe_router_scaling_factor: float = 1.0  # the routed experts' weights are scaled by it
+    mtp_layers: int = 0  # multi-token-prediction modules after the last layer
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -117,6 +136,7 @@ class ModelConfig:
         self._check_moe_layers()
         self._check_window_layers()
         check_model_config(self)  # non-finite or out-of-range numbers (NaN epsilon, negative rope theta, ...)
+        check_config(self)  # DeepSeek's fields that contradict each other or the rest
 
     def _check_window_layers(self) -> None:
         full = tuple(self.full_attention_layers)
@@ -170,6 +190,16 @@ class ModelConfig:
         return self.num_layers - len(self.dense_layers) if self.is_moe else 0
 
     @property
+    def is_mla(self) -> bool:
+        """Multi-latent attention (DeepSeek) rather than multi-head attention with grouped key/value heads."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """MLA: the part of a query/key head without rotary positions."""
+        return self.head_dim - (self.qk_rope_head_dim or 0)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.dtype]
 
@@ -206,6 +236,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "activation": get_args(Activation),
     "position_embedding": get_args(PositionEmbedding),
     "dtype": get_args(DType),
+    "moe_router_score": get_args(RouterScore),
 }
 
 
@@ -316,11 +347,28 @@ class ModelIR:
                                f"({_config_summary(self.config)}). "
                                + mismatch(missing, extra, wrong, "The config contradicts the tensors"))
 
+    def without_mtp(self) -> ModelIR:
+        """The model without its multi-token-prediction modules (`mtp.*` and their layers), with a note."""
+        n, c = self.config.num_layers, self.config
+        if not c.mtp_layers:
+            return dataclasses.replace(self, source=dataclasses.replace(
+                self.source, notes=[*self.source.notes, "--skip-mtp: the model has no MTP modules"]))
+        mtp = {name for name in self.tensors if name.startswith("mtp.")
+               or (name.startswith("layers.") and int(name.split(".")[1]) >= n)}
+        note = f"--skip-mtp: left out {c.mtp_layers} multi-token-prediction module(s) ({len(mtp)} tensors)"
+        return dataclasses.replace(self, config=c.replace(mtp_layers=0),
+                                   tensors={k: v for k, v in self.tensors.items() if k not in mtp},
+                                   source=dataclasses.replace(self.source, notes=[*self.source.notes, note]))
+
     def cast(self, dtype: DType) -> ModelIR:
         """The same model with every tensor converted to `dtype` at load time."""
         target = TORCH_DTYPES[dtype]
+
+        def kind(name: str) -> torch.dtype:  # DeepSeek and Megatron keep the router's expert bias in float32
+            return torch.float32 if name.endswith(".router.expert_bias") else target
+
         tensors = {
-            n: t if t.dtype == target else t.map(lambda x, d=target: x.to(d), dtype=target)
+            n: t if t.dtype == kind(n) else t.map(lambda x, d=kind(n): x.to(d), dtype=kind(n))
             for n, t in self.tensors.items()
         }
         return dataclasses.replace(self, config=self.config.replace(dtype=dtype), tensors=tensors)

@@ -16,6 +16,21 @@ tensors contradict its config is refused), savers iterate it, tests pin it per f
     layers.{L}.moe.experts.{E}.{gate,up,down}.weight  [f_e, h] / [h, f_e]   MoE layers (not in dense_layers)
     final_norm.{weight,bias}              [h]
     lm_head.weight                        [V, h]          absent when tied to embed.weight
+
+DeepSeek-V3 (see mconvert/deepseek.py; nh heads, dn + dr = head_dim, dv = v_head_dim, r_q/r_kv the LoRA ranks):
+
+    layers.{L}.attn.q.weight              [nh*(dn+dr), h]  MLA without a query LoRA, else:
+    layers.{L}.attn.q_down.weight         [r_q, h]
+    layers.{L}.attn.q_norm.weight         [r_q]           the query latent's norm (MLA excludes qk_norm)
+    layers.{L}.attn.q_up.weight           [nh*(dn+dr), r_q]
+    layers.{L}.attn.kv_down.weight        [r_kv+dr, h]
+    layers.{L}.attn.kv_norm.weight        [r_kv]
+    layers.{L}.attn.kv_up.weight          [nh*(dn+dv), r_kv]
+    layers.{L}.attn.o.weight              [h, nh*dv]
+    layers.{L}.moe.router.expert_bias     [E]             float32
+    layers.{L}.moe.shared.{gate,up,down}.weight  [f_s, h] / [h, f_s]
+    mtp.{M}.{enorm,hnorm,final_norm}.weight  [h]          MTP module M; its transformer layer is layers.{num_layers+M}
+    mtp.{M}.eh_proj.weight                [h, 2h]
 """
 
 from __future__ import annotations
@@ -33,6 +48,8 @@ def norm_shapes(prefix: str, c: ModelConfig) -> dict[str, Shape]:
 
 
 def attention_shapes(prefix: str, c: ModelConfig) -> dict[str, Shape]:
+    if c.is_mla:
+        return mla_shapes(prefix, c)
     h, q_rows, kv_rows = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_query_groups * c.head_dim
     shapes: dict[str, Shape] = {}
     for name, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
@@ -54,6 +71,21 @@ def qk_norm_shapes(prefix: str, c: ModelConfig) -> dict[str, Shape]:
         shapes[f"{prefix}.{name}.weight"] = (c.head_dim,)
         if c.norm == "layernorm":
             shapes[f"{prefix}.{name}.bias"] = (c.head_dim,)
+    return shapes
+
+
+def mla_shapes(prefix: str, c: ModelConfig) -> dict[str, Shape]:
+    h, nh, q_rows = c.hidden_size, c.num_attention_heads, c.num_attention_heads * c.head_dim
+    shapes: dict[str, Shape] = {}
+    if c.q_lora_rank is None:
+        shapes[f"{prefix}.q.weight"] = (q_rows, h)
+    else:
+        shapes |= {f"{prefix}.q_down.weight": (c.q_lora_rank, h), f"{prefix}.q_norm.weight": (c.q_lora_rank,),
+                   f"{prefix}.q_up.weight": (q_rows, c.q_lora_rank)}
+    shapes |= {f"{prefix}.kv_down.weight": (c.kv_lora_rank + c.qk_rope_head_dim, h),
+               f"{prefix}.kv_norm.weight": (c.kv_lora_rank,),
+               f"{prefix}.kv_up.weight": (nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+               f"{prefix}.o.weight": (h, nh * c.v_head_dim)}
     return shapes
 
 
@@ -79,8 +111,12 @@ def layer_shapes(layer: int, c: ModelConfig) -> dict[str, Shape]:
     shapes |= norm_shapes(f"{p}.mlp_norm", c)
     if c.is_moe_layer(layer):
         shapes[f"{p}.moe.router.weight"] = (c.num_experts, c.hidden_size)
+        if c.moe_router_expert_bias:
+            shapes[f"{p}.moe.router.expert_bias"] = (c.num_experts,)
         for e in range(c.num_experts):
             shapes |= mlp_shapes(f"{p}.moe.experts.{e}", c, bias=False, ffn=c.expert_ffn_hidden_size)
+        if c.moe_shared_expert_ffn_hidden_size:
+            shapes |= mlp_shapes(f"{p}.moe.shared", c, bias=False, ffn=c.moe_shared_expert_ffn_hidden_size)
     else:
         shapes |= mlp_shapes(f"{p}.mlp", c, bias=c.mlp_bias)
     return shapes
@@ -100,9 +136,20 @@ def head_shapes(c: ModelConfig) -> dict[str, Shape]:
     return shapes
 
 
+def mtp_shapes(module: int, c: ModelConfig) -> dict[str, Shape]:
+    """The tensors of multi-token-prediction module `module`: its own, then its transformer layer's."""
+    h, p = c.hidden_size, f"mtp.{module}"
+    shapes = {f"{p}.enorm.weight": (h,), f"{p}.hnorm.weight": (h,), f"{p}.eh_proj.weight": (h, 2 * h),
+              f"{p}.final_norm.weight": (h,)}
+    return shapes | layer_shapes(c.num_layers + module, c)
+
+
 def expected_shapes(c: ModelConfig) -> dict[str, Shape]:
-    """Every IR tensor of the model, in canonical order (embeddings, layers 0..L-1, head)."""
+    """Every IR tensor of the model, in canonical order (embeddings, layers 0..L-1, head, MTP modules)."""
     shapes = embedding_shapes(c)
     for layer in range(c.num_layers):
         shapes |= layer_shapes(layer, c)
-    return shapes | head_shapes(c)
+    shapes |= head_shapes(c)
+    for module in range(c.mtp_layers):
+        shapes |= mtp_shapes(module, c)
+    return shapes

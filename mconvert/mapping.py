@@ -32,15 +32,17 @@ class Row:
 
 def expand(table: Table, config: ModelConfig, *, layers: Iterable[tuple[int, int]] | None = None,
            experts: Iterable[tuple[int, int]] | None = None, embedding: bool = True, head: bool = True,
-           ir_names: Iterable[str] | None = None) -> list[Row]:
-    """Concrete rows in file order: embeddings, each layer (with its experts), head.
+           mtp: Iterable[tuple[int, int]] | None = None, ir_names: Iterable[str] | None = None) -> list[Row]:
+    """Concrete rows in file order: embeddings, each layer (with its experts), head, MTP modules.
 
-    `layers` gives (global, local) layer numbers for the `{L}`/`{l}` templates and `experts` (global, local)
-    expert numbers for `{E}`/`{e}`; by default all of them, numbered globally (unsharded formats).
+    `layers` gives (global, local) layer numbers for the `{L}`/`{l}` templates, `experts` (global, local)
+    expert numbers for `{E}`/`{e}` and `mtp` (global, local) MTP module numbers for `{M}`/`{m}`; by default all
+    of them, numbered globally (unsharded formats), the MTP modules going with the head.
     """
     names = set(expected_shapes(config) if ir_names is None else ir_names)
     layers = [(L, L) for L in range(config.num_layers)] if layers is None else list(layers)
     experts = [(E, E) for E in range(config.num_experts or 0)] if experts is None else list(experts)
+    mtp = [(M, M) for M in range(config.mtp_layers if head else 0)] if mtp is None else list(mtp)
     rows: list[Row] = []
 
     def add(rules: Iterable[Rule], kind: LayerKind | None = None, **index: int) -> None:
@@ -48,19 +50,30 @@ def expand(table: Table, config: ModelConfig, *, layers: Iterable[tuple[int, int
             key, ir = rule.keys(**index)
             rows.append(Row(key, ir, rule))
 
+    def add_layer(layer: tuple[Rule, ...], expert: tuple[Rule, ...], expert_stack: tuple[Rule, ...],
+                  **index: int) -> None:
+        L = index["L"]
+        moe = config.is_moe_layer(L)
+        add(layer, "moe" if moe else "dense", **index)
+        for E, e in experts if moe else ():
+            add(expert, "moe", E=E, e=e, **index)
+        for rule in expert_stack if experts and moe else ():
+            ir = tuple(n.format(E=E, e=e, **index) for E, e in experts for n in rule.ir)
+            if all(n in names for n in ir):
+                rows.append(Row(rule.key.format(**index), ir, rule))
+
     if embedding:
         add(table.embedding)
     for L, l in layers:
-        moe = config.is_moe_layer(L)
-        add(table.layer, "moe" if moe else "dense", L=L, l=l)
-        for E, e in experts if moe else ():
-            add(table.expert, "moe", L=L, l=l, E=E, e=e)
-        for rule in table.expert_stack if experts and moe else ():
-            ir = tuple(n.format(L=L, l=l, E=E, e=e) for E, e in experts for n in rule.ir)
-            if all(n in names for n in ir):
-                rows.append(Row(rule.key.format(L=L, l=l), ir, rule))
+        add_layer(table.layer, table.expert, table.expert_stack, L=L, l=l)
     if head:
         add(table.head)
+    for M, m in mtp:
+        index = dict(L=config.num_layers + M, l=m, M=M, m=m)
+        add(table.mtp, **index)
+        add_layer(table.layer if table.mtp_layer is None else table.mtp_layer,
+                  table.expert if table.mtp_expert is None else table.mtp_expert,
+                  table.expert_stack if table.mtp_expert_stack is None else table.mtp_expert_stack, **index)
     return rows
 
 
@@ -157,7 +170,9 @@ def check_plan(ir_names: Iterable[str], plans: Sequence[tuple[str, list[Row]]], 
     dropped = [n for n in ir_names if n not in owners]
     twice = [f"{n} (in {', '.join(parts)})" for n, parts in owners.items() if ".moe.experts." in n and len(parts) > 1]
     if dropped or twice:
-        parts = [f"would drop {format_names(dropped)}" if dropped else "",
+        hint = " (multi-token-prediction modules: pass --skip-mtp to leave them out)" \
+            if any(n.startswith("mtp.") for n in dropped) else ""
+        parts = [f"would drop {format_names(dropped)}{hint}" if dropped else "",
                  f"would write experts more than once: {format_names(twice, 4)}" if twice else ""]
         raise ConvertError(f"{where}: refusing to write: the layout " + "; ".join(p for p in parts if p))
 
@@ -169,7 +184,7 @@ def take_copies(source: dict[str, Sequence[LazyTensor]], pattern: str) -> list[l
 
 
 def verify_copies(tensors: dict[str, LazyTensor], name: str, copies: list[list[LazyTensor]], rule: Rule,
-                  ctx: Ctx) -> None:
+                  ctx: Ctx, kept_for: str = "the tied output layer") -> None:
     """Make reading IR tensor `name` also check that each stored copy of it (e.g. the last pipeline stage's
     output layer when embeddings are tied) holds the same values, instead of silently ignoring the copies."""
     if not copies:
@@ -181,7 +196,7 @@ def verify_copies(tensors: dict[str, LazyTensor], name: str, copies: list[list[L
         for pieces in copies:
             copy = rule.backward([p.load() for p in pieces], ctx)[0]
             if copy.shape != value.shape or not torch.equal(copy, value):
-                raise ConvertError(f"{pieces[0].origin}: this copy of {name} (kept for the tied output layer) "
+                raise ConvertError(f"{pieces[0].origin}: this copy of {name} (kept for {kept_for}) "
                                    f"differs from {base.origin}; the checkpoint is inconsistent")
         return value
 

@@ -209,3 +209,21 @@ class Table:
     # expert in order, so the join receives [a_0, b_0, a_1, b_1, …] (see mconvert.expert_shards).
     expert_stack: tuple[Rule, ...] = ()
     head: tuple[Rule, ...] = ()
+    # Multi-token-prediction modules, after the head ({M} / {m}: global / local module number): their own
+    # tensors, then their transformer layer (IR layer num_layers + M, also `{L}`) by these rules, or by the
+    # `layer`/`expert`/`expert_stack` rules when None (a format numbering it as a layer, as Hugging Face does).
+    mtp: tuple[Rule, ...] = ()
+    mtp_layer: tuple[Rule, ...] | None = None
+    mtp_expert: tuple[Rule, ...] | None = None
+    mtp_expert_stack: tuple[Rule, ...] | None = None
+
+
+def moved(rules: tuple[Rule, ...], prefix: str, new_prefix: str) -> tuple[Rule, ...]:
+    """The same rules for keys under another prefix (an MTP module's transformer layer is a layer stored
+    elsewhere): derived by code, so the two can never disagree."""
+    out = []
+    for rule in rules:
+        if not rule.key.startswith(prefix):
+            raise ValueError(f"rule {rule.key} is not under {prefix}")
+        out.append(Rule(new_prefix + rule.key[len(prefix):], rule.ir, rule.join, rule.shard, rule.only))
+    return tuple(out)

@@ -202,3 +202,28 @@ def from_grouped_gemm_fc2(weight2: Tensor, n: int) -> Tensor:
     if weight2.shape[0] % n:
         raise ConvertError(f"grouped weight2 {list(weight2.shape)} does not hold {n} experts")
     return weight2.reshape(n, -1, weight2.shape[1]).transpose(1, 2).contiguous()
+
+
+def rope_rows_to_half(weight: Tensor, num_heads: int, rope_dim: int) -> Tensor:
+    """Per head, the last `rope_dim` rows from interleaved pairs to the half split (`interleaved_to_half_rope`);
+    the rows before them are kept. MLA's query heads are [no-position rows | rotary rows], its kv down-projection
+    one "head" of [latent rows | rotary rows]:
+
+        head: [n_0 … n_{k-1} | r0 r1 r2 r3 …]  ->  [n_0 … n_{k-1} | r0 r2 … r1 r3 …]
+    """
+    return _map_rope_rows(weight, num_heads, rope_dim, interleaved_to_half_rope)
+
+
+def rope_rows_to_interleaved(weight: Tensor, num_heads: int, rope_dim: int) -> Tensor:
+    """Inverse of `rope_rows_to_half`."""
+    return _map_rope_rows(weight, num_heads, rope_dim, half_to_interleaved_rope)
+
+
+def _map_rope_rows(weight: Tensor, num_heads: int, rope_dim: int, permute) -> Tensor:
+    rows, *rest = weight.shape
+    if rows % num_heads or rows // num_heads < rope_dim or rope_dim % 2:
+        raise ConvertError(f"{rows} rows do not hold {num_heads} heads ending in {rope_dim} rotary rows each")
+    heads = weight.reshape(num_heads, rows // num_heads, *rest)
+    keep, rope = heads[:, :rows // num_heads - rope_dim], heads[:, rows // num_heads - rope_dim:]
+    rope = permute(rope.reshape(num_heads * rope_dim, *rest), num_heads).reshape(num_heads, rope_dim, *rest)
+    return cat([keep, rope], dim=1).reshape(rows, *rest)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from mconvert.savers import megatron_files
 from mconvert.savers.core_dcp import save_dcp
-from mconvert.savers.core_dist import save_dist
+from mconvert.savers.core_dist import check_model, save_dist
 
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
@@ -21,7 +21,7 @@ from mconvert.options import LAYOUT_OPTIONS, Options
 from mconvert.progress import Progress
 from mconvert.registry import register_saver
 from mconvert.rules import Ctx
-from mconvert.schemas import core, core_dcp, rank_plan
+from mconvert.schemas import core, core_dcp, core_deepseek, rank_plan
 from mconvert.transforms import padded_vocab_size
 
 
@@ -37,7 +37,7 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if options.ckpt_format != "torch":
         return save_dist(ir, out, options, progress)
     c, layout = ir.config, options.layout
-    layout.check_model(c)
+    check_model(c, options)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
     iteration = megatron_files.iteration(ir, options)
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
@@ -54,9 +54,9 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
 def plan(ir: ModelIR, options: Options) -> list[rank_plan.Part]:
     """What each rank file holds, for this model in the saver's layout, implementation and expert layout."""
     layout = options.layout
-    return rank_plan.plan(core.table(options.transformer_impl, options.expert_layout), ir.config,
+    return rank_plan.plan(core.table(options.transformer_impl, options.expert_layout, ir.config.is_mla), ir.config,
                           layout.chunks(ir.config.num_layers), ep=layout.ep, entry_names=rank_plan.entries(layout.vpp),
-                          tied_copy=core.TIED_OUTPUT)
+                          tied_copy=core.TIED_OUTPUT, embed_copy=core.MTP_EMBEDDING)
 
 
 def check_expert_layout(ir: ModelIR, options: Options) -> None:
@@ -78,15 +78,22 @@ def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = No
     value = torch.empty(0, dtype=torch.uint8) if te else None
     out = {}
     for l, L in enumerate(chunk.layers):
-        moe = config is not None and config.is_moe_layer(L)
-        modules = core.extra_state_modules(
-            options.transformer_impl, expert_layout=options.expert_layout if moe else None,
-            local_experts=config.num_experts // options.layout.ep if moe else 0,
-            qk_norm=config is not None and config.qk_norm)
-        for module in modules:
+        for module in _layer_extra_states(L, options, config):
             out[f"{module.format(l=l)}._extra_state"] = value
     if chunk.has_head:
         if te:
             out["decoder.final_layernorm._extra_state"] = value
         out["output_layer._extra_state"] = None  # Megatron's ColumnParallelLinear, under either spec
+        for m in range(config.mtp_layers if config is not None else 0):  # the MTP modules go with the head
+            prefix = f"mtp.layers.{m}."
+            out |= {f"{prefix}{module}._extra_state": value for module in
+                    core_deepseek.mtp_extra_states(options.transformer_impl)}
+            out |= {f"{module.replace(core_deepseek.LAYER_PREFIX, core_deepseek.MTP_LAYER_PREFIX).format(m=m)}"
+                    "._extra_state": value for module in _layer_extra_states(config.num_layers + m, options, config)}
     return out
+
+
+def _layer_extra_states(layer: int, options: Options, config: ModelConfig | None) -> tuple[str, ...]:
+    moe = config is not None and config.is_moe_layer(layer)
+    return core.extra_state_modules(options.transformer_impl, expert_layout=options.expert_layout if moe else None,
+                                    local_experts=config.num_experts // options.layout.ep if moe else 0, config=config)

@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 from mconvert.formats.dcp_writer import DcpWriter
 from mconvert.savers import megatron_files
+from mconvert.savers.core_dist import check_model
 
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelIR
+from mconvert.mapping import check_plan
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.rules import Ctx
@@ -32,7 +34,11 @@ def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> No
     if c.is_moe and options.expert_layout not in core_dcp.EXPERT_LAYOUTS:
         raise ConvertError(f"--ckpt-format {fmt} holds {' or '.join(core_dcp.EXPERT_LAYOUTS)} experts, not "
                            f"--expert-layout {options.expert_layout}")
-    layout.check_model(c)
+    if c.mtp_layers:
+        raise ConvertError(f"--ckpt-format {fmt}: the model has {c.mtp_layers} multi-token-prediction module(s), "
+                           "which this format is not checked to hold; use --ckpt-format torch_dist or torch, or "
+                           "--skip-mtp to leave them out")
+    check_model(c, options)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
     iteration = megatron_files.iteration(ir, options)
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
@@ -44,6 +50,7 @@ def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> No
     prefix = core_dcp.WRITE_PREFIX[fmt]
     rows = core_dcp.rows(c, options.transformer_impl, options.expert_layout, split_swiglu=fmt == "fsdp_dtensor",
                          prefix=prefix)
+    check_plan(ir.tensors, [(fmt, rows)], where=f"saver core (--ckpt-format {fmt})")
     writer = DcpWriter(it_dir)
     try:
         with progress.task(f"{it_dir.name} ({fmt})", ir.nbytes) as advance:

@@ -19,12 +19,13 @@ from mconvert.savers import megatron_files
 from mconvert import workers
 from mconvert.blocks import as_blocks, reshape
 from mconvert.errors import ConvertError
-from mconvert.ir import ModelIR
+from mconvert.ir import ModelConfig, ModelIR
+from mconvert.mapping import check_plan
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.row_plan import RowPlanner
 from mconvert.rules import Ctx
-from mconvert.schemas import core, core_dist
+from mconvert.schemas import core, core_deepseek, core_dist
 from mconvert.transforms import padded_vocab_size
 from mconvert.workers import Job
 
@@ -34,7 +35,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     if layout.pp > 1 or layout.vpp > 1 or layout.ep > 1:
         raise ConvertError(f"--ckpt-format {backend} checkpoints do not depend on the pipeline or expert layout; "
                            "drop --pp/--vpp/--ep (Megatron reshards them when it loads)")
-    layout.check_model(c)
+    check_model(c, options)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
     iteration = megatron_files.iteration(ir, options)
     args = core.args_from_config(c, layout, padded_vocab_size=padded,
@@ -43,10 +44,11 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
                                  expert_layout=options.expert_layout,
                                  tokenizer_model=megatron_files.tokenizer_model(ir, out, options, iteration))
     it_dir = out / core.iteration_dir(iteration)
+    placements = core_dist.placements(c, options.transformer_impl)
+    check_plan(ir.tensors, [(backend, [placed.row for placed in placements])], where=f"saver core ({backend})")
     it_dir.mkdir(parents=True, exist_ok=True)  # under torchrun every rank prepares the same directory
     planner = RowPlanner(Ctx(c, padded))
-    items = [item for placed in core_dist.placements(c, options.transformer_impl)
-             for item in _blocks(ir, placed, planner)]
+    items = [item for placed in placements for item in _blocks(ir, placed, planner)]
     extra_state = [torch.empty(0, dtype=torch.uint8)] if options.transformer_impl == "te" else [None]
     extra_keys = core_dist.extra_states(c, options.transformer_impl)  # TE >= 2.5: an empty byte tensor without FP8
     common = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration,
@@ -68,6 +70,17 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
         jobs = [Job(f"{it_dir.name} ({backend})", ir.nbytes,
                     lambda advance: _write_zarr(it_dir, items, dict.fromkeys(extra_keys, extra_state), advance))]
     workers.run(jobs, workers=options.workers, progress=progress, finish=finish)
+
+
+def check_model(c: ModelConfig, options: Options) -> None:
+    """Refuse, before writing, a model this layout or implementation cannot hold."""
+    problems = core_deepseek.saver_problems(c, options.layout.tp, options.transformer_impl)
+    if c.mtp_layers and c.tie_embeddings and options.layout.pp > 1 and options.ckpt_format == "torch":
+        problems.append("multi-token prediction with tied embeddings over pipeline stages (which copy Megatron keeps "
+                        "on the last stage is not settled here): use --pp 1 or --ckpt-format torch_dist")
+    if problems:
+        raise ConvertError("saver core: " + "; ".join(problems))
+    options.layout.check_model(c)
 
 
 def _blocks(ir: ModelIR, placed: core_dist.Placed, planner: RowPlanner) -> list[dcp_writer.Item]:

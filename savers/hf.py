@@ -20,13 +20,17 @@ SAVERS = {
     "gpt2": "gpt2_hf",
     "mixtral": "mixtral_hf",
     "qwen2": "qwen_hf", "qwen3": "qwen_hf", "qwen3_moe": "qwen_hf",
+    "deepseek_v3": "deepseek_hf",
+    "deepseek_v2": "deepseek_hf",
 }
 
 
-@register_saver("hf", aliases=("huggingface",), options=("max_shard_size", "tokenizer"))
+@register_saver("hf", aliases=("huggingface",), options=("max_shard_size", "tokenizer", "fp8_weights"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Hugging Face directory in the model family's own format (llama_mistral, gpt2_hf, ...)."""
     family = ir.config.family
     if family not in SAVERS:
         raise ConvertError(f"the hf saver cannot write a {family} model yet; it writes {', '.join(sorted(SAVERS))}")
+    if options.fp8_weights and "fp8_weights" not in get_saver(SAVERS[family]).options:
+        raise ConvertError(f"--fp8-weights: the {SAVERS[family]} saver writes no FP8 weights (deepseek_hf does)")
     get_saver(SAVERS[family]).func(ir, out, options, progress)

@@ -69,7 +69,7 @@ def tokenizer_model(ir: ModelIR, out: Path, options: Options, iteration_number: 
 
 
 def _rows(part: Part) -> tuple[Row, ...]:
-    return part.rows + ((part.tied_copy,) if part.tied_copy else ())
+    return part.rows + part.copies
 
 
 def write_checkpoint(ir: ModelIR, out: Path, options: Options, progress: Progress, *, ctx: Ctx, parts: list[Part],

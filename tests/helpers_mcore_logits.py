@@ -3,13 +3,20 @@ weights strictly and computes logits, which a test compares with another impleme
 
     python tests/helpers_mcore_logits.py CORE_DIR TOKENS_PT OUT_PT
 
-CORE_DIR: a TP1 PP1 EP1 `torch`-format checkpoint with the local spec (sequential or legacy grouped experts), or a
-`torch_dist` checkpoint, which megatron-core's own dist_checkpointing reads into the model's sharded state dict.
-Layers follow the args: dense and expert layers (moe_layer_freq), router options (pre-softmax), per-head q/k
-norms (qk_layernorm), biases on q/k/v alone (add_qkv_bias), the sliding window and the layers it skips
-(window_size, window_attn_skip_freq), head_dim (kv_channels). The model is
-built with megatron-core's own decoder block spec, so what Megatron makes of our args is what is checked. Saves
-the logits (vocabulary padding stripped) to OUT_PT and prints one line about the load.
+CORE_DIR: a TP1 PP1 EP1 `torch`-format checkpoint with the local spec (sequential or legacy grouped experts), or
+a `torch_dist` checkpoint, which megatron-core's own dist_checkpointing reads into the model's sharded state dict
+(after checking that the checkpoint holds exactly the keys the model asks for). Layers follow the args: dense and
+expert layers (moe_layer_freq), router options (pre-softmax; sigmoid scores, expert bias, groups, scaling), shared
+experts, per-head q/k norms (qk_layernorm), biases on q/k/v alone (add_qkv_bias), the sliding window and the
+layers it skips (window_size, window_attn_skip_freq), head_dim (kv_channels), multi-latent attention with YaRN,
+MTP modules. The model is built with megatron-core's own decoder block spec, so what Megatron makes of our args is
+what is checked. Saves the logits (vocabulary padding stripped) to OUT_PT, with MTP modules also OUT_PT's `_mtp`
+sibling ([modules, batch, seq, vocab]: module i's logits for the tokens i+1 further on), and prints one line about
+the load.
+
+CPU stand-ins beyond helpers_mcore_moe's: megatron-core's local DotProductAttention takes no separate key and
+value head sizes, so MLA layers get the plain definition of causal attention with MLA's softmax scale (what TE's
+fused kernel computes); MLA's TE-only fp8 branch is switched off.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +33,21 @@ from mconvert.formats.torch_pickle import safe_load
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers_mcore_moe import megatron_on_cpu  # noqa: E402
 
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+              "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
+              "beta_slow")
+ROUTING_FIELDS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+                  "moe_router_num_groups", "moe_router_group_topk", "moe_shared_expert_intermediate_size",
+                  "moe_router_dtype")
+
 
 def transformer_config(args):
-    """Megatron's TransformerConfig from the args we write (the fields mconvert's core saver sets)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """Megatron's TransformerConfig (MLATransformerConfig for MLA) from the args we write (the fields mconvert's
+    core saver sets)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     moe = bool(args.num_experts)
-    return TransformerConfig(
+    fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
         normalization=args.normalization, layernorm_epsilon=args.layernorm_epsilon,
@@ -46,10 +62,17 @@ def transformer_config(args):
         moe_router_load_balancing_type="none", hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, perform_initialization=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, moe_permute_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False)
+        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
+        mtp_num_layers=getattr(args, "mtp_num_layers", None))
+    if moe:
+        fields |= {k: getattr(args, k) for k in ROUTING_FIELDS if getattr(args, k, None) is not None}
+    if getattr(args, "multi_latent_attention", False):
+        return MLATransformerConfig(**fields, rotary_base=args.rotary_base, **{k: getattr(args, k) for k in MLA_FIELDS
+                                                                               if hasattr(args, k)})
+    return TransformerConfig(**fields)
 
 
-def check_dist_keys(sharded_state_dict, it_dir: str) -> None:
+def check_dist_keys(sharded_state_dict, it_dir: Path) -> None:
     """The checkpoint holds exactly the tensors and objects megatron-core's model asks for, under its keys (a
     torch_dist load alone ignores keys nobody asks for)."""
     from mconvert.formats.dcp import DcpReader
@@ -58,47 +81,88 @@ def check_dist_keys(sharded_state_dict, it_dir: str) -> None:
 
     apply_factories(sharded_state_dict)
     want = {v.unique_key if isinstance(v, ShardedObject) else v.key for v in nested_values(sharded_state_dict)}
-    store = DcpReader(it_dir)
+    store = DcpReader(str(it_dir))
     have = set(store.tensors) | {k for k in store.bytes_items if not k.startswith("common_state")}
     assert have == want, f"only in the checkpoint: {sorted(have - want)}; only in megatron-core: {sorted(want - have)}"
     print(f"torch_dist keys: the {len(want)} megatron-core asks for", flush=True)
 
 
-def main(core_dir: str, tokens_file: str, out_file: str) -> None:
-    megatron_on_cpu()
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+class PlainCoreAttention(torch.nn.Module):
+    """softmax(q k^T * softmax_scale + causal mask) v on [s, b, heads, d] tensors, out [s, b, heads*dv]."""
 
-    it_dir = os.path.join(core_dir, "iter_0000001")
-    dist = os.path.isfile(os.path.join(it_dir, "metadata.json"))
-    state = safe_load(os.path.join(it_dir, "common.pt" if dist else "mp_rank_00/model_optim_rng.pt"))
-    args = state["args"]
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, k_channels=None,
+                 v_channels=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, packed_seq_params=None, **kwargs):
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # (b, heads, s, d)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+def build(args):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer import multi_latent_attention
+
     config = transformer_config(args)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
+    if getattr(args, "multi_latent_attention", False):
+        multi_latent_attention.HAVE_TE = False  # its fp8 branch compares against TE classes that are not installed
+        for layer_spec in spec.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = PlainCoreAttention
+    mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False) \
+        if config.mtp_num_layers else None
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
-                     rotary_base=args.rotary_base,
+                     rotary_base=args.rotary_base, mtp_block_spec=mtp,
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
-    for layer in model.decoder.layers:  # GroupedMLP.forward asserts bf16, which it does not otherwise need
+    layers = list(model.decoder.layers) + ([m.transformer_layer for m in model.mtp.layers] if mtp else [])
+    for layer in layers:  # GroupedMLP.forward asserts bf16, which it does not otherwise need
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None:
             experts.config = copy.copy(config)
             experts.config.bf16 = True
-    if dist:
+    return model
+
+
+def load_state(model, it_dir: Path):
+    """(state dict, format) of a torch checkpoint, or of a torch_dist one as Megatron's dist_checkpointing loads it."""
+    if (it_dir / "metadata.json").is_file():
         from megatron.core import dist_checkpointing
 
         check_dist_keys(model.sharded_state_dict(), it_dir)
-        loaded = dist_checkpointing.load(model.sharded_state_dict(), it_dir)  # raises on any key it cannot find
-        state["model"] = {k: v for k, v in loaded.items() if k in model.state_dict()}
-    result = model.load_state_dict(dict(state["model"]), strict=True)  # raises on any missing or extra key
+        loaded = dist_checkpointing.load(model.sharded_state_dict(), str(it_dir))  # raises on a key it cannot find
+        return {k: v for k, v in loaded.items() if k in model.state_dict()}, "torch_dist"
+    return dict(safe_load(it_dir / "mp_rank_00" / "model_optim_rng.pt")["model"]), "torch"
+
+
+def main(core_dir: str, tokens_file: str, out_file: str) -> None:
+    megatron_on_cpu()
+    it_dir = Path(core_dir) / "iter_0000001"
+    common = it_dir / ("common.pt" if (it_dir / "metadata.json").is_file() else "mp_rank_00/model_optim_rng.pt")
+    args = safe_load(common)["args"]
+    model = build(args)
+    state, kind = load_state(model, it_dir)
+    result = model.load_state_dict(state, strict=True)  # raises on any missing or extra key
     kinds = ["moe" if hasattr(layer.mlp, "router") else "dense" for layer in model.decoder.layers]
-    print(f"layers {kinds}, strict load: {result}", flush=True)
+    mtp_layers = getattr(args, "mtp_num_layers", None)
+    mtp = f", {len(model.mtp.layers)} MTP" if mtp_layers else ""
+    print(f"{kind}, layers {kinds}{mtp}, strict load: {result}", flush=True)
     tokens = torch.load(tokens_file, weights_only=True)
     positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
     causal = torch.triu(torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool), 1)[None, None]
+    # The output layer runs for each MTP module, then for the model; copied at once, as the loss Megatron computes
+    # with MTP (which needs labels) overwrites the logits in place.
+    outputs: list[torch.Tensor] = []
+    model.output_layer.register_forward_hook(lambda m, i, out: outputs.append(out[0].transpose(0, 1).clone()))
     with torch.no_grad():
-        logits = model.eval()(tokens, positions, causal)[..., :args.vocab_size]
-    torch.save(logits, out_file)
+        model.eval()(tokens, positions, causal, labels=tokens if mtp_layers else None)
+    logits = [o[..., :args.vocab_size] for o in outputs]
+    torch.save(logits[-1], out_file)
+    if mtp_layers:
+        torch.save(torch.stack(logits[:-1]), out_file.removesuffix(".pt") + "_mtp.pt")
 
 
 if __name__ == "__main__":

@@ -151,7 +151,8 @@ def test_failed_conversion_keeps_the_old_output(llama_dir, tmp_path, monkeypatch
 def test_unknown_plugin_lists_the_valid_ones(llama_dir, tmp_path):
     out = run_cli("--loader", "nope", "--saver", "core", "--load-dir", llama_dir, "--save-dir", tmp_path / "o",
                   expect_error=True)
-    assert "unknown loader 'nope'; valid loaders: core, gpt2_hf, hf, legacy, llama_mistral, mixtral_hf" in out
+    assert "unknown loader 'nope'; valid loaders: core, deepseek_hf, gpt2_hf, hf, legacy, llama_mistral, " \
+           "mixtral_hf" in out
 
 
 def test_option_that_does_not_apply(llama_dir, tmp_path):
@@ -199,8 +200,8 @@ def test_mtrain_checkpoint_with_unsafe_metadata(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("setting,value", [("apply_layernorm_1p", True), ("moe_router_score_function", "sigmoid"),
-                                           ("position_embedding_type", "yarn"), ("rotary_interleaved", True)])
+@pytest.mark.parametrize("setting,value", [("apply_layernorm_1p", True), ("rotary_interleaved", True),
+                                           ("position_embedding_type", "yarn"), ("moe_shared_expert_gate", True)])
 def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_path):
     """A Megatron model that computes something else is refused by name, not converted into a different model."""
     convert(mixtral_dir, tmp_path / "core")

@@ -280,3 +280,22 @@ def test_fused_qkv_rows_are_copied_from_their_own_offsets(tmp_path):
     finally:
         block_writer.SPAN_MIN = old
     assert data == b"".join(_raw(t) for t in expected) and copied == len(data) and written == 0
+
+
+def test_dequantized_fp8_weights_are_never_copied_from_the_file(tmp_path):
+    """DeepSeek's FP8 weights are dequantized when read: new bytes, no provenance, written from memory, while the
+    bf16 tensors beside them still go file to file."""
+    from mconvert import fp8
+
+    w = torch.randn(256, 256)
+    q, s = fp8.quantize(w)
+    norm = torch.randn(1024, 512).to(torch.bfloat16)
+    save_file({"x.weight": q, "x.weight" + fp8.SCALE_SUFFIX: s, "norm.weight": norm}, tmp_path / "model.safetensors")
+    source, count = fp8.dequantized(hf_dir.open_weights(tmp_path))
+    assert count == 1 and set(source) == {"x.weight", "norm.weight"}
+    weight, kept = source["x.weight"].load_blocks(), source["norm.weight"].load_blocks()
+    assert weight.source(0) is None and kept.source(0) is not None
+    (tmp_path / "out").mkdir()
+    data, copied, written = _send(tmp_path / "out", weight, kept)
+    assert data == _raw(fp8.dequantize(q, s)) + _raw(norm)
+    assert copied == norm.nbytes and written == weight.nbytes

@@ -73,3 +73,36 @@ def test_shapes_follow_the_config():
 def test_config_json_round_trip():
     config = ModelConfig(family="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0}, **BASE)
     assert ModelConfig.from_json(config.to_json()) == config
+
+
+def test_deepseek_names():
+    """MLA with a query LoRA, a dense layer then an MoE layer with a score bias and shared experts, one MTP module
+    whose transformer layer is layer num_layers + 0."""
+    got = names(family="deepseek_v3", num_layers=2, head_dim=6, num_query_groups=2, num_experts=2, moe_top_k=1,
+                dense_layers=(0,), q_lora_rank=3, kv_lora_rank=4, qk_rope_head_dim=2, v_head_dim=5,
+                moe_shared_expert_ffn_hidden_size=8, moe_router_score="sigmoid", moe_router_expert_bias=True,
+                mtp_layers=1)
+    mla = ["attn_norm.weight", "attn.q_down.weight", "attn.q_norm.weight", "attn.q_up.weight", "attn.kv_down.weight",
+           "attn.kv_norm.weight", "attn.kv_up.weight", "attn.o.weight", "mlp_norm.weight"]
+    moe = ["moe.router.weight", "moe.router.expert_bias",
+           *(f"moe.experts.{e}.{p}.weight" for e in range(2) for p in ("gate", "up", "down")),
+           "moe.shared.gate.weight", "moe.shared.up.weight", "moe.shared.down.weight"]
+    assert got == [
+        "embed.weight",
+        *(f"layers.0.{n}" for n in mla), "layers.0.mlp.gate.weight", "layers.0.mlp.up.weight",
+        "layers.0.mlp.down.weight",
+        *(f"layers.1.{n}" for n in mla + moe),
+        "final_norm.weight", "lm_head.weight",
+        "mtp.0.enorm.weight", "mtp.0.hnorm.weight", "mtp.0.eh_proj.weight", "mtp.0.final_norm.weight",
+        *(f"layers.2.{n}" for n in mla + moe),
+    ]
+    without_lora = names(family="deepseek_v3", head_dim=6, num_query_groups=2, kv_lora_rank=4, qk_rope_head_dim=2,
+                         v_head_dim=5)
+    assert [n for n in without_lora if ".attn." in n] == ["layers.0.attn.q.weight", "layers.0.attn.kv_down.weight",
+                                                          "layers.0.attn.kv_norm.weight", "layers.0.attn.kv_up.weight",
+                                                          "layers.0.attn.o.weight"]
+    shapes = expected_shapes(ModelConfig(**(BASE | dict(family="deepseek_v3", head_dim=6, num_query_groups=2,
+                                                        kv_lora_rank=4, qk_rope_head_dim=2, v_head_dim=5))))
+    assert (shapes["layers.0.attn.q.weight"], shapes["layers.0.attn.kv_down.weight"],
+            shapes["layers.0.attn.kv_up.weight"], shapes["layers.0.attn.o.weight"]) == \
+        ((12, 8), (6, 8), (18, 4), (8, 10))

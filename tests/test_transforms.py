@@ -83,3 +83,15 @@ def test_replicated_pieces_must_agree():
 def test_transpose_is_its_own_inverse():
     w = torch.randn(3, 7)
     assert torch.equal(transforms.transpose(transforms.transpose(w)), w)
+
+
+def test_mla_rotary_rows_permute_only_the_rotary_part_of_each_head():
+    # two heads of [2 rows without positions | 4 rotary rows]: per head [n0 n1 r0 r1 r2 r3] -> [n0 n1 r0 r2 r1 r3]
+    w = torch.arange(12.).reshape(12, 1)
+    half = transforms.rope_rows_to_half(w, num_heads=2, rope_dim=4)
+    assert half.flatten().tolist() == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]
+    assert torch.equal(transforms.rope_rows_to_interleaved(half, 2, 4), w)
+    w = torch.randn(3 * 40, 7)
+    assert torch.equal(transforms.rope_rows_to_interleaved(transforms.rope_rows_to_half(w, 3, 8), 3, 8), w)
+    with pytest.raises(ConvertError, match="12 rows do not hold 2 heads ending in 7 rotary rows each"):
+        transforms.rope_rows_to_half(torch.zeros(12, 1), 2, 7)

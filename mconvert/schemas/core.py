@@ -27,8 +27,8 @@ from mconvert.formats.hf_dir import tokenizer_vocab_size
 from mconvert.ir import ModelConfig
 from mconvert.layout import ParallelLayout
 from mconvert.options import ExpertLayout
-from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, QKV, REPLICATE, ROW, VOCAB, Rule, Table, linear, norm
-from mconvert.schemas import core_moe
+from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, QKV, REPLICATE, ROW, VOCAB, Rule, Table, linear, moved, norm
+from mconvert.schemas import core_deepseek, core_moe
 
 Impl = Literal["local", "te"]
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -69,58 +69,79 @@ MLP = (  # gated fc1 first: it wins when the model has a gate (see rules.active)
     *linear("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp.up", shard=COLUMN),
     *linear("decoder.layers.{l}.mlp.linear_fc2", "layers.{L}.mlp.down", shard=ROW, bias_shard=REPLICATE),
     core_moe.ROUTER,
+    core_moe.ROUTER_BIAS,
+    *core_moe.SHARED_EXPERTS,
 )
+_PRE_MLP = {
+    "local": norm("decoder.layers.{l}.pre_mlp_layernorm", "layers.{L}.mlp_norm"),
+    # Transformer Engine fuses it into fc1, except in MoE layers (no fc1 there).
+    "te": (*norm("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp_norm", fused=True, only="dense"),
+           *norm("decoder.layers.{l}.pre_mlp_layernorm", "layers.{L}.mlp_norm", only="moe")),
+}
 _LAYERS = {
     # Local spec: each norm is a module of its own.
-    "local": (
-        *norm("decoder.layers.{l}.input_layernorm", "layers.{L}.attn_norm"),
-        *ATTENTION,
-        *norm("decoder.layers.{l}.pre_mlp_layernorm", "layers.{L}.mlp_norm"),
-        *MLP,
-    ),
-    # Transformer Engine: norms fused into the next linear, except the pre-MLP norm of MoE layers (no fc1 there).
-    "te": (
-        *norm("decoder.layers.{l}.self_attention.linear_qkv", "layers.{L}.attn_norm", fused=True),
-        *ATTENTION,
-        *norm("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp_norm", fused=True, only="dense"),
-        *norm("decoder.layers.{l}.pre_mlp_layernorm", "layers.{L}.mlp_norm", only="moe"),
-        *MLP,
-    ),
+    "local": (*norm("decoder.layers.{l}.input_layernorm", "layers.{L}.attn_norm"), *ATTENTION, *_PRE_MLP["local"],
+              *MLP),
+    # Transformer Engine: norms fused into the next linear.
+    "te": (*norm("decoder.layers.{l}.self_attention.linear_qkv", "layers.{L}.attn_norm", fused=True), *ATTENTION,
+           *_PRE_MLP["te"], *MLP),
 }
+# Multi-latent attention (DeepSeek, see core_deepseek): its input norm is a module of its own under both specs.
+_MLA_LAYERS = {impl: (*core_deepseek.ATTENTION[impl], *_PRE_MLP[impl], *MLP) for impl in _PRE_MLP}
 HEAD = (
     *norm("decoder.final_layernorm", "final_norm"),
     Rule("output_layer.weight", ("lm_head.weight",), VOCAB, COLUMN),
 )
-# One table per (transformer implementation, expert layout); dense models use the sequential one (no experts).
-TABLES: dict[tuple[str, str], Table] = {
-    (impl, experts): Table(embedding=EMBEDDING, layer=_LAYERS[impl], expert=core_moe.EXPERTS[experts][0],
-                           expert_stack=core_moe.EXPERTS[experts][1], head=HEAD)
-    for impl in _LAYERS for experts in core_moe.EXPERTS
+
+
+def _table(layer: tuple[Rule, ...], experts: ExpertLayout) -> Table:
+    """The table of one layer kind and expert layout; an MTP module's transformer layer is the same layer stored
+    under `mtp.layers.{m}.transformer_layer.`."""
+    expert, stack = core_moe.EXPERTS[experts]
+    prefixes = core_deepseek.LAYER_PREFIX, core_deepseek.MTP_LAYER_PREFIX
+    return Table(embedding=EMBEDDING, layer=layer, expert=expert, expert_stack=stack, head=HEAD, mtp=core_deepseek.MTP,
+                 mtp_layer=moved(layer, *prefixes), mtp_expert=moved(expert, *prefixes),
+                 mtp_expert_stack=moved(stack, *prefixes))
+
+
+# One table per (transformer implementation, expert layout, multi-latent attention); dense models use the
+# sequential one (no experts).
+TABLES: dict[tuple[str, str, bool], Table] = {
+    (impl, experts, mla): _table((_MLA_LAYERS if mla else _LAYERS)[impl], experts)
+    for impl in _LAYERS for experts in core_moe.EXPERTS for mla in (False, True)
 }
 
 
-def table(impl: Impl, expert_layout: ExpertLayout = "sequential") -> Table:
-    """The core key table for one transformer implementation (`local` or `te`) and expert layout (see
-    mconvert.schemas.core_moe; the layout's shards read the local expert count and expert TP from the Ctx)."""
-    return TABLES[(impl, expert_layout)]
+def table(impl: Impl, expert_layout: ExpertLayout = "sequential", mla: bool = False) -> Table:
+    """The core key table for one transformer implementation (`local` or `te`), expert layout (see
+    mconvert.schemas.core_moe; the layout's shards read the local expert count and expert TP from the Ctx) and
+    attention (multi-latent or not)."""
+    return TABLES[(impl, expert_layout, mla)]
 
 
 # With tied embeddings and several pipeline stages the last stage keeps its own copy of the (padded) word
 # embeddings as output_layer.weight, kept in sync by Megatron during training.
 TIED_OUTPUT = Rule("output_layer.weight", ("embed.weight",), VOCAB, COLUMN)
+# With multi-token prediction the last stage keeps the embedding too (the MTP modules embed the next tokens).
+MTP_EMBEDDING = Rule("embedding.word_embeddings.weight", ("embed.weight",), VOCAB, COLUMN)
 
 
-def extra_state_modules(impl: Impl, *, expert_layout: ExpertLayout | None = None,
-                        local_experts: int = 0, qk_norm: bool = False) -> tuple[str, ...]:
-    """Modules (templates) that store an `_extra_state` entry in every layer (MoE layers: give the layout)."""
-    modules = ("self_attention.linear_proj", "self_attention.linear_qkv")
+def extra_state_modules(impl: Impl, *, expert_layout: ExpertLayout | None = None, local_experts: int = 0,
+                        config: ModelConfig | None = None) -> tuple[str, ...]:
+    """Modules (templates) that store an `_extra_state` entry in every layer (MoE layers: give the layout; MLA,
+    q/k norms and shared experts: give the config)."""
+    if config is not None and config.is_mla:
+        modules = core_deepseek.attention_extra_states(impl, config)
+    else:
+        modules = ("self_attention.linear_proj", "self_attention.linear_qkv")
+        if impl == "te":
+            modules = ("self_attention.core_attention", *modules)
+            if config is not None and config.qk_norm:  # TENorm modules, like MoE layers' pre_mlp_layernorm
+                modules += ("self_attention.q_layernorm", "self_attention.k_layernorm")
     if expert_layout is None:
         modules += ("mlp.linear_fc1", "mlp.linear_fc2")
-    if impl == "te":
-        modules = ("self_attention.core_attention", *modules)
-        if qk_norm:  # TENorm modules, like MoE layers' pre_mlp_layernorm
-            modules += ("self_attention.q_layernorm", "self_attention.k_layernorm")
-    moe = core_moe.extra_state_modules(expert_layout, impl, local_experts) if expert_layout else ()
+    shared = config is not None and bool(config.moe_shared_expert_ffn_hidden_size)
+    moe = core_moe.extra_state_modules(expert_layout, impl, local_experts, shared) if expert_layout else ()
     return tuple(f"decoder.layers.{{l}}.{m}" for m in modules) + moe
 
 
@@ -160,12 +181,7 @@ _SETTINGS = (
     ("apply_layernorm_1p", False, lambda v: not v),
     ("apply_residual_connection_post_layernorm", False, lambda v: not v),
     ("squared_relu", False, lambda v: not v),
-    ("moe_shared_expert_intermediate_size", True, lambda v: not v),
-    ("moe_router_enable_expert_bias", True, lambda v: not v),
-    ("moe_router_score_function", True, lambda v: v in (None, "softmax")),
-    ("moe_router_topk_scaling_factor", True, lambda v: v in (None, 1, 1.0)),
-    ("moe_router_num_groups", True, lambda v: not v),
-    ("moe_router_group_topk", True, lambda v: not v),
+    ("moe_shared_expert_gate", True, lambda v: not v),  # a sigmoid gate on the shared experts' output
 )
 
 
@@ -198,8 +214,11 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
     ffn = get("ffn_hidden_size") or 4 * hidden
     dense = _dense_layers(get("moe_layer_freq", 1), layers, where) if experts else ()
     qkv_bias_only = bool(get("add_qkv_bias", False)) and not get("add_bias_linear", True)
-    return ModelConfig(
-        family=_family(bool(experts), bool(get("qk_layernorm")), qkv_bias_only, bool(sliding_window), rope),
+    mla = bool(get("multi_latent_attention"))
+    fields = dict(
+        family=_family(moe=bool(experts), mla=mla, sigmoid=get("moe_router_score_function") == "sigmoid",
+                       qk_norm=bool(get("qk_layernorm")), qkv_bias_only=qkv_bias_only, window=bool(sliding_window),
+                       rope=rope),
         num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=int(ffn),
@@ -229,13 +248,16 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
         tie_embeddings=not get("untie_embeddings_and_output_weights", False),
         sliding_window=sliding_window,
         full_attention_layers=_full_attention_layers(get("window_attn_skip_freq"), layers, where),
-        qk_norm=bool(get("qk_layernorm")),
+        # with multi-latent attention qk_layernorm names the norms of its latents (see core_deepseek)
+        qk_norm=bool(get("qk_layernorm")) and not mla,
         num_experts=int(experts) if experts else None,
         moe_top_k=int(get("moe_router_topk", 2)) if experts else None,
         moe_aux_loss_coeff=_first(get("moe_aux_loss_coeff")) if experts else None,
         moe_jitter_eps=float(get("moe_input_jitter_eps")) if experts and get("moe_input_jitter_eps") else None,
         dtype=dtype,
     )
+    deepseek = core_deepseek.config_fields(get, heads=heads, top_k=fields["moe_top_k"], where=where)
+    return ModelConfig(**(fields | deepseek))
 
 
 # Megatron hard-codes these for --use-rope-scaling (Llama 3.1); only the factor is an argument.
@@ -243,9 +265,13 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 8192}
 
 
-def _family(moe: bool, qk_norm: bool, qkv_bias_only: bool, window: bool, rope: bool) -> str:
-    """The IR family Megatron args describe (which HF format `--saver hf` writes): Megatron's Qwen recipes use
-    `--qk-layernorm` (Qwen3, Qwen3-MoE) or `--add-qkv-bias --disable-bias-linear` (Qwen2 / 2.5)."""
+def _family(*, moe: bool, mla: bool, sigmoid: bool, qk_norm: bool, qkv_bias_only: bool, window: bool,
+            rope: bool) -> str:
+    """The IR family Megatron args describe (which HF format `--saver hf` writes): Megatron's DeepSeek recipes use
+    `--multi-latent-attention` (V3 routes with sigmoid scores, V2 with softmax), its Qwen recipes `--qk-layernorm`
+    (Qwen3, Qwen3-MoE) or `--add-qkv-bias --disable-bias-linear` (Qwen2 / 2.5)."""
+    if mla:
+        return "deepseek_v3" if sigmoid else "deepseek_v2"
     if qk_norm:
         return "qwen3_moe" if moe else "qwen3"
     if moe:
@@ -298,9 +324,9 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     names Megatron-LM has used: `layernorm_epsilon` (megatron-core's config field, the args name since 2024) and
     `norm_epsilon` (the older args name, still read by tools/checkpoint's loaders).
     """
-    if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3":
+    if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3" and not c.is_mla:
         raise ConvertError(f"Megatron supports only Llama 3 rope scaling; this model has {c.rope_scaling}")
-    if c.rope_scaling and {k: v for k, v in c.rope_scaling.items() if k != "factor"} != \
+    if c.rope_scaling and not c.is_mla and {k: v for k, v in c.rope_scaling.items() if k != "factor"} != \
             {k: v for k, v in LLAMA3_SCALING.items() if k != "factor"}:
         raise ConvertError(f"Megatron hard-codes the Llama 3 rope scaling parameters {LLAMA3_SCALING} except the "
                            f"factor; this model has {c.rope_scaling}")
@@ -360,6 +386,7 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         no_load_optim=True, no_load_rng=True, no_save_optim=True, no_save_rng=True,
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
     )
+    values |= core_deepseek.args_fields(c)
     if c.is_moe and expert_layout == "legacy_grouped":
         # Megatron-LM before March 2026 (the GroupedMLP's last version) picks it under TE only with this flag
         values["moe_use_legacy_grouped_gemm"] = True

@@ -15,7 +15,8 @@ kept (None for local modules). fsdp_dtensor (Megatron-FSDP, whose adapter saves 
 MegatronFSDP module around the model): `model.module.decoder.…`, as tools/checkpoint's torch_dist ->
 fsdp_dtensor converter writes too, with no `_extra_state` and SwiGLU's fc1 as `_w`/`_v` halves
 (mconvert.schemas.swiglu_halves). Readers take any number of `module.` wrappers. Megatron-LM requires TP=PP=1
-for torch_dcp; fsdp_dtensor stores global tensors whatever the layout.
+for torch_dcp; fsdp_dtensor stores global tensors whatever the layout. Multi-latent attention takes the `torch`
+format's names; multi-token-prediction modules are refused (their keys in these formats are unchecked).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ EXPERT_LAYOUTS = ("sequential", "grouped")
 def rows(config: ModelConfig, impl: core.Impl, expert_layout: ExpertLayout, *, split_swiglu: bool,
          prefix: str = PREFIX) -> list[Row]:
     """The model tensors, keys under `prefix` (`model.` and its wrappers), in the order of the state dict."""
-    found = expand(core.table(impl, expert_layout), config)
+    found = expand(core.table(impl, expert_layout, mla=config.is_mla), config)
     found = halves(found) if split_swiglu else found
     return [Row(prefix + r.key, r.ir, r.rule) for r in found]
 

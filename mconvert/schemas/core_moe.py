@@ -35,7 +35,7 @@ from mconvert.expert_shards import (
     STACK_GATE_UP,
 )
 from mconvert.options import ExpertLayout
-from mconvert.rules import GATE_UP, Rule
+from mconvert.rules import GATE_UP, GATED_COLUMN, ROW, Rule
 
 EXPERT_LAYOUTS: tuple[str, ...] = get_args(ExpertLayout)
 _EXPERTS = "decoder.layers.{l}.mlp.experts"
@@ -43,6 +43,13 @@ _GATE_UP = ("layers.{L}.moe.experts.{E}.gate.weight", "layers.{L}.moe.experts.{E
 _DOWN = ("layers.{L}.moe.experts.{E}.down.weight",)
 
 ROUTER = Rule("decoder.layers.{l}.mlp.router.weight", ("layers.{L}.moe.router.weight",))
+# DeepSeek: the router's expert bias (float32, replicated) and the shared experts (split over TP like a dense MLP)
+ROUTER_BIAS = Rule("decoder.layers.{l}.mlp.router.expert_bias", ("layers.{L}.moe.router.expert_bias",))
+SHARED_EXPERTS = (
+    Rule("decoder.layers.{l}.mlp.shared_experts.linear_fc1.weight",
+         ("layers.{L}.moe.shared.gate.weight", "layers.{L}.moe.shared.up.weight"), GATE_UP, GATED_COLUMN),
+    Rule("decoder.layers.{l}.mlp.shared_experts.linear_fc2.weight", ("layers.{L}.moe.shared.down.weight",), shard=ROW),
+)
 
 # Per expert layout: (rules with one tensor per expert, rules with one tensor holding all of a file's experts).
 EXPERTS: dict[str, tuple[tuple[Rule, ...], tuple[Rule, ...]]] = {
@@ -67,13 +74,16 @@ EXPERTS: dict[str, tuple[tuple[Rule, ...], tuple[Rule, ...]]] = {
 }
 
 
-def extra_state_modules(layout: ExpertLayout, impl: str, local_experts: int) -> tuple[str, ...]:
+def extra_state_modules(layout: ExpertLayout, impl: str, local_experts: int, shared: bool = False
+                        ) -> tuple[str, ...]:
     """The modules of an MoE layer (templates in `{l}`) that store an `_extra_state` entry.
 
     Under Transformer Engine the separate pre_mlp_layernorm is a TENorm, which has one too; the router and the
-    legacy GroupedMLP have none.
+    legacy GroupedMLP have none; the shared experts' linears (`shared`) have one under both specs.
     """
     norm = ("decoder.layers.{l}.pre_mlp_layernorm",) if impl == "te" else ()
+    if shared:
+        norm += ("decoder.layers.{l}.mlp.shared_experts.linear_fc1", "decoder.layers.{l}.mlp.shared_experts.linear_fc2")
     if layout == "sequential":
         return norm + tuple(f"{_EXPERTS}.local_experts.{j}.linear_fc{k}" for j in range(local_experts) for k in (1, 2))
     if layout in ("grouped", "single_grouped"):

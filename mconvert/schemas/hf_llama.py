@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mconvert import deepseek
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
 from mconvert.rules import Rule, Table, linear
@@ -64,7 +65,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         ("per-head q/k norms (save it as qwen3)", c.qk_norm),
         (f"no sliding window in layers {list(c.full_attention_layers)} (Mistral's applies to every layer)",
          c.sliding_window is not None and bool(c.full_attention_layers)),
-    ) if bad]
+    ) if bad] + deepseek.features(c)
     if unsupported:
         raise ConvertError(f"HF {MODEL_TYPES[c.family].removesuffix('ForCausalLM')} cannot hold this model: "
                            f"{', '.join(unsupported)}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mconvert import deepseek
 from mconvert.errors import ConvertError
 from mconvert.expert_shards import STACK, STACK_GATE_UP
 from mconvert.ir import ModelConfig
@@ -100,7 +101,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         (f"no sliding window in layers {list(c.full_attention_layers)} (Mixtral's applies to every layer)",
          c.sliding_window is not None and bool(c.full_attention_layers)),
         ("per-head q/k norms (save it as qwen3_moe)", c.qk_norm),
-    ) if bad]
+    ) if bad] + deepseek.features(c)
     if unsupported:
         raise ConvertError(f"HF Mixtral cannot hold this model: {', '.join(unsupported)}")
     return rope_decoder_config(c, ARCHITECTURE, MODEL_TYPE) | {

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mconvert import deepseek
 from mconvert.errors import ConvertError
 from mconvert.expert_shards import STACK, STACK_GATE_UP
 from mconvert.ir import ModelConfig
@@ -153,7 +154,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         ("per-head q/k norms (save it as qwen3)" if qwen2 else "no per-head q/k norms (save it as qwen2 or llama)",
          c.qk_norm == qwen2),
         ("experts (save it as qwen3_moe or mixtral)" if not moe else "no experts (save it as qwen3)", c.is_moe != moe),
-    ) if bad]
+    ) if bad] + deepseek.features(c)
     if unsupported:
         raise ConvertError(f"HF {name} cannot hold this model: {', '.join(unsupported)}")
     hf = rope_decoder_config(c, ARCHITECTURES[c.family], c.family) | _window_to_hf(c, name)

@@ -9,6 +9,8 @@ e: the TP files of (p, e) all hold it, each its own TP piece, under the same ent
 - EP rank e holds experts `e*E/EP ..` numbered locally (`{e}`); the dense weights repeat in every EP rank's file.
 - With tied embeddings, the chunk holding the head but not the embedding keeps a copy of the (padded) word
   embeddings for the output layer (`tied_copy`), which Megatron keeps in sync while training.
+- Multi-token-prediction modules live with the head (the last chunk), which then also keeps a copy of the word
+  embeddings under their own name (`embed_copy`): the MTP modules embed the next tokens.
 
 The loader and the saver of each format both walk `plan()`, so they cannot disagree about what goes where.
 """
@@ -32,6 +34,11 @@ class Part:
     entry: str  # "model", or "model{v}" with virtual pipelining
     rows: tuple[Row, ...]
     tied_copy: Row | None = None  # the output layer's copy of the tied embedding, where Megatron writes it
+    embed_copy: Row | None = None  # the MTP modules' copy of the embedding, on a last stage without the embedding
+
+    @property
+    def copies(self) -> tuple[Row, ...]:
+        return tuple(r for r in (self.tied_copy, self.embed_copy) if r is not None)
 
     @property
     def label(self) -> str:
@@ -47,18 +54,21 @@ def entries(vpp: int) -> list[str]:
 
 
 def plan(table: Table, config: ModelConfig, chunks: list[Chunk], *, ep: int, entry_names: list[str],
-         tied_copy: Rule) -> list[Part]:
+         tied_copy: Rule, embed_copy: Rule | None = None) -> list[Part]:
     """Every (chunk, EP rank) part, chunk by chunk in the order given (stage-major from the layout)."""
     per_rank = (config.num_experts or 0) // ep
     parts = []
     for chunk in chunks:
-        copy = None
+        copy = mtp_copy = None
         if chunk.has_head and not chunk.has_embedding and config.tie_embeddings:
             key, names = tied_copy.keys()
             copy = Row(key, names, tied_copy)
+        if chunk.has_head and not chunk.has_embedding and config.mtp_layers and embed_copy is not None:
+            key, names = embed_copy.keys()
+            mtp_copy = Row(key, names, embed_copy)
         for e in range(ep):
             rows = expand(table, config, layers=[(L, l) for l, L in enumerate(chunk.layers)],
                           experts=[(e * per_rank + j, j) for j in range(per_rank)],
                           embedding=chunk.has_embedding, head=chunk.has_head)
-            parts.append(Part(chunk, e, entry_names[chunk.vpp], tuple(rows), copy))
+            parts.append(Part(chunk, e, entry_names[chunk.vpp], tuple(rows), copy, mtp_copy))
     return parts

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from mconvert.ir import ModelConfig
 from mtrain.models import rope
+from mtrain.models.mla import MLAttention
 from mtrain.models.moe import MoE
 
 
@@ -74,7 +75,12 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(hd) + mask) v over this rank's whole sequence (no parameters)."""
+    """softmax(q k^T * scale + mask) v over this rank's whole sequence (no parameters); the scale is 1/sqrt(hd)
+    unless the attention sets `scale` (MLA with YaRN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale: float | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         T = q.shape[2]
@@ -82,15 +88,15 @@ class CoreAttention(nn.Module):
         mask = attention_mask(ctx.positions, ctx.positions, ctx.window) \
             if ctx.window is not None and T > ctx.window else None
         # Query head i reads key/value group i // (nh/ng), as HF's repeat_kv does.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                               enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, hd)
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped key/value heads (GQA), rotary or no positions, optional window (which
-    layer `layer` may be exempt from), optional per-head norms of queries and keys (Qwen3's q_norm / k_norm)."""
+    """Multi-head attention with grouped key/value heads (GQA), rotary or no positions, the context's window,
+    optional per-head norms of queries and keys (Qwen3's q_norm / k_norm)."""
 
-    def __init__(self, c: ModelConfig, layer: int = 0):
+    def __init__(self, c: ModelConfig):
         super().__init__()
         self.head_dim = c.head_dim
         self.q = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
@@ -100,7 +106,6 @@ class Attention(nn.Module):
         if c.qk_norm:  # one norm over head_dim shared by all query heads, one by all key heads
             self.q_norm = make_norm(c, c.head_dim)
             self.k_norm = make_norm(c, c.head_dim)
-        self.full_attention = layer in c.full_attention_layers  # no sliding window in this layer
         self.core = CoreAttention()
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
@@ -112,8 +117,6 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, ng, T, hd)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, ng, T, hd)
-        if self.full_attention:
-            ctx = ctx._replace(window=None)
         if ctx.rot is not None:
             q, k = rope.apply(q, *ctx.rot), rope.apply(k, *ctx.rot)
         y = self.core(q, k, v, ctx)  # (B, nh, T, hd)
@@ -139,12 +142,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer layer (number `layer`: an MoE model may keep dense MLPs in some layers)."""
+    """One pre-norm transformer layer (number `layer`: an MoE model may keep dense MLPs in some layers, a windowed
+    model attend to every earlier key in some), with multi-head or multi-latent attention."""
 
     def __init__(self, c: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(c)
-        self.attn = Attention(c, layer)
+        self.attn = MLAttention(c, RMSNorm, CoreAttention()) if c.is_mla else Attention(c)
+        self.full_attention = layer in c.full_attention_layers  # exempt from the sliding window
         self.mlp_norm = make_norm(c)
         if c.is_moe_layer(layer):
             self.moe = MoE(c)
@@ -152,9 +157,19 @@ class Block(nn.Module):
             self.mlp = MLP(c)
 
     def forward(self, h: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), ctx)
+        h = h + self.attn(self.attn_norm(h), ctx._replace(window=None) if self.full_attention else ctx)
         ffn = self.moe if hasattr(self, "moe") else self.mlp
         return h + ffn(self.mlp_norm(h))
+
+
+class MTPModule(nn.Module):
+    """A multi-token-prediction module's own weights (its transformer layer is a Block of the model):
+    h = layer(eh_proj([enorm(embedding of the next token) | hnorm(previous hidden state)])), then final_norm."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.enorm, self.hnorm, self.final_norm = make_norm(c), make_norm(c), make_norm(c)
+        self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
 
 
 @dataclass(frozen=True)
@@ -187,16 +202,21 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = c
         self.embeds_tokens = first
-        # The head of a tied model reads embed.weight: a last stage keeps its own copy.
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size) if first or (last and c.tie_embeddings) else None
+        # The head of a tied model reads embed.weight, as do the MTP modules: a last stage keeps its own copy.
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size) \
+            if first or (last and (c.tie_embeddings or c.mtp_layers)) else None
         self.pos_embed = nn.Embedding(c.max_position_embeddings, c.hidden_size) \
             if first and c.position_embedding == "learned" else None
-        layers = range(c.num_layers) if layers is None else layers
-        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in layers})
+        layers = list(range(c.num_layers) if layers is None else layers)
+        # The MTP modules go with the head; their transformer layers are layers num_layers + i (the IR's names).
+        mtp = range(c.mtp_layers if last else 0)
+        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in [*layers, *(c.num_layers + m for m in mtp)]})
+        self.mtp = nn.ModuleDict({str(m): MTPModule(c) for m in mtp}) if c.mtp_layers and last else None
         self.final_norm = make_norm(c) if last else None
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if last and not c.tie_embeddings else None
         self.sequence = SequenceShard()
-        self.register_buffer("inv_freq", torch.empty(c.head_dim // 2), persistent=False)
+        self.rotary_dim = c.qk_rope_head_dim if c.is_mla else c.head_dim
+        self.register_buffer("inv_freq", torch.empty(self.rotary_dim // 2), persistent=False)
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -204,7 +224,7 @@ class Transformer(nn.Module):
         if self.config.position_embedding == "rope" and self.inv_freq.device.type != "meta":
             c = self.config
             with torch.no_grad():
-                self.inv_freq.copy_(rope.inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+                self.inv_freq.copy_(rope.inv_freq(self.rotary_dim, c.rope_theta, c.rope_scaling))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V). On a pipeline stage after the first, `tokens` are hidden states
@@ -215,13 +235,39 @@ class Transformer(nn.Module):
         h = self.embed(tokens) if self.embeds_tokens else tokens  # (B, T, h)
         if self.pos_embed is not None:
             h = h + self.pos_embed(positions)
-        rot = rope.cos_sin(self.inv_freq, positions) if self.config.position_embedding == "rope" else None
-        ctx = LayerContext(rot, positions, self.config.sliding_window)
-        for layer in self.layers.values():
-            h = layer(h, ctx)
+        ctx = self.context(positions)
+        for key, layer in self.layers.items():
+            if int(key) < self.config.num_layers:  # the MTP modules' layers run in mtp_logits
+                h = layer(h, ctx)
         if self.final_norm is None:
             return h
         return self.head(self.final_norm(h))
+
+    def context(self, positions: torch.Tensor) -> LayerContext:
+        c = self.config
+        scale = rope.attention_factor(c.rope_scaling)
+        rot = rope.cos_sin(self.inv_freq, positions, scale) if c.position_embedding == "rope" else None
+        return LayerContext(rot, positions, c.sliding_window)
+
+    def mtp_logits(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(logits, [logits of MTP module i]) of a whole model. Module i reads the hidden state of module i-1 (the
+        model's, after its final norm, for i = 0) at positions 0..T-2-i and the embedding of the token i+1 further
+        on; its logits there predict the token i+2 further on (DeepSeek-V3's multi-token prediction)."""
+        T, c = tokens.shape[1], self.config
+        h = self.embed(tokens)
+        ctx = self.context(torch.arange(T, device=tokens.device))
+        for i in range(c.num_layers):
+            h = self.layers[str(i)](h, ctx)
+        h = self.final_norm(h)
+        logits, mtp = self.head(h), []
+        for i, module in enumerate(self.mtp.values() if self.mtp is not None else ()):
+            length = T - 1 - i
+            ctx = self.context(torch.arange(length, device=tokens.device))
+            x = module.eh_proj(torch.cat([module.enorm(self.embed(tokens[:, i + 1:i + 1 + length])),
+                                          module.hnorm(h[:, :length])], dim=-1))
+            h = module.final_norm(self.layers[str(c.num_layers + i)](x, ctx))
+            mtp.append(self.head(h))
+        return logits, mtp
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)

@@ -1,4 +1,6 @@
-"""Mixture of experts as in Mixtral: a top-k softmax router, SwiGLU experts, a load-balancing auxiliary loss.
+"""Mixture of experts as in Mixtral: a top-k softmax router, SwiGLU experts, a load-balancing auxiliary loss; and
+as in DeepSeek-V3 (config fields, see mconvert/deepseek.py): sigmoid scores, a per-expert bias that only chooses,
+group-limited top-k, a scaling of the routed output, shared experts every token goes through.
 
 The experts live in one module with stacked weights (`gate`, `up`: [E, f, h]; `down`: [E, h, f]) and take
 tokens already grouped by expert plus the count per expert. `MoE.dispatch` hands them to the experts: here
@@ -101,9 +103,22 @@ def keep_within_capacity(order: torch.Tensor, expert_of: torch.Tensor, counts: t
     return order[rank_in_expert < capacity], counts.clamp(max=capacity)
 
 
+class SharedExperts(nn.Module):
+    """DeepSeek's shared experts: one SwiGLU MLP (of all of them side by side) added to the routed output."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
 class MoE(nn.Module):
     """Router + experts. Routing as HF Mixtral and Qwen3-MoE: softmax over all experts (fp32), top-k, renormalized
-    to sum to 1 unless the config says not to (moe_norm_topk)."""
+    to sum to 1 unless the config says not to (moe_norm_topk); or as DeepSeek-V3 (`route_sigmoid`)."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -119,17 +134,27 @@ class MoE(nn.Module):
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None  # context parallel
         self.router = nn.Linear(c.hidden_size, c.num_experts, bias=False)
         self.norm_topk = c.moe_norm_topk
+        self.sigmoid, self.scaling = c.moe_router_score == "sigmoid", c.moe_router_scaling_factor
+        self.groups, self.group_topk = c.moe_router_groups, c.moe_router_group_topk
+        if c.moe_router_expert_bias:  # the IR's layers.{L}.moe.router.expert_bias; not trained by gradients
+            self.router.expert_bias = nn.Parameter(torch.zeros(c.num_experts), requires_grad=False)
         self.experts = GroupedExperts(c.num_experts, c.hidden_size, c.expert_ffn_hidden_size)
+        if c.moe_shared_expert_ffn_hidden_size:
+            self.shared = SharedExperts(c.hidden_size, c.moe_shared_expert_ffn_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, h = x.shape
         x = x.reshape(B * T, h)
         if self.training and self.jitter_eps > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
-        probs = F.softmax(self.router(x).float(), dim=-1)  # (N, E)
-        top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
-        if self.norm_topk:  # HF's norm_topk_prob (Mixtral always); otherwise the weights of the full softmax
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        if self.sigmoid:
+            probs, top_w, top_idx = self.route_sigmoid(x)
+        else:
+            probs = F.softmax(self.router(x).float(), dim=-1)  # (N, E)
+            top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+            if self.norm_topk:  # HF's norm_topk_prob (Mixtral always); otherwise the weights of the full softmax
+                top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+            top_w = top_w * self.scaling if self.scaling != 1.0 else top_w
 
         # Group the N*k (token, expert) pairs by expert; a stable sort keeps token order within an expert.
         flat_idx = top_idx.flatten()
@@ -142,12 +167,33 @@ class MoE(nn.Module):
         y = self.dispatch(x[token], counts, self.experts)  # (pairs, h), in the order of `order`
         y = y * top_w.flatten()[order, None].to(y.dtype)
         out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype)).reshape(B, T, h)
+        if hasattr(self, "shared"):
+            out = out + self.shared(x.reshape(B, T, h))
 
         aux = load_balancing_loss(probs, top_idx, self.num_experts, self.reduce_stats)
         self.last_aux_loss = aux.detach()
         if self.training and self.aux_coeff > 0 and torch.is_grad_enabled():
             out = _AuxLossGradient.apply(out, aux, self.aux_coeff * self.aux_loss_scale)
         return out
+
+    def route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's routing in float32: (scores normalized per token, for the auxiliary-loss statistics; top-k
+        weights; top-k experts). Experts are chosen by score + expert bias, among the `group_topk` groups whose two
+        best choice scores sum highest; weighed by their score, renormalized (+1e-20) and scaled."""
+        scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))  # (N, E)
+        bias = getattr(self.router, "expert_bias", None)
+        choice = scores + bias.float() if bias is not None else scores
+        if self.groups:
+            N = choice.shape[0]
+            group_scores = choice.view(N, self.groups, -1).topk(2, dim=-1)[0].sum(dim=-1)  # (N, groups)
+            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.group_topk, dim=-1)[1], 1.0)
+            keep = keep.unsqueeze(-1).expand(N, self.groups, self.num_experts // self.groups).reshape(N, -1)
+            choice = choice.masked_fill(keep == 0, float("-inf"))
+        top_idx = torch.topk(choice, self.top_k, dim=-1)[1]  # (N, k)
+        top_w = scores.gather(1, top_idx)
+        if self.norm_topk:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores / scores.sum(dim=-1, keepdim=True), top_w * self.scaling, top_idx
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

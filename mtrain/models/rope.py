@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
+from mconvert.deepseek import yarn_mscale
 from mtrain.errors import TrainError
 
-SUPPORTED_SCALING = ("default", "linear", "llama3")
+SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn")
 
 
 def inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -26,6 +27,8 @@ def inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tor
         return freq / float(scaling["factor"])
     if kind == "llama3":
         return _llama3(freq, scaling)
+    if kind == "yarn":
+        return _yarn(head_dim, theta, scaling)
     raise TrainError(f"rope_scaling type {kind!r} is not supported by mtrain; "
                      f"supported: {', '.join(SUPPORTED_SCALING)}")
 
@@ -44,11 +47,45 @@ def _llama3(freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def cos_sin(freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every (position, pair) angle, duplicated over both halves: each (T, hd)."""
+def _yarn(dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
+    """YaRN: each pair's frequency blends interpolation (divided by `factor`) and extrapolation (kept) by how many
+    turns it makes over the original context, between beta_slow and beta_fast turns (transformers'
+    `_compute_yarn_parameters`, with its defaults)."""
+    factor, old_len = float(s["factor"]), float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def dim_of(turns: float) -> float:  # the pair index turning `turns` times over the original context
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    keep = 1 - ramp  # weight of the extrapolated (unscaled) frequency
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor cos and sin are multiplied by: YaRN's magnitude correction, 1 otherwise."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, all_dim = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return yarn_mscale(factor)
+
+
+def cos_sin(freq: torch.Tensor, positions: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, pair) angle, duplicated over both halves, times `scale`: each (T, hd)."""
     angles = positions.float()[:, None] * freq[None, :]  # (T, hd/2)
     emb = torch.cat((angles, angles), dim=-1)  # (T, hd)
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,8 @@ class AllGatherKVAttention(CoreAttention):
         order = torch.argsort(gathered_pos)
         k_all, v_all = (self._gather(t)[:, :, order] for t in (k, v))  # (B, ng, T, hd)
         mask = attention_mask(ctx.positions, gathered_pos[order], ctx.window)  # (T/cp, T)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """All ranks' (B, n, T/cp, hd) along the sequence; gradients flow back summed (Partial)."""
@@ -50,7 +51,8 @@ def apply_context_parallel(part: Transformer, cp_mesh: DeviceMesh) -> None:
     says which positions this rank holds)."""
     group = cp_mesh.get_group()
     for block in part.layers.values():
-        block.attn.core = AllGatherKVAttention(cp_mesh)
+        scale, block.attn.core = block.attn.core.scale, AllGatherKVAttention(cp_mesh)
+        block.attn.core.scale = scale  # the softmax scale the attention chose (MLA with YaRN)
         if isinstance(getattr(block, "moe", None), MoE):
             block.moe.reduce_stats = lambda stats, group=group: dist_fn.all_reduce(stats, group=group)
 

@@ -152,6 +152,17 @@ def sources(tmp_path_factory, llama_dir, gpt2_dir, mixtral_dir) -> dict[str, Pat
     return out
 
 
+@pytest.fixture(scope="session")
+def deepseek_sources(tmp_path_factory) -> dict[str, Path]:
+    """A tiny DeepSeek-V3 (MLA, grouped sigmoid routing, shared experts, one MTP module) as HF and as Megatron core."""
+    from tests.deepseek_models import make_deepseek
+
+    root = tmp_path_factory.mktemp("deepseek_sources")
+    hf = make_deepseek(root / "deepseek_hf", mtp=1)
+    run_cli("--saver", "core", "--load-dir", hf, "--save-dir", root / "deepseek_core", "-q")
+    return {"deepseek_hf": hf, "deepseek_core": root / "deepseek_core"}
+
+
 def _as_bin(hf: Path, dst: Path) -> Path:
     """The same HF model with pytorch_model.bin weights (the pickle-based HF format)."""
     shutil.copytree(hf, dst)

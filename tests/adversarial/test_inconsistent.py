@@ -140,6 +140,57 @@ def test_megatron_args_values(sources, tmp_path, fmt, field, value, named):
     convert_refused(src, tmp_path, saver="llama_mistral" if fmt != "legacy" else "gpt2_hf", culprits=(named,))
 
 
+# DeepSeek's fields: counts in config.json / args checked raw, the IR's values (scaling factor, ranks, MTP modules)
+# by ModelConfig, each named
+DEEPSEEK_HF_VALUES = [
+    ("routed_scaling_factor", float("nan"), "moe_router_scaling_factor=nan"),
+    ("routed_scaling_factor", float("inf"), "moe_router_scaling_factor=inf"),
+    ("routed_scaling_factor", -2.5, "moe_router_scaling_factor=-2.5"),
+    ("kv_lora_rank", -32, "kv_lora_rank=-32"),
+    ("q_lora_rank", 47.5, "q_lora_rank=47.5"),
+    ("qk_rope_head_dim", True, "qk_rope_head_dim=True"),
+    ("v_head_dim", 0, "v_head_dim=0"),
+    ("n_group", 2.5, "n_group=2.5"),
+    ("topk_group", float("nan"), "topk_group=nan"),
+    ("n_shared_experts", -1, "n_shared_experts=-1"),
+    ("first_k_dense_replace", 0.5, "first_k_dense_replace=0.5"),
+    ("num_nextn_predict_layers", -1, "num_nextn_predict_layers=-1"),
+]
+
+
+@pytest.mark.parametrize("field,value,named", DEEPSEEK_HF_VALUES,
+                         ids=[f"{k}={v}" for k, v, _ in DEEPSEEK_HF_VALUES])
+def test_deepseek_hf_config_values(deepseek_sources, tmp_path, field, value, named):
+    src = fresh(deepseek_sources["deepseek_hf"], tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    config[field] = value
+    (src / "config.json").write_text(json.dumps(config))
+    convert_refused(src, tmp_path, culprits=("config.json", named))
+
+
+DEEPSEEK_ARGS_VALUES = [
+    ("moe_router_topk_scaling_factor", float("nan"), "moe_router_scaling_factor=nan"),
+    ("moe_router_topk_scaling_factor", -1.0, "moe_router_scaling_factor=-1.0"),
+    ("kv_lora_rank", 31.5, "args.kv_lora_rank=31.5"),
+    ("q_lora_rank", -48, "args.q_lora_rank=-48"),
+    ("v_head_dim", float("inf"), "args.v_head_dim=inf"),
+    ("moe_shared_expert_intermediate_size", 63.5, "args.moe_shared_expert_intermediate_size=63.5"),
+    ("moe_router_num_groups", True, "args.moe_router_num_groups=True"),
+    ("mtp_num_layers", -1, "args.mtp_num_layers=-1"),
+]
+
+
+@pytest.mark.parametrize("field,value,named", DEEPSEEK_ARGS_VALUES,
+                         ids=[f"{k}={v}" for k, v, _ in DEEPSEEK_ARGS_VALUES])
+def test_deepseek_megatron_args_values(deepseek_sources, tmp_path, field, value, named):
+    src = fresh(deepseek_sources["deepseek_core"], tmp_path)
+    for f in sorted(src.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
+        state = safe_load(f, mmap=False)
+        setattr(state["args"], field, value)
+        torch.save(state, f)
+    convert_refused(src, tmp_path, saver="deepseek_hf", culprits=(named,))
+
+
 def test_mtrain_model_config_values(mtrain_run, tmp_path):
     run = fresh(mtrain_run["run"], tmp_path, "run")
     meta_file = run / "step_0000002" / "mtrain.json"

@@ -102,7 +102,8 @@ OUT_OF_RANGE = [
     ("checkpoint.interval", "-5"), ("checkpoint.keep_last", "-1"), ("logging.interval", "0"),
     ("train.exit_after_steps", "0"), ("train.init_std", "nan"), ("train.seed", "-1"), ("data.seed", "-3"),
     ("train.moe_capacity_factor", "nan"), ("data.weights", "-1"), ("model.rope_theta", "-1"),
-    ("model.norm_eps", "nan"),
+    ("model.norm_eps", "nan"), ("model.mtp_layers", "-1"), ("model.kv_lora_rank", "-8"),
+    ("model.moe_router_scaling_factor", "nan"),
 ]
 
 

@@ -1,0 +1,66 @@
+"""mtrain's DeepSeek-V3 model (forward) against transformers: multi-latent attention with and without a query
+LoRA, YaRN with an attention factor and softmax scale other than 1, sigmoid group-limited routing with the expert
+bias, shared experts, MTP modules; the same logits as DeepseekV3ForCausalLM and its MtpModel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtrain.config import ParallelConfig
+from mtrain.errors import TrainError
+from mtrain.inference import load_model
+from mtrain.parallel.dims import ParallelDims
+from tests.deepseek_models import hf_logits_with_mtp, make_deepseek
+from tests.mtrain.corpus import one_thread  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize("variant", [dict(mtp=2), dict(mtp=1, q_lora_rank=None, dtype=torch.bfloat16)],
+                         ids=["query_lora_mtp2", "no_query_lora_bf16"])
+def test_logits_and_mtp_logits_match_transformers(variant, tmp_path, tokens):
+    src = make_deepseek(tmp_path / "hf", seed=21, **variant)
+    model, ir = load_model(src)
+    with torch.no_grad():
+        logits = model(tokens)
+        main, mtp = model.mtp_logits(tokens)
+    want, want_mtp = hf_logits_with_mtp(src, tokens)
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+    assert torch.equal(main, logits) and len(mtp) == len(want_mtp) == variant["mtp"]
+    for got, ref in zip(mtp, want_mtp):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_each_deepseek_feature_changes_the_logits(tmp_path, tokens):
+    """So matching transformers means each is computed: the score bias, the group limit, the routed scaling, the
+    shared experts, YaRN's softmax scale."""
+    model, ir = load_model(make_deepseek(tmp_path / "hf", seed=22))
+    with torch.no_grad():
+        reference = model(tokens)
+        moe = model.layers["1"].moe
+        changes = {
+            "expert bias": lambda: moe.router.expert_bias.zero_(),
+            "group limit": lambda: setattr(moe, "groups", None),
+            "scaling": lambda: setattr(moe, "scaling", 1.0),
+            "shared experts": lambda: moe.shared.down.weight.zero_(),
+            "softmax scale": lambda: setattr(model.layers["0"].attn.core, "scale", 24 ** -0.5),
+        }
+        for what, change in changes.items():
+            model, _ = load_model(tmp_path / "hf")
+            moe = model.layers["1"].moe
+            change()
+            assert (model(tokens) - reference).abs().max() > 1e-4, what
+
+
+def test_training_what_mtrain_cannot_train_yet_is_refused(tmp_path):
+    _, ir = load_model(make_deepseek(tmp_path / "hf", seed=23, mtp=1))
+    dims = ParallelDims.from_config(ParallelConfig(tp=2), world=2)
+    with pytest.raises(TrainError) as e:
+        dims.check_model(ir.config)
+    assert "the model has 1 multi-token-prediction module(s), which mtrain does not train yet" in str(e.value)
+    assert "does not update the router's expert bias (DeepSeek's auxiliary-loss-free balancing) yet" in str(e.value)
+    assert "train in one process or with data parallelism only so far, not with parallel.tp 2" in str(e.value)
