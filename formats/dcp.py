@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from mconvert.formats.contained import inside
 from mconvert.formats.integrity import Manifest
-from mconvert.formats.torch_pickle import locate_tensor, map_tensor, safe_load_bytes
+from mconvert.formats.torch_pickle import locate_tensor, safe_load_bytes
 
 from mconvert.blocks import Blocks, FileBytes
 from mconvert.errors import ConvertError, format_names
@@ -203,6 +203,7 @@ class DcpReader:
             self.manifest.check_complete()
         self._maps: dict[str, mmap.mmap] = {}
         self._identities: dict[str, tuple[int, int, int, int]] = {}
+        self._decoded: dict[tuple[str, int], tuple[torch.Tensor, FileBytes | None]] = {}
         self._lock = threading.Lock()
 
     def _storage(self, where: dict, fqn: str, offsets) -> Record:
@@ -247,14 +248,20 @@ class DcpReader:
         return mapping
 
     def _chunk(self, c: Chunk) -> torch.Tensor:
-        return map_tensor(self.root / c.file, c.start, c.length, self._map(c.file))
+        return self._sourced_chunk(c)[0]
 
     def _sourced_chunk(self, c: Chunk) -> tuple[torch.Tensor, FileBytes | None]:
-        """The chunk and, when it is contiguous, where its bytes are in its file."""
-        t, at = locate_tensor(self.root / c.file, c.start, c.length, self._map(c.file))
-        if not (t.numel() and t.is_contiguous()):
-            return t, None
-        return t, FileBytes(os.path.abspath(self.root / c.file), at, self._identities[c.file], t._version)
+        """The chunk (a view of the file's map: decoded once, its archive header costs ~0.3 ms to parse, and a
+        layer-stacked chunk is asked for once per layer) and, when contiguous, where its bytes are in its file."""
+        key = (c.file, c.start)
+        found = self._decoded.get(key)
+        if found is None:
+            t, at = locate_tensor(self.root / c.file, c.start, c.length, self._map(c.file))
+            source = None
+            if t.numel() and t.is_contiguous():
+                source = FileBytes(os.path.abspath(self.root / c.file), at, self._identities[c.file], t._version)
+            found = self._decoded.setdefault(key, (t, source))
+        return found
 
     def _select(self, fqn: str, index: int | tuple[int, ...]):
         """(entry, index, bounds [lo, hi) of the block asked for, the chunks overlapping it)."""
