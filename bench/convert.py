@@ -1,19 +1,22 @@
-"""Conversion speed and memory on a real-sized model, against `cp` of the same bytes, in one run.
+"""Conversion speed and memory on a 1.1B Llama, side by side with `cp` of the same bytes, in one run.
 
-    python bench/convert.py [--size 1.1b|7b] [--workdir DIR] [--repeat N] [--keep]
+    python bench/convert.py --vs-cp [--rounds 5] [--layers 22] [--workers 1,2] [--models /tmp/bench-models] [--keep]
 
-Builds a random Llama with TinyLlama-1.1B shapes (or Llama-2-7B with --size 7b) as an HF directory without
-holding it in memory (tensors are generated and streamed into the safetensors shards one at a time), then
-times, interleaved (this machine's speed drifts, so the variants alternate and the best of each is kept):
+Builds (once, cached in --models, outside the repository) a random bf16 Llama with TinyLlama-1.1B shapes from a
+`transformers` LlamaConfig, as `save_pretrained` lays it out; the Megatron sources (core torch TP2 PP2 and
+torch_dist) are made from it with mconvert, untimed. Then, in every round, each case runs once per worker count
+right after `cp -r` of its source (this machine's speed drifts several-fold within seconds, so variants are
+interleaved and compared within a round):
 
-  * cp     copying the same input bytes to a new directory, then `sync` (the physical reference);
-  * mconvert HF -> Megatron core TP2 PP2 (torch format), HF -> core torch_dist, and torch_dist -> HF, each as
-    a separate process, then `sync`.
+    HF -> core TP2 PP2,  core -> HF,  core -> torch_dist,  torch_dist -> HF
 
-Memory is the peak, over the converter's process tree, of RssAnon + RssShmem read from /proc/PID/status every
-20 ms: pages of the input or output mapped from disk are page cache and reclaimable, so they do not count,
-while tensors held in process or shared memory do. Targets: peak under 1 GB, flat in model size; wall time
-within 3x of cp.
+Every command runs as its own process, followed by `sync` (mconvert syncs its output itself: moving it into place
+needs it on disk; cp does not, hence the sync). Reported per case and worker count: median wall time, user and
+system CPU seconds (from wait4), peak anonymous memory (RssAnon + RssShmem of the process tree, sampled every
+10 ms: mapped checkpoint pages are page cache, not process memory), the median over rounds of wall / cp-wall of
+the same round, and of the 1-worker / N-worker wall. Then: the same HF -> core conversion at 4, 8 and 16 layers
+(peak memory should stay flat), and start-up (`mconvert --help`, `mconvert inspect` of a tiny checkpoint).
+Outputs are deleted; the models too unless --keep.
 """
 
 from __future__ import annotations
@@ -21,150 +24,248 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mconvert.formats import hf_dir  # noqa: E402
-from mconvert.formats.safetensors_io import Entry  # noqa: E402
-
-from mconvert.ir import ModelConfig  # noqa: E402
-from mconvert.mapping import expand  # noqa: E402
-from mconvert.schemas import hf_llama  # noqa: E402
-
-SIZES = {
-    "1.1b": dict(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32, num_query_groups=4,
-                 head_dim=64, vocab_size=32000, max_position_embeddings=2048),
-    "7b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, num_query_groups=32,
-               head_dim=128, vocab_size=32000, max_position_embeddings=4096),
+SIZES = {  # transformers LlamaConfig fields and the layer count of the real model
+    "1.1b": (dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
+                  vocab_size=32000, max_position_embeddings=2048), 22),  # TinyLlama-1.1B
+    "7b": (dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+                vocab_size=32000, max_position_embeddings=4096), 32),  # Llama-2-7B
 }
 
 
-def build_model(root: Path, size: str, **changes) -> int:
-    """Write a random bf16 Llama HF directory, tensor by tensor (`changes` to the size's shape, e.g. num_layers);
-    returns the weight bytes."""
-    config = ModelConfig(family="llama", dtype="bfloat16", bos_token_id=1, eos_token_id=2, **(SIZES[size] | changes))
-    rows = expand(hf_llama.TABLE, config)
-    from mconvert.ir_names import expected_shapes
+def build_llama(root: Path, layers: int, size: str = "1.1b") -> None:
+    """A random bf16 Llama as `save_pretrained` would write it, from a transformers LlamaConfig (built on the meta
+    device, then filled tensor by tensor: no fp32 copy of the model)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    shapes = expected_shapes(config)
-    entries = [Entry(r.key, shapes[r.ir[0]], torch.bfloat16) for r in rows]
-    gen = torch.Generator().manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         **SIZES[size][0])
+    config.torch_dtype = "bfloat16"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(layers)
+    tensors = {name: (torch.randn(p.shape, generator=gen) * 0.02).to(torch.bfloat16)
+               for name, p in model.state_dict().items()}
+    tmp = root.with_name(root.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    os.replace(tmp, root)
 
-    def produce(e: Entry) -> torch.Tensor:
-        return (torch.randn(e.shape, generator=gen) * 0.02).to(torch.bfloat16)
 
-    root.mkdir(parents=True)
-
-    class Quiet:
-        def task(self, *a, **k):
-            import contextlib
-
-            return contextlib.nullcontext(lambda n: None)
-
-    hf_dir.write_weights(root, entries, produce, 2 * 10**9, Quiet())
-    hf_dir.write_json(root / "config.json", hf_llama.config_to_hf(config))
-    return sum(e.dtype.itemsize * torch.Size(e.shape).numel() for e in entries)
+@dataclass
+class Run:
+    wall: float
+    user: float
+    sys: float
+    peak: int
 
 
 def tree_memory(pid: int) -> int:
-    """RssAnon + RssShmem of `pid` and all its descendants, in bytes."""
+    """RssAnon + RssShmem of `pid` and its descendants, in bytes."""
     total, stack = 0, [pid]
     while stack:
         p = stack.pop()
         try:
-            status = Path(f"/proc/{p}/status").read_text()
-            for line in status.splitlines():
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith(("RssAnon:", "RssShmem:")):
                     total += int(line.split()[1]) * 1024
             for task in Path(f"/proc/{p}/task").iterdir():
-                children = (task / "children").read_text().split()
-                stack.extend(int(c) for c in children)
+                stack.extend(int(c) for c in (task / "children").read_text().split())
         except (FileNotFoundError, ProcessLookupError):
             continue
     return total
 
 
-def run_measured(cmd: list[str], stdout: list[str] | None = None) -> tuple[float, int]:
-    """Run `cmd` then sync; wall seconds (including the sync) and peak tree memory (its output into `stdout`)."""
+def measure(cmd: list[str], stdout: list[str] | None = None) -> Run:
+    """Run `cmd`, then `sync`: wall seconds (both), the command's CPU seconds, its peak process-tree memory (its
+    standard output appended to `stdout` when given)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL if stdout is None else subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    sink = tempfile.TemporaryFile() if stdout is not None else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.PIPE)
     peak = 0
+    done = threading.Event()
 
     def sample() -> None:
         nonlocal peak
-        while proc.poll() is None:
+        while not done.is_set():
             peak = max(peak, tree_memory(proc.pid))
-            time.sleep(0.02)
+            time.sleep(0.01)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    out, err = proc.communicate()
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    done.set()
     sampler.join()
     if stdout is not None:
-        stdout.append(out.decode())
+        sink.seek(0)
+        stdout.append(sink.read().decode())
+        sink.close()
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{err.decode()}")
     os.sync()
-    return time.perf_counter() - start, peak
+    return Run(time.perf_counter() - start, usage.ru_utime, usage.ru_stime, peak)
+
+
+def mconvert_cmd() -> list[str]:
+    return [str(Path(sys.executable).with_name("mconvert")), "--quiet", "--force"]
+
+
+def cases(models: Path, hf: Path) -> dict[str, tuple[Path, list[str]]]:
+    """name -> (source, arguments)."""
+    core, dist = models / "core_tp2pp2", models / "torch_dist"
+    return {
+        "HF -> core TP2 PP2": (hf, ["--saver", "core", "--tp", "2", "--pp", "2"]),
+        "core -> HF": (core, ["--saver", "llama_mistral"]),
+        "core -> torch_dist": (core, ["--saver", "core", "--ckpt-format", "torch_dist"]),
+        "torch_dist -> HF": (dist, ["--saver", "llama_mistral"]),
+    }
+
+
+def prepare(models: Path, layers: int) -> Path:
+    """The HF source (1.1B shapes, `layers` layers) and the Megatron sources made from it (kept for the next run
+    with --keep: remade when the layer count changes)."""
+    hf = models / f"llama_1.1b_{layers}l"
+    if not (hf / "config.json").is_file():
+        t = time.perf_counter()
+        build_llama(hf, layers)
+        print(f"built {hf} in {time.perf_counter() - t:.0f} s", flush=True)
+    for name, args in (("core_tp2pp2", ["--saver", "core", "--tp", "2", "--pp", "2"]),
+                       ("torch_dist", ["--saver", "core", "--ckpt-format", "torch_dist"])):
+        made = models / f"{name}.source"  # which HF model it was made from
+        if not made.is_file() or made.read_text() != hf.name:
+            subprocess.run([*mconvert_cmd(), *args, "--load-dir", str(hf), "--save-dir", str(models / name)],
+                           check=True, stderr=subprocess.DEVNULL)
+            made.write_text(hf.name)
+    return hf
+
+
+def bench_cases(models: Path, hf: Path, rounds: int, workers: list[int], vs_cp: bool) -> None:
+    table = cases(models, hf)
+    out = models / "out"
+    runs: dict[tuple[str, int], list[Run]] = {}
+    cps: dict[str, list[Run]] = {}
+    for r in range(rounds):
+        for name, (src, args) in table.items():
+            if vs_cp:
+                shutil.rmtree(out, ignore_errors=True)
+                cps.setdefault(name, []).append(measure(["cp", "-r", str(src), str(out)]))
+            for w in workers:
+                shutil.rmtree(out, ignore_errors=True)
+                run = measure([*mconvert_cmd(), *args, "--workers", str(w), "--load-dir", str(src),
+                               "--save-dir", str(out)])
+                runs.setdefault((name, w), []).append(run)
+                ratio = f" ({run.wall / cps[name][-1].wall:.2f}x cp)" if vs_cp else ""
+                print(f"round {r + 1}/{rounds}: {name:<20} workers {w}: {run.wall:6.2f} s{ratio}", flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+    nbytes = sum(f.stat().st_size for f in hf.rglob("*") if f.is_file())
+    print(f"\nLlama with 1.1B shapes ({hf.name}), {nbytes / 1e9:.2f} GB bf16; medians over {rounds} interleaved "
+          "rounds; memory = peak RssAnon+RssShmem")
+    print(f"{'case':<20} {'variant':<12} {'wall s':>7} {'user s':>7} {'sys s':>6} {'peak MiB':>9} {'vs cp':>6} "
+          f"{'1->N':>6}")
+    for name in table:
+        rows = [("cp -r + sync", cps[name])] if vs_cp else []
+        rows += [(f"workers {w}", runs[(name, w)]) for w in workers]
+        for i, (label, rs) in enumerate(rows):
+            line = (f"{name if i == 0 else '':<20} {label:<12} {_med(rs, 'wall'):7.2f} {_med(rs, 'user'):7.2f} "
+                    f"{_med(rs, 'sys'):6.2f} {max(x.peak for x in rs) / 2**20:9.0f}")
+            if vs_cp and label != "cp -r + sync":
+                line += f" {statistics.median(x.wall / c.wall for x, c in zip(rs, cps[name])):5.2f}x"
+            one = runs.get((name, 1))
+            if one is not None and label.startswith("workers") and label != "workers 1":
+                line += f" {statistics.median(a.wall / b.wall for a, b in zip(one, rs)):5.2f}x"
+            print(line)
+
+
+def _med(runs: list[Run], field: str) -> float:
+    return statistics.median(getattr(r, field) for r in runs)
+
+
+def bench_growth(models: Path, layer_counts: list[int]) -> None:
+    """The same conversion at several depths: peak memory must not grow with the model."""
+    print(f"\nmemory growth: HF -> core TP2 PP2 (default workers), 1.1B shapes at {layer_counts} layers")
+    out = models / "out"
+    for layers in layer_counts:
+        src = models / f"llama_1.1b_{layers}l"
+        if not (src / "config.json").is_file():
+            build_llama(src, layers)
+        shutil.rmtree(out, ignore_errors=True)
+        run = measure([*mconvert_cmd(), "--saver", "core", "--tp", "2", "--pp", "2", "--load-dir", str(src),
+                       "--save-dir", str(out)])
+        size = sum(f.stat().st_size for f in src.rglob("*.safetensors"))
+        print(f"  {layers:>3} layers  {size / 1e9:5.2f} GB  wall {run.wall:6.2f} s  peak {run.peak / 2**20:6.0f} MiB",
+              flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def bench_startup(models: Path, rounds: int) -> None:
+    """`mconvert --help` and `mconvert inspect` of a tiny checkpoint: what a user waits for before any work."""
+    tiny = models / "tiny_llama"
+    if not (tiny / "config.json").is_file():
+        import torch
+        from safetensors.torch import save_file
+        from transformers import LlamaConfig
+
+        tiny.mkdir(parents=True)
+        config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False)
+        shapes = {"model.embed_tokens.weight": (128, 64), "model.norm.weight": (64,), "lm_head.weight": (128, 64)}
+        for i in range(2):
+            p = f"model.layers.{i}."
+            shapes |= {p + "input_layernorm.weight": (64,), p + "post_attention_layernorm.weight": (64,),
+                       p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.k_proj.weight": (32, 64),
+                       p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
+                       p + "mlp.gate_proj.weight": (128, 64), p + "mlp.up_proj.weight": (128, 64),
+                       p + "mlp.down_proj.weight": (64, 128)}
+        save_file({k: torch.randn(s) for k, s in shapes.items()}, tiny / "model.safetensors")
+        config.save_pretrained(tiny)
+    exe = str(Path(sys.executable).with_name("mconvert"))
+    print(f"\nstart-up (median of {rounds}):")
+    for label, cmd in (("mconvert --help", [exe, "--help"]),
+                       ("mconvert inspect (tiny HF)", [exe, "inspect", str(tiny)]),
+                       ("python -c 'import torch'", [sys.executable, "-c", "import torch"])):
+        walls = [measure(cmd) for _ in range(rounds)]
+        print(f"  {label:<28} wall {_med(walls, 'wall'):5.2f} s  user {_med(walls, 'user'):5.2f} s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="1.1b")
-    parser.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "out")
-    parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds; the best of each is reported")
-    parser.add_argument("--keep", action="store_true", help="keep the generated model for the next run")
+    parser.add_argument("--vs-cp", action="store_true", help="time cp -r of each source beside its conversions")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=SIZES["1.1b"][1],
+                        help="layers of the model the cases convert (1.1B shapes; 22 is the real 1.1B)")
+    parser.add_argument("--workers", default="1,2", help="worker counts to compare, e.g. 1,2")
+    parser.add_argument("--models", type=Path, default=Path("/tmp/bench-models"), help="models and outputs live here")
+    parser.add_argument("--growth", default="4,8,16", help="layer counts for the memory-growth check ('' to skip)")
+    parser.add_argument("--keep", action="store_true", help="keep the models for the next run")
     args = parser.parse_args()
-
-    src = args.workdir / f"hf_{args.size}"
-    if not (src / "config.json").is_file():
-        shutil.rmtree(src, ignore_errors=True)
-        t = time.perf_counter()
-        nbytes = build_model(src, args.size)
-        print(f"built a random {args.size} Llama ({nbytes / 1e9:.2f} GB bf16) in {time.perf_counter() - t:.0f} s")
-    nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    mconvert = str(Path(sys.executable).with_name("mconvert"))
-    dist = args.workdir / f"torch_dist_{args.size}"
-    if not (dist / "latest_checkpointed_iteration.txt").is_file():  # the source of the torch_dist -> HF runs
-        shutil.rmtree(dist, ignore_errors=True)
-        subprocess.run([mconvert, "--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", str(src),
-                        "--save-dir", str(dist), "--quiet"], check=True, stderr=subprocess.DEVNULL)
-    convert = [mconvert, "--quiet", "--force"]
-    variants = {
-        "cp + sync": lambda dst: ["cp", "-r", str(src), str(dst)],
-        "HF -> core torch TP2 PP2": lambda dst: [*convert, "--saver", "core", "--tp", "2", "--pp", "2",
-                                                 "--load-dir", str(src), "--save-dir", str(dst)],
-        "HF -> core torch_dist": lambda dst: [*convert, "--saver", "core", "--ckpt-format", "torch_dist",
-                                              "--load-dir", str(src), "--save-dir", str(dst)],
-        "torch_dist -> HF": lambda dst: [*convert, "--saver", "llama_mistral", "--load-dir", str(dist),
-                                         "--save-dir", str(dst)],
-    }
-    best: dict[str, tuple[float, int]] = {}
-    for round_ in range(args.repeat):
-        for name, make in variants.items():
-            dst = args.workdir / "dst"
-            shutil.rmtree(dst, ignore_errors=True)
-            seconds, peak = run_measured(make(dst))
-            print(f"round {round_ + 1}: {name:<30} {seconds:6.1f} s  peak {peak / 2**20:7.0f} MiB", flush=True)
-            old = best.get(name, (float("inf"), 0))
-            best[name] = (min(old[0], seconds), max(old[1], peak))
-            shutil.rmtree(dst, ignore_errors=True)
-    cp_time = best["cp + sync"][0]
-    print(f"\nmodel: {args.size}, {nbytes / 1e9:.2f} GB of weights")
-    print(f"{'variant':<30} {'best wall':>10} {'vs cp':>7} {'peak RssAnon+RssShmem':>22}")
-    for name, (seconds, peak) in best.items():
-        print(f"{name:<30} {seconds:9.1f}s {seconds / cp_time:6.2f}x {peak / 2**20:18.0f} MiB")
-    if not args.keep:
-        shutil.rmtree(src, ignore_errors=True)
-        shutil.rmtree(dist, ignore_errors=True)
+    args.models.mkdir(parents=True, exist_ok=True)
+    made = [p for p in args.models.iterdir()]
+    try:
+        hf = prepare(args.models, args.layers)
+        bench_cases(args.models, hf, args.rounds, [int(w) for w in args.workers.split(",")], args.vs_cp)
+        if args.growth:
+            bench_growth(args.models, [int(n) for n in args.growth.split(",")])
+        bench_startup(args.models, args.rounds)
+    finally:
+        shutil.rmtree(args.models / "out", ignore_errors=True)
+        if not args.keep:
+            for p in args.models.iterdir():
+                if p not in made:
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
 
 
 if __name__ == "__main__":

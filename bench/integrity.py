@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mconvert.formats.integrity import MANIFEST, write_manifest  # noqa: E402
 
-from bench.convert import build_model  # noqa: E402
+from bench.convert import SIZES, build_llama  # noqa: E402
 
 
 def timed(*args: str) -> float:
@@ -46,7 +46,8 @@ def main() -> None:
     opts = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-integrity-", dir=opts.workdir))
     try:
-        nbytes = build_model(root / "hf", opts.size)
+        build_llama(root / "hf", SIZES[opts.size][1], opts.size)
+        nbytes = sum(p.stat().st_size for p in (root / "hf").glob("*.safetensors"))
         write = timed("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", str(root / "hf"),
                       "--save-dir", str(root / "dist"))
         it = root / "dist" / "iter_0000001"

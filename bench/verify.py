@@ -29,12 +29,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from convert import SIZES, build_model, run_measured  # noqa: E402
+from convert import SIZES, build_llama, measure  # noqa: E402
 
 from mconvert.ir import ModelConfig  # noqa: E402
 from mconvert.ir_names import expected_shapes  # noqa: E402
 
-TARGET_LAYERS = SIZES["7b"]["num_layers"]
+TARGET_LAYERS = SIZES["7b"][1]
+LLAMA_7B = dict(family="llama", num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
+                num_query_groups=32, head_dim=128, vocab_size=32000, max_position_embeddings=4096)
 
 
 def prepare(workdir: Path, layers: int) -> tuple[Path, Path]:
@@ -42,7 +44,7 @@ def prepare(workdir: Path, layers: int) -> tuple[Path, Path]:
     hf, core = workdir / f"hf_7b_{layers}l", workdir / f"core_7b_{layers}l"
     if not (hf / "config.json").is_file():
         shutil.rmtree(hf, ignore_errors=True)
-        build_model(hf, "7b", num_layers=layers)
+        build_llama(hf, layers, "7b")
     if not (core / "latest_checkpointed_iteration.txt").is_file():
         shutil.rmtree(core, ignore_errors=True)
         subprocess.run([mconvert(), "--saver", "core", "--tp", "2", "--load-dir", str(hf), "--save-dir", str(core),
@@ -77,8 +79,9 @@ def main() -> None:
     for round_ in range(args.repeat):
         for n, (hf, core) in dirs.items():
             out: list[str] = []
-            seconds, peak = run_measured([mconvert(), "verify", str(hf), str(core), "--json", "--tokens",
-                                          str(args.tokens), "--seq-len", str(args.seq_len)], out)
+            run = measure([mconvert(), "verify", str(hf), str(core), "--json", "--tokens", str(args.tokens),
+                           "--seq-len", str(args.seq_len)], out)
+            seconds, peak = run.wall, run.peak
             report = json.loads(out[0])
             assert report["passed"], report["summary"]
             layer = statistics.median(s["seconds"] for s in report["stages"] if s["name"].startswith("layer "))
@@ -104,7 +107,7 @@ def main() -> None:
     hf, core = dirs[max(dirs)]
     shard = max(hf.glob("*.safetensors"), key=lambda p: p.stat().st_size)
     rate = disk_read_rate(shard)
-    nbytes = 2 * 2 * sum(math.prod(shape) for shape in expected_shapes(ModelConfig(family="llama", **SIZES["7b"]))
+    nbytes = 2 * 2 * sum(math.prod(shape) for shape in expected_shapes(ModelConfig(**LLAMA_7B))
                          .values())  # two checkpoints, bf16
     print(f"disk read rate (dd iflag=direct, {shard.name}): {rate / 1e6:.0f} MB/s; reading two 7B bf16 checkpoints "
           f"({nbytes / 1e9:.1f} GB) at that rate: {nbytes / rate / 60:.1f} min (the runs above read from the page "

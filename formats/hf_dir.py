@@ -8,6 +8,7 @@ as `save_pretrained` does).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -19,8 +20,10 @@ from mconvert.formats import safetensors_io
 from mconvert.formats.contained import inside
 from mconvert.formats.torch_pickle import safe_load
 
+from mconvert.blocks import Blocks
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor
+from mconvert.workers import Job, run
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -110,7 +113,8 @@ def _open_indexed(root: Path, index_name: str) -> dict[str, LazyTensor]:
 def _open_file(path: Path) -> dict[str, LazyTensor]:
     if path.suffix == ".safetensors":
         f = safetensors_io.SafetensorsFile(path)
-        return {k: LazyTensor(i.shape, i.dtype, lambda k=k: f.get(k), f"{path.name}:{k}") for k, i in f.infos.items()}
+        return {k: LazyTensor(i.shape, i.dtype, lambda k=k: f.get(k), f"{path.name}:{k}", lambda k=k: f.get_blocks(k))
+                for k, i in f.infos.items()}
     state = safe_load(path)
     if not isinstance(state, dict):
         raise ConvertError(f"{path}: expected a dict of tensors, found {type(state).__name__}")
@@ -180,19 +184,52 @@ def shard_plan(entries: list[safetensors_io.Entry], max_shard_size: int) -> list
     return shards
 
 
-def write_weights(out: Path, entries: list[safetensors_io.Entry],
-                  produce: Callable[[safetensors_io.Entry], torch.Tensor], max_shard_size: int, progress) -> None:
-    """Sharded safetensors + index (or one `model.safetensors`), each shard streamed tensor by tensor."""
+def weight_jobs(out: Path, entries: list[safetensors_io.Entry],
+                produce: Callable[[safetensors_io.Entry], torch.Tensor | Blocks], max_shard_size: int,
+                parallel: int = 1) -> tuple[list[Job], dict | None]:
+    """Jobs writing the safetensors shards, each shard cut into byte-balanced ranges of tensors written at once
+    when there are fewer shards than `parallel` writers (the bytes do not depend on the cut); and the index to
+    write when they are done (None for a single `model.safetensors`)."""
     shards = shard_plan(entries, max_shard_size)
     n = len(shards)
+    pieces = -(-parallel // n)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map: dict[str, str] = {}
+    jobs = []
     total = 0
     for name, shard in zip(names, shards):
-        nbytes = sum(e.dtype.itemsize * int(torch.Size(e.shape).numel()) for e in shard)
-        with progress.task(name, nbytes) as advance:
-            safetensors_io.write(out / name, shard, produce, on_tensor=advance)
+        plan = safetensors_io.layout(shard)
+        sizes = [e.dtype.itemsize * int(torch.Size(e.shape).numel()) for e in shard]
+        cuts = _cuts(sizes, pieces)
+        for k, (first, stop) in enumerate(zip(cuts, cuts[1:])):
+            label = name if len(cuts) == 2 else f"{name} [{k + 1}/{len(cuts) - 1}]"
+            jobs.append(Job(label, sum(sizes[first:stop]), functools.partial(
+                _write_range, out / name, plan, first, stop, produce), files=(out / name,)))
         weight_map |= {e.name: name for e in shard}
-        total += nbytes
-    if n > 1:
-        write_json(out / SAFE_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        total += sum(sizes)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map} if n > 1 else None
+    return jobs, index
+
+
+def _write_range(path: Path, plan: safetensors_io.Layout, first: int, stop: int, produce, advance) -> None:
+    safetensors_io.write_range(path, plan, first, stop, produce, on_tensor=advance)
+
+
+def _cuts(sizes: list[int], pieces: int) -> list[int]:
+    """Boundaries cutting `sizes` into at most `pieces` contiguous ranges of about equal sums (none empty)."""
+    total = sum(sizes)
+    cuts, acc = [0], 0
+    for i, size in enumerate(sizes[:-1], 1):
+        acc += size
+        if len(cuts) < pieces and acc * pieces >= total * len(cuts):
+            cuts.append(i)
+    return cuts + [len(sizes)]
+
+
+def write_weights(out: Path, entries: list[safetensors_io.Entry],
+                  produce: Callable[[safetensors_io.Entry], torch.Tensor | Blocks], max_shard_size: int, progress,
+                  workers: int | None = 1) -> None:
+    """Sharded safetensors + index (or one `model.safetensors`), each shard streamed tensor by tensor."""
+    jobs, index = weight_jobs(out, entries, produce, max_shard_size)
+    run(jobs, workers=workers, progress=progress,
+        finish=lambda _: index is not None and write_json(out / SAFE_INDEX, index))

@@ -122,15 +122,18 @@ class Manifest:
             self._verified.add(name)
 
 
-def write_manifest(root: Path, *, threads: int = 4) -> dict[str, str]:
+def write_manifest(root: Path, *, threads: int = 4, known: dict[str, str] | None = None) -> dict[str, str]:
     """Write `root/integrity.json` as megatron-core does (every top-level file but the manifest, sorted, indent 2).
 
     Files are hashed in parallel (hashlib releases the GIL); they have just been written, so they are read back
-    from the page cache.
+    from the page cache. `known` digests (hashed by the workers that wrote those files) are taken as they are.
     """
+    known = known or {}
     names = sorted(p.name for p in Path(root).iterdir() if p.is_file() and p.name != MANIFEST)
+    todo = [n for n in names if n not in known]
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
-        digests = dict(zip(names, pool.map(lambda n: file_digest(Path(root) / n), names)))
+        digests = dict(zip(todo, pool.map(lambda n: file_digest(Path(root) / n), todo)))
+    digests = {n: known.get(n) or digests[n] for n in names}
     with open(Path(root) / MANIFEST, "w") as f:
         json.dump({"algorithm": ALGORITHM, "files": digests}, f, indent=2)
     return digests

@@ -10,15 +10,20 @@ arrives, so a multi-GB shard never sits in memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
+import os
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from mconvert.formats.block_writer import Sender, pwrite_all
+from mconvert.formats.writeback import Writeback
 
+from mconvert.blocks import Blocks, FileBytes, as_blocks
 from mconvert.errors import ConvertError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -46,6 +51,7 @@ class SafetensorsFile:
         self.path = Path(path)
         self.infos, self.metadata = read_header(self.path)
         self._map: mmap.mmap | None = None
+        self._identity: tuple[int, int, int, int] | None = None
 
     def get(self, name: str) -> torch.Tensor:
         info = self.infos.get(name)
@@ -54,11 +60,19 @@ class SafetensorsFile:
         if self._map is None:
             with open(self.path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._identity = FileBytes.identity_of(os.fstat(f.fileno()))
         count = (info.end - info.start) // info.dtype.itemsize
         if count == 0:
             return torch.empty(info.shape, dtype=info.dtype)
         flat = torch.frombuffer(self._map, dtype=info.dtype, count=count, offset=info.start)
         return flat.view(info.shape)
+
+    def get_blocks(self, name: str) -> Blocks:
+        """`get` as one block that knows its bytes are the file's bytes [start, end), unchanged."""
+        t = self.get(name)
+        if not t.numel():
+            return Blocks.of(t)
+        return Blocks.of(t, FileBytes(os.path.abspath(self.path), self.infos[name].start, self._identity, t._version))
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -132,10 +146,19 @@ class Entry:
     dtype: torch.dtype
 
 
-def write(path: Path | str, entries: Iterable[Entry], produce: Callable[[Entry], torch.Tensor],
-          metadata: dict[str, str] | None = None, on_tensor: Callable[[int], None] | None = None) -> int:
-    """Write a safetensors file, asking `produce` for each entry's tensor in order; returns bytes written."""
-    entries = list(entries)
+@dataclass(frozen=True)
+class Layout:
+    """Where everything goes in one safetensors file, known before any tensor is produced: the header (with its
+    8-byte length) and each tensor's absolute offset. Writers of different tensor ranges can then work at once."""
+
+    header: bytes
+    entries: tuple[Entry, ...]
+    starts: tuple[int, ...]
+    size: int
+
+
+def layout(entries: Iterable[Entry], metadata: dict[str, str] | None = None) -> Layout:
+    entries = tuple(entries)
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     for e in entries:
@@ -146,19 +169,40 @@ def write(path: Path | str, entries: Iterable[Entry], produce: Callable[[Entry],
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    written = 0
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for e in entries:
-            t = produce(e)
-            if tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
-                raise ConvertError(f"{path}: tensor {e.name} came out {list(t.shape)} {t.dtype}, "
+    base = 8 + len(blob)
+    starts = tuple(base + header[e.name]["data_offsets"][0] for e in entries)  # type: ignore[index]
+    return Layout(struct.pack("<Q", len(blob)) + blob, entries, starts, base + offset)
+
+
+def write(path: Path | str, entries: Iterable[Entry], produce: Callable[[Entry], torch.Tensor | Blocks],
+          metadata: dict[str, str] | None = None, on_tensor: Callable[[int], None] | None = None) -> int:
+    """Write a safetensors file, asking `produce` for each entry's tensor (or its blocks) in order; returns bytes
+    written."""
+    plan = layout(entries, metadata)
+    write_range(path, plan, 0, len(plan.entries), produce, on_tensor)
+    return plan.size
+
+
+def write_range(path: Path | str, plan: Layout, first: int, stop: int,
+                produce: Callable[[Entry], torch.Tensor | Blocks], on_tensor: Callable[[int], None] | None = None,
+                ) -> None:
+    """Tensors [first, stop) of the file `plan` describes, each at its offset; the range starting at 0 also writes
+    the header and sets the file's size. Other ranges of the same file may be written at the same time (the file
+    is opened without truncation and every write goes to its own offset): the file is whole when all are done."""
+    with contextlib.ExitStack() as stack:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        stack.callback(os.close, fd)
+        if first == 0:
+            os.ftruncate(fd, plan.size)
+            pwrite_all(fd, memoryview(plan.header), 0)
+        writeback = Writeback(fd, plan.starts[first] if first < len(plan.entries) else plan.size)
+        sender = stack.enter_context(contextlib.closing(Sender()))
+        for e, start in zip(plan.entries[first:stop], plan.starts[first:stop]):
+            produced = produce(e)
+            if tuple(produced.shape) != tuple(e.shape) or produced.dtype != e.dtype:
+                raise ConvertError(f"{path}: tensor {e.name} came out {list(produced.shape)} {produced.dtype}, "
                                    f"planned {list(e.shape)} {e.dtype}")
-            t = t.detach().contiguous()
-            if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-            written += t.nbytes
+            blocks = as_blocks(produced)
+            sender.send(blocks, fd, start, writeback=writeback)
             if on_tensor:
-                on_tensor(t.nbytes)
-    return 8 + len(blob) + written
+                on_tensor(blocks.nbytes)

@@ -3,7 +3,9 @@
 Reading never executes code from the file: `torch.load(weights_only=True)` with an explicit allow-list. Megatron
 pickles its args with a few of its own classes inside (enums); those names map to inert stand-ins, so reading
 needs no Megatron install. Anything else the pickle asks for is refused with an error naming the global.
-(Writing lives in `formats.torch_zip`.)
+`map_tensor` reads a tensor archive embedded in a bigger file (a DCP chunk) through the same `torch.load`, on the
+meta device: torch then reads only the pickle and the record headers and says where the storage's bytes are, which
+become a view of the caller's memory map, nothing copied. (Writing lives in `formats.torch_zip`.)
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import argparse
 import collections
 import contextlib
 import io
+import mmap
+import os
 import pathlib
 import pickle
 import pickletools
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mconvert.blocks import FileBytes
 from mconvert.errors import ConvertError
 
 
@@ -161,6 +166,48 @@ def safe_load(path: Path | str, *, mmap: bool = True) -> Any:
         ) from None
 
 
+def file_sources(path: Path | str, state: Any) -> dict[int, FileBytes]:
+    """Where in the file the tensors of `state` (just loaded from `path` by `safe_load`, memory-mapped) have their
+    bytes: {id(tensor): FileBytes} for each contiguous tensor that views its record unchanged.
+
+    torch says where each storage's record starts when it loads the file again on the meta device (no data read);
+    the mapped tensors must sit at the same distances from each other in memory as their records in the file
+    (one mapping of the whole file), else nothing is claimed. A big-endian file is byte-swapped in memory by torch:
+    nothing is claimed either.
+    """
+    path = Path(path)
+    try:
+        reader = torch._C.PyTorchFileReader(str(path))
+        if reader.has_record("byteorder") and bytes(reader.get_record("byteorder")) != b"little":
+            return {}
+        with _allowing(SAFE_GLOBALS):
+            meta = torch.load(path, map_location="meta", weights_only=True)
+        identity = FileBytes.identity_of(os.stat(path))
+    except Exception:  # noqa: BLE001 - provenance is an optimisation: without it the bytes are written from memory
+        return {}
+    pairs: list[tuple[torch.Tensor, int]] = []
+    _pair_tensors(state, meta, pairs)
+    bases = {t.untyped_storage().data_ptr() - at for t, at in pairs if t.numel()}
+    if len(bases) != 1:
+        return {}
+    return {id(t): FileBytes(os.path.abspath(path), at + t.storage_offset() * t.element_size(), identity, t._version)
+            for t, at in pairs if t.numel() and t.is_contiguous()}
+
+
+def _pair_tensors(mapped: Any, meta: Any, out: list[tuple[torch.Tensor, int]]) -> None:
+    """(mapped tensor, its storage's record offset) for the tensors found at the same place in both loads."""
+    if isinstance(mapped, torch.Tensor) and isinstance(meta, torch.Tensor):
+        at = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+        if at is not None and mapped.shape == meta.shape and mapped.dtype == meta.dtype:
+            out.append((mapped, at))
+    elif isinstance(mapped, dict) and isinstance(meta, dict) and mapped.keys() == meta.keys():
+        for k in mapped:
+            _pair_tensors(mapped[k], meta[k], out)
+    elif isinstance(mapped, (list, tuple)) and isinstance(meta, (list, tuple)) and len(mapped) == len(meta):
+        for a, b in zip(mapped, meta):
+            _pair_tensors(a, b, out)
+
+
 def safe_load_bytes(data: bytes, where: str) -> Any:
     """`safe_load` for a torch.save archive held in memory (entries embedded in other files)."""
     try:
@@ -174,6 +221,78 @@ def safe_load_bytes(data: bytes, where: str) -> Any:
         raise ConvertError(f"{where}: refusing to unpickle: {_first_line(e)}") from None
     except Exception as e:
         raise ConvertError(f"{where}: not a readable torch object (truncated or corrupt?): {_first_line(e)}") from None
+
+
+def map_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> torch.Tensor:
+    """The tensor torch.save'd at bytes [offset, offset+length) of `path`, as a view of `mapping` (no copy)."""
+    return locate_tensor(path, offset, length, mapping)[0]
+
+
+def locate_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> tuple[torch.Tensor, int]:
+    """`map_tensor`, and the file offset of the tensor's first element (the view shows the file's bytes as they
+    are there)."""
+    where = f"{path}: the tensor archive at byte {offset}"
+    try:
+        with open(path, "rb") as f:  # a tensor needs nothing beyond torch's own allow-list
+            meta = torch.load(_ReadWindow(f, offset, length), map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = _UNSAFE.search(str(e))
+        if found:
+            raise ConvertError(f"{where}: refusing to unpickle: unexpected global `{found.group(1)}` (a tensor "
+                               "archive names only torch's own tensor classes)") from None
+        raise ConvertError(f"{where}: refusing to unpickle: {_first_line(e)}") from None
+    except Exception as e:  # a damaged archive trips torch's zip reader over anything (even an AssertionError)
+        raise ConvertError(f"{where} is not readable (truncated or corrupt?): {_first_line(e)}") from None
+    if not isinstance(meta, torch.Tensor):
+        raise ConvertError(f"{where} holds a {type(meta).__name__}, not a tensor")
+    storage = meta.untyped_storage()
+    start = getattr(storage, "_checkpoint_offset", None)  # where torch found the storage, from the archive's start
+    if start is None:
+        raise ConvertError(f"{where}: this torch ({torch.__version__}) does not report storage offsets; torch >= 2.6 "
+                           "is needed to read distributed checkpoints")
+    nbytes = storage.nbytes()
+    if start + nbytes > length:
+        raise ConvertError(f"{where} lacks the bytes of its storage (truncated?)")
+    if not nbytes:
+        return torch.empty(meta.shape, dtype=meta.dtype), offset + start
+    flat = torch.frombuffer(mapping, dtype=meta.dtype, count=nbytes // meta.dtype.itemsize, offset=offset + start)
+    try:
+        tensor = flat.as_strided(meta.shape, meta.stride(), meta.storage_offset())
+    except RuntimeError as e:  # sizes and strides reaching beyond the storage
+        raise ConvertError(f"{where} is not readable (corrupt sizes?): {_first_line(e)}") from None
+    return tensor, offset + start + meta.storage_offset() * meta.dtype.itemsize
+
+
+class _ReadWindow:
+    """Bytes [base, base+length) of an open file, as a seekable file object for torch's zip reader."""
+
+    def __init__(self, f, base: int, length: int) -> None:
+        self.f, self.base, self.length, self.pos = f, base, length, 0
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.length - self.pos if n is None or n < 0 else min(n, self.length - self.pos)
+        self.f.seek(self.base + self.pos)
+        data = self.f.read(max(n, 0))
+        self.pos += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
 
 
 def _first_line(e: Exception) -> str:

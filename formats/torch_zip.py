@@ -1,4 +1,4 @@
-"""The torch.save zip format: a streaming writer, and a memory-mapped reader for tensors embedded in other files.
+"""The torch.save zip format: a streaming writer (reading is torch's own `torch.load`, see `formats.torch_pickle`).
 
 A torch.save file is a stored (uncompressed) zip archive `<name>/data.pkl`, `<name>/data/<key>` (raw storage
 bytes, 64-byte aligned), `.format_version`, `.storage_alignment`, `byteorder`, `version`.
@@ -9,8 +9,14 @@ couple of tensors, whatever the file size. The archive is written with Python's 
 faster than torch's own writer) and can start anywhere in an open file: distributed-checkpoint files embed one
 such archive per tensor chunk.
 
-Reading `map_tensor` maps such an embedded single-tensor archive without copying it: its pickle is read by a
-tiny unpickler that knows only how torch rebuilds a tensor, and the bytes are a view of a private memory map.
+Records are laid out by Python's zipfile, not by torch's writer (miniz), so the archive does not claim torch's
+`.format_version`: with it, torch would compute storage offsets from miniz's layout (its
+`calculate_storage_offsets` option and meta-device loads) instead of reading each record's header.
+
+Why not torch.save itself with `torch.serialization.skip_data()` (records laid out, bytes filled in later)? It
+writes each data record's CRC-32 as 0 (checked with torch 2.13: `zipfile.testzip` names `data/0`), so filling in
+the bytes afterwards would also mean patching every local header and the central directory: more code than
+writing the records here, where the CRC is computed as the bytes go out.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ import collections
 import concurrent.futures
 import contextlib
 import io
-import mmap
 import pickle
 import struct
 import zipfile
@@ -27,8 +32,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from mconvert.formats.block_writer import Sender
+from mconvert.formats.writeback import Writeback
 
-from mconvert.errors import ConvertError
+from mconvert.blocks import Blocks, as_blocks
 
 try:  # ISA-L's CRC-32 (the very same checksum) runs about 6x faster than zlib's; zipfile calls it for every byte
     from isal.isal_zlib import crc32 as _fast_crc32
@@ -38,8 +45,10 @@ except ImportError:  # pragma: no cover - the `isal` wheel is a dependency; zlib
     pass
 
 ALIGN = 64
+# zipfile's record writer counts the bytes and CRC it is given in these two attributes (CPython 3.6 to 3.13); the
+# tensor bytes are sent past it, so they are set directly. Without them, tensors go through write() (slower).
+_COUNTS_BYTES = all(a in zipfile._ZipWriteFile.__init__.__code__.co_names for a in ("_file_size", "_crc"))
 _STORAGE_TYPES = {dtype: getattr(torch, name) for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
-_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 
 
 class _StorageRef:
@@ -94,17 +103,20 @@ class TorchFileWriter:
 
     `target` is a path, or an open binary file positioned where the archive starts (left open). With
     `background` the tensor bytes are checksummed and written by a helper thread, overlapping with the caller
-    preparing the next tensor; at most `max_pending` tensors wait at a time.
+    preparing the next tensor; at most `max_pending` tensors wait at a time. `sender` (see formats.block_writer)
+    may be shared by archives written one after another by one thread (DCP files hold one per chunk).
     """
 
     def __init__(self, target: Path | str | BinaryIO, *, archive: str | None = None, background: bool = True,
-                 max_pending: int = 2) -> None:
+                 max_pending: int = 2, sender: Sender | None = None) -> None:
         if isinstance(target, (str, Path)):
             self._file, self._own = open(target, "wb"), True  # noqa: SIM115
             archive = archive or Path(target).stem
         else:
             self._file, self._own = target, False
         self._out = Window(self._file)
+        self._writeback = Writeback(self._file.fileno(), self._file.tell())
+        self._sender, self._own_sender = (sender, False) if sender else (Sender(), True)  # one writing thread
         self._prefix = archive or "archive"
         self._zip = zipfile.ZipFile(self._out, "w", zipfile.ZIP_STORED, allowZip64=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if background else None
@@ -114,35 +126,53 @@ class TorchFileWriter:
         self._closed = False
         self.bytes_written = 0
 
-    def _record(self, name: str, data) -> None:
+    def _record(self, name: str, data: bytes | Blocks) -> None:
+        """One stored record of `data`: bytes, or blocks sent by `formats.block_writer` (file to file where it can)
+        behind zipfile's back, telling it the size and CRC it would have counted."""
         info = zipfile.ZipInfo(f"{self._prefix}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
         # Local header = 30 bytes + name + our padding field (4 + n) + the zip64 field (20): pad the data to ALIGN.
         header = 30 + len(info.filename.encode()) + 4 + 20
         pad = -(self._out.tell() + header) % ALIGN
         info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         with self._zip.open(info, "w", force_zip64=True) as f:
-            f.write(data)
+            if isinstance(data, bytes):
+                f.write(data)
+            elif not _COUNTS_BYTES:
+                f.write(data.join().reshape(-1).view(torch.uint8).numpy())
+            else:
+                self._file.flush()
+                start = self._file.tell()
+                end, crc = self._sender.send(data, self._file.fileno(), start, crc=0, writeback=self._writeback)
+                self._file.seek(end)
+                f._file_size, f._crc = end - start, crc  # what f.write() would have counted
+        self._writeback.advance(self._file.tell())
 
-    def _write_tensor(self, key: str, t: torch.Tensor) -> None:
-        data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-        self._record(f"data/{key}", data)
+    def _write_tensor(self, key: str, blocks: Blocks) -> None:
+        self._record(f"data/{key}", blocks)
 
     def _wait(self, keep: int) -> None:
         while len(self._pending) > keep:
             self._pending.popleft().result()  # re-raises a failed write here
 
-    def add(self, tensor: torch.Tensor) -> StoredTensor:
-        """Write (or queue) the tensor's bytes; return a handle to put in the object passed to `finish`."""
-        t = tensor.detach().cpu().contiguous()  # a contiguous view is written as is: only its own bytes
+    def add(self, tensor: torch.Tensor | Blocks) -> StoredTensor:
+        """Write (or queue) the tensor's bytes; return a handle to put in the object passed to `finish`. Blocks
+        (see mconvert.blocks) are written one after another, never joined."""
+        blocks = as_blocks(tensor)
         key = str(self._count)
         self._count += 1
         if self._pool is None:
-            self._write_tensor(key, t)
+            try:
+                self._write_tensor(key, blocks)
+            except BaseException:  # e.g. a full disk: release the archive now, not in ZipFile.__del__
+                with contextlib.suppress(Exception):
+                    self.close()
+                raise
         else:
             self._wait(self._max_pending - 1)
-            self._pending.append(self._pool.submit(self._write_tensor, key, t))
-        self.bytes_written += t.nbytes
-        return StoredTensor(_StorageRef(key, t.dtype, t.numel()), tuple(t.shape))
+            self._pending.append(self._pool.submit(self._write_tensor, key, blocks))
+        self.bytes_written += blocks.nbytes
+        numel = blocks.nbytes // blocks.dtype.itemsize
+        return StoredTensor(_StorageRef(key, blocks.dtype, numel), blocks.shape)
 
     def finish(self, obj: Any) -> int:
         """Pickle `obj` (tensors already replaced by `add` handles, or small tensors added now) and close."""
@@ -164,8 +194,8 @@ class TorchFileWriter:
             _Pickler(buf, protocol=2).dump(obj)
             self._wait(0)
             data = buf.getvalue()
-            for name, value in (("data.pkl", data), (".format_version", b"1"), (".storage_alignment", b"64"),
-                                ("byteorder", b"little"), ("version", b"3\n")):
+            for name, value in (("data.pkl", data), (".storage_alignment", b"64"), ("byteorder", b"little"),
+                                ("version", b"3\n")):
                 self._record(name, value)
         except BaseException:  # e.g. a full disk: release the file now, not in ZipFile.__del__ (which would fail)
             with contextlib.suppress(Exception):
@@ -188,6 +218,8 @@ class TorchFileWriter:
             try:
                 self._zip.close()
             finally:
+                if self._own_sender:
+                    self._sender.close()
                 if self._own:
                     self._file.close()
 
@@ -195,91 +227,3 @@ class TorchFileWriter:
 def save(obj: Any, target: Path | str | BinaryIO, **kwargs) -> int:
     """`torch.save` through the streaming writer (same format); returns the bytes written."""
     return TorchFileWriter(target, **kwargs).finish(obj)
-
-
-class _TensorPickle(pickle.Unpickler):
-    """Reads the pickle of a torch.save'd tensor and nothing else: no other global can be named."""
-
-    def __init__(self, data: bytes, rebuild) -> None:
-        super().__init__(io.BytesIO(data))
-        self._rebuild = rebuild
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return self._rebuild
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if (module, name) == ("torch", "Size"):
-            return torch.Size
-        raise pickle.UnpicklingError(f"unexpected global {module}.{name} in a tensor archive")
-
-    def persistent_load(self, pid):
-        _, dtype, key, _location, numel = pid
-        return dtype, str(key), int(numel)
-
-
-def map_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> torch.Tensor:
-    """The tensor torch.save'd at bytes [offset, offset+length) of `path`, as a view of `mapping` (no copy)."""
-    with open(path, "rb") as f:
-        f.seek(offset)
-        window = _ReadWindow(f, offset, length)
-        try:
-            archive = zipfile.ZipFile(window)
-            names = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
-            pickled = archive.read(names["data.pkl"])
-            starts = {}
-            for key, info in names.items():
-                if key.startswith("data/"):
-                    f.seek(offset + info.header_offset)
-                    header = f.read(30)
-                    name_len, extra_len = struct.unpack("<HH", header[26:30])
-                    starts[key[5:]] = offset + info.header_offset + 30 + name_len + extra_len
-        except Exception as e:  # whatever a damaged archive makes zipfile or struct trip over
-            raise ConvertError(f"{path}: bytes {offset}..{offset + length} are not a torch tensor archive "
-                               f"(truncated or corrupt?): {type(e).__name__}: {e}") from None
-
-    def rebuild(storage, storage_offset, size, stride, *_):
-        dtype, key, numel = storage
-        if key not in starts or starts[key] + numel * dtype.itemsize > offset + length:
-            raise ConvertError(f"{path}: tensor archive at byte {offset} lacks the bytes of storage {key}")
-        flat = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=starts[key]) if numel else \
-            torch.empty(0, dtype=dtype)
-        return flat.as_strided(tuple(size), tuple(stride), storage_offset)
-
-    try:
-        tensor = _TensorPickle(pickled, rebuild).load()
-    except ConvertError:
-        raise
-    except pickle.UnpicklingError as e:
-        raise ConvertError(f"{path}: refusing the tensor archive at byte {offset}: {e}") from None
-    except Exception as e:  # a damaged pickle: wrong argument types, sizes beyond the storage, ...
-        raise ConvertError(f"{path}: corrupt tensor archive at byte {offset}: {type(e).__name__}: {e}") from None
-    if not isinstance(tensor, torch.Tensor):
-        raise ConvertError(f"{path}: the archive at byte {offset} holds a {type(tensor).__name__}, not a tensor")
-    return tensor
-
-
-class _ReadWindow:
-    """Bytes [base, base+length) of an open file, as a seekable file object for zipfile."""
-
-    def __init__(self, f: BinaryIO, base: int, length: int) -> None:
-        self.f, self.base, self.length, self.pos = f, base, length, 0
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.length - self.pos if n is None or n < 0 else min(n, self.length - self.pos)
-        self.f.seek(self.base + self.pos)
-        data = self.f.read(max(n, 0))
-        self.pos += len(data)
-        return data
-
-    def seekable(self) -> bool:
-        return True

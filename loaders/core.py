@@ -24,6 +24,7 @@ from mconvert.loaders.megatron_files import (
 )
 from mconvert.loaders.megatron_files import config as megatron_config
 
+from mconvert.blocks import Blocks
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import to_ir, verify_copies
@@ -60,7 +61,9 @@ def load(path: Path, options: Options) -> ModelIR:
     files = RankFiles(it_dir)
 
     def tensors_of(tp: int, pp: int, ep: int, entry: str) -> dict[str, LazyTensor]:
-        return {k: LazyTensor.of(v, f"{files.rel((tp, pp, ep))}:{entry}.{k}")
+        idx = (tp, pp, ep)
+        return {k: LazyTensor(tuple(v.shape), v.dtype, lambda v=v: v, f"{files.rel(idx)}:{entry}.{k}",
+                              lambda v=v: Blocks.of(v, files.source(idx, v)))
                 for k, v in files.model(tp, pp, ep, entry).items() if isinstance(v, torch.Tensor)}
 
     chunks = chunks_in_files(files, LAYER_KEY, tensors_of)

@@ -145,4 +145,5 @@ def _lazy(store, placed: core_dist.Placed, it_dir: Path) -> LazyTensor:
         raise ConvertError(f"{it_dir}: {key} stacks {list(shape[:len(index)])} {what}, the args say "
                            f"{list(placed.stack)}")
     origin = f"{it_dir.name}:{key}" + (f"{list(index)}" if index else "")
-    return LazyTensor(tuple(shape[len(index):]), dtype, lambda: store.read(key, index), origin)
+    blocks = (lambda: store.read_blocks(key, index)) if hasattr(store, "read_blocks") else None
+    return LazyTensor(tuple(shape[len(index):]), dtype, lambda: store.read(key, index), origin, blocks)

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from mconvert.formats import hf_dir
 from mconvert.formats.contained import inside
-from mconvert.formats.torch_pickle import safe_load
+from mconvert.formats.torch_pickle import file_sources, safe_load
 from mconvert.loaders.core_dcp import is_dcp_checkpoint
 from mconvert.loaders.core_dist import config_from_args, is_dist_checkpoint
 
+from mconvert.blocks import FileBytes
 from mconvert.config_checks import MEGATRON_INTEGERS, check_integers
 from mconvert.errors import ConvertError, format_names
 from mconvert.ir import LazyTensor, ModelConfig
@@ -121,6 +122,7 @@ class RankFiles:
         _check_distinct(list(self.files.values()))
         self.states = {idx: first if self.files[idx].parent == dirs[0] else self._load(self.files[idx].parent)
                        for idx in self.files}
+        self._sources: dict[tuple[int, int, int], dict[int, FileBytes]] = {}
         self.it_dir = it_dir
         check_same_save(self)
 
@@ -145,6 +147,12 @@ class RankFiles:
         if name not in state:
             raise ConvertError(f"{self.files[(tp, pp, ep)]}: no {name!r} entry (other ranks have it)")
         return state[name]
+
+    def source(self, idx: tuple[int, int, int], tensor: torch.Tensor) -> FileBytes | None:
+        """Where `tensor` (of rank file `idx`) has its bytes in the file, unchanged (see `file_sources`)."""
+        if idx not in self._sources:
+            self._sources[idx] = file_sources(self.files[idx], self.states[idx])
+        return self._sources[idx].get(id(tensor))
 
     def rel(self, idx: tuple[int, int, int]) -> str:
         f = self.files[idx]

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mconvert import staging
+from mconvert import staging, workers
 from mconvert.errors import ConvertError
 from mconvert.formats import contained, hf_dir
 from mconvert.ir import ModelIR
@@ -126,9 +126,9 @@ def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progres
     plugin = get_saver(saver)
     options = options if options.final_dir else dataclasses.replace(options, final_dir=Path(dst).resolve())
     try:
-        with staged_output(dst) as work:
+        with workers.shared_staging(dst, staged_output) as work:  # under torchrun, one directory for every rank
             plugin.func(ir, work, options, progress)
-            if check is not None:
+            if check is not None and workers.team().leader:  # a failure here fails every rank
                 check(work)
     except OSError as e:  # disk full, quota, I/O error (writing, or reading the source): staging is gone already
         where = f" ({e.filename})" if e.filename else ""

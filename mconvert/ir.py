@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from mconvert.blocks import Blocks
 from mconvert.config_checks import check_model_config
 from mconvert.deepseek import check_config
 from mconvert.errors import ConvertError, mismatch
@@ -243,13 +244,16 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 class LazyTensor:
     """A tensor known by shape and dtype whose bytes are read by `load()` only when needed.
 
-    `origin` names where the bytes come from (`file:key`), for error messages.
+    `origin` names where the bytes come from (`file:key`), for error messages. `blocks`, when a loader can give
+    it, returns the same tensor as contiguous pieces without joining them (see `mconvert.blocks`), which is what
+    writers want.
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     thunk: Callable[[], torch.Tensor] = field(repr=False)
     origin: str = ""
+    blocks: Callable[[], Blocks] | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -265,6 +269,12 @@ class LazyTensor:
                 f"{self.origin}: expected {list(self.shape)} {self.dtype}, read {list(t.shape)} {t.dtype}"
             )
         return t
+
+    def load_blocks(self) -> Blocks:
+        """The bytes as `Blocks`: the loader's pieces when it has them, else the loaded tensor as one block."""
+        if self.blocks is None:
+            return Blocks.of(self.load())
+        return self.blocks().check(self.shape, self.dtype, self.origin)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor], shape=None, dtype=None, origin=None) -> LazyTensor:
         """A new lazy tensor that applies `fn` to this one's bytes when loaded."""

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from mconvert.blocks import Blocks
 from mconvert.errors import ConvertError, format_names, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR
 from mconvert.ir_names import expected_shapes
+from mconvert.row_plan import RowPlanner
 from mconvert.rules import IDENTITY, Ctx, LayerKind, Rule, Table, active
 
 
@@ -91,6 +93,7 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
                            f"({ctx.config.num_layers} layers). " + mismatch(missing, extra))
     _check_floating(source, rows, where)
     cache = cache or LoadCache()
+    planner = RowPlanner(ctx)
     want_shapes = expected_shapes(ctx.config)
     out: dict[str, LazyTensor] = {}
     for row in rows:
@@ -100,12 +103,17 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
             out[row.ir[0]] = pieces[0]  # stored as is: no copy, no cache
             continue
         origin = pieces[0].origin if len(pieces) == 1 else f"{pieces[0].origin} (+{len(pieces) - 1} TP pieces)"
+        moves_rows = planner.moves_rows(row.rule, "backward", [p.shape for p in pieces])
         for i, name in enumerate(row.ir):
 
             def thunk(row=row, pieces=pieces, i=i):
                 return cache.part(row.key, i, lambda: row.rule.backward([p.load() for p in pieces], ctx))
 
-            out[name] = LazyTensor(shapes[i], pieces[0].dtype, thunk, origin)
+            def blocks(row=row, pieces=pieces, i=i, thunk=thunk):
+                found = planner.backward(row.rule, [p.load_blocks() for p in pieces])
+                return Blocks.of(thunk()) if found is None else found[i]
+
+            out[name] = LazyTensor(shapes[i], pieces[0].dtype, thunk, origin, blocks if moves_rows else None)
     order = {name: i for i, name in enumerate(want_shapes)}  # canonical IR order, whatever the file order
     return dict(sorted(out.items(), key=lambda item: order.get(item[0], len(order))))
 
@@ -147,8 +155,9 @@ class Planned:
     dtype: object
     row: Row
 
-    def produce(self, ir: ModelIR, ctx: Ctx) -> torch.Tensor:
-        return self.row.rule.forward([ir[n].load() for n in self.row.ir], dataclasses.replace(ctx, tp=1))[0]
+    def produce(self, ir: ModelIR, planner: RowPlanner) -> torch.Tensor | Blocks:
+        """The tensor, or its blocks when the rule only moves rows (`planner` of the saver's unsharded Ctx)."""
+        return planner.forward_lazy(self.row.rule, [ir[n] for n in self.row.ir])[0]
 
 
 def from_ir(ir: ModelIR, rows: list[Row], ctx: Ctx) -> list[Planned]:

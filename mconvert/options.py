@@ -32,6 +32,7 @@ class Options:
     tokenizer: Path | None = None  # tokenizer files to carry into the output
     max_shard_size: int = 5 * 1024**3  # bytes per safetensors shard (HF savers)
     iteration: int | None = None  # Megatron iteration to write; default: the source's, else 1
+    workers: int | None = None  # output files written at once (threads); None: one per CPU (mconvert.workers)
     skip_mtp: bool = False  # leave out multi-token-prediction modules (noted, never silent)
     fp8_weights: bool = False  # HF DeepSeek saver: linear weights FP8 with 128x128 block scales
     # Where the output lives once complete (savers write into a staging directory beside it, see engine.save):

@@ -7,7 +7,7 @@ resumes from it. Here every byte goes through an allow-list or through no unpick
 
     .metadata       mconvert's allow-listed DCP unpickler (DCP's own classes only), checked first by `DcpReader`
                     (types, every relative_path inside the checkpoint, no file shorter than the records say)
-    tensor chunks   memory-mapped, decoded by the tensor-only decoder of `formats.torch_zip` (no pickle globals)
+    tensor chunks   memory-mapped, decoded by `formats.torch_pickle.map_tensor` (torch's weights-only loader)
     bytes items     `safe_load_bytes` (torch's weights_only loader with mconvert's allow-list)
 
 DCP still plans the load, so resharding to another layout works as before.
@@ -21,8 +21,7 @@ import mmap
 from pathlib import Path
 
 from mconvert.formats import dcp as dcp_format
-from mconvert.formats.torch_pickle import safe_load_bytes
-from mconvert.formats.torch_zip import map_tensor
+from mconvert.formats.torch_pickle import map_tensor, safe_load_bytes
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from mconvert.formats.dcp import DcpWriter
+from mconvert.formats.dcp_writer import DcpWriter
 from mconvert.savers import megatron_files
 from mconvert.savers.core_dist import check_model
 

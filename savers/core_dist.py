@@ -11,20 +11,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from mconvert.formats import hf_dir
-from mconvert.formats.dcp import DcpWriter
+from mconvert.formats import dcp_writer, hf_dir
 from mconvert.formats.integrity import write_manifest
 from mconvert.formats.torch_zip import save as torch_save
 from mconvert.savers import megatron_files
 
+from mconvert import workers
+from mconvert.blocks import as_blocks, reshape
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.mapping import check_plan
 from mconvert.options import Options
 from mconvert.progress import Progress
+from mconvert.row_plan import RowPlanner
 from mconvert.rules import Ctx
 from mconvert.schemas import core, core_deepseek, core_dist
 from mconvert.transforms import padded_vocab_size
+from mconvert.workers import Job
 
 
 def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
@@ -43,28 +46,30 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     it_dir = out / core.iteration_dir(iteration)
     placements = core_dist.placements(c, options.transformer_impl)
     check_plan(ir.tensors, [(backend, [placed.row for placed in placements])], where=f"saver core ({backend})")
-    it_dir.mkdir(parents=True)
-    ctx = Ctx(c, padded)
-    writer = _writer(backend, it_dir)
-    try:
-        with progress.task(f"{it_dir.name} ({backend})", ir.nbytes) as advance:
-            for placed in placements:
-                tensors = [ir[n].load() for n in placed.row.ir]
-                _write_blocks(writer, placed, tensors, ctx, c)
-                advance(sum(t.nbytes for t in tensors))
-            value = [torch.empty(0, dtype=torch.uint8)] if options.transformer_impl == "te" else [None]
-            for key in core_dist.extra_states(c, options.transformer_impl):
-                writer.add_object(key, value)  # TE >= 2.5 stores an empty byte tensor without FP8
-        writer.finish()
-    finally:
-        writer.close()
+    it_dir.mkdir(parents=True, exist_ok=True)  # under torchrun every rank prepares the same directory
+    planner = RowPlanner(Ctx(c, padded))
+    items = [item for placed in placements for item in _blocks(ir, placed, planner)]
+    extra_state = [torch.empty(0, dtype=torch.uint8)] if options.transformer_impl == "te" else [None]
+    extra_keys = core_dist.extra_states(c, options.transformer_impl)  # TE >= 2.5: an empty byte tensor without FP8
     common = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0, "content_metadata": dict(core_dist.CONTENT_METADATA)}
-    torch_save(common, it_dir / core_dist.COMMON_FILE, background=False)
-    hf_dir.write_json(it_dir / core_dist.METADATA_JSON, core_dist.metadata_json(backend))
-    if backend == "torch_dist":  # megatron-core verifies it with --verify-integrity
-        write_manifest(it_dir)
-    megatron_files.finish_checkpoint(ir, out, it_dir, iteration)
+
+    def finish(results: list) -> None:
+        hashed = write_dcp_metadata(results) if backend == "torch_dist" else {}
+        torch_save(common, it_dir / core_dist.COMMON_FILE, background=False)
+        hf_dir.write_json(it_dir / core_dist.METADATA_JSON, core_dist.metadata_json(backend))
+        if backend == "torch_dist":  # megatron-core verifies it with --verify-integrity
+            write_manifest(it_dir, known=hashed)  # the .distcp files hashed by the workers that wrote them
+        megatron_files.finish_checkpoint(ir, out, it_dir, iteration)
+
+    if backend == "torch_dist":
+        data = dcp_writer.object_bytes(extra_state)
+        jobs, write_dcp_metadata = dcp_writer.plan(it_dir, items + [dcp_writer.Item(k, len(data), lambda: data)
+                                                                    for k in extra_keys], digests=True)
+    else:
+        jobs = [Job(f"{it_dir.name} ({backend})", ir.nbytes,
+                    lambda advance: _write_zarr(it_dir, items, dict.fromkeys(extra_keys, extra_state), advance))]
+    workers.run(jobs, workers=options.workers, progress=progress, finish=finish)
 
 
 def check_model(c: ModelConfig, options: Options) -> None:
@@ -78,28 +83,37 @@ def check_model(c: ModelConfig, options: Options) -> None:
     options.layout.check_model(c)
 
 
-def _write_blocks(writer, placed: core_dist.Placed, tensors: list[torch.Tensor], ctx: Ctx, c) -> None:
+def _blocks(ir: ModelIR, placed: core_dist.Placed, planner: RowPlanner) -> list[dcp_writer.Item]:
     """One stored block at its place in the stack; a plain concatenation (SwiGLU's [gate ; up]) goes out as its
-    parts at their offsets, as Megatron itself stores them, which saves copying them together."""
-    join = placed.row.rule.join
-    whole_shape = tuple(placed.row.rule.piece_shapes([tuple(t.shape) for t in tensors], ctx)[0])
+    parts at their offsets, as Megatron itself stores them."""
+    rule = placed.row.rule
+    tensors = [ir[n] for n in placed.row.ir]
+    whole_shape = tuple(rule.piece_shapes([t.shape for t in tensors], planner.ctx)[0])
     stack = placed.stack
-    if join.concat_dim is None:
-        blocks = [(join.join(tensors, ctx), 0)]
+    lead = (1,) * len(stack)
+    dtype = tensors[0].dtype
+    if rule.join.concat_dim is None:
+        blocks = [(whole_shape, 0, lambda: planner.forward_lazy(rule, tensors)[0])]
     else:
-        starts = [sum(t.shape[join.concat_dim] for t in tensors[:i]) for i in range(len(tensors))]
-        blocks = list(zip(tensors, starts))
-    for block, start in blocks:
+        starts = [sum(t.shape[rule.join.concat_dim] for t in tensors[:i]) for i in range(len(tensors))]
+        blocks = [(t.shape, start, t.load_blocks) for t, start in zip(tensors, starts)]
+    items = []
+    for shape, start, produce in blocks:
         offsets = [0] * len(whole_shape)
-        if join.concat_dim is not None:
-            offsets[join.concat_dim] = start
-        writer.add_chunk(placed.key, stack + whole_shape, placed.index + tuple(offsets),
-                         block.reshape((1,) * len(stack) + tuple(block.shape)))
+        if rule.join.concat_dim is not None:
+            offsets[rule.join.concat_dim] = start
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        items.append(dcp_writer.Item(placed.key, nbytes, lambda p=produce, s=lead + tuple(shape): reshape(p(), s),
+                                     stack + whole_shape, placed.index + tuple(offsets), lead + tuple(shape), dtype))
+    return items
 
 
-def _writer(backend: str, it_dir: Path):
-    if backend == "torch_dist":
-        return DcpWriter(it_dir)
+def _write_zarr(it_dir: Path, items: list[dcp_writer.Item], objects: dict, advance) -> None:
     from mconvert.formats.zarr_io import ZarrWriter  # zarr: slow to import, only when asked for
 
-    return ZarrWriter(it_dir)
+    writer = ZarrWriter(it_dir)
+    for item in items:
+        writer.add_chunk(item.fqn, item.global_shape, item.offsets, as_blocks(item.produce()).join())
+        advance(item.nbytes)
+    for key, obj in objects.items():
+        writer.add_object(key, obj)

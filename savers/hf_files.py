@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,13 @@ from mconvert.formats import hf_dir
 from mconvert.formats.safetensors_io import Entry
 
 from mconvert import fp8 as mfp8
+from mconvert import workers
+from mconvert.blocks import Blocks
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.mapping import check_plan, expand, from_ir
 from mconvert.options import Options
 from mconvert.progress import Progress
+from mconvert.row_plan import RowPlanner
 from mconvert.rules import Ctx, Table
 from mconvert.schemas.hf_common import generation_config
 
@@ -33,17 +37,26 @@ def save_hf(ir: ModelIR, out: Path, options: Options, progress: Progress, *, tab
     rows = expand(table, config)
     check_plan(ir.tensors, [("model", rows)], where=where)
     plan = {p.key: p for p in from_ir(ir, rows, ctx)}
-    entries, produce = _entries(plan, lambda key: plan[key].produce(ir, ctx), fp8)
-    hf_dir.write_weights(out, entries, produce, options.max_shard_size, progress)
-    hf_dir.write_json(out / "config.json", hf_config)
-    hf_dir.write_json(out / "generation_config.json", generation_config(config))
-    write_tokenizer(ir, out, options, progress)
+    planner = RowPlanner(ctx)
+    entries, produce = _entries(plan, lambda key: plan[key].produce(ir, planner), fp8)
+    jobs, index = hf_dir.weight_jobs(out, entries, produce, options.max_shard_size,
+                                     parallel=workers.slots(options.workers))
+
+    def finish(_) -> None:
+        if index is not None:
+            hf_dir.write_json(out / hf_dir.SAFE_INDEX, index)
+        hf_dir.write_json(out / "config.json", hf_config)
+        hf_dir.write_json(out / "generation_config.json", generation_config(config))
+        write_tokenizer(ir, out, options, progress)
+
+    workers.run(jobs, workers=options.workers, progress=progress, finish=finish)
 
 
 def _entries(plan: dict, tensor: Callable[[str], Any], fp8: Callable[[str], bool] | None):
     """The safetensors entries and the function producing each: a quantized weight is quantized once, its
-    `weight_scale_inv` (the next entry) taken from that."""
-    entries, pending = [], {}
+    `weight_scale_inv` (the next entry) taken from that. Workers may write the two in different ranges, in either
+    order: a scale whose weight was not quantized yet quantizes it itself (the same bytes)."""
+    entries, pending, lock = [], {}, threading.Lock()
     for key, p in plan.items():
         if fp8 is not None and fp8(key):
             entries += [Entry(key, p.shape, mfp8.FP8), Entry(key + mfp8.SCALE_SUFFIX, mfp8.scale_shape(p.shape),
@@ -51,12 +64,21 @@ def _entries(plan: dict, tensor: Callable[[str], Any], fp8: Callable[[str], bool
         else:
             entries.append(Entry(key, p.shape, p.dtype))
 
+    def quantized(key: str):
+        value = tensor(key)
+        return mfp8.quantize(value.join() if isinstance(value, Blocks) else value)
+
     def produce(e: Entry):
-        if e.name.endswith(mfp8.SCALE_SUFFIX) and e.name[:-len(mfp8.SCALE_SUFFIX)] in pending:
-            return pending.pop(e.name[:-len(mfp8.SCALE_SUFFIX)])[1]
+        weight = e.name[:-len(mfp8.SCALE_SUFFIX)]
+        if e.name.endswith(mfp8.SCALE_SUFFIX) and fp8 is not None and weight in plan and fp8(weight):
+            with lock:
+                found = pending.pop(weight, None)
+            return (found or quantized(weight))[1]
         if e.dtype == mfp8.FP8:
-            pending[e.name] = mfp8.quantize(tensor(e.name))
-            return pending[e.name][0]
+            q = quantized(e.name)
+            with lock:
+                pending[e.name] = q
+            return q[0]
         return tensor(e.name)
 
     return entries, produce

@@ -8,7 +8,8 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from mconvert.formats.dcp import DcpReader, DcpWriter
+from mconvert.formats.dcp import DcpReader
+from mconvert.formats.dcp_writer import DcpWriter
 
 
 def _free_port() -> int:

@@ -109,21 +109,28 @@ def test_shapes_disagreeing_across_tp_ranks(llama_dir, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_failed_conversion_leaves_no_partial_output(llama_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_failed_conversion_leaves_no_partial_output(llama_dir, tmp_path, monkeypatch, workers):
     dst = tmp_path / "out"
-    calls = {"n": 0}
+    calls = {"n": 0, "fail_at": 7}
     original = TorchFileWriter.add
 
     def failing_add(self, tensor):
         calls["n"] += 1
-        if calls["n"] == 7:
+        if calls["n"] == calls["fail_at"]:
             raise OSError("No space left on device")
         return original(self, tensor)
 
     monkeypatch.setattr(TorchFileWriter, "add", failing_add)
-    out = convert(llama_dir, dst, "--tp", "2", "--pp", "2", expect_error=True)  # one Error: line, no traceback
-    assert f"Error: converting into {dst} failed: No space left on device; nothing was left behind" in out
-    assert calls["n"] == 7
+    if workers > 1:  # count the tensors of a whole conversion first
+        calls["fail_at"] = 0
+        convert(llama_dir, tmp_path / "whole", "--tp", "2", "--pp", "2", "--workers", workers)
+        shutil.rmtree(tmp_path / "whole")
+        whole, calls["n"], calls["fail_at"] = calls["n"], 0, 7
+    out = convert(llama_dir, dst, "--tp", "2", "--pp", "2", "--workers", workers, expect_error=True)
+    assert f"Error: converting into {dst} failed: No space left on device; nothing was left behind" in out  # one line
+    # one worker stops at once; with two, the other stops at its next tensor, having written part of its files
+    assert calls["n"] == 7 if workers == 1 else 7 <= calls["n"] < whole
     assert sorted(os.listdir(tmp_path)) == []  # neither the output nor a staging directory
 
 

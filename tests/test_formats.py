@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import struct
 
 import pytest
 import torch
-from mconvert.formats import safetensors_io
+from mconvert.formats import hf_dir, safetensors_io
 from mconvert.formats.torch_pickle import safe_load
 from mconvert.formats.torch_zip import TorchFileWriter
 from safetensors.torch import load_file, save_file
 
 from mconvert.errors import ConvertError
+from mconvert.ir import ModelConfig
 
 
 def test_torch_writer_matches_torch_load(tmp_path):
@@ -121,3 +123,179 @@ def test_megatron_training_state_reads(tmp_path):
     assert loaded["model"]["decoder.layers.0.self_attention.linear_qkv._extra_state"].getvalue() == b"te-state"
     np_state = loaded["rng_state"][0]["np_rng_state"]
     assert np_state[0] == "MT19937" and np.array_equal(np_state[1], np_rng[1])
+
+
+def test_torch_finds_our_storages_where_they_are(tmp_path):
+    """torch may compute storage offsets from its own writer's layout instead of reading record headers (its
+    `calculate_storage_offsets` option, meta-device loads); our files must not invite that, or it reads wrong bytes."""
+    from torch.utils.serialization import config
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(n, generator=gen) for i, n in enumerate([1000, 7, 333, 1, 64, 5])}
+    writer = TorchFileWriter(tmp_path / "x.pt", archive="common")  # record names decide where headers end
+    writer.finish({k: writer.add(v) for k, v in tensors.items()})
+    with config.patch({"load.calculate_storage_offsets": True}):
+        loaded = torch.load(tmp_path / "x.pt", mmap=True, weights_only=True)
+        meta = torch.load(tmp_path / "x.pt", map_location="meta", weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    raw = (tmp_path / "x.pt").read_bytes()
+    for k, v in tensors.items():
+        at = meta[k].untyped_storage()._checkpoint_offset
+        assert raw[at:at + v.nbytes] == v.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_embedded_tensor_archives_are_mapped_or_refused(tmp_path):
+    import mmap
+
+    from mconvert.formats.torch_pickle import map_tensor
+
+    path = tmp_path / "chunks.bin"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 64)
+        start = f.tell()
+        TorchFileWriter(f, background=False).finish(torch.arange(12.0).reshape(3, 4)[1:])
+        end = f.tell()
+        torch.save({"not": "a tensor"}, f)
+        other_end = f.tell()
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    t = map_tensor(path, start, end - start, mapping)
+    assert torch.equal(t, torch.arange(4.0, 12.0).reshape(2, 4))
+    base = torch.frombuffer(mapping, dtype=torch.uint8)
+    assert base.data_ptr() <= t.data_ptr() < base.data_ptr() + len(mapping)  # a view of the file: nothing copied
+    with pytest.raises(ConvertError, match="holds a dict, not a tensor"):
+        map_tensor(path, end, other_end - end, mapping)
+    with pytest.raises(ConvertError, match="is not readable"):
+        map_tensor(path, start, 100, mapping)
+
+
+def _send(tmp_path, *blocks):
+    """Send `blocks` one after another into a new file; its bytes and the sender's counts."""
+    from mconvert.formats.block_writer import Sender
+
+    sender = Sender()
+    fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        end = 0
+        for b in blocks:
+            end, _ = sender.send(b, fd, end)
+    finally:
+        os.close(fd)
+        sender.close()
+    return (tmp_path / "out.bin").read_bytes(), sender.copied, sender.written
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_file_bytes_go_file_to_file_only_while_unchanged(tmp_path):
+    """A part a loader mapped from a file unchanged is copied file to file (copy_file_range), rows of it at their
+    own offsets; a cast, a transpose, a part written in place, or a file replaced since is written from memory."""
+    from mconvert.blocks import Blocks
+
+    tensors = {k: torch.randn(1024, 512) for k in "abcde"}
+    save_file(tensors, tmp_path / "model.safetensors")
+    source = safetensors_io.SafetensorsFile(tmp_path / "model.safetensors")
+    whole, rows = source.get_blocks("a"), source.get_blocks("b")
+    assert whole.source(0) is not None and whole.source(0).offset == source.infos["a"].start
+    picked = [v for v in rows.rows(100, 700)]  # rows 100..699 of b: a view 100 rows into the entry
+    assert picked[0][1].offset == source.infos["b"].start + 100 * 512 * 4
+    from_rows = Blocks((600, 512), torch.float32, tuple(v for v, _ in picked), tuple(s for _, s in picked))
+    data, copied, written = _send(tmp_path, whole, from_rows)
+    assert data == _raw(tensors["a"]) + _raw(tensors["b"][100:700])
+    assert copied == len(data) and written == 0
+
+    lazy = hf_dir.open_weights(tmp_path)
+    cast = lazy["c"].map(lambda t: t.to(torch.bfloat16), dtype=torch.bfloat16).load_blocks()
+    transposed = Blocks.of(source.get("d").t().contiguous())
+    changed = source.get_blocks("e")
+    changed.parts[0][3, 7] = 42.0  # written in place: torch's version counter moves
+    assert lazy["a"].load_blocks().source(0) is not None and cast.source(0) is None and changed.source(0) is None
+    data, copied, written = _send(tmp_path, cast, transposed, changed)
+    edited = tensors["e"].clone()
+    edited[3, 7] = 42.0
+    assert data == _raw(tensors["c"].to(torch.bfloat16)) + _raw(tensors["d"].t()) + _raw(edited)
+    assert copied == 0 and written == len(data)
+
+    kept = source.get_blocks("a")
+    replaced = tmp_path / "new.safetensors"
+    save_file({k: v + 1 for k, v in tensors.items()}, replaced)
+    os.replace(replaced, tmp_path / "model.safetensors")  # the path now names another file
+    data, copied, written = _send(tmp_path, kept)
+    assert data == _raw(tensors["a"]) and copied == 0  # the mapped (old) bytes, from memory
+
+
+def test_big_endian_torch_files_are_never_copied_from_the_file(tmp_path):
+    """torch byte-swaps a big-endian file's tensors in memory when it loads it: their bytes are no longer the
+    file's, so no provenance is claimed and the (little-endian) values are written from memory."""
+    import zipfile
+
+    from mconvert.formats.torch_pickle import file_sources
+
+    from mconvert.blocks import Blocks
+
+    values = torch.randn(1024, 512)
+    torch.save({"model": {"w": values}}, tmp_path / "little.pt")
+    with zipfile.ZipFile(tmp_path / "little.pt") as zin, \
+            zipfile.ZipFile(tmp_path / "big.pt", "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in info.filename:
+                data = torch.frombuffer(bytearray(data), dtype=torch.float32).numpy().byteswap().tobytes()
+            zout.writestr(info, data)
+    for name, claimed in (("little.pt", True), ("big.pt", False)):
+        state = safe_load(tmp_path / name)
+        w = state["model"]["w"]
+        assert torch.equal(w, values)
+        sources = file_sources(tmp_path / name, state)
+        assert (id(w) in sources) is claimed, name
+        data, copied, written = _send(tmp_path, Blocks.of(w, sources.get(id(w))))
+        assert data == _raw(values) and copied == (len(data) if claimed else 0), name
+
+
+def test_fused_qkv_rows_are_copied_from_their_own_offsets(tmp_path):
+    """HF q, k, v -> Megatron's fused QKV (query groups interleaved) moves whole rows: each run of rows is copied
+    from where it lies in the source file, and the result is the rule's own output, byte for byte."""
+    from mconvert.row_plan import RowPlanner
+    from mconvert.rules import COLUMN, QKV, Ctx, Rule
+
+    config = ModelConfig(family="llama", num_layers=1, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8,
+                         num_query_groups=2, head_dim=32, vocab_size=64, max_position_embeddings=64)
+    q, k, v = torch.randn(256, 256), torch.randn(64, 256), torch.randn(64, 256)
+    save_file({"q": q, "k": k, "v": v}, tmp_path / "model.safetensors")
+    lazy = hf_dir.open_weights(tmp_path)
+    ctx = Ctx(config, 64, tp=2)
+    rule = Rule("qkv", ("q", "k", "v"), QKV, COLUMN)  # fused, then split into 2 column-parallel pieces
+    pieces = RowPlanner(ctx).forward(rule, [lazy[n].load_blocks() for n in "qkv"])
+    assert pieces is not None and all(p.source(i) is not None for p in pieces for i in range(len(p.parts)))
+    expected = rule.forward([q, k, v], ctx)
+    import mconvert.formats.block_writer as block_writer
+
+    old, block_writer.SPAN_MIN = block_writer.SPAN_MIN, 0
+    try:
+        data, copied, written = _send(tmp_path, *pieces)
+    finally:
+        block_writer.SPAN_MIN = old
+    assert data == b"".join(_raw(t) for t in expected) and copied == len(data) and written == 0
+
+
+def test_dequantized_fp8_weights_are_never_copied_from_the_file(tmp_path):
+    """DeepSeek's FP8 weights are dequantized when read: new bytes, no provenance, written from memory, while the
+    bf16 tensors beside them still go file to file."""
+    from mconvert import fp8
+
+    w = torch.randn(256, 256)
+    q, s = fp8.quantize(w)
+    norm = torch.randn(1024, 512).to(torch.bfloat16)
+    save_file({"x.weight": q, "x.weight" + fp8.SCALE_SUFFIX: s, "norm.weight": norm}, tmp_path / "model.safetensors")
+    source, count = fp8.dequantized(hf_dir.open_weights(tmp_path))
+    assert count == 1 and set(source) == {"x.weight", "norm.weight"}
+    weight, kept = source["x.weight"].load_blocks(), source["norm.weight"].load_blocks()
+    assert weight.source(0) is None and kept.source(0) is not None
+    (tmp_path / "out").mkdir()
+    data, copied, written = _send(tmp_path / "out", weight, kept)
+    assert data == _raw(fp8.dequantize(q, s)) + _raw(norm)
+    assert copied == norm.nbytes and written == weight.nbytes

@@ -138,3 +138,29 @@ def test_fp8_export_is_for_deepseek_only(tmp_path, llama_dir):
     out = run_cli("--saver", "hf", "--fp8-weights", "--load-dir", llama_dir, "--save-dir", tmp_path / "o",
                   expect_error=True)
     assert "--fp8-weights: the llama_mistral saver writes no FP8 weights (deepseek_hf does)" in out
+
+
+def test_fp8_with_several_workers_and_file_copies(fp8_dir, tmp_path, monkeypatch):
+    """FP8 export shared by several writers (a weight and its scale may land in different byte ranges) writes the
+    bytes one writer does; dequantized weights are never copied from the FP8 file, whatever is copied beside."""
+    import os
+    import shutil
+
+    from mconvert.formats import block_writer
+
+    def written(*args: str) -> dict[str, bytes]:
+        out = tmp_path / "out"
+        run_cli("-q", *args, "--load-dir", fp8_dir, "--save-dir", out)
+        found = {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+        shutil.rmtree(out)
+        return found
+
+    fp8_out = ["--saver", "deepseek_hf", "--fp8-weights", "--max-shard-size", "150KB"]
+    assert written(*fp8_out, "--workers", "1") == written(*fp8_out, "--workers", "3")
+    monkeypatch.setattr(block_writer, "SPAN_MIN", 0)  # every piece with provenance goes file to file
+    copied, real = [], os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: copied.append(real(*a)) or copied[-1])
+    copies = written("--saver", "deepseek_hf", "--workers", "2")
+    assert 0 < sum(copied) < sum(len(b) for b in copies.values()) / 2  # the bf16 tensors only
+    monkeypatch.delattr(os, "copy_file_range")
+    assert copies == written("--saver", "deepseek_hf", "--workers", "2")

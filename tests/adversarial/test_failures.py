@@ -50,7 +50,24 @@ def test_disk_full_while_writing(sources, tmp_path, monkeypatch, saver, extra):
         f = real_open(file, mode, *args, **kwargs)
         return _FullDisk(f, budget, str(file)) if any(c in mode for c in "wax+") else f
 
+    def spend(n: int) -> None:
+        budget[0] -= n
+        if budget[0] < 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    real_pwrite, real_copy = os.pwrite, os.copy_file_range
+
+    def full_pwrite(fd, data, position):  # writers that fill files at offsets (safetensors, zip records)
+        spend(len(memoryview(data).cast("B")))
+        return real_pwrite(fd, data, position)
+
+    def full_copy(src, dst, count, *args):  # file-to-file copies
+        spend(count)
+        return real_copy(src, dst, count, *args)
+
     monkeypatch.setattr(builtins, "open", full_open)
+    monkeypatch.setattr(os, "pwrite", full_pwrite)
+    monkeypatch.setattr(os, "copy_file_range", full_copy)
     out = convert_refused(src, tmp_path, *extra, saver=saver, culprits=("No space left on device",
                                                                         "nothing was left behind"))
     assert out.count("Error") == 1

@@ -22,8 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mconvert.formats import safetensors_io
 from mconvert.formats.dcp import read_metadata
-from mconvert.formats.torch_pickle import safe_load_bytes
-from mconvert.formats.torch_zip import map_tensor
+from mconvert.formats.torch_pickle import map_tensor, safe_load_bytes
 from safetensors.torch import save_file
 
 from mconvert.errors import ConvertError

@@ -1,0 +1,120 @@
+"""Parallel conversion: any number of workers, threads or torchrun ranks, writes the same bytes as one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mconvert.formats import block_writer, hf_dir
+
+from mconvert.workers import assign
+from tests.conftest import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {
+    "core TP2 PP2": ["--saver", "core", "--tp", "2", "--pp", "2"],
+    "core TP2 VPP2 te": ["--saver", "core", "--tp", "2", "--pp", "2", "--vpp", "2", "--transformer-impl", "te"],
+    "torch_dist": ["--saver", "core", "--ckpt-format", "torch_dist"],
+    "legacy TP2": ["--saver", "legacy", "--tp", "2"],
+    "HF shards": ["--saver", "llama_mistral", "--max-shard-size", "150KB"],
+    "HF one file": ["--saver", "llama_mistral"],  # written in byte ranges, by several writers at once
+}
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def convert(src: Path, dst: Path, target: list[str], *extra) -> Path:
+    run_cli("-q", *target, *extra, "--load-dir", src, "--save-dir", dst)
+    return dst
+
+
+def taken(root: Path) -> dict[str, bytes]:
+    """The files of `root`, which is then removed: the next variant is written to the same path (Megatron args
+    name the final path of the tokenizer carried beside the checkpoint, so only outputs at one path compare)."""
+    found = files(root)
+    shutil.rmtree(root)
+    return found
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_more_workers_write_the_same_bytes(target, llama_dir, tmp_path):
+    one = taken(convert(llama_dir, tmp_path / "out", TARGETS[target], "--workers", "1"))
+    three = taken(convert(llama_dir, tmp_path / "out", TARGETS[target], "--workers", "3"))
+    assert one == three
+
+
+def test_experts_with_more_workers(mixtral_dir, tmp_path):
+    target = ["--saver", "core", "--tp", "2", "--ep", "2"]
+    one = taken(convert(mixtral_dir, tmp_path / "out", target, "--workers", "1"))
+    four = taken(convert(mixtral_dir, tmp_path / "out", target, "--workers", "4"))
+    assert one == four
+
+
+def test_file_to_file_copies_write_what_memory_writes(llama_dir, tmp_path, monkeypatch):
+    """With every mapped piece, however small, sent by copy_file_range, the outputs are those written from memory."""
+    core = convert(llama_dir, tmp_path / "core", TARGETS["core TP2 PP2"])
+    dist = convert(llama_dir, tmp_path / "dist", TARGETS["torch_dist"])
+    chain = [(llama_dir, "core", TARGETS["core TP2 PP2"]), (core, "hf", ["--saver", "llama_mistral"]),
+             (core, "dist", TARGETS["torch_dist"]), (dist, "hf2", ["--saver", "llama_mistral"])]
+    out = tmp_path / "out"
+    copied = []
+    real = os.copy_file_range
+
+    def counting(src, dst, count, *args):
+        n = real(src, dst, count, *args)
+        copied.append(n)
+        return n
+
+    monkeypatch.setattr(block_writer, "SPAN_MIN", 0)
+    monkeypatch.setattr(os, "copy_file_range", counting)
+    for src, name, target in chain:
+        convert(src, out / name, target)
+    by_copies = taken(out)
+    assert sum(copied) > 600_000  # most of each model's bytes (about 750 KB) went file to file
+    monkeypatch.delattr(os, "copy_file_range")
+    for src, name, target in chain:
+        convert(src, out / name, target)
+    assert taken(out) == by_copies
+
+
+def test_torchrun_ranks_write_the_same_bytes(llama_dir, tmp_path):
+    """Two ranks of one torchrun launch share each conversion (one worker each: the jobs are split between the
+    processes); a failure on one rank, while writing or before, fails both and leaves nothing behind."""
+    shared = ("core TP2 PP2", "torch_dist", "HF one file")
+    spec = [{"args": ["-q", *TARGETS[t], "--workers", "1", "--load-dir", str(llama_dir),
+                      "--save-dir", str(tmp_path / "ranks" / t)]} for t in shared]
+    spec += [{"args": ["-q", *TARGETS["core TP2 PP2"], "--workers", "1", "--load-dir", str(llama_dir),
+                       "--save-dir", str(tmp_path / "failed" / f"{rank}_{where}")], "fail_rank": rank, "fail_in": where}
+             for rank, where in ((1, "write"), (0, "plan"), (1, "plan"))]
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "failed").mkdir()  # made here, it stays: failures must leave it empty
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "tests" / "helpers_mconvert_ranks.py"), str(tmp_path / "spec.json")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    for t in shared:
+        by_ranks = taken(tmp_path / "ranks" / t)
+        assert by_ranks == taken(convert(llama_dir, tmp_path / "ranks" / t, TARGETS[t], "--workers", "1")), t
+    assert list((tmp_path / "failed").iterdir()) == []  # neither the output nor a staging directory
+
+
+def test_assignment_balances_bytes_and_ignores_timing():
+    assert assign([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]  # 5, 4, 3, 2, 1 each to the least loaded: 8 and 7
+    assert assign([5, 1, 4, 2, 3], 1) == [[0, 1, 2, 3, 4]]
+    assert assign([1, 1], 4) == [[0], [1], [], []]
+
+
+def test_shard_ranges_cut_by_bytes():
+    assert hf_dir._cuts([10, 10, 10, 10], 2) == [0, 2, 4]
+    assert hf_dir._cuts([100, 1, 1, 1], 3) == [0, 1, 2, 4]
+    assert hf_dir._cuts([10, 10], 1) == [0, 2]
+    assert hf_dir._cuts([7], 4) == [0, 1]
