@@ -55,6 +55,8 @@ class TrainSection:
     # torch.compile: none, each layer, or the whole model / pipeline stage (README: when it pays; slow to start)
     compile: Literal["none", "layers", "model"] = "none"
     moe_capacity_factor: float | None = None  # MoE: experts take at most factor * fair share of tokens; None: dropless
+    # MoE with a router expert bias (DeepSeek-V3): the bias step per optimizer step towards balanced loads
+    moe_router_bias_update_rate: float = 1e-3
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,7 @@ from mtrain import checkpoint, distributed, flops, precision, weights
 from mtrain.config import Config, dump
 from mtrain.data.loader import RankBatches, build_splits
 from mtrain.errors import TrainError
+from mtrain.expert_bias import ExpertBiasUpdater
 from mtrain.metrics import Metrics
 from mtrain.models import moe, state_dict_adapter
 from mtrain.optim import Optimizers, lr_at
@@ -119,6 +120,7 @@ class Trainer:
         self.valid = splits["valid"]
         for part in self.parts:
             moe.set_aux_loss_scale(part, 1.0 / self.batches.micro_batches)
+        self.expert_bias = ExpertBiasUpdater(self.parts, t.moe_router_bias_update_rate, group(mesh, "dp_cp"))
         self.autocast = self.precision == "bf16" and not uses_fsdp_mixed_precision(self.model)
         self.pp_group = group(mesh, "pp")
         self.schedule = None
@@ -162,6 +164,7 @@ class Trainer:
         self.optimizer.set_lr(lr)
         self.optimizer.step()
         self.optimizer.zero_grad()
+        self.expert_bias.step()
         self.state.step += 1
         self.state.consumed_samples = self.batches.consumed_samples
         elapsed = time.perf_counter() - start

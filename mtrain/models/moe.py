@@ -136,8 +136,11 @@ class MoE(nn.Module):
         self.norm_topk = c.moe_norm_topk
         self.sigmoid, self.scaling = c.moe_router_score == "sigmoid", c.moe_router_scaling_factor
         self.groups, self.group_topk = c.moe_router_groups, c.moe_router_group_topk
-        if c.moe_router_expert_bias:  # the IR's layers.{L}.moe.router.expert_bias; not trained by gradients
-            self.router.expert_bias = nn.Parameter(torch.zeros(c.num_experts), requires_grad=False)
+        # The IR's layers.{L}.moe.router.expert_bias: a buffer (saved and exported, never seen by the optimizer),
+        # moved by the trainer from the expert loads of each step (mtrain/expert_bias.py).
+        if c.moe_router_expert_bias:
+            self.router.register_buffer("expert_bias", torch.zeros(c.num_experts))
+        self.routed: torch.Tensor | None = None  # (E,) (token, expert) pairs routed in training since the last reset
         self.experts = GroupedExperts(c.num_experts, c.hidden_size, c.expert_ffn_hidden_size)
         if c.moe_shared_expert_ffn_hidden_size:
             self.shared = SharedExperts(c.hidden_size, c.moe_shared_expert_ffn_hidden_size)
@@ -160,6 +163,10 @@ class MoE(nn.Module):
         flat_idx = top_idx.flatten()
         order = torch.argsort(flat_idx, stable=True)
         counts = torch.bincount(flat_idx, minlength=self.num_experts)
+        # The loads that move the expert bias, in training only. Full recomputation routes every micro-batch twice,
+        # which doubles all counts alike and leaves the update (a sign per expert) as it is.
+        if self.training and torch.is_grad_enabled() and hasattr(self.router, "expert_bias"):
+            self.routed = counts.detach() if self.routed is None else self.routed + counts.detach()
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * flat_idx.shape[0] / self.num_experts)
             order, counts = keep_within_capacity(order, flat_idx[order], counts, capacity)
@@ -182,7 +189,7 @@ class MoE(nn.Module):
         best choice scores sum highest; weighed by their score, renormalized (+1e-20) and scaled."""
         scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))  # (N, E)
         bias = getattr(self.router, "expert_bias", None)
-        choice = scores + bias.float() if bias is not None else scores
+        choice = scores + _local(bias).float() if bias is not None else scores
         if self.groups:
             N = choice.shape[0]
             group_scores = choice.view(N, self.groups, -1).topk(2, dim=-1)[0].sum(dim=-1)  # (N, groups)

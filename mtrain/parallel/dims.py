@@ -162,16 +162,12 @@ def group(mesh: DeviceMesh | None, name: str) -> dist.ProcessGroup | None:
 
 def deepseek_problems(c: ModelConfig, dims: ParallelDims) -> list[str]:
     """What mtrain cannot train yet of a DeepSeek-V3 model (it builds and runs it: evaluate, generate, verify):
-    MTP modules (no MTP loss: they would stay untrained), the router's expert bias (DeepSeek updates it from the
-    expert loads, auxiliary-loss-free balancing; frozen it would silently train another recipe), and its layers
-    under tensor, pipeline, expert or context parallelism."""
+    MTP modules (no MTP loss: they would stay untrained), and its layers under tensor, pipeline, expert or context
+    parallelism. (The router's expert bias is trained: mtrain/expert_bias.py.)"""
     problems = []
     if c.mtp_layers:
         problems.append(f"the model has {c.mtp_layers} multi-token-prediction module(s), which mtrain does not train "
                         "yet (they would stay as they are): leave them out with `mconvert --skip-mtp`")
-    if c.moe_router_expert_bias:
-        problems.append("mtrain does not update the router's expert bias (DeepSeek's auxiliary-loss-free balancing) "
-                        "yet, so it does not train this model")
     found = [f for f in features(c) if "multi-token" not in f]
     split = [f"parallel.{n} {getattr(dims, n)}" for n in ("tp", "pp", "ep", "cp") if getattr(dims, n) > 1]
     if found and split:

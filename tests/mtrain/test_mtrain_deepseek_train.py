@@ -1,0 +1,154 @@
+"""Training DeepSeek-V3 with mtrain: the router's expert bias moved by the expert loads (auxiliary-loss-free
+balancing), the MTP loss, and the parallel layouts against one process.
+
+One torchrun launch holds the multi-process runs; each records its gradients at the first and last step and its
+final weights and expert biases (tests/mtrain/recording.py), compared with the same config in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from mconvert import engine
+from mconvert.ir import ModelConfig
+from mconvert.options import Options
+from mtrain.config import from_dict
+from mtrain.expert_bias import ExpertBiasUpdater, updated_bias
+from mtrain.models.moe import MoE
+from mtrain.train import Trainer
+from tests.mtrain.corpus import corpus, one_thread, tiny_config  # noqa: F401
+from tests.mtrain.deepseek_tiny import TINY_DEEPSEEK
+from tests.mtrain.launch import launch, with_sections
+from tests.mtrain.recording import RecordingTrainer, merge
+
+STEPS = 4
+BIASES = ("layers.1.moe.router.expert_bias", "layers.2.moe.router.expert_bias")
+
+# name: (model, parallel section, launch)
+LAYOUTS = {
+    "dp2": (TINY_DEEPSEEK, {}, 2),
+}
+
+
+def config_raw(corpus_prefix: str, model: dict, **sections) -> dict:  # noqa: F811
+    sections = {"train": {"steps": STEPS, "moe_router_bias_update_rate": 0.01}} | sections
+    return tiny_config(corpus_prefix, model=model, **sections).to_dict()
+
+
+# -- the expert bias -----------------------------------------------------------------------------------------------
+
+def test_the_bias_rule_by_hand():
+    """mean load 3: the expert above it loses the rate, the one below gains it, those at the mean keep their bias;
+    two layers at once."""
+    bias = torch.tensor([[0.0, 0.5, -0.5, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    loads = torch.tensor([[5, 1, 3, 3], [0, 0, 0, 8]])
+    want = torch.tensor([[-0.1, 0.6, -0.5, 1.0], [0.1, 0.1, 0.1, -0.1]])
+    torch.testing.assert_close(updated_bias(bias, loads, 0.1), want, atol=1e-7, rtol=0)
+
+
+def test_the_updater_counts_training_micro_batches_only():
+    """Router weights at zero make every score 0.5, so the bias alone chooses: groups (0,1) and (2,3) win (their
+    two best sums 2.5 and 2.1), experts 0 and 1 take every token (top-2). Two training micro-batches of 10 tokens:
+    loads [20, 20, 0, ...], mean 5: experts 0, 1 lose the rate, the others gain it. An evaluation forward and one
+    without gradients count nothing."""
+    layer = MoE(ModelConfig(**TINY_DEEPSEEK))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02)
+        layer.router.weight.zero_()
+        start = torch.tensor([0.8, 0.7, 0.6, 0.5, 0.0, 0.0, 0.0, 0.0])
+        layer.router.expert_bias.copy_(start)
+    x = torch.randn(2, 5, 32)
+    layer.train()
+    layer(x).sum().backward()
+    layer(x).sum().backward()
+    with torch.no_grad():
+        layer(x)
+    layer.eval()
+    layer(x)
+    assert layer.routed.tolist() == [20, 20, 0, 0, 0, 0, 0, 0]
+    updater = ExpertBiasUpdater([layer], rate=0.01)
+    updater.step()
+    torch.testing.assert_close(layer.router.expert_bias, start + 0.01 * torch.tensor([-1., -1, 1, 1, 1, 1, 1, 1]))
+    assert layer.routed is None
+    assert "router.expert_bias" not in dict(layer.named_parameters())
+
+
+def test_the_bias_trains_saves_resumes_and_exports(corpus, tmp_path):  # noqa: F811
+    """One process: the bias moves by multiples of the rate, the optimizer never holds it; a run stopped after step
+    2 and resumed ends with the bias and losses of the uninterrupted run; mconvert exports the trained bias."""
+    whole = Trainer(from_dict(config_raw(corpus, TINY_DEEPSEEK, checkpoint={"dir": str(tmp_path / "whole")})),
+                    out=lambda _: None)
+    assert not any("expert_bias" in n for p in whole.parts for n, _ in p.named_parameters())
+    result = whole.run()
+    bias = {n: whole.model.get_buffer(n).clone() for n in BIASES}
+    for b in bias.values():
+        steps = b / 0.01
+        assert torch.allclose(steps, steps.round(), atol=1e-4) and b.abs().max() > 0
+        assert b.abs().max() <= STEPS * 0.01 + 1e-6
+    assert not any("expert_bias" in k for k in whole.optimizer.state_dict())
+
+    raw = config_raw(corpus, TINY_DEEPSEEK, checkpoint={"dir": str(tmp_path / "split")})
+    Trainer(from_dict(with_sections(raw, train={"exit_after_steps": 2})), out=lambda _: None).run()
+    resumed = Trainer(from_dict(raw), out=lambda _: None)
+    second = resumed.run()
+    for step in (3, 4):
+        assert second.losses[step] == pytest.approx(result.losses[step], rel=1e-6)
+    for n in BIASES:
+        assert torch.equal(resumed.model.get_buffer(n), bias[n]), n
+
+    ir = engine.load(tmp_path / "whole", Options(), None)
+    for n in BIASES:
+        assert torch.equal(ir[n].load(), bias[n]), n
+
+
+# -- parallel layouts against one process ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):  # noqa: F811
+    """The launch, then the one-process references: {name: (losses, record, reference losses, record)}."""
+    tmp = tmp_path_factory.mktemp("deepseek")
+    specs: dict[int, list[dict]] = {}
+    for name, (model, parallel, nproc) in LAYOUTS.items():
+        raw = with_sections(config_raw(corpus, model), parallel=parallel)
+        specs.setdefault(nproc, []).append({"config": raw, "out": str(tmp / f"{name}.json"),
+                                            "record": str(tmp / name), "grads_at": [1, STEPS]})
+    for nproc, spec in specs.items():
+        launch(spec, tmp, nproc=nproc, name=f"launch{nproc}")
+    references, out = {}, {}
+    for name, (model, _, _) in LAYOUTS.items():
+        key = repr(model)
+        if key not in references:
+            trainer = RecordingTrainer(from_dict(config_raw(corpus, model)), grads_at=(1, STEPS))
+            references[key] = trainer.run_and_record()
+        result, record = references[key]
+        got = {int(k): v for k, v in json.loads((tmp / f"{name}.json").read_text())["losses"].items()}
+        out[name] = (got, merge(sorted(tmp.glob(f"{name}.rank*.pt"))), result.losses, record)
+    yield out
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    assert sorted(got) == sorted(want)
+    floor = 1e-3 * max(float(t.abs().max()) for t in want.values())
+    return max((float((got[n] - want[n]).abs().max()) / max(float(want[n].abs().max()), floor), n) for n in want)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_trains_like_one_process(runs, name):
+    """Losses to 1e-6, gradients (first step 1e-6 of each tensor's scale, last 2e-5), final weights (1e-4), and
+    the expert biases equal: the loads summed over the ranks are the one process's."""
+    got, record, want, reference = runs[name]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6), (name, step)
+    first, last = _worst(record["grads"][1], reference["grads"][1]), _worst(record["grads"][STEPS],
+                                                                          reference["grads"][STEPS])
+    final = _worst(record["weights"], reference["weights"])
+    assert first[0] < 1e-6 and last[0] < 2e-5 and final[0] < 1e-4, (name, first, last, final)
+    for n in BIASES:
+        assert reference["weights"][n].abs().max() > 0
+        torch.testing.assert_close(record["weights"][n], reference["weights"][n], atol=1e-7, rtol=0)
