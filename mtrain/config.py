@@ -57,6 +57,8 @@ class TrainSection:
     moe_capacity_factor: float | None = None  # MoE: experts take at most factor * fair share of tokens; None: dropless
     # MoE with a router expert bias (DeepSeek-V3): the bias step per optimizer step towards balanced loads
     moe_router_bias_update_rate: float = 1e-3
+    # MTP modules (DeepSeek-V3): their mean loss times this factor joins the loss (megatron-core's scaling)
+    mtp_loss_scaling_factor: float = 0.1
 
 
 @dataclass(frozen=True, kw_only=True)

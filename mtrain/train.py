@@ -37,7 +37,7 @@ from mtrain.data.loader import RankBatches, build_splits
 from mtrain.errors import TrainError
 from mtrain.expert_bias import ExpertBiasUpdater
 from mtrain.metrics import Metrics
-from mtrain.models import moe, state_dict_adapter
+from mtrain.models import moe, mtp, state_dict_adapter
 from mtrain.optim import Optimizers, lr_at
 from mtrain.parallel import grads
 from mtrain.parallel.context_parallel import split_sequence
@@ -120,6 +120,7 @@ class Trainer:
         self.valid = splits["valid"]
         for part in self.parts:
             moe.set_aux_loss_scale(part, 1.0 / self.batches.micro_batches)
+            mtp.set_loss_scale(part, t.mtp_loss_scaling_factor, self.batches.micro_batches)
         self.expert_bias = ExpertBiasUpdater(self.parts, t.moe_router_bias_update_rate, group(mesh, "dp_cp"))
         self.autocast = self.precision == "bf16" and not uses_fsdp_mixed_precision(self.model)
         self.pp_group = group(mesh, "pp")
@@ -170,7 +171,8 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens = self.config.train.global_batch_size * self.config.data.seq_len
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "aux_loss": self._aux_loss(),
-                "tokens_per_s": tokens / elapsed, "step_time": elapsed, **self.throughput.scalars(tokens / elapsed)}
+                "mtp_loss": self._mtp_loss(), "tokens_per_s": tokens / elapsed, "step_time": elapsed,
+                **self.throughput.scalars(tokens / elapsed)}
 
     def forward_backward(self) -> float:
         """Gradients of the next global batch's mean loss (synced over the layout); returns that loss."""
@@ -220,8 +222,9 @@ class Trainer:
             else contextlib.nullcontext()
 
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The language-model loss; in training the MTP modules' loss joins its gradient (models/mtp.py)."""
         with self._autocast():
-            logits = self.model(inputs)
+            logits = self.model(inputs, labels=labels) if self.model_config.mtp_layers else self.model(inputs)
         return self._cross_entropy(logits, labels)
 
     @staticmethod
@@ -257,6 +260,14 @@ class Trainer:
         if self.env.world > 1:
             dist.all_reduce(stats)
         return float(stats[0] / stats[1]) if stats[1] else None
+
+    def _mtp_loss(self) -> float | None:
+        """The MTP modules' mean loss at the last training forward, over the modules and the data ranks."""
+        if not self.model_config.mtp_layers:
+            return None
+        losses = [_value(x) for part in self.parts for x in getattr(part, "last_mtp_losses", [])]
+        has = 1.0 if losses and self.coords.tp == 0 else 0.0
+        return distributed.weighted_mean(sum(losses) / len(losses) if losses else 0.0, has, self.env)
 
     # -- validation ---------------------------------------------------------------------------------------------
 

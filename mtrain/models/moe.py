@@ -56,11 +56,12 @@ def run_experts(x: torch.Tensor, tokens_per_expert: torch.Tensor, experts: nn.Mo
     return experts(x, tokens_per_expert)
 
 
-class _AuxLossGradient(torch.autograd.Function):
+class AddLossGradient(torch.autograd.Function):
     """Identity on `out` that, in backward, also sends gradient `scale` into `aux_loss`.
 
     The auxiliary loss thus trains the router without being returned through every layer (which pipeline
-    stages and activation checkpointing would have to carry); Megatron-Core's MoEAuxLossAutoScaler trick.
+    stages and activation checkpointing would have to carry); Megatron-Core's MoEAuxLossAutoScaler trick. The MTP
+    loss enters the same way (mtp.py).
     """
 
     @staticmethod
@@ -180,7 +181,7 @@ class MoE(nn.Module):
         aux = load_balancing_loss(probs, top_idx, self.num_experts, self.reduce_stats)
         self.last_aux_loss = aux.detach()
         if self.training and self.aux_coeff > 0 and torch.is_grad_enabled():
-            out = _AuxLossGradient.apply(out, aux, self.aux_coeff * self.aux_loss_scale)
+            out = AddLossGradient.apply(out, aux, self.aux_coeff * self.aux_loss_scale)
         return out
 
     def route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -161,13 +161,15 @@ def group(mesh: DeviceMesh | None, name: str) -> dist.ProcessGroup | None:
 
 
 def deepseek_problems(c: ModelConfig, dims: ParallelDims) -> list[str]:
-    """What mtrain cannot train yet of a DeepSeek-V3 model (it builds and runs it: evaluate, generate, verify):
-    MTP modules (no MTP loss: they would stay untrained), and its layers under tensor, pipeline, expert or context
-    parallelism. (The router's expert bias is trained: mtrain/expert_bias.py.)"""
+    """What mtrain cannot train yet of a DeepSeek-V3 model (it builds and runs it: evaluate, generate, verify).
+    The MTP modules train in one process and with data parallelism (their loss: models/mtp.py), the router's expert
+    bias in every layout (expert_bias.py)."""
     problems = []
-    if c.mtp_layers:
-        problems.append(f"the model has {c.mtp_layers} multi-token-prediction module(s), which mtrain does not train "
-                        "yet (they would stay as they are): leave them out with `mconvert --skip-mtp`")
+    mtp_split = [f"parallel.{n} {getattr(dims, n)}" for n in ("tp", "pp", "ep", "cp") if getattr(dims, n) > 1]
+    if c.mtp_layers and mtp_split:
+        problems.append(f"the model's {c.mtp_layers} multi-token-prediction module(s) train in one process or with "
+                        f"data parallelism only so far, not with {', '.join(mtp_split)}: leave them out with "
+                        "`mconvert --skip-mtp`")
     found = [f for f in features(c) if "multi-token" not in f]
     split = [f"parallel.{n} {getattr(dims, n)}" for n in ("tp", "pp", "ep", "cp") if getattr(dims, n) > 1]
     if found and split:

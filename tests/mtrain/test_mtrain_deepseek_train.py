@@ -16,12 +16,14 @@ import torch
 from mconvert import engine
 from mconvert.ir import ModelConfig
 from mconvert.options import Options
+from mtrain import weights
 from mtrain.config import from_dict
 from mtrain.expert_bias import ExpertBiasUpdater, updated_bias
 from mtrain.models.moe import MoE
+from mtrain.parallelize import build_model
 from mtrain.train import Trainer
 from tests.mtrain.corpus import corpus, one_thread, tiny_config  # noqa: F401
-from tests.mtrain.deepseek_tiny import TINY_DEEPSEEK
+from tests.mtrain.deepseek_tiny import TINY_DEEPSEEK, with_mtp
 from tests.mtrain.launch import launch, with_sections
 from tests.mtrain.recording import RecordingTrainer, merge
 
@@ -29,8 +31,10 @@ STEPS = 4
 BIASES = ("layers.1.moe.router.expert_bias", "layers.2.moe.router.expert_bias")
 
 # name: (model, parallel section, launch)
+MTP2 = with_mtp(TINY_DEEPSEEK, 2)
 LAYOUTS = {
     "dp2": (TINY_DEEPSEEK, {}, 2),
+    "dp2_mtp": (MTP2, {}, 2),
 }
 
 
@@ -104,6 +108,64 @@ def test_the_bias_trains_saves_resumes_and_exports(corpus, tmp_path):  # noqa: F
     ir = engine.load(tmp_path / "whole", Options(), None)
     for n in BIASES:
         assert torch.equal(ir[n].load(), bias[n]), n
+
+
+# -- the MTP loss ----------------------------------------------------------------------------------------------
+
+def hand_mtp_losses(mtp_logits: list[torch.Tensor], sample: torch.Tensor) -> list[torch.Tensor]:
+    """Module m (1-based) at position t predicts sample token t + m + 1: mean of logsumexp - logit of the target."""
+    out = []
+    for m, logits in enumerate(mtp_logits, start=1):
+        target = sample[:, m + 1:m + 1 + logits.shape[1]]
+        picked = logits.gather(-1, target[..., None])[..., 0]
+        out.append((logits.logsumexp(-1) - picked).mean())
+    return out
+
+
+def test_the_mtp_loss_and_its_gradient_by_hand():
+    """A tiny model with two MTP modules: the losses the training forward keeps equal the cross entropies computed
+    by hand from the modules' logits (model.mtp_logits, equal to transformers' in test_mtrain_deepseek.py), and the
+    gradients of the language-model loss so trained equal those of LM + 0.3 / 2 * (loss_1 + loss_2) by hand."""
+    c = ModelConfig(**MTP2)
+    model = build_model(c, device=torch.device("cpu"))
+    weights.load_full_weights(model, weights.random_init(c, seed=3, std=0.2))
+    sample = torch.randint(0, c.vocab_size, (2, 17), generator=torch.Generator().manual_seed(4))
+    inputs, labels = sample[:, :-1], sample[:, 1:]
+    model.train()
+    model.mtp_loss_scale = 0.3 / 2
+
+    logits = model(inputs, labels=labels)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    main, mtp_logits = model.mtp_logits(inputs)
+    hand = hand_mtp_losses(mtp_logits, sample)
+    assert [t.shape[1] for t in mtp_logits] == [15, 14]
+    assert torch.equal(main, logits)
+    for kept, want in zip(model.last_mtp_losses, hand, strict=True):
+        assert float(kept) == pytest.approx(float(want.detach()), rel=1e-6) and float(want.detach()) > 1.0
+    total = torch.nn.functional.cross_entropy(main.flatten(0, 1), labels.flatten()) + 0.3 / 2 * sum(hand)
+    total.backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    assert float(want["mtp.1.eh_proj.weight"].abs().max()) > 0
+    assert _worst(got, want)[0] < 1e-5, _worst(got, want)
+
+
+def test_training_reduces_the_mtp_loss(corpus):  # noqa: F811
+    """The MTP losses by hand on a fixed batch fall with training (the language-model loss as well)."""
+    raw = config_raw(corpus, MTP2, train={"steps": 30, "mtp_loss_scaling_factor": 0.3})
+    trainer = Trainer(from_dict(raw), out=lambda _: None)
+    assert trainer.model.mtp_loss_scale == 0.3 / 2 / 4  # the factor over 2 modules and 4 micro-batches a step
+    sample = torch.cat([x for x, _ in trainer.batches.next()])
+    sample = torch.cat([sample, sample[:, -1:]], dim=1)  # an extra token: the labels of the last input
+    with torch.no_grad():
+        before = hand_mtp_losses(trainer.model.mtp_logits(sample[:, :-1])[1], sample)
+    result = trainer.run()
+    with torch.no_grad():
+        after = hand_mtp_losses(trainer.model.mtp_logits(sample[:, :-1])[1], sample)
+    for b, a in zip(before, after, strict=True):
+        assert float(a) < float(b) - 0.3, (before, after)
+    assert result.losses[30] < result.losses[1] - 0.3
 
 
 # -- parallel layouts against one process ----------------------------------------------------------------------
