@@ -200,10 +200,13 @@ class Trainer:
         args = (inputs,) if self.parallel.has_first_stage else ()
         last = self.parallel.has_last_stage
         losses: list[torch.Tensor] = []
+        # The MTP modules on the last stage read the labels: the schedule splits them into the micro-batches and
+        # hands them to this rank's stages, which ignore them unless they hold the modules.
+        mtp_labels = {"labels": labels} if train and last and self.model_config.mtp_layers else {}
         with self._loss_context(), self._autocast():
             run = self.schedule.step if train else self.schedule.eval
             run(*args, target=labels if last else None, losses=losses if last else None,
-                **({"return_outputs": False} if train else {}))
+                **({"return_outputs": False} if train else {}), **mtp_labels)
         return float(sum(_value(x) for x in losses)) if last else 0.0
 
     def _local_tokens(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -247,7 +247,7 @@ class Transformer(nn.Module):
             return h
         h = self.final_norm(h)
         if labels is not None and self.mtp is not None and torch.is_grad_enabled():
-            h = mtp.attach_loss(self, tokens, h, labels)
+            h = mtp.attach_loss(self, h, labels)
         return self.head(h)
 
     def context(self, positions: torch.Tensor) -> LayerContext:
@@ -266,7 +266,7 @@ class Transformer(nn.Module):
         for i in range(c.num_layers):
             h = self.layers[str(i)](h, ctx)
         h = self.final_norm(h)
-        return self.head(h), [self.head(s) for s in mtp.hidden_states(self, tokens, h)] if self.mtp else []
+        return self.head(h), [self.head(s) for s in mtp.hidden_states(self, tokens[:, 1:], h)] if self.mtp else []
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)

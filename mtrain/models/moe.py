@@ -142,6 +142,7 @@ class MoE(nn.Module):
         if c.moe_router_expert_bias:
             self.router.register_buffer("expert_bias", torch.zeros(c.num_experts))
         self.routed: torch.Tensor | None = None  # (E,) (token, expert) pairs routed in training since the last reset
+        self.count_loads = True  # off for a pipeline stage's shape-inference pass (parallel/pipeline.py)
         self.experts = GroupedExperts(c.num_experts, c.hidden_size, c.expert_ffn_hidden_size)
         if c.moe_shared_expert_ffn_hidden_size:
             self.shared = SharedExperts(c.hidden_size, c.moe_shared_expert_ffn_hidden_size)
@@ -166,7 +167,7 @@ class MoE(nn.Module):
         counts = torch.bincount(flat_idx, minlength=self.num_experts)
         # The loads that move the expert bias, in training only. Full recomputation routes every micro-batch twice,
         # which doubles all counts alike and leaves the update (a sign per expert) as it is.
-        if self.training and torch.is_grad_enabled() and hasattr(self.router, "expert_bias"):
+        if self.training and torch.is_grad_enabled() and self.count_loads and hasattr(self.router, "expert_bias"):
             self.routed = counts.detach() if self.routed is None else self.routed + counts.detach()
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * flat_idx.shape[0] / self.num_experts)
@@ -188,7 +189,8 @@ class MoE(nn.Module):
         """DeepSeek-V3's routing in float32: (scores normalized per token, for the auxiliary-loss statistics; top-k
         weights; top-k experts). Experts are chosen by score + expert bias, among the `group_topk` groups whose two
         best choice scores sum highest; weighed by their score, renormalized (+1e-20) and scaled."""
-        scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))  # (N, E)
+        # the local weight: a replicated DTensor under tensor parallel (its gradient is the same on every tp rank)
+        scores = torch.sigmoid(F.linear(x.float(), _local(self.router.weight).float()))  # (N, E)
         bias = getattr(self.router, "expert_bias", None)
         choice = scores + _local(bias).float() if bias is not None else scores
         if self.groups:

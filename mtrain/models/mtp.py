@@ -27,31 +27,32 @@ from torch import nn
 from mtrain.models.moe import AddLossGradient
 
 
-def hidden_states(model: nn.Module, tokens: torch.Tensor, h: torch.Tensor) -> Iterator[torch.Tensor]:
-    """h_1 .. h_M (B, T-m, h) of a model (a Transformer holding the embedding, MTP modules and head) from its input
-    `tokens` (B, T) and its final-normed hidden states `h` (B, T, h)."""
-    T, c = tokens.shape[1], model.config
+def hidden_states(model: nn.Module, following: torch.Tensor, h: torch.Tensor) -> Iterator[torch.Tensor]:
+    """h_1 .. h_M (B, T-m, h) of a model (a Transformer holding the embedding, MTP modules and head) from its
+    final-normed hidden states `h` (B, T, h) and the tokens `following` each input token, (B, T-1) or more: the
+    inputs shifted by one, or the labels, which a last pipeline stage has without the inputs."""
+    T, c = h.shape[1], model.config
     for i, module in enumerate(model.mtp.values()):
         length = T - 1 - i
-        ctx = model.context(torch.arange(length, device=tokens.device))
-        x = module.eh_proj(torch.cat([module.enorm(model.embed(tokens[:, i + 1:i + 1 + length])),
+        ctx = model.context(torch.arange(length, device=h.device))
+        x = module.eh_proj(torch.cat([module.enorm(model.embed(following[:, i:i + length])),
                                       module.hnorm(h[:, :length])], dim=-1))
         h = module.final_norm(model.layers[str(c.num_layers + i)](x, ctx))
         yield h
 
 
-def losses(model: nn.Module, tokens: torch.Tensor, h: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+def losses(model: nn.Module, h: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
     """loss_1 .. loss_M: module m's mean cross entropy against labels[:, m:] (labels are the tokens shifted by 1)."""
     out = []
-    for m, hidden in enumerate(hidden_states(model, tokens, h), start=1):
+    for m, hidden in enumerate(hidden_states(model, labels, h), start=1):
         logits = model.head(hidden)  # (B, T-m, V); vocab-sharded under tensor parallel (loss_parallel)
         out.append(F.cross_entropy(logits.flatten(0, 1).float(), labels[:, m:].flatten()))
     return out
 
 
-def attach_loss(model: nn.Module, tokens: torch.Tensor, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def attach_loss(model: nn.Module, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """`h` unchanged, carrying the scaled MTP losses' gradient into backward; the losses are kept for logging."""
-    found = losses(model, tokens, h, labels)
+    found = losses(model, h, labels)
     model.last_mtp_losses = [loss.detach() for loss in found]
     return AddLossGradient.apply(h, torch.stack(found).sum(), model.mtp_loss_scale)
 

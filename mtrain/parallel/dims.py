@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mconvert.deepseek import features
 from mconvert.ir import ModelConfig
 from mconvert.layout import Chunk, LayoutError, ParallelLayout
 from mtrain.config import ParallelConfig
@@ -161,18 +160,14 @@ def group(mesh: DeviceMesh | None, name: str) -> dist.ProcessGroup | None:
 
 
 def deepseek_problems(c: ModelConfig, dims: ParallelDims) -> list[str]:
-    """What mtrain cannot train yet of a DeepSeek-V3 model (it builds and runs it: evaluate, generate, verify).
-    The MTP modules train in one process and with data parallelism (their loss: models/mtp.py), the router's expert
-    bias in every layout (expert_bias.py)."""
-    problems = []
-    mtp_split = [f"parallel.{n} {getattr(dims, n)}" for n in ("tp", "pp", "ep", "cp") if getattr(dims, n) > 1]
-    if c.mtp_layers and mtp_split:
-        problems.append(f"the model's {c.mtp_layers} multi-token-prediction module(s) train in one process or with "
-                        f"data parallelism only so far, not with {', '.join(mtp_split)}: leave them out with "
-                        "`mconvert --skip-mtp`")
-    found = [f for f in features(c) if "multi-token" not in f]
-    split = [f"parallel.{n} {getattr(dims, n)}" for n in ("tp", "pp", "ep", "cp") if getattr(dims, n) > 1]
-    if found and split:
-        problems.append(f"{', '.join(found)} train in one process or with data parallelism only so far, not with "
-                        f"{', '.join(split)}")
-    return problems
+    """What mtrain cannot train yet of a DeepSeek-V3 model. Multi-latent attention, DeepSeek's MoE (shared experts,
+    sigmoid group-limited routing, the expert bias: expert_bias.py) train under every layout; the MTP modules
+    (models/mtp.py) under data, tensor, pipeline and expert parallelism, not where the sequence is split over ranks
+    (their inputs are the sequence shifted by one position, which megatron-core rolls across those ranks)."""
+    split = [f"parallel.cp {dims.cp}"] if dims.cp > 1 else []
+    split += ["parallel.sequence_parallel"] if dims.sequence_parallel else []
+    if c.mtp_layers and split:
+        return [f"the model's {c.mtp_layers} multi-token-prediction module(s) do not train with {' or '.join(split)} "
+                "(each module reads the sequence shifted by one position, across the ranks that split it): train "
+                "without it, or leave the modules out with `mconvert --skip-mtp`"]
+    return []

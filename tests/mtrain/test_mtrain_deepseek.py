@@ -57,11 +57,16 @@ def test_each_deepseek_feature_changes_the_logits(tmp_path, tokens):
 
 
 def test_training_what_mtrain_cannot_train_yet_is_refused(tmp_path):
+    """MTP modules where the sequence is split over ranks (context or sequence parallel) are refused by name; every
+    other layout takes the model (trained in tests/mtrain/test_mtrain_deepseek_train.py)."""
     _, ir = load_model(make_deepseek(tmp_path / "hf", seed=23, mtp=1))
-    dims = ParallelDims.from_config(ParallelConfig(tp=2), world=2)
-    with pytest.raises(TrainError) as e:
-        dims.check_model(ir.config)
-    assert "the model's 1 multi-token-prediction module(s) train in one process or with data parallelism only so " \
-        "far, not with parallel.tp 2: leave them out with `mconvert --skip-mtp`" in str(e.value)
-    assert "does not update the router's expert bias" not in str(e.value)  # trained: test_mtrain_deepseek_train.py
-    assert "train in one process or with data parallelism only so far, not with parallel.tp 2" in str(e.value)
+    for parallel, world in [(dict(tp=2, ep=2), 4), (dict(pp=3, tp=2), 6), (dict(cp=2), 2)]:
+        ParallelDims.from_config(ParallelConfig(**parallel), world=world).check_model(ir.config.replace(mtp_layers=0))
+    for parallel, world in [(dict(tp=2, ep=2), 4), (dict(pp=2, first_stage_layers=1), 2)]:
+        ParallelDims.from_config(ParallelConfig(**parallel), world=world).check_model(ir.config)
+    for parallel, named in [(dict(cp=2), "parallel.cp 2"), (dict(tp=2, sequence_parallel=True),
+                                                            "parallel.sequence_parallel")]:
+        with pytest.raises(TrainError) as e:
+            ParallelDims.from_config(ParallelConfig(**parallel), world=2).check_model(ir.config)
+        assert f"the model's 1 multi-token-prediction module(s) do not train with {named} (each module reads the " \
+            "sequence shifted by one position, across the ranks that split it)" in str(e.value)

@@ -32,14 +32,25 @@ BIASES = ("layers.1.moe.router.expert_bias", "layers.2.moe.router.expert_bias")
 
 # name: (model, parallel section, launch)
 MTP2 = with_mtp(TINY_DEEPSEEK, 2)
+MTP_4LAYERS = with_mtp(TINY_DEEPSEEK | {"num_layers": 4}, 1)  # pipeline stages of 2 layers
+NO_QUERY_LORA = TINY_DEEPSEEK | {"q_lora_rank": None}
 LAYOUTS = {
+    "ep2_tp2_mtp": (MTP2, {"ep": 2, "tp": 2}, 4),
+    "pp2_tp2_mtp": (MTP_4LAYERS, {"pp": 2, "tp": 2}, 4),
     "dp2": (TINY_DEEPSEEK, {}, 2),
     "dp2_mtp": (MTP2, {}, 2),
+    "tp2_mtp": (MTP2, {"tp": 2}, 2),
+    "tp2_sp_no_query_lora": (NO_QUERY_LORA, {"tp": 2, "sequence_parallel": True}, 2),
+    "ep2_mtp": (MTP2, {"ep": 2}, 2),
+    "pp2_mtp": (MTP_4LAYERS, {"pp": 2}, 2),
+    "cp2": (TINY_DEEPSEEK, {"cp": 2}, 2),
 }
 
 
 def config_raw(corpus_prefix: str, model: dict, **sections) -> dict:  # noqa: F811
-    sections = {"train": {"steps": STEPS, "moe_router_bias_update_rate": 0.01}} | sections
+    # validation every 2 steps: a pipeline stage infers its shapes again after each switch to evaluation and back
+    sections = {"train": {"steps": STEPS, "moe_router_bias_update_rate": 0.01}, "eval": {"interval": 2, "steps": 1}} \
+        | sections
     return tiny_config(corpus_prefix, model=model, **sections).to_dict()
 
 
@@ -188,8 +199,11 @@ def runs(corpus, tmp_path_factory):  # noqa: F811
             trainer = RecordingTrainer(from_dict(config_raw(corpus, model)), grads_at=(1, STEPS))
             references[key] = trainer.run_and_record()
         result, record = references[key]
-        got = {int(k): v for k, v in json.loads((tmp / f"{name}.json").read_text())["losses"].items()}
-        out[name] = (got, merge(sorted(tmp.glob(f"{name}.rank*.pt"))), result.losses, record)
+        raw = json.loads((tmp / f"{name}.json").read_text())
+        got = {(part, int(k)): v for part in ("losses", "valid") for k, v in raw[part].items()}
+        want = {("losses", k): v for k, v in result.losses.items()} | \
+            {("valid", k): v for k, v in result.valid_losses.items()}
+        out[name] = (got, merge(sorted(tmp.glob(f"{name}.rank*.pt"))), want, record)
     yield out
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -202,15 +216,35 @@ def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_trains_like_one_process(runs, name):
-    """Losses to 1e-6, gradients (first step 1e-6 of each tensor's scale, last 2e-5), final weights (1e-4), and
-    the expert biases equal: the loads summed over the ranks are the one process's."""
+    """Training and validation losses to 1e-6, gradients (first step 1e-6 of each tensor's scale, last 2e-5), final
+    weights (1e-4), and every expert bias equal: the loads summed over the ranks are the one process's."""
     got, record, want, reference = runs[name]
+    assert sorted(got) == sorted(want) and len(want) == STEPS + 2  # training losses, validation at steps 2 and 4
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-6), (name, step)
     first, last = _worst(record["grads"][1], reference["grads"][1]), _worst(record["grads"][STEPS],
                                                                           reference["grads"][STEPS])
     final = _worst(record["weights"], reference["weights"])
     assert first[0] < 1e-6 and last[0] < 2e-5 and final[0] < 1e-4, (name, first, last, final)
-    for n in BIASES:
-        assert reference["weights"][n].abs().max() > 0
+    biases = [n for n in reference["weights"] if n.endswith("expert_bias")]
+    assert set(BIASES) <= set(biases) and all(reference["weights"][n].abs().max() > 0 for n in biases)
+    for n in biases:
         torch.testing.assert_close(record["weights"][n], reference["weights"][n], atol=1e-7, rtol=0)
+
+
+def test_tensor_parallel_splits_multi_latent_attention_and_the_shared_experts(runs):
+    """What rank 0 of TP2 holds: half the heads of q_up and kv_up (rows), of o (columns), half the shared experts'
+    ffn; the down projections, latent norms, router and MTP projection whole."""
+    _, record, _, _ = runs["tp2_mtp"]
+    held = record["ranks"][0]
+    want = {"layers.0.attn.q_up.weight": ([32, 24], "(Shard(dim=0),)"),  # 4 heads of 16 -> 2
+            "layers.0.attn.kv_up.weight": ([32, 16], "(Shard(dim=0),)"),  # 4 heads of 8 + 8 -> 2
+            "layers.0.attn.o.weight": ([32, 16], "(Shard(dim=1),)"),
+            "layers.0.attn.q_down.weight": ([24, 32], "(Replicate(),)"),
+            "layers.0.attn.kv_down.weight": ([24, 32], "(Replicate(),)"),  # latent 16 + rope key 8
+            "layers.0.attn.kv_norm.weight": ([16], "(Replicate(),)"),
+            "layers.1.moe.shared.gate.weight": ([16, 32], "(Shard(dim=0),)"),
+            "layers.1.moe.shared.down.weight": ([32, 16], "(Shard(dim=1),)"),
+            "layers.1.moe.router.weight": ([8, 32], "(Replicate(),)"),
+            "mtp.0.eh_proj.weight": ([32, 64], "(Replicate(),)")}
+    assert {n: held[n] for n in want} == want
