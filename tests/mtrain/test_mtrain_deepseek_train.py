@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 
 from mconvert import engine
 from mconvert.ir import ModelConfig
@@ -19,9 +20,12 @@ from mconvert.options import Options
 from mtrain import weights
 from mtrain.config import from_dict
 from mtrain.expert_bias import ExpertBiasUpdater, updated_bias
+from mtrain.inference import load_model
 from mtrain.models.moe import MoE
 from mtrain.parallelize import build_model
 from mtrain.train import Trainer
+from tests.conftest import run_cli
+from tests.deepseek_models import hf_logits_with_mtp, make_deepseek
 from tests.mtrain.corpus import corpus, one_thread, tiny_config  # noqa: F401
 from tests.mtrain.deepseek_tiny import TINY_DEEPSEEK, with_mtp
 from tests.mtrain.launch import launch, with_sections
@@ -190,6 +194,11 @@ def runs(corpus, tmp_path_factory):  # noqa: F811
         raw = with_sections(config_raw(corpus, model), parallel=parallel)
         specs.setdefault(nproc, []).append({"config": raw, "out": str(tmp / f"{name}.json"),
                                             "record": str(tmp / name), "grads_at": [1, STEPS]})
+    # End to end: finetune a Hugging Face DeepSeek-V3 (with an MTP layer) under EP2 x TP2 from the command line.
+    make_deepseek(tmp / "hf", seed=5, mtp=1)
+    (tmp / "finetune.yaml").write_text(yaml.safe_dump(config_raw(corpus, None)))
+    specs[4].append({"cli": ["finetune", "--load", str(tmp / "hf"), "--config", str(tmp / "finetune.yaml"),
+                             "--parallel.tp", "2", "--parallel.ep", "2", "--checkpoint.dir", str(tmp / "finetuned")]})
     for nproc, spec in specs.items():
         launch(spec, tmp, nproc=nproc, name=f"launch{nproc}")
     references, out = {}, {}
@@ -204,7 +213,7 @@ def runs(corpus, tmp_path_factory):  # noqa: F811
         want = {("losses", k): v for k, v in result.losses.items()} | \
             {("valid", k): v for k, v in result.valid_losses.items()}
         out[name] = (got, merge(sorted(tmp.glob(f"{name}.rank*.pt"))), want, record)
-    yield out
+    yield out, tmp
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -218,7 +227,7 @@ def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple
 def test_layout_trains_like_one_process(runs, name):
     """Training and validation losses to 1e-6, gradients (first step 1e-6 of each tensor's scale, last 2e-5), final
     weights (1e-4), and every expert bias equal: the loads summed over the ranks are the one process's."""
-    got, record, want, reference = runs[name]
+    got, record, want, reference = runs[0][name]
     assert sorted(got) == sorted(want) and len(want) == STEPS + 2  # training losses, validation at steps 2 and 4
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-6), (name, step)
@@ -235,7 +244,7 @@ def test_layout_trains_like_one_process(runs, name):
 def test_tensor_parallel_splits_multi_latent_attention_and_the_shared_experts(runs):
     """What rank 0 of TP2 holds: half the heads of q_up and kv_up (rows), of o (columns), half the shared experts'
     ffn; the down projections, latent norms, router and MTP projection whole."""
-    _, record, _, _ = runs["tp2_mtp"]
+    _, record, _, _ = runs[0]["tp2_mtp"]
     held = record["ranks"][0]
     want = {"layers.0.attn.q_up.weight": ([32, 24], "(Shard(dim=0),)"),  # 4 heads of 16 -> 2
             "layers.0.attn.kv_up.weight": ([32, 16], "(Shard(dim=0),)"),  # 4 heads of 8 + 8 -> 2
@@ -248,3 +257,25 @@ def test_tensor_parallel_splits_multi_latent_attention_and_the_shared_experts(ru
             "layers.1.moe.router.weight": ([8, 32], "(Replicate(),)"),
             "mtp.0.eh_proj.weight": ([32, 64], "(Replicate(),)")}
     assert {n: held[n] for n in want} == want
+
+
+def test_a_hugging_face_model_finetuned_under_ep2_tp2_exports_to_transformers(runs):
+    """HF -> mtrain finetune (EP2 x TP2, 4 steps) -> mconvert -> HF: transformers' logits and MTP logits equal those
+    of mtrain's model of the trained checkpoint; the trained expert biases (MTP layer's too) and MTP weights moved."""
+    from safetensors.torch import load_file
+
+    _, tmp = runs
+    run_cli("--saver", "deepseek_hf", "--load-dir", tmp / "finetuned", "--save-dir", tmp / "hf_out")
+    tokens = torch.randint(3, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    model, _ = load_model(tmp / "finetuned")
+    with torch.no_grad():
+        main, mtp = model.mtp_logits(tokens)
+    want, want_mtp = hf_logits_with_mtp(tmp / "hf_out", tokens)
+    torch.testing.assert_close(main, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(mtp[0], want_mtp[0], atol=1e-5, rtol=0)
+    before, after = load_file(tmp / "hf" / "model.safetensors"), load_file(tmp / "hf_out" / "model.safetensors")
+    for layer in (1, 2, 3):  # 3: the MTP module's layer
+        moved = (after[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
+                 - before[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]) / 0.01
+        assert torch.allclose(moved, moved.round(), atol=1e-3) and moved.abs().max() >= 1, (layer, moved)
+    assert not torch.equal(after["model.layers.3.eh_proj.weight"], before["model.layers.3.eh_proj.weight"])
