@@ -185,9 +185,10 @@ class Trainer:
             total = torch.zeros((), dtype=torch.float64)
             for i, (inputs, labels) in enumerate(micro):
                 self._sync_gradients(last=i == len(micro) - 1)
+                whole = labels.to(self.env.device)  # the MTP modules read the labels of the whole sequences
                 inputs, labels = self._local_tokens(inputs, labels)
                 with self._loss_context():
-                    loss = self._loss(inputs, labels)
+                    loss = self._loss(inputs, labels, whole)
                     (loss / len(micro)).backward()
                 total += _value(loss)
             loss = float(total / len(micro))
@@ -196,13 +197,14 @@ class Trainer:
 
     def _pipeline_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], train: bool = True) -> float:
         """One pass of the schedule over the micro-batches (the loss function divides by their number)."""
-        inputs, labels = self._local_tokens(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))
+        whole = torch.cat([y for _, y in micro])
+        inputs, labels = self._local_tokens(torch.cat([x for x, _ in micro]), whole)
         args = (inputs,) if self.parallel.has_first_stage else ()
         last = self.parallel.has_last_stage
         losses: list[torch.Tensor] = []
-        # The MTP modules on the last stage read the labels: the schedule splits them into the micro-batches and
-        # hands them to this rank's stages, which ignore them unless they hold the modules.
-        mtp_labels = {"labels": labels} if train and last and self.model_config.mtp_layers else {}
+        # The MTP modules on the last stage read the whole sequences' labels: the schedule splits them into the
+        # micro-batches and hands them to this rank's stages, which ignore them unless they hold the modules.
+        mtp_labels = {"labels": whole.to(self.env.device)} if train and last and self.model_config.mtp_layers else {}
         with self._loss_context(), self._autocast():
             run = self.schedule.step if train else self.schedule.eval
             run(*args, target=labels if last else None, losses=losses if last else None,
@@ -224,10 +226,11 @@ class Trainer:
         return torch.autocast(self.env.device.type, dtype=torch.bfloat16) if self.autocast \
             else contextlib.nullcontext()
 
-    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The language-model loss; in training the MTP modules' loss joins its gradient (models/mtp.py)."""
+    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor, whole: torch.Tensor | None = None) -> torch.Tensor:
+        """The language-model loss; given the `whole` sequences' labels in training, the MTP modules' loss joins its
+        gradient (models/mtp.py)."""
         with self._autocast():
-            logits = self.model(inputs, labels=labels) if self.model_config.mtp_layers else self.model(inputs)
+            logits = self.model(inputs, labels=whole) if self.model_config.mtp_layers else self.model(inputs)
         return self._cross_entropy(logits, labels)
 
     @staticmethod

@@ -232,7 +232,7 @@ class Transformer(nn.Module):
                 labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V). On a pipeline stage after the first, `tokens` are hidden states
         (B, T/sp, h) and the output of a stage before the last is hidden states too. Training gives the `labels`
-        (B, T): the MTP modules' loss then enters backward (mtp.py)."""
+        of the whole sequences (B, cp x T): the MTP modules' loss then enters backward (mtp.py)."""
         if positions is None:
             length = tokens.shape[1] * (1 if self.embeds_tokens else self.sequence.sp)
             positions = self.sequence.positions(length, tokens.device)
@@ -247,7 +247,7 @@ class Transformer(nn.Module):
             return h
         h = self.final_norm(h)
         if labels is not None and self.mtp is not None and torch.is_grad_enabled():
-            h = mtp.attach_loss(self, h, labels)
+            h = mtp.attach_loss(self, h, labels, positions, ctx)
         return self.head(h)
 
     def context(self, positions: torch.Tensor) -> LayerContext:
@@ -260,13 +260,15 @@ class Transformer(nn.Module):
         """(logits, [logits of MTP module i]) of a whole model. Module i reads the hidden state of module i-1 (the
         model's, after its final norm, for i = 0) at positions 0..T-2-i and the embedding of the token i+1 further
         on; its logits there predict the token i+2 further on (DeepSeek-V3's multi-token prediction)."""
-        c = self.config
-        h = self.embed(tokens)
-        ctx = self.context(torch.arange(tokens.shape[1], device=tokens.device))
-        for i in range(c.num_layers):
+        T = tokens.shape[1]
+        positions = torch.arange(T, device=tokens.device)
+        h, ctx = self.embed(tokens), self.context(positions)
+        for i in range(self.config.num_layers):
             h = self.layers[str(i)](h, ctx)
         h = self.final_norm(h)
-        return self.head(h), [self.head(s) for s in mtp.hidden_states(self, tokens[:, 1:], h)] if self.mtp else []
+        following = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # the labels, but for the unknown last one
+        modules = mtp.hidden_states(self, h, following, positions, ctx) if self.mtp else ()
+        return self.head(h), [self.head(s[:, :T - 1 - i]) for i, (s, _) in enumerate(modules)]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)

@@ -81,7 +81,6 @@ class ParallelDims:
     def check_model(self, c: ModelConfig) -> None:
         """Refuse a model this layout cannot split, naming the size that does not divide (all problems at once)."""
         problems = [LayoutError(p).spelled(config_field) for p in self.layout.model_problems(c)]
-        problems += deepseek_problems(c, self)
         if problems:
             raise TrainError("the parallel layout does not fit the model: " + "; ".join(problems))
         self.chunks(c.num_layers)
@@ -158,16 +157,3 @@ def group(mesh: DeviceMesh | None, name: str) -> dist.ProcessGroup | None:
         return None
     return mesh[name].get_group()
 
-
-def deepseek_problems(c: ModelConfig, dims: ParallelDims) -> list[str]:
-    """What mtrain cannot train yet of a DeepSeek-V3 model. Multi-latent attention, DeepSeek's MoE (shared experts,
-    sigmoid group-limited routing, the expert bias: expert_bias.py) train under every layout; the MTP modules
-    (models/mtp.py) under data, tensor, pipeline and expert parallelism, not where the sequence is split over ranks
-    (their inputs are the sequence shifted by one position, which megatron-core rolls across those ranks)."""
-    split = [f"parallel.cp {dims.cp}"] if dims.cp > 1 else []
-    split += ["parallel.sequence_parallel"] if dims.sequence_parallel else []
-    if c.mtp_layers and split:
-        return [f"the model's {c.mtp_layers} multi-token-prediction module(s) do not train with {' or '.join(split)} "
-                "(each module reads the sequence shifted by one position, across the ranks that split it): train "
-                "without it, or leave the modules out with `mconvert --skip-mtp`"]
-    return []

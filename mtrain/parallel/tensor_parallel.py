@@ -7,7 +7,8 @@
     MLP         gate, up column-parallel (ffn split), down row-parallel
     MoE         router (and its expert bias) replicated; experts split on ffn like the MLP (expert tensor
                 parallel = tp), see expert_parallel.py; shared experts split like the MLP
-    MTP         each module's norms and eh_proj replicated; its transformer layer like any other
+    MTP         each module's norms and eh_proj replicated (split over the sequence with sequence parallel, like
+                norms: their weight gradients summed over the ranks); its transformer layer like any other
     embeddings  vocabulary-parallel: rows split, each rank looks up its rows, the sum is the output
     head        column-parallel over the vocabulary; the loss runs on vocab-sharded logits (`loss_parallel`),
                 full logits are never gathered. Tied: the embedding's row-split weight is the head's.
@@ -86,9 +87,8 @@ def apply_tensor_parallel(part: Transformer, mesh: DeviceMesh, sequence_parallel
     if part.lm_head is not None:
         plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(part, mesh, plan)
-    for module in (part.mtp or {}).values():  # MTP runs on whole sequences (no sequence parallel: dims.py)
-        parallelize_module(module, mesh, {"enorm": norm(), "hnorm": norm(), "final_norm": norm(),
-                                          "eh_proj": ReplicateParallel()})
+    for module in (part.mtp or {}).values():  # position-wise, on the hidden states' part of the sequence
+        parallelize_module(module, mesh, {"enorm": norm(), "hnorm": norm(), "final_norm": norm(), "eh_proj": norm()})
     if part.final_norm is not None and part.lm_head is None:
         # Tied head: F.linear(h, embed.weight) with h whole and the weight row-split gives vocab-sharded logits.
         for final_norm in [part.final_norm, *(m.final_norm for m in (part.mtp or {}).values())]:

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from mtrain.config import ParallelConfig
-from mtrain.errors import TrainError
 from mtrain.inference import load_model
 from mtrain.parallel.dims import ParallelDims
 from tests.deepseek_models import hf_logits_with_mtp, make_deepseek
@@ -56,17 +55,10 @@ def test_each_deepseek_feature_changes_the_logits(tmp_path, tokens):
             assert (model(tokens) - reference).abs().max() > 1e-4, what
 
 
-def test_training_what_mtrain_cannot_train_yet_is_refused(tmp_path):
-    """MTP modules where the sequence is split over ranks (context or sequence parallel) are refused by name; every
-    other layout takes the model (trained in tests/mtrain/test_mtrain_deepseek_train.py)."""
+def test_every_layout_takes_the_model(tmp_path):
+    """MLA, DeepSeek's MoE and MTP modules pass the layout checks of every parallelism (they train alike:
+    tests/mtrain/test_mtrain_deepseek_train.py)."""
     _, ir = load_model(make_deepseek(tmp_path / "hf", seed=23, mtp=1))
-    for parallel, world in [(dict(tp=2, ep=2), 4), (dict(pp=3, tp=2), 6), (dict(cp=2), 2)]:
-        ParallelDims.from_config(ParallelConfig(**parallel), world=world).check_model(ir.config.replace(mtp_layers=0))
-    for parallel, world in [(dict(tp=2, ep=2), 4), (dict(pp=2, first_stage_layers=1), 2)]:
+    for parallel, world in [(dict(tp=2, ep=2, sequence_parallel=True), 4), (dict(pp=3, tp=2), 6), (dict(cp=2), 2),
+                            (dict(pp=2, first_stage_layers=1, cp=2), 4)]:
         ParallelDims.from_config(ParallelConfig(**parallel), world=world).check_model(ir.config)
-    for parallel, named in [(dict(cp=2), "parallel.cp 2"), (dict(tp=2, sequence_parallel=True),
-                                                            "parallel.sequence_parallel")]:
-        with pytest.raises(TrainError) as e:
-            ParallelDims.from_config(ParallelConfig(**parallel), world=2).check_model(ir.config)
-        assert f"the model's 1 multi-token-prediction module(s) do not train with {named} (each module reads the " \
-            "sequence shifted by one position, across the ranks that split it)" in str(e.value)

@@ -1,8 +1,11 @@
 """Training DeepSeek-V3 with mtrain: the router's expert bias moved by the expert loads (auxiliary-loss-free
 balancing), the MTP loss, and the parallel layouts against one process.
 
-One torchrun launch holds the multi-process runs; each records its gradients at the first and last step and its
-final weights and expert biases (tests/mtrain/recording.py), compared with the same config in one process.
+Two torchrun launches hold the multi-process runs (LAYOUTS: 4 ranks EP2 x TP2, PP2 x TP2 + SP, PP2 x CP2; 2 ranks
+DP2, TP2, TP2 + SP, CP2, EP2, PP2, PP2 interleaved; with MTP modules, with and without a query LoRA); each records
+its gradients at the first and last step and its final weights and expert biases (tests/mtrain/recording.py),
+compared with the same config in one process. The 4-rank launch also finetunes a Hugging Face DeepSeek-V3 from the
+command line, exported back to transformers at the end.
 """
 
 from __future__ import annotations
@@ -40,13 +43,17 @@ MTP_4LAYERS = with_mtp(TINY_DEEPSEEK | {"num_layers": 4}, 1)  # pipeline stages 
 NO_QUERY_LORA = TINY_DEEPSEEK | {"q_lora_rank": None}
 LAYOUTS = {
     "ep2_tp2_mtp": (MTP2, {"ep": 2, "tp": 2}, 4),
-    "pp2_tp2_mtp": (MTP_4LAYERS, {"pp": 2, "tp": 2}, 4),
+    "pp2_tp2_sp_mtp": (MTP_4LAYERS, {"pp": 2, "tp": 2, "sequence_parallel": True}, 4),
+    "pp2_cp2_mtp": (MTP_4LAYERS, {"pp": 2, "cp": 2}, 4),
     "dp2": (TINY_DEEPSEEK, {}, 2),
     "dp2_mtp": (MTP2, {}, 2),
     "tp2_mtp": (MTP2, {"tp": 2}, 2),
     "tp2_sp_no_query_lora": (NO_QUERY_LORA, {"tp": 2, "sequence_parallel": True}, 2),
+    "tp2_sp_mtp": (MTP2, {"tp": 2, "sequence_parallel": True}, 2),
+    "cp2_mtp": (MTP2, {"cp": 2}, 2),
     "ep2_mtp": (MTP2, {"ep": 2}, 2),
     "pp2_mtp": (MTP_4LAYERS, {"pp": 2}, 2),
+    "pp2_vpp2_mtp": (MTP_4LAYERS, {"pp": 2, "vpp": 2}, 2),
     "cp2": (TINY_DEEPSEEK, {"cp": 2}, 2),
 }
 
