@@ -165,13 +165,10 @@ class MoE(nn.Module):
         flat_idx = top_idx.flatten()
         order = torch.argsort(flat_idx, stable=True)
         counts = torch.bincount(flat_idx, minlength=self.num_experts)
-        # The loads that move the expert bias, in training only. Full recomputation routes every micro-batch twice,
-        # which doubles all counts alike and leaves the update (a sign per expert) as it is.
-        if self.training and torch.is_grad_enabled() and self.count_loads and hasattr(self.router, "expert_bias"):
-            self.routed = counts.detach() if self.routed is None else self.routed + counts.detach()
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * flat_idx.shape[0] / self.num_experts)
             order, counts = keep_within_capacity(order, flat_idx[order], counts, capacity)
+        self._count_loads(counts)
         token = order // self.top_k
         y = self.dispatch(x[token], counts, self.experts)  # (pairs, h), in the order of `order`
         y = y * top_w.flatten()[order, None].to(y.dtype)
@@ -184,6 +181,13 @@ class MoE(nn.Module):
         if self.training and self.aux_coeff > 0 and torch.is_grad_enabled():
             out = AddLossGradient.apply(out, aux, self.aux_coeff * self.aux_loss_scale)
         return out
+
+    def _count_loads(self, counts: torch.Tensor) -> None:
+        """Add the pairs each expert takes (after any capacity drop, as megatron-core counts them) to the loads that
+        move the expert bias: in training only. Full recomputation routes every micro-batch twice, which doubles
+        all loads alike and leaves the update (a sign per expert) as it is."""
+        if self.training and torch.is_grad_enabled() and self.count_loads and hasattr(self.router, "expert_bias"):
+            self.routed = counts.detach() if self.routed is None else self.routed + counts.detach()
 
     def route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """DeepSeek-V3's routing in float32: (scores normalized per token, for the auxiliary-loss statistics; top-k

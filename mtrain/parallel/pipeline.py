@@ -28,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from mconvert.ir import ModelConfig
+from mtrain.errors import TrainError
 from mtrain.models.model import Transformer
 from mtrain.models.moe import MoE
 from mtrain.parallel.dims import ParallelDims
@@ -60,16 +61,16 @@ class Stage(PipelineStage):
                 m.count_loads = True
 
 
-if not hasattr(PipelineStage, "_forward_metadata_inference"):  # the PyTorch this was written for (2.13) has it
-    raise ImportError("mtrain's pipeline stages need torch.distributed.pipelining.PipelineStage."
-                      "_forward_metadata_inference (PyTorch 2.13); install the PyTorch of scripts/setup.sh")
-
-
 def build_schedule(parts: list[nn.Module], stage_ids: list[int], dims: ParallelDims, group: dist.ProcessGroup,
                    device: torch.device, micro_batches: int, loss_fn):
     """The configured schedule over this rank's stages. `loss_fn(output, target)` must already be divided by
     `micro_batches` (gradients are not rescaled here, as in the trainer's own gradient accumulation)."""
     num_stages = dims.pp * dims.vpp
+    biased = any(isinstance(m, MoE) and hasattr(m.router, "expert_bias") for part in parts for m in part.modules())
+    if biased and not hasattr(PipelineStage, "_forward_metadata_inference"):
+        raise TrainError("pipeline parallel with a router expert bias needs PyTorch's PipelineStage."
+                         "_forward_metadata_inference (PyTorch 2.13, as scripts/setup.sh installs), so that the shape-"
+                         "inference forward does not count expert loads; use that PyTorch or parallel.pp 1")
     stages = [Stage(part, stage_id, num_stages, device, group=group)
               for part, stage_id in zip(parts, stage_ids)]
     cls = get_schedule_class(dims.schedule)

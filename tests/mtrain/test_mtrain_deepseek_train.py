@@ -102,6 +102,13 @@ def test_the_updater_counts_training_micro_batches_only():
     torch.testing.assert_close(layer.router.expert_bias, start + 0.01 * torch.tensor([-1., -1, 1, 1, 1, 1, 1, 1]))
     assert layer.routed is None
     assert "router.expert_bias" not in dict(layer.named_parameters())
+    # With a capacity, the loads are what the experts take (megatron-core counts after dropping): ceil(1.0 * 10
+    # tokens * top-2 / 8 experts) = 3 pairs per expert and micro-batch.
+    layer.train()
+    layer.capacity_factor = 1.0
+    layer(x).sum().backward()
+    layer(x).sum().backward()
+    assert layer.routed.tolist() == [6, 6, 0, 0, 0, 0, 0, 0]
 
 
 def test_the_bias_trains_saves_resumes_and_exports(corpus, tmp_path):  # noqa: F811
