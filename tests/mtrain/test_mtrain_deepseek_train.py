@@ -2,10 +2,10 @@
 balancing), the MTP loss, and the parallel layouts against one process.
 
 Two torchrun launches hold the multi-process runs (LAYOUTS: 4 ranks EP2 x TP2, PP2 x TP2 + SP, PP2 x CP2; 2 ranks
-DP2, TP2, TP2 + SP, CP2, EP2, PP2, PP2 interleaved; with MTP modules, with and without a query LoRA); each records
-its gradients at the first and last step and its final weights and expert biases (tests/mtrain/recording.py),
-compared with the same config in one process. The 4-rank launch also finetunes a Hugging Face DeepSeek-V3 from the
-command line, exported back to transformers at the end.
+DP2 (FSDP and DDP), TP2, TP2 + SP, CP2, EP2, PP2, PP2 interleaved; with MTP modules, with and without a query
+LoRA); each records its gradients at the first and last step and its final weights and expert biases
+(tests/mtrain/recording.py), compared with the same config in one process. The 4-rank launch also finetunes a
+Hugging Face DeepSeek-V3 from the command line, exported back to transformers at the end.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ LAYOUTS = {
     "pp2_cp2_mtp": (MTP_4LAYERS, {"pp": 2, "cp": 2}, 4),
     "dp2": (TINY_DEEPSEEK, {}, 2),
     "dp2_mtp": (MTP2, {}, 2),
+    "dp2_ddp_mtp": (MTP2, {"dp_mode": "ddp"}, 2),
     "tp2_mtp": (MTP2, {"tp": 2}, 2),
     "tp2_sp_no_query_lora": (NO_QUERY_LORA, {"tp": 2, "sequence_parallel": True}, 2),
     "tp2_sp_mtp": (MTP2, {"tp": 2, "sequence_parallel": True}, 2),
