@@ -8,7 +8,8 @@ sequences of 256 tokens, micro batch 4 per rank, fp32, AdamW (lr 3e-4, betas 0.9
 0.1), gradient clipping at 1.0, 10 warmup steps then cosine to 3e-5; real text (bench/peer_data.py), every
 trainer reading the same global batches in the same order. Not the same: the initial weights (each trainer's own
 init) and what each does by default (mtrain and HF decay matrices only, litgpt every weight; litgpt compiles the
-model; with two ranks the peers run DDP, mtrain FSDP unless asked for DDP: both are shown).
+model; with two ranks the peers run DDP, and so does mtrain by default (`parallel.dp_mode auto` on a CPU); its
+FSDP is shown too).
 
 Each trainer is a set of processes (one per rank) that the bench releases one optimizer step at a time
 (bench/peers/pace.py); in every round each trainer runs --steps steps, the order rotating, and a trainer's
@@ -52,7 +53,7 @@ MODEL = {"hidden": 384, "layers": 6, "heads": 6, "kv_heads": 2, "head_dim": 64, 
 OPTIM = {"lr": 3e-4, "min_lr": 3e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0,
          "warmup_steps": 10}
 MICRO_BATCH = 4
-HEADS = {"mtrain": "mtrain/x", "mtrain ddp": "mtrain DDP/x", "mtrain compile": "mtrain compile/x"}
+HEADS = {"mtrain": "mtrain/x", "mtrain fsdp": "mtrain FSDP/x", "mtrain compile": "mtrain compile/x"}
 
 
 # -- environments -------------------------------------------------------------------------------------------------
@@ -215,11 +216,11 @@ def build_runs(args, world: int, pythons: dict[str, Path], data: dict, log_dir: 
 
 
 def mtrain_variants(args, world: int) -> dict[str, dict]:
-    """mtrain as it runs by default, with whole-model compilation, and with two ranks DDP besides FSDP (the peers
-    run DDP there): the default first, the others' ratios are also taken against each of these."""
+    """mtrain as it runs by default (two ranks: dp_mode auto, i.e. DDP on a CPU, as the peers run), with whole-model
+    compilation, and with two ranks FSDP too: the default first, the others' ratios are also taken against it."""
     variants = {"mtrain": {}}
     if world > 1:
-        variants["mtrain ddp"] = {"parallel": {"dp_mode": "ddp"}}
+        variants["mtrain fsdp"] = {"parallel": {"dp_mode": "fsdp"}}
     if args.compile:
         variants["mtrain compile"] = {"train": {"compile": "model"}} | (
             {"parallel": {"dp_mode": "ddp"}} if world > 1 else {})

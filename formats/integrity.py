@@ -22,12 +22,14 @@ import concurrent.futures
 import hashlib
 import json
 import mmap
+import re
 import threading
 from pathlib import Path
 
 from mconvert.errors import ConvertError
 
 MANIFEST = "integrity.json"
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 ALGORITHM = "sha256"
 _BLOCK = 16 << 20  # bytes hashed per call: large enough that hashlib releases the GIL and the loop is cheap
 Buffer = bytes | bytearray | memoryview | mmap.mmap
@@ -78,6 +80,10 @@ class Manifest:
         bad = [name for name in files if name in ("", ".", "..") or "/" in name or "\\" in name]
         if bad:
             raise ConvertError(f"{path}: lists {bad[0]!r}, which is not a file name inside the checkpoint directory")
+        bad = [name for name, digest in files.items() if not _HEX_DIGEST.fullmatch(digest)]
+        if bad:
+            raise ConvertError(f"{path}: the digest of {bad[0]!r} is {files[bad[0]]!r}, not a SHA-256 as megatron-core "
+                               "writes it (64 lowercase hexadecimal digits)")
         return cls(path.parent, files)
 
     def check_complete(self) -> None:

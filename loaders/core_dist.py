@@ -12,12 +12,13 @@ from typing import Any
 import torch
 from mconvert.formats import hf_dir
 from mconvert.formats.dcp import DcpReader
+from mconvert.formats.integrity import Manifest
 from mconvert.formats.torch_pickle import safe_load
 
 from mconvert.config_checks import MEGATRON_INTEGERS, check_integers, with_where
 from mconvert.errors import ConvertError, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
-from mconvert.mapping import Row, to_ir
+from mconvert.mapping import Row, to_ir, verify_copies
 from mconvert.options import Options
 from mconvert.rules import Ctx
 from mconvert.schemas import core, core_dist
@@ -28,6 +29,9 @@ def is_dist_checkpoint(it_dir: Path) -> bool:
 
 
 def open_store(it_dir: Path):
+    manifest = Manifest.find(it_dir)
+    if manifest is not None:  # metadata.json picks the reader: verified before it is believed
+        manifest.check_file(core_dist.METADATA_JSON)
     meta = hf_dir.read_json(it_dir / core_dist.METADATA_JSON)
     backend = meta.get("sharded_backend")
     if backend == "torch_dist":
@@ -106,6 +110,9 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
         raise ConvertError(f"{it_dir}: the tensors do not match a {config.family} model with these args. "
                            + mismatch(missing, extra))
     tensors = to_ir(source, rows, Ctx(config, padded), where=str(it_dir), cache=LoadCache(4))
+    if tied_copy in store.tensors:  # a stored copy of the tied embedding: checked, never silently dropped
+        copy = LazyTensor(*_shape_dtype(store, tied_copy), lambda: store.read(tied_copy), f"{it_dir.name}:{tied_copy}")
+        verify_copies(tensors, "embed.weight", [[copy]], core.TIED_OUTPUT, Ctx(config, padded))
     layout = {"format": backend, "padded_vocab": padded,
               "transformer_impl": impl if config.is_moe or config.is_mla else "any",
               "layers": "one key per layer" if per_layer else "stacked",

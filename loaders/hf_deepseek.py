@@ -47,11 +47,13 @@ def load(path: Path, options: Options) -> ModelIR:
     copies = {name: take_copies(pieces, rf"model\.layers\.\d+\.{re.escape(suffix)}")
               for name, suffix in (("embed.weight", "embed_tokens.weight"),
                                    ("lm_head.weight", "shared_head.head.weight"))}
-    drop = hf_deepseek.DROP + ((r"lm_head\.weight",) if config.tie_embeddings else ())
-    tensors = to_ir(pieces, expand(table, config), ctx, where=str(root), drop=drop)
+    # tied: a stored lm_head.weight must be the embedding again, never a distinct matrix silently dropped
+    tied = take_copies(pieces, r"lm_head\.weight") if config.tie_embeddings else []
+    tensors = to_ir(pieces, expand(table, config), ctx, where=str(root), drop=hf_deepseek.DROP)
     for name, found in copies.items():
         verify_copies(tensors, name if name in tensors else "embed.weight", found, hf_deepseek.MTP_COPIES[0], ctx,
                       kept_for="the MTP layers")
+    verify_copies(tensors, "embed.weight", tied, hf_deepseek.MTP_COPIES[0], ctx)
     layout = {"experts": "fused (transformers 5 in-memory names)" if fused else "one tensor per expert",
               "rotary rows": "interleaved (rope_interleave)" if hf_deepseek.rope_interleaved(hf) else "half split"}
     assets = hf_dir.tokenizer_files(options.tokenizer or root)
@@ -61,12 +63,20 @@ def load(path: Path, options: Options) -> ModelIR:
 def _dequantized(hf: dict, source: dict[str, LazyTensor], where: str) -> tuple[dict[str, LazyTensor], list[str]]:
     """FP8 block-quantized weights (DeepSeek's release) become lazy bfloat16 tensors, dequantized when read."""
     quant = hf.get("quantization_config") or {}
+    if not isinstance(quant, dict):
+        raise ConvertError(f"{where}: quantization_config {quant!r}: expected a mapping such as "
+                           f"{fp8.QUANTIZATION_CONFIG}")
     if not quant and not any(k.endswith(".weight" + fp8.SCALE_SUFFIX) for k in source):
         return source, []
     if quant.get("quant_method", "fp8") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
         raise ConvertError(f"{where}: quantization_config {quant} is not FP8 e4m3 with block scales, the only "
                            "quantization mconvert reads")
-    block = tuple(int(b) for b in quant.get("weight_block_size", fp8.BLOCK))
+    block = quant.get("weight_block_size", list(fp8.BLOCK))
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ConvertError(f"{where}: quantization_config.weight_block_size {block!r}: expected two positive "
+                           f"integers, the rows and columns of a scaled block (DeepSeek-V3: {list(fp8.BLOCK)})")
+    block = tuple(block)
     source, count = fp8.dequantized(source, block)
     return source, [f"{count} FP8 weights ({block[0]}x{block[1]} block scales) dequantized to bfloat16 as they are "
                     "read"]

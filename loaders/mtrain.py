@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mconvert.formats import hf_dir
 
-from mconvert.errors import ConvertError, mismatch
+from mconvert.errors import ConvertError, format_names, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
 from mconvert.options import Options
 from mconvert.registry import register_loader
@@ -58,6 +58,11 @@ def load(path: Path, options: Options) -> ModelIR:
     if missing or extra:
         raise ConvertError(f"{step_dir}: the tensors do not match the model config in {checkpoint.META_FILE}. "
                            + mismatch(missing, extra))
+    integer = [f"{prefix}{name} ({str(stored[name][1]).removeprefix('torch.')})" for name in sorted(wanted)
+               if not stored[name][1].is_floating_point]
+    if integer:  # carried as is, they would make a model that cannot compute
+        raise ConvertError(f"{step_dir}: weights must be floating-point tensors, and {format_names(integer)} "
+                           f"{'is' if len(integer) == 1 else 'are'} not")
     config = config.replace(dtype=dtype_name(stored["embed.weight"][1]))
     cache = LoadCache(max_items=2)
 

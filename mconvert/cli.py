@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 from pathlib import Path
 
 import click
@@ -121,7 +122,7 @@ def _fail_cleanly(func):
 @click.option("--verify", "verify_output", is_flag=True,
               help="Before moving the output into place, run it and the source on the same tokens (as `mconvert "
               "verify` does); if they differ, nothing is written and the exit status is 1.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors (no progress, notes or summary).")
 @click.pass_context
 @_fail_cleanly
 def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, verify_output, quiet, **opts) -> None:
@@ -151,8 +152,13 @@ def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, verify_ou
     options = _options(opts)
     progress = Progress(enabled=not quiet)
     check = _verify_output(load_dir, source.name, save_dir, options, progress) if verify_output else None
-    summary = engine.convert(load_dir, save_dir, loader=source.name, saver=target.name, options=options,
-                             force=force, progress=progress, check=check)
+    with warnings.catch_warnings():
+        if quiet:  # -q: nothing at all on success; errors still say what went wrong
+            warnings.simplefilter("ignore")
+        summary = engine.convert(load_dir, save_dir, loader=source.name, saver=target.name, options=options,
+                                 force=force, progress=progress, check=check)
+    if quiet:
+        return
     ir = summary.ir
     for note in ir.source.notes:
         click.echo(f"note: {note}", err=True)
@@ -176,7 +182,8 @@ def _verify_output(load_dir: Path, loader: str, save_dir: Path, options: Options
 
         settings = VerifySettings(loader_a=loader, options=dataclasses.replace(options, dtype=None))
         report = verify(load_dir, staging, settings, progress, labels=(str(load_dir), str(save_dir)))
-        click.echo(f"verify: {summary_line(report)}", err=True)
+        if progress.enabled:  # -q leaves it out
+            click.echo(f"verify: {summary_line(report)}", err=True)
         if not report.passed:
             raise ConvertError(f"the output does not verify against {load_dir}; nothing was written to {save_dir}")
 

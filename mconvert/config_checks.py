@@ -99,8 +99,36 @@ def check_model_config(c) -> None:
         factor = scaling.get("factor", 1.0) if isinstance(scaling, dict) else None
         need("rope_scaling", numbers_ok and _is_number(factor) and factor > 0,
              "a mapping of finite numbers with factor > 0")
+        if isinstance(scaling, dict):
+            bad += _rope_scaling_problems(scaling)
     if bad:
         raise ConvertError(f"config values out of range: {'; '.join(bad)}")
+
+
+# transformers' rope types besides "default" (modeling_rope_utils), and the fields each cannot do without
+ROPE_TYPES = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
+              "longrope": ("original_max_position_embeddings",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _rope_scaling_problems(scaling: dict[str, Any]) -> list[str]:
+    """What is wrong with a rope_scaling mapping besides non-finite numbers: an unknown rope_type, a field its type
+    needs left out, a value of the wrong kind (text, a mapping), original_max_position_embeddings not a whole
+    number > 0. Each would either be dropped by a saver or stop a reader halfway."""
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_TYPES:
+        return [f"rope_scaling.rope_type={kind!r} (one of {', '.join(ROPE_TYPES)})"]
+    out = [f"rope_scaling.{name} missing (a {kind} rope needs it)" for name in ROPE_TYPES[kind] if name not in scaling]
+    for name, value in scaling.items():
+        plain = value is None or isinstance(value, bool) or _is_number(value)
+        listed = name in ("short_factor", "long_factor") and isinstance(value, list) and \
+            all(_is_number(x) and math.isfinite(x) for x in value)  # longrope's per-frequency factors
+        if name != "rope_type" and not (plain or listed):
+            out.append(f"rope_scaling.{name}={value!r} (a number)")
+    original = scaling.get("original_max_position_embeddings")
+    if original is not None and not (_is_number(original) and float(original).is_integer() and original > 0):
+        out.append(f"rope_scaling.original_max_position_embeddings={original!r} (a whole number > 0)")
+    return out
 
 
 def check_true_vocab_size(given: int | None, args: Any, tokenizer_size: int | None, where: str) -> None:

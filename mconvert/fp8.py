@@ -85,6 +85,12 @@ def dequantized(source: dict[str, LazyTensor], block: tuple[int, int] = BLOCK,
             problems.append(f"{key + SCALE_SUFFIX} {list(s.shape)} does not scale {key} "
                             f"{list(q.shape) if q is not None else '(absent)'} in {block[0]}x{block[1]} blocks")
             continue
+        if q.dtype != FP8 or not s.dtype.is_floating_point:  # a scale would silently multiply any other weight
+            problems.append(f"{key} ({str(q.dtype).removeprefix('torch.')}) with {key + SCALE_SUFFIX} "
+                            f"({str(s.dtype).removeprefix('torch.')}): block scales pair a float8_e4m3fn weight "
+                            "with floating-point scales")
+            out.pop(key)  # reported here, not again as unscaled
+            continue
         out[key] = LazyTensor(q.shape, dtype, lambda q=q, s=s: dequantize(q.load(), s.load(), block, dtype),
                               f"{q.origin} (FP8, dequantized)")
     unscaled = [k for k, t in out.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]

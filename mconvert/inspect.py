@@ -64,10 +64,10 @@ def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, option
     lines = [f"A: {a} ({ir_a.source.format})", f"B: {b} ({ir_b.source.format})"]
     same = True
     da, db = ir_a.config.to_dict(), ir_b.config.to_dict()
-    for key in da:
-        if da[key] != db[key] and key not in ("padded_vocab_size",):
+    for key in da:  # every field counts, also one side None (padded_vocab_size only describes a source's layout)
+        if da[key] != db[key] and key != "padded_vocab_size":
             lines.append(f"config {key}: A={da[key]!r} B={db[key]!r}")
-            same = same and key in ("bos_token_id", "eos_token_id", "pad_token_id")
+            same = False
     names = list(dict.fromkeys([*ir_a.tensors, *ir_b.tensors]))
     equal = 0
     for name in names:

@@ -89,6 +89,7 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
     if missing or extra:
         raise ConvertError(f"{where}: the tensors do not match a {ctx.config.family} model with this config "
                            f"({ctx.config.num_layers} layers). " + mismatch(missing, extra))
+    _check_floating(source, rows, where)
     cache = cache or LoadCache()
     want_shapes = expected_shapes(ctx.config)
     out: dict[str, LazyTensor] = {}
@@ -109,6 +110,16 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
     return dict(sorted(out.items(), key=lambda item: order.get(item[0], len(order))))
 
 
+def _check_floating(source: dict[str, Sequence[LazyTensor]], rows: list[Row], where: str) -> None:
+    """Weights are floating point: an integer or boolean tensor under a weight's key would be carried as is into a
+    model that cannot compute with it."""
+    bad = [f"{p.origin} ({str(p.dtype).removeprefix('torch.')})" for row in rows for p in source[row.key]
+           if isinstance(p.dtype, torch.dtype) and not p.dtype.is_floating_point]
+    if bad:
+        raise ConvertError(f"{where}: weights must be floating-point tensors, and {format_names(bad)} "
+                           f"{'is' if len(bad) == 1 else 'are'} not")
+
+
 def _ir_shapes_of(row: Row, pieces: list[LazyTensor], ctx: Ctx, want: dict) -> list[tuple[int, ...]]:
     """The IR shapes the pieces combine into, computed on meta; a mismatch means config and weights disagree."""
     shown = " + ".join(f"{p.origin} {list(p.shape)}" for p in pieces[:4])
@@ -117,6 +128,9 @@ def _ir_shapes_of(row: Row, pieces: list[LazyTensor], ctx: Ctx, want: dict) -> l
     except (ConvertError, RuntimeError) as e:
         raise ConvertError(f"{shown}: does not fit the config: {e}") from None
     shapes = [tuple(p.shape) for p in parts]
+    if len(shapes) != len(row.ir):  # e.g. a stack of experts holding more or fewer than the config's
+        raise ConvertError(f"{shown} gives {len(shapes)} tensors, but the config implies {len(row.ir)} "
+                           f"({row.ir[0]} ... {row.ir[-1]}): the config contradicts the tensors")
     for name, shape in zip(row.ir, shapes):
         if name in want and tuple(want[name]) != shape:
             raise ConvertError(f"{shown} gives {name} of shape {list(shape)}, but the config implies "

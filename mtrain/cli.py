@@ -1,7 +1,8 @@
 """The `mtrain` command line.
 
     mtrain preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer TOKENIZER --append-eod
-    mtrain pretrain --config run.yaml --train.lr 3e-4
+    mtrain config                                  # every config section and field: type, default, meaning
+    mtrain pretrain --config run.yaml --optim.lr 3e-4
     torchrun --nproc-per-node 2 -m mtrain pretrain --config run.yaml
     mtrain finetune --load HF_OR_MEGATRON_OR_MTRAIN_CHECKPOINT --config finetune.yaml
     mtrain evaluate --load CHECKPOINT --data data/corpus_text_document --seq-len 512
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import signal
 from pathlib import Path
 
 import click
@@ -82,6 +85,7 @@ def preprocess(input_, output_prefix, tokenizer, json_keys, append_eod, workers)
 def _train(config_file: Path | None, overrides: list[str], finetune: Path | None = None,
            loader: str | None = None) -> None:
     from mtrain.config import load_config
+    from mtrain.stopping import graceful_stop
     from mtrain.train import Trainer
 
     extra = []
@@ -90,7 +94,20 @@ def _train(config_file: Path | None, overrides: list[str], finetune: Path | None
     config = load_config(config_file, overrides + extra)
     if finetune is not None and not config.checkpoint.finetune:
         raise ConvertError("finetune needs --load PATH")
-    Trainer(config, out=lambda s: click.echo(s, err=True)).run()
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    with graceful_stop(announce=main_rank) as stop:
+        result = Trainer(config, out=lambda s: click.echo(s, err=True), stop=stop).run()
+    if result.stopped_by:
+        name = signal.Signals(result.stopped_by).name
+        if result.checkpoints:
+            line = (f"mtrain: stopped by {name} after step {result.step}: saved {result.checkpoints[-1]}; run the same "
+                    "command to resume from it")
+        else:
+            line = f"mtrain: stopped by {name} after step {result.step}; nothing saved" + (
+                " (checkpoint.dir is not set)" if not config.checkpoint.dir else " (no step was done)")
+        if main_rank:
+            click.echo(line, err=True)
+        raise SystemExit(128 + result.stopped_by)  # the shell's convention for a death by that signal
 
 
 @main.command(context_settings=EXTRA)
@@ -103,7 +120,8 @@ def _train(config_file: Path | None, overrides: list[str], finetune: Path | None
 def pretrain(ctx, config_file, finetune, loader) -> None:
     """Train a model from scratch (or resume the run in checkpoint.dir).
 
-    Any config field can be set on the command line: --train.lr 3e-4 --data.seq_len 512.
+    Any config field can be set on the command line: --optim.lr 3e-4 --data.seq_len 512 (lists: a,b or [a, b];
+    null for none). `mtrain config` lists every section and field with its type, default and meaning.
     """
     _train(config_file, ctx.args, finetune=finetune, loader=loader)
 
@@ -120,31 +138,106 @@ def finetune(ctx, load, loader, config_file) -> None:
     _train(config_file, ctx.args, finetune=load, loader=loader)
 
 
-@main.command()
-@click.option("--load", required=True, type=click.Path(path_type=Path), help="Any checkpoint mconvert reads.")
-@click.option("--loader", help="mconvert loader of --load (detected when omitted).")
-@click.option("--data", "data", multiple=True, required=True, help="Dataset prefix (repeat for several).")
-@click.option("--seq-len", type=click.IntRange(min=1), default=1024, show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--max-samples", type=click.IntRange(min=1), help="Stop after this many windows.")
+@main.command("config", context_settings=EXTRA)
+@click.option("--config", "config_file", type=click.Path(path_type=Path), help="Show this file's resolved values.")
+@click.pass_context
 @_fail_cleanly
-def evaluate(load, loader, data, seq_len, batch_size, max_samples) -> None:
-    """Loss and perplexity of a checkpoint on datasets (consecutive windows, no shuffle)."""
-    from mtrain.inference import evaluate as run
-    from mtrain.inference import load_model
+def config_(ctx, config_file) -> None:
+    """Every config section and field with its type, default and meaning, as YAML.
 
-    model, _ = load_model(load, loader)
-    r = run(model, list(data), seq_len=seq_len, batch_size=batch_size, max_samples=max_samples)
-    click.echo(f"loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | {r.samples} samples of {seq_len} tokens "
-               f"({r.tokens:,} predicted tokens)")
+    With --config FILE (and --section.field overrides) the values shown are that run's.
+    """
+    from mtrain.config import load_config
+    from mtrain.config_doc import reference
+
+    resolved = load_config(config_file, ctx.args) if config_file or ctx.args else None
+    click.echo(reference(resolved), nl=False)
+
+
+LOAD = click.option("--load", required=True, type=click.Path(path_type=Path),
+                    help="Any checkpoint mconvert reads (HF, Megatron, an mtrain run or step).")
+LOADER = click.option("--loader", help="mconvert loader of --load (detected when omitted).")
+TOKENIZER = click.option("--tokenizer", type=click.Path(path_type=Path),
+                         help="Default: the checkpoint's tokenizer files.")
+
+
+def _progress(label: str):
+    """A progress line on stderr about every tenth of the work (and at the end)."""
+    shown = [-1]
+
+    def report(done: int, total: int) -> None:
+        tenth = done * 10 // max(total, 1)
+        if tenth != shown[0] or done == total:
+            shown[0] = tenth
+            click.echo(f"{label}: {done}/{total} ({100 * done // max(total, 1)}%)", err=True)
+
+    return report
 
 
 @main.command()
-@click.option("--load", required=True, type=click.Path(path_type=Path), help="Any checkpoint mconvert reads.")
-@click.option("--loader", help="mconvert loader of --load (detected when omitted).")
-@click.option("--tokenizer", type=click.Path(path_type=Path), help="Default: the checkpoint's tokenizer files.")
-@click.option("--prompt", help="Text to continue.")
-@click.option("--tokens", "token_ids", help="Token ids to continue instead of --prompt, e.g. '1 5 9'.")
+@LOAD
+@LOADER
+@click.option("--data", "data", multiple=True, help="Dataset prefix (repeat for several).")
+@click.option("--split", type=click.Choice(["train", "valid", "test", "all"]), default="all", show_default=True,
+              help="Which documents of each dataset.")
+@click.option("--split-weights", help="train,valid,test shares (as data.split). Default: the run's data.split "
+              "for an mtrain checkpoint, else 969,30,1.")
+@click.option("--seq-len", type=click.IntRange(min=1), help="Default: the run's data.seq_len for an mtrain "
+              "checkpoint, else the model's max_position_embeddings.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--max-samples", type=click.IntRange(min=1), help="Stop after this many windows (or passages).")
+@click.option("--max-tokens", type=click.IntRange(min=1), help="Stop after about this many predicted tokens.")
+@click.option("--lambada", type=click.Path(path_type=Path),
+              help="Instead of --data: last-word accuracy on this JSON-lines file of {\"text\": ...} passages.")
+@TOKENIZER
+@_fail_cleanly
+def evaluate(load, loader, data, split, split_weights, seq_len, batch_size, max_samples, max_tokens, lambada,
+             tokenizer) -> None:
+    """Loss and perplexity on datasets (consecutive windows, no shuffle), or zero-shot last-word accuracy.
+
+    \b
+    LAMBADA-style scoring (--lambada): each passage's last word is predicted from the text before it; a passage
+    counts when the greedy prediction of every token of that word is right (see mtrain/tasks.py).
+    """
+    from mtrain import inference
+
+    if bool(data) == bool(lambada):
+        raise click.UsageError("give --data PREFIX (loss and perplexity) or --lambada FILE (last-word accuracy)")
+    model, ir = inference.load_model(load, loader)
+    if lambada:
+        from mtrain.tasks import last_word_accuracy, read_passages
+
+        tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="the task file is text")
+        passages = read_passages(lambada, tok, max_samples=max_samples,
+                                 max_positions=model.config.max_position_embeddings)
+        r = last_word_accuracy(model, passages, batch_size=batch_size, progress=_progress("passages"))
+        click.echo(f"last-word accuracy {r.accuracy:.4f} ({r.correct}/{r.total} passages of {lambada})")
+        return
+    run = inference.run_config(ir).get("data") or {}
+    if seq_len is None:
+        seq_len = run.get("seq_len") or model.config.max_position_embeddings
+        click.echo(f"sequence length {seq_len} (from {'the run' if run.get('seq_len') else 'the model'}; "
+                   "--seq-len to change)", err=True)
+    r = inference.evaluate(model, list(data), seq_len=seq_len, batch_size=batch_size, split=split,
+                           split_weights=split_weights or run.get("split") or "969,30,1", max_samples=max_samples,
+                           max_tokens=max_tokens, progress=_progress("windows"))
+    click.echo(f"loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | {r.samples} samples of {seq_len} tokens "
+               f"({r.tokens:,} predicted tokens, split {split})")
+
+
+def _sampling(greedy, temperature, top_k, top_p):
+    from mtrain.generation import Sampling
+
+    return Sampling(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+@main.command()
+@LOAD
+@LOADER
+@TOKENIZER
+@click.option("--prompt", "prompts", multiple=True, help="Text to continue (repeat for a batch of prompts).")
+@click.option("--tokens", "token_ids", multiple=True,
+              help="Token ids to continue instead of --prompt, e.g. '1 5 9' (repeat for a batch).")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True)
 @click.option("--greedy", is_flag=True, help="Always take the most likely token.")
 @click.option("--temperature", type=FINITE, default=1.0, show_default=True)
@@ -152,33 +245,74 @@ def evaluate(load, loader, data, seq_len, batch_size, max_samples) -> None:
 @click.option("--top-p", type=FINITE)
 @click.option("--seed", type=int, default=0, show_default=True)
 @_fail_cleanly
-def generate(load, loader, tokenizer, prompt, token_ids, max_new_tokens, greedy, temperature, top_k, top_p,
+def generate(load, loader, tokenizer, prompts, token_ids, max_new_tokens, greedy, temperature, top_k, top_p,
              seed) -> None:
-    """Continue a prompt with greedy, top-k or top-p sampling."""
-    from mtrain.data.tokenizer import load_tokenizer
-    from mtrain.inference import generate as run
-    from mtrain.inference import load_model
+    """Continue prompts with greedy, top-k or top-p sampling (a batch when several are given).
 
-    if (prompt is None) == (token_ids is None):
-        raise click.UsageError("give exactly one of --prompt TEXT or --tokens IDS")
-    model, ir = load_model(load, loader)
-    tok = None
-    if prompt is not None:
-        source = tokenizer or _tokenizer_of(ir)
-        if source is None:
-            raise ConvertError(f"{load} carries no tokenizer files: pass --tokenizer, or --tokens IDS")
-        tok = load_tokenizer(source)
-    ids = tok.encode(prompt) if tok else [int(t) for t in token_ids.replace(",", " ").split()]
-    eos = tok.eod_id if tok else None
-    out = run(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-              greedy=greedy, seed=seed, eos_id=eos)
-    click.echo(tok.decode(ids + out) if tok else " ".join(map(str, ids + out)))
+    Prints the text of each prompt and its continuation; with --tokens the ids first, then the text when a
+    tokenizer is at hand. Prompt plus new tokens must fit the model's positions.
+    """
+    from mtrain import inference
+    from mtrain.generation import eos_ids_of, generate_batch
+
+    if bool(prompts) == bool(token_ids):
+        raise click.UsageError("give --prompt TEXT or --tokens IDS (either may be repeated), not both")
+    model, ir = inference.load_model(load, loader)
+    tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="or give --tokens IDS" if prompts else None)
+    if prompts:
+        ids = [tok.encode(p) for p in prompts]
+    else:
+        ids = [_token_ids(t) for t in token_ids]
+    new = generate_batch(model, ids, max_new_tokens=max_new_tokens, sampling=_sampling(greedy, temperature, top_k,
+                                                                                       top_p),
+                         seed=seed, eos_ids=eos_ids_of(model.config, tok.eod_id if tok else None))
+    for i, (p, n) in enumerate(zip(ids, new)):
+        if i:
+            click.echo("")
+        if token_ids:
+            click.echo(" ".join(map(str, p + n)))
+        if tok is not None:
+            click.echo(tok.decode(p + n))
 
 
-def _tokenizer_of(ir) -> Path | None:
-    from mtrain.data.tokenizer import checkpoint_tokenizer
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a list of token ids such as '1 5 9'", param_hint="--tokens") \
+            from None
 
-    return checkpoint_tokenizer(ir.assets)
+
+@main.command()
+@LOAD
+@LOADER
+@TOKENIZER
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=5000, show_default=True, help="0: any free port.")
+@click.option("--max-prompts", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Prompts per request.")
+@click.option("--max-tokens-to-generate", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--max-request-bytes", type=click.IntRange(min=64), default=1 << 20, show_default=True)
+@_fail_cleanly
+def serve(load, loader, tokenizer, host, port, max_prompts, max_tokens_to_generate, max_request_bytes) -> None:
+    """Serve text generation over HTTP like Megatron-LM's server (needs Flask: pip install 'mconvert[serve]').
+
+    \b
+    PUT /api {"prompts": ["Once upon a time"], "tokens_to_generate": 32, "temperature": 0.8, "top_k": 0,
+              "top_p": 0.9}  ->  {"text": ["Once upon a time ..."]}
+    """
+    from mtrain import inference
+    from mtrain.generation import eos_ids_of
+    from mtrain.server import Limits, TextGenerator, check_installed, create_app
+    from mtrain.server import serve as run
+
+    limits = Limits(max_prompts=max_prompts, max_tokens_to_generate=max_tokens_to_generate,
+                    max_request_bytes=max_request_bytes)
+    check_installed()
+    model, ir = inference.load_model(load, loader)
+    tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="prompts are text")
+    app = create_app(TextGenerator(model, tok, eos_ids_of(model.config, tok.eod_id)), limits)
+    run(app, host, port, lambda url: click.echo(f"serving {load} at {url} (PUT; Ctrl-C stops)", err=True))
 
 
 if __name__ == "__main__":

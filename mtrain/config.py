@@ -1,15 +1,9 @@
 """One typed configuration: a YAML / TOML / JSON file plus `--section.field value` overrides.
 
-    model:      the architecture (mconvert's ModelConfig fields); from the checkpoint when finetuning
-    data:       dataset prefixes and blend weights, split, sequence length, tokenizer
-    train:      steps, batch sizes, precision, recomputation, seeds
-    optim:      AdamW and the learning-rate schedule
-    eval:       validation interval and size
-    checkpoint: where and how often to save, what to resume or finetune from
-    parallel:   the layout: data (FSDP2/DDP), tensor (+sequence), pipeline (+virtual stages), expert, context
-    logging:    log interval, TensorBoard
-
-Unknown sections and fields are errors that list the valid ones; values are checked against the field types.
+Sections (SECTION_HELP says what each holds): model (mconvert's ModelConfig), data, train, optim, eval,
+checkpoint, parallel, logging. Every field carries one line of meaning; `mtrain config` prints them all with
+their types and defaults (mtrain/config_doc.py). Unknown sections and fields are errors that list the valid ones;
+values are checked against the field types.
 """
 
 from __future__ import annotations
@@ -28,68 +22,73 @@ from mtrain.config_ranges import check_ranges
 from mtrain.errors import TrainError
 
 
+def opt(default: Any, help: str) -> Any:
+    """A config field with its one line of meaning (shown by `mtrain config`)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    paths: tuple[str, ...] = ()  # dataset prefixes ({prefix}.bin/.idx), e.g. out/corpus_text_document
-    weights: tuple[float, ...] | None = None  # blend weights, one per path (default: equal)
-    split: str = "969,30,1"  # train,valid,test shares of the documents
-    seq_len: int = 1024
-    seed: int = 1234  # document and sample shuffles
-    cache_dir: str | None = None  # where the .npy sample indices go (default: beside the data)
-    tokenizer: str | None = None  # copied into checkpoints; used by `generate`
+    paths: tuple[str, ...] = opt((), "dataset prefixes ({prefix}.bin/.idx) from mtrain preprocess")
+    weights: tuple[float, ...] | None = opt(None, "blend weights, one per path (null: equal)")
+    split: str = opt("969,30,1", "train,valid,test shares of the documents")
+    seq_len: int = opt(1024, "tokens per sample (<= model.max_position_embeddings)")
+    seed: int = opt(1234, "seed of the document and sample shuffles")
+    cache_dir: str | None = opt(None, "sample index cache (null: beside the data)")
+    tokenizer: str | None = opt(None, "tokenizer, copied into checkpoints (for generate)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainSection:
-    steps: int = 1000
-    micro_batch_size: int = 4
-    global_batch_size: int = 32
-    seed: int = 1234  # weight initialization and any randomness in the model
-    # bf16: bf16 compute, fp32 master weights and optimizer state; auto: bf16 where the device does it fast
-    precision: Literal["fp32", "bf16", "auto"] = "fp32"
-    # Activation recomputation in backward: full: each layer's activations; selective: the attention core only
-    recompute: Literal["none", "selective", "full"] = "none"
-    deterministic: bool = False
-    init_std: float = 0.02
-    exit_after_steps: int | None = None  # stop (with a checkpoint) after this many steps in this run
-    # torch.compile: none, each layer, or the whole model / pipeline stage (README: when it pays; slow to start)
-    compile: Literal["none", "layers", "model"] = "none"
-    moe_capacity_factor: float | None = None  # MoE: experts take at most factor * fair share of tokens; None: dropless
-    # MoE with a router expert bias (DeepSeek-V3): the bias step per optimizer step towards balanced loads
-    moe_router_bias_update_rate: float = 1e-3
-    # MTP modules (DeepSeek-V3): their mean loss times this factor joins the loss (megatron-core's scaling)
-    mtp_loss_scaling_factor: float = 0.1
+    steps: int = opt(1000, "optimizer steps of the whole run (resumes count)")
+    micro_batch_size: int = opt(4, "samples per forward/backward on one rank")
+    global_batch_size: int = opt(32, "samples per optimizer step, over all data-parallel ranks")
+    seed: int = opt(1234, "seed of the initial weights and model randomness")
+    precision: Literal["fp32", "bf16", "auto"] = opt(
+        "fp32", "bf16: fp32 weights and optimizer; auto: bf16 if measured fast")
+    recompute: Literal["none", "selective", "full"] = opt(
+        "none", "recompute in backward: each layer, or attention core")
+    deterministic: bool = opt(False, "runs repeat bit for bit")
+    init_std: float = opt(0.02, "std of the random initial weights")
+    exit_after_steps: int | None = opt(None, "stop (and save) after N steps of this run")
+    compile: Literal["none", "layers", "model"] = opt(
+        "none", "torch.compile each layer, or the model/stage (slow start)")
+    moe_capacity_factor: float | None = opt(
+        None, "MoE: cap experts at factor x fair share (null: dropless)")
+    moe_router_bias_update_rate: float = opt(
+        1e-3, "MoE expert bias (DeepSeek-V3): its step per optimizer step to balance")
+    mtp_loss_scaling_factor: float = opt(0.1, "MTP modules: their mean loss x this joins the loss")
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_steps: int = 100
-    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
-    decay_steps: int | None = None  # default: train.steps
-    weight_decay: float = 0.1  # not applied to biases and norm weights
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
-    fused: bool | None = None  # fused AdamW kernel; None: where the device has one (CPU, CUDA), else foreach
+    lr: float = opt(3e-4, "peak learning rate (AdamW)")
+    min_lr: float = opt(3e-5, "learning rate at the end of the decay")
+    warmup_steps: int = opt(100, "linear warmup from 0 to lr")
+    decay_style: Literal["cosine", "linear", "constant"] = opt("cosine", "decay from lr to min_lr after warmup")
+    decay_steps: int | None = opt(None, "step where min_lr is reached (null: train.steps)")
+    weight_decay: float = opt(0.1, "AdamW weight decay (not on biases and norms)")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    grad_clip: float = opt(1.0, "clip the global gradient norm (0: no clipping)")
+    fused: bool | None = opt(None, "fused AdamW kernel (null: where the device has one, else foreach)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-    interval: int = 0  # validate every N steps (and at the end); 0: never
-    steps: int = 10  # global batches per validation (the same samples each time)
+    interval: int = opt(0, "validate every N steps and at the end (0: never)")
+    steps: int = opt(10, "global batches per validation (same samples)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    dir: str | None = None  # save here; resume from here if it holds a checkpoint
-    interval: int = 0  # save every N steps; 0: only at the end
-    keep_last: int = 2  # older checkpoints are deleted
-    save_at_end: bool = True
-    finetune: str | None = None  # initial weights from any checkpoint mconvert reads (fresh optimizer, step 0)
-    loader: str | None = None  # mconvert loader of `finetune` (detected when None)
+    dir: str | None = opt(None, "save and resume here (null: nothing saved, warned)")
+    interval: int = opt(0, "save every N steps (0: only at the end)")
+    keep_last: int = opt(2, "checkpoints kept; older ones are deleted")
+    save_at_end: bool = opt(True, "save when the run ends (a run stopped by a signal always saves)")
+    finetune: str | None = opt(None, "initial weights: any checkpoint mconvert reads")
+    loader: str | None = opt(None, "mconvert loader of `finetune` (null: detected)")
 
 
 PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS"]
@@ -100,16 +99,17 @@ SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")  # one stage per pipeline rank; the o
 class ParallelConfig:
     """The parallel layout. The data-parallel size is what is left: world / (tp * pp * cp)."""
 
-    dp_mode: Literal["fsdp", "ddp"] = "fsdp"  # ddp: only with data parallelism alone
-    tp: int = 1  # tensor parallel: heads, ffn and vocabulary split over tp ranks
-    sequence_parallel: bool = False  # with tp > 1: activations outside attention/MLP split over the sequence too
-    pp: int = 1  # pipeline stages
-    vpp: int = 1  # virtual stages (model chunks) per pipeline rank, for the interleaved schedules
-    pp_schedule: PipelineSchedule | None = None  # default: 1F1B, or Interleaved1F1B when vpp > 1
-    first_stage_layers: int | None = None  # uneven pipeline: layers of the first / last stage
-    last_stage_layers: int | None = None
-    ep: int = 1  # expert parallel (MoE): the experts split over ep of the data-parallel ranks
-    cp: int = 1  # context parallel: each sequence split over cp ranks
+    dp_mode: Literal["auto", "fsdp", "ddp"] = opt(
+        "auto", "FSDP2; DDP (data parallel alone); auto: DDP for that on CPU")
+    tp: int = opt(1, "tensor parallel: heads, ffn, vocabulary split")
+    sequence_parallel: bool = opt(False, "tp > 1: activations split over the sequence too")
+    pp: int = opt(1, "pipeline stages")
+    vpp: int = opt(1, "virtual stages per pipeline rank (interleaved)")
+    pp_schedule: PipelineSchedule | None = opt(None, "pipeline schedule (null: 1F1B, or Interleaved1F1B with vpp > 1)")
+    first_stage_layers: int | None = opt(None, "uneven pipeline: layers of the first stage")
+    last_stage_layers: int | None = opt(None, "uneven pipeline: layers of the last stage")
+    ep: int = opt(1, "expert parallel: experts split over ep dp ranks")
+    cp: int = opt(1, "context parallel: sequences split over cp ranks")
 
     @property
     def schedule(self) -> str:
@@ -118,9 +118,11 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
-    interval: int = 10
-    tensorboard_dir: str | None = None
-    peak_tflops: float | None = None  # per-device peak for MFU (default: known GPUs; CPUs log achieved FLOP/s)
+    interval: int = opt(10, "progress line every N steps (loss: their mean)")
+    tensorboard_dir: str | None = opt(None, "TensorBoard scalars here (mconvert[train] extra)")
+    wandb_project: str | None = opt(None, "Weights & Biases project (mconvert[wandb] extra)")
+    wandb_run_name: str | None = opt(None, "Weights & Biases run name (null: wandb's choice)")
+    peak_tflops: float | None = opt(None, "per-device peak TFLOP/s for MFU (null: known GPUs; CPU: FLOP/s)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +146,16 @@ class Config:
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainSection, "optim": OptimConfig,
                              "eval": EvalConfig, "checkpoint": CheckpointConfig, "parallel": ParallelConfig,
                              "logging": LoggingConfig}
+SECTION_HELP = {
+    "model": "the architecture (mconvert's ModelConfig); from the checkpoint when finetuning or resuming",
+    "data": "dataset prefixes and blend weights, split, sequence length, tokenizer",
+    "train": "steps, batch sizes, precision, recomputation, seeds",
+    "optim": "AdamW and the learning-rate schedule",
+    "eval": "validation interval and size",
+    "checkpoint": "where and how often to save, what to finetune from",
+    "parallel": "the layout: data (FSDP2/DDP), tensor (+sequence), pipeline (+virtual stages), expert, context",
+    "logging": "progress lines, TensorBoard, Weights & Biases",
+}
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
@@ -245,10 +257,14 @@ def build_section(cls: type, section: str, values: dict[str, Any]):
 
 
 def coerce(value: Any, hint: Any, where: str) -> Any:
-    """`value` as the type `hint`; command-line text is parsed (YAML scalars, comma lists)."""
+    """`value` as the type `hint`. Command-line text is parsed the same way for every field: YAML scalars,
+    `null` (or `~`) for none, lists as `a,b` or `[a, b]`; text fields keep the text as it is."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if isinstance(value, _Text) and not (hint is str or (origin in (typing.Union, types.UnionType) and str in args)):
-        value = _parse_text(value, hint)
+    if isinstance(value, _Text):
+        if value.strip() in NULLS and _optional(hint):
+            return None
+        if not _textual(hint):
+            value = _parse_text(value, hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -264,8 +280,8 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
             raise TrainError(f"{where}: {value!r} is not one of {', '.join(map(str, args))}")
         return value
     if origin in (tuple, list):
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, str):  # "a,b": each item is parsed as its own command-line value
+            value = [_Text(v.strip()) for v in value.split(",") if v.strip()]
         elif isinstance(value, (int, float)):
             value = [value]
         if not isinstance(value, (list, tuple)):
@@ -295,6 +311,18 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
             raise TrainError(f"{where}: expected text, found {value!r}")
         return str(value)
     raise TrainError(f"{where}: unsupported field type {_type_name(hint)}")
+
+
+NULLS = ("null", "Null", "NULL", "~")  # YAML's spellings of none, on the command line as in files
+
+
+def _optional(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def _textual(hint: Any) -> bool:
+    """Text fields keep command-line text as typed ("007" stays "007")."""
+    return hint is str or (typing.get_origin(hint) in (typing.Union, types.UnionType) and str in typing.get_args(hint))
 
 
 def _parse_text(text: str, hint: Any) -> Any:
@@ -336,6 +364,16 @@ def validate(c: Config) -> None:
     if c.logging.peak_tflops is not None and not c.logging.peak_tflops > 0:
         raise TrainError(f"logging.peak_tflops must be positive (per-device peak TFLOP/s), got {c.logging.peak_tflops}")
     validate_parallel(c.parallel)
+
+
+def check_positions(model: ModelConfig, seq_len: int, what: str) -> None:
+    """Refuse sequences longer than the model's positions, learned or rotary alike (rotary models would run, on
+    positions they were never trained on)."""
+    if seq_len <= 0:
+        raise TrainError(f"{what} must be positive, got {seq_len}")
+    if seq_len > model.max_position_embeddings:
+        raise TrainError(f"{what} {seq_len} is longer than the model's {model.max_position_embeddings} positions "
+                         f"(max_position_embeddings); use at most {model.max_position_embeddings}")
 
 
 def validate_parallel(p: ParallelConfig) -> None:

@@ -3,11 +3,13 @@
 Training FLOPs per token (forward + backward = 3 x forward, every multiply-add counted as 2):
 
     6 * N  +  12 * L * nh * hd * T
-    N:  parameters of the matrix multiplications a token goes through: per layer q, k, v, o and the MLP (an MoE
-        layer: its router and the top-k experts), plus the output head; not the embeddings (a lookup, no matmul)
+    N:  parameters of the matrix multiplications a token goes through: per layer q, k, v, o (multi-latent
+        attention: its down and up projections) and the MLP (an MoE layer: its router, the top-k experts and any
+        shared experts), plus the output head; not the embeddings (a lookup, no matmul)
     12 * L * nh * hd * T:  attention scores q k^T and the weighted sum of v (2 x 2 x nh x hd x T each forward) over
         all T positions of the sequence (T: the window when a sliding window is shorter), as PaLM, nanoGPT and
-        torchtitan count them: causal masking is not subtracted
+        torchtitan count them: causal masking is not subtracted (multi-latent attention: 6 x L x nh x (hd + dv) x T,
+        its values being dv wide)
 
 MFU = achieved model FLOP/s / (devices x peak FLOP/s). The peak comes from `logging.peak_tflops` (per device, for
 the run's precision) or from PEAK_TFLOPS for the GPUs listed there. On a CPU there is no reliable peak to divide
@@ -38,15 +40,28 @@ PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
 )
 
 
+def attention_params(c: ModelConfig) -> int:
+    """The attention's matrix weights: q, k, v, o; with multi-latent attention (mla.py) q or q_down and q_up,
+    kv_down (latent and rotary key), kv_up (keys without positions and values), o."""
+    h, nh, hd = c.hidden_size, c.num_attention_heads, c.head_dim
+    if not c.is_mla:
+        return 2 * h * nh * hd + 2 * h * c.num_query_groups * hd  # q, o; k, v
+    q = h * nh * hd if c.q_lora_rank is None else h * c.q_lora_rank + c.q_lora_rank * nh * hd
+    kv = h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * nh * (c.qk_nope_head_dim + c.v_head_dim)
+    return q + kv + nh * c.v_head_dim * h
+
+
 def matmul_params(c: ModelConfig) -> int:
     """N above: the weights of the matrix multiplications one token goes through."""
-    h, hd = c.hidden_size, c.head_dim
-    attention = 2 * h * c.num_attention_heads * hd + 2 * h * c.num_query_groups * hd  # q, o; k, v
+    h = c.hidden_size
     ffn_matrices = 3 if c.gated else 2
+    attention = attention_params(c)
+    shared = ffn_matrices * h * (c.moe_shared_expert_ffn_hidden_size or 0)  # DeepSeek's shared experts
     total = c.vocab_size * h  # output head (tied or not, it is a matmul)
     for layer in range(c.num_layers):
         if c.is_moe_layer(layer):
             total += attention + h * c.num_experts + c.moe_top_k * ffn_matrices * h * c.expert_ffn_hidden_size
+            total += shared
         else:
             total += attention + ffn_matrices * h * c.ffn_hidden_size
     return total
@@ -55,7 +70,8 @@ def matmul_params(c: ModelConfig) -> int:
 def flops_per_token(c: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) model FLOPs per token of a sequence of `seq_len` tokens."""
     context = min(seq_len, c.sliding_window) if c.sliding_window else seq_len
-    return 6.0 * matmul_params(c) + 12.0 * c.num_layers * c.num_attention_heads * c.head_dim * context
+    value_dim = c.v_head_dim if c.is_mla else c.head_dim  # MLA's values may be narrower than its query/key heads
+    return 6.0 * matmul_params(c) + 6.0 * c.num_layers * c.num_attention_heads * (c.head_dim + value_dim) * context
 
 
 def known_peak_tflops(device: torch.device, precision: str) -> float | None:

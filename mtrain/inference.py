@@ -1,10 +1,20 @@
-"""Evaluate and generate with any checkpoint mconvert reads (HF, Megatron, mtrain, ...)."""
+"""Load any checkpoint mconvert reads (HF, Megatron, mtrain, ...) for evaluation, generation and serving, and
+evaluate its loss on indexed datasets. Generation is in generation.py, zero-shot tasks in tasks.py.
+
+Evaluation reads consecutive (unshuffled) windows of seq_len + 1 tokens of one split of each dataset:
+
+    documents of a dataset:  [ train (969) | valid (30) | test (1) ]   (--split-weights, as data.split)
+    windows of --split:      d0 d0 d0 d1 d1 d2 …  one epoch, documents in order, each window seq_len + 1 tokens
+    loss:                    mean next-token cross entropy over every predicted token of the windows read
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,11 +24,16 @@ from mconvert import engine
 from mconvert.ir import ModelIR
 from mconvert.options import Options
 from mtrain import weights
-from mtrain.data.gpt_dataset import GPTDataset
+from mtrain.config import check_positions
+from mtrain.data.gpt_dataset import GPTDataset, split_ranges
 from mtrain.data.indexed import IndexedDataset
+from mtrain.data.loader import SPLITS
+from mtrain.data.tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer
 from mtrain.errors import TrainError
 from mtrain.models.model import Transformer
 from mtrain.parallelize import build_model
+
+EVAL_SPLITS = (*SPLITS, "all")
 
 
 def load_model(path: str | Path, loader: str | None = None) -> tuple[Transformer, ModelIR]:
@@ -29,6 +44,25 @@ def load_model(path: str | Path, loader: str | None = None) -> tuple[Transformer
     return model.eval(), ir
 
 
+def run_config(ir: ModelIR) -> dict[str, Any]:
+    """The training config an mtrain checkpoint was written with ({} for other formats)."""
+    if ir.source.format != "mtrain":
+        return {}
+    from mtrain import checkpoint
+
+    return checkpoint.read_meta(ir.source.path).get("config") or {}
+
+
+def load_tokenizer_for(ir: ModelIR, given: Path | None, *, needed_for: str | None = None) -> Tokenizer | None:
+    """`given`, else the checkpoint's tokenizer; when there is none, an error naming `needed_for` (or None)."""
+    source = given or checkpoint_tokenizer(ir.assets)
+    if source is None:
+        if needed_for:
+            raise TrainError(f"{ir.source.path} carries no tokenizer files: pass --tokenizer DIR ({needed_for})")
+        return None
+    return load_tokenizer(source)
+
+
 @dataclass(frozen=True)
 class EvalResult:
     loss: float
@@ -37,66 +71,62 @@ class EvalResult:
     tokens: int
 
 
-@torch.no_grad()
-def evaluate(model: Transformer, prefixes: list[str], *, seq_len: int, batch_size: int = 8,
-             max_samples: int | None = None, cache_dir: Path | None = None) -> EvalResult:
-    """Mean next-token loss over consecutive (unshuffled) seq_len windows of whole datasets."""
-    if seq_len > model.config.max_position_embeddings and model.config.position_embedding == "learned":
-        raise TrainError(f"--seq-len {seq_len} exceeds the model's {model.config.max_position_embeddings} positions")
-    windows: list[np.ndarray] = []
+def eval_windows(prefixes: list[str], *, seq_len: int, split: str = "all", split_weights: str = "969,30,1",
+                 cache_dir: Path | None = None) -> list[GPTDataset]:
+    """One unshuffled epoch of seq_len + 1 token windows over the `split` documents of each dataset."""
+    if split not in EVAL_SPLITS:
+        raise TrainError(f"--split {split!r} is not one of {', '.join(EVAL_SPLITS)}")
+    out = []
     for prefix in prefixes:
         indexed = IndexedDataset(prefix)
-        ds = GPTDataset(indexed, np.arange(len(indexed)), seq_len=seq_len, num_samples=None, seed=0,
-                        cache_dir=cache_dir, name="evaluation", shuffle=False)
-        windows.extend(ds[i] for i in range(len(ds)))
-    if max_samples:
-        windows = windows[:max_samples]
-    total, tokens = 0.0, 0
-    for start in range(0, len(windows), batch_size):
-        batch = torch.from_numpy(np.stack(windows[start:start + batch_size]))
+        if split == "all":
+            documents = np.arange(len(indexed))
+        else:
+            begin, end = split_ranges(len(indexed), split_weights)[SPLITS.index(split)]
+            if begin == end:
+                raise TrainError(f"the {split} split of {prefix} is empty: split weights {split_weights} over "
+                                 f"{len(indexed)} documents give it none (--split-weights, or --split all)")
+            documents = np.arange(begin, end)
+        out.append(GPTDataset(indexed, documents, seq_len=seq_len, num_samples=None, seed=0, cache_dir=cache_dir,
+                              name=split, shuffle=False))
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, prefixes: list[str], *, seq_len: int, batch_size: int = 8, split: str = "all",
+             split_weights: str = "969,30,1", max_samples: int | None = None, max_tokens: int | None = None,
+             cache_dir: Path | None = None, progress: Callable[[int, int], None] | None = None) -> EvalResult:
+    """Mean next-token loss over the windows of `split` (at most max_samples windows / about max_tokens
+    predicted tokens, whichever is fewer). `progress(done, total)` is called after each batch."""
+    check_positions(model.config, seq_len, "--seq-len")
+    datasets = eval_windows(prefixes, seq_len=seq_len, split=split, split_weights=split_weights,
+                            cache_dir=cache_dir)
+    count = sum(len(ds) for ds in datasets)
+    for limit in (max_samples, None if max_tokens is None else math.ceil(max_tokens / seq_len)):
+        if limit is not None:
+            count = min(count, max(limit, 1))
+    total, tokens, done = 0.0, 0, 0
+    for batch in _batches(datasets, count, batch_size):
         if int(batch.max()) >= model.config.vocab_size:
             raise TrainError(f"the data holds token id {int(batch.max())}, outside the model's vocabulary of "
                              f"{model.config.vocab_size}")
         logits = model(batch[:, :-1])
         total += float(F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"))
         tokens += batch[:, 1:].numel()
+        done += len(batch)
+        if progress is not None:
+            progress(done, count)
     loss = total / max(tokens, 1)
-    return EvalResult(loss, math.exp(min(loss, 50.0)), len(windows), tokens)
+    return EvalResult(loss, math.exp(min(loss, 50.0)), done, tokens)
 
 
-@torch.no_grad()
-def generate(model: Transformer, prompt: list[int], *, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int = 0,
-             eos_id: int | None = None) -> list[int]:
-    """Continue `prompt` token by token (the whole sequence is re-run each step: a tool to eyeball a model)."""
-    if not prompt:
-        raise TrainError("the prompt is empty")
-    g = torch.Generator().manual_seed(seed)
-    tokens = list(prompt)
-    limit = model.config.max_position_embeddings
-    for _ in range(max_new_tokens):
-        context = torch.tensor([tokens[-limit:]])
-        logits = model(context)[0, -1].float()
-        if greedy or temperature <= 0:
-            nxt = int(logits.argmax())
-        else:
-            nxt = int(torch.multinomial(filter_probs(logits / temperature, top_k, top_p), 1, generator=g))
-        tokens.append(nxt)
-        if eos_id is not None and nxt == eos_id:
-            break
-    return tokens[len(prompt):]
-
-
-def filter_probs(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """Probabilities restricted to the k most likely tokens and/or the smallest set holding mass top_p."""
-    if top_k is not None and top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    if top_p is not None and 0 < top_p < 1:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, 0) - sorted_probs  # mass of the tokens ranked above each one
-        sorted_probs[before >= top_p] = 0.0  # the top token always stays (before = 0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        probs = probs / probs.sum()
-    return probs
+def _batches(datasets: list[GPTDataset], count: int, batch_size: int) -> Iterator[torch.Tensor]:
+    windows = (ds[i] for ds in datasets for i in range(len(ds)))
+    rows: list[np.ndarray] = []
+    for _, window in zip(range(count), windows):
+        rows.append(window)
+        if len(rows) == batch_size:
+            yield torch.from_numpy(np.stack(rows))
+            rows = []
+    if rows:
+        yield torch.from_numpy(np.stack(rows))

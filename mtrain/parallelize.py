@@ -34,7 +34,7 @@ from mtrain.parallel.expert_parallel import ExpertGradients, apply_expert_parall
 from mtrain.parallel.pipeline import TiedEmbeddings, build_stages
 from mtrain.parallel.tensor_parallel import apply_tensor_parallel
 
-DPMode = Literal["fsdp", "ddp"]
+DPMode = Literal["fsdp", "ddp"]  # resolved: parallel.dp_mode auto is decided by parallel/dp_mode.py
 Precision = Literal["fp32", "bf16"]
 Recompute = Literal["none", "selective", "full"]
 CompileMode = Literal["none", "layers", "model"]

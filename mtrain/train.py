@@ -5,7 +5,10 @@
                (resume > finetune source > random)
       step:    micro-batches with gradient accumulation (or through the pipeline schedule) -> gradient sync of
                tied embeddings and experts -> clip -> AdamW at the scheduled LR
-      every N: log, validate, checkpoint; at the end: validate and checkpoint
+      every N: log, validate, checkpoint; at the end: validate and checkpoint, a closing summary line
+      stopping: with a StopRequest (stopping.py: SIGINT/SIGTERM), every rank stops after the same step (a max
+               over ranks after each step) and the run saves a checkpoint and returns, RunResult.stopped_by set
+      a resumed run that already reached train.steps does nothing and says so (resume.py)
 
 The loss of a step is the mean over every token of the global batch, whatever the layout: each data- and
 context-parallel rank averages its own tokens, FSDP averages gradients over those ranks, tensor-parallel ranks
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,18 +36,24 @@ from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.options import Options
 from mtrain import checkpoint, distributed, flops, precision, weights
-from mtrain.config import Config, dump
-from mtrain.data.loader import RankBatches, build_splits
+from mtrain.config import Config, check_positions, dump
+from mtrain.data.loader import RankBatches, build_splits, describe_data
 from mtrain.errors import TrainError
 from mtrain.expert_bias import ExpertBiasUpdater
-from mtrain.metrics import Metrics
+from mtrain.metrics import Metrics, build_sinks
 from mtrain.models import moe, mtp, state_dict_adapter
 from mtrain.optim import Optimizers, lr_at
-from mtrain.parallel import grads
+from mtrain.parallel import dp_mode, grads
 from mtrain.parallel.context_parallel import split_sequence
 from mtrain.parallel.dims import ParallelDims, group
 from mtrain.parallel.pipeline import build_schedule
 from mtrain.parallelize import build_parallel_model, uses_fsdp_mixed_precision
+from mtrain.resume import finished_message, resume_notes
+from mtrain.stopping import StopRequest
+
+NO_CHECKPOINT_WARNING = """\
+WARNING: checkpoint.dir is not set: this run saves nothing. Its weights are lost when it ends, and a stop or a
+         crash loses all its work. Set --checkpoint.dir DIR to save there (and resume from there)."""
 
 
 @dataclass
@@ -52,12 +62,17 @@ class RunResult:
     valid_losses: dict[int, float] = field(default_factory=dict)
     checkpoints: list[Path] = field(default_factory=list)
     resumed_from: Path | None = None
+    stopped_by: int | None = None  # the signal that stopped the run early (the max of the ranks' signals)
+    step: int = 0  # the step the run ended at
+    finished_before: bool = False  # the checkpoint had already reached train.steps: nothing was done
 
 
 class Trainer:
-    def __init__(self, config: Config, *, out: Callable[[str], None] = print):
+    def __init__(self, config: Config, *, out: Callable[[str], None] = print, stop: StopRequest | None = None):
         self.config = config
+        self.stop = stop
         self.metrics = None
+        self.finished_message: str | None = None
         self.env = distributed.init()
         self.out = out if self.env.is_main else (lambda _: None)
         self._deterministic = _Determinism(config.train.deterministic).__enter__()
@@ -72,24 +87,35 @@ class Trainer:
         self.out("mtrain configuration:\n" + dump(config).rstrip())
 
         t = config.train
+        if not config.checkpoint.dir:
+            self.out(NO_CHECKPOINT_WARNING)
         self.checkpointer = checkpoint.Checkpointer(config.checkpoint.dir, config.checkpoint.keep_last) \
             if config.checkpoint.dir else None
         resume = checkpoint.find_latest(Path(config.checkpoint.dir)) if config.checkpoint.dir else None
-        model_config, source = self._model_source(resume)
+        self.resumed_from = resume
+        model_config, source = self._model_source(resume)  # reads and checks the checkpoint's mtrain.json
+        if resume is not None:
+            self.finished_message = finished_message(resume, checkpoint.read_meta(resume)["step"], t.steps)
+            if self.finished_message:
+                return  # nothing to build: run() says so
         self.model_config = model_config
-        if model_config.position_embedding == "learned" and config.data.seq_len > model_config.max_position_embeddings:
-            raise TrainError(f"data.seq_len {config.data.seq_len} is longer than the model's "
-                             f"{model_config.max_position_embeddings} learned positions")
+        check_positions(model_config, config.data.seq_len, "data.seq_len")
         dims = self.dims = ParallelDims.from_config(config.parallel, self.env.world)
         dims.check_model(model_config)
         dims.check_batches(config.data.seq_len, t.global_batch_size, t.micro_batch_size)
         e = config.eval  # the data first: a wrong path fails before any weights are read
-        splits = build_splits(config.data, {"train": t.steps * t.global_batch_size,
-                                            "valid": e.steps * t.global_batch_size if e.interval else 0})
+        samples = {"train": t.steps * t.global_batch_size, "valid": e.steps * t.global_batch_size if e.interval else 0}
+        splits = build_splits(config.data, samples)
+        if self.env.is_main:
+            for line in describe_data(config.data, samples):
+                self.out(line)
         mesh = dims.build_mesh(self.env.device.type)
         self.precision = precision.resolve(t.precision, self.env.device, self.env.world, self.out)
+        self.dp_mode, line = dp_mode.resolve(config.parallel.dp_mode, dims, self.env.device, _num_params(model_config))
+        if line:
+            self.out(line)
         self.parallel = build_parallel_model(
-            model_config, dims, mesh, device=self.env.device, dp_mode=config.parallel.dp_mode,
+            model_config, dims, mesh, device=self.env.device, dp_mode=self.dp_mode,
             precision=self.precision, recompute=t.recompute, compile_mode=t.compile,
             moe_capacity_factor=t.moe_capacity_factor)
         self.parts = self.parallel.parts
@@ -99,10 +125,11 @@ class Trainer:
         torch.manual_seed(t.seed + self.coords.dp * dims.cp + self.coords.cp)
         self.optimizer = Optimizers(self.parts, config.optim)
         self.state = checkpoint.TrainState()
-        self.resumed_from = resume
         if resume is not None:
             self.state = self.checkpointer.load(resume, self.parts, self.optimizer, dims.to_dict())
             self.out(f"resumed from {resume} at step {self.state.step} ({self.state.consumed_samples} samples)")
+            for note in resume_notes(checkpoint.read_meta(resume), config, dims.to_dict(), self.env.world):
+                self.out("  " + note)
         elif source is not None:
             weights.check_shapes(self.model, _ir_model_shapes(source), f"checkpoint {source.source.path}")
             weights.load_full_weights(self.parts, weights.ir_weights(source, weights.local_names(self.parts)))
@@ -110,7 +137,7 @@ class Trainer:
         else:
             weights.load_full_weights(self.parts, weights.random_init(model_config, t.seed, t.init_std,
                                                                       weights.local_names(self.parts)))
-        mode = config.parallel.dp_mode if dims.dp > 1 else "single"
+        mode = self.dp_mode if dims.dp > 1 else "single"
         self.out(f"model: {weights.describe(model_config)}; {_num_params(model_config):,} parameters; "
                  f"{self.env.world} rank(s): {dims.describe()} (data parallel: {mode})")
 
@@ -129,12 +156,17 @@ class Trainer:
             n = self.batches.micro_batches
             self.schedule = build_schedule(self.parts, self.parallel.stage_ids, dims, self.pp_group, self.env.device,
                                            n, lambda out, target: self._cross_entropy(out, target) / n)
+        log = config.logging
         self.throughput, line = flops.throughput_for(model_config, config.data.seq_len, self.env.world,
-                                                     self.env.device, self.precision, config.logging.peak_tflops)
+                                                     self.env.device, self.precision, log.peak_tflops)
         self.out(line)
-        self.metrics = Metrics(enabled=self.env.is_main, total_steps=t.steps, interval=config.logging.interval,
-                               tensorboard_dir=config.logging.tensorboard_dir, out=self.out,
-                               throughput=self.throughput)
+        sinks = build_sinks(enabled=self.env.is_main, tensorboard_dir=log.tensorboard_dir,
+                            wandb_project=log.wandb_project, wandb_run_name=log.wandb_run_name,
+                            config=config.to_dict(), start_step=self.state.step)
+        self.metrics = Metrics(enabled=self.env.is_main, total_steps=t.steps, interval=log.interval,
+                               tokens_per_step=t.global_batch_size * config.data.seq_len,
+                               start_step=self.state.step, out=self.out, sinks=sinks, throughput=self.throughput)
+        self.out(f"logging every {log.interval} steps: the loss shown is the mean over those steps")
 
     def _model_source(self, resume: Path | None) -> tuple[ModelConfig, ModelIR | None]:
         """The model config, and the IR to finetune from (None when resuming or pretraining)."""
@@ -303,10 +335,18 @@ class Trainer:
     def run(self) -> RunResult:
         c = self.config
         result = RunResult(resumed_from=self.resumed_from)
+        if self.finished_message:
+            self.out(self.finished_message)
+            self.close()
+            result.finished_before = True
+            return result
         steps_this_run = 0
         saved_at = validated_at = None
         try:
             while self.state.step < c.train.steps:
+                result.stopped_by = self.should_stop()
+                if result.stopped_by:
+                    break
                 scalars = self.train_step()
                 step = self.state.step
                 steps_this_run += 1
@@ -321,14 +361,32 @@ class Trainer:
                 if c.train.exit_after_steps and steps_this_run >= c.train.exit_after_steps:
                     self.out(f"stopping after {steps_this_run} steps (train.exit_after_steps)")
                     break
-            step = self.state.step
+            step = result.step = self.state.step
             if c.eval.interval and validated_at != step and step == c.train.steps:
                 result.valid_losses[step] = self._validate(step)
-            if self.checkpointer and c.checkpoint.save_at_end and saved_at != step:
+            save = c.checkpoint.save_at_end or result.stopped_by
+            if self.checkpointer and save and saved_at != step and steps_this_run:
                 result.checkpoints.append(self._save())
+            self.out(self._closing_line(result))
         finally:
             self.close()
         return result
+
+    def should_stop(self) -> int | None:
+        """The signal that asked any rank to stop (a collective: every rank stops after the same step)."""
+        if self.stop is None:
+            return None
+        flag = torch.tensor([float(self.stop.signal or 0)], device=self.env.device)
+        if self.env.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) or None
+
+    def _closing_line(self, result: RunResult) -> str:
+        how = f"stopped by {signal.Signals(result.stopped_by).name}" if result.stopped_by else \
+            "finished" if self.state.step >= self.config.train.steps else "stopped"
+        saved = f"checkpoint {result.checkpoints[-1]}" if result.checkpoints else \
+            "nothing saved (checkpoint.dir is not set)" if self.checkpointer is None else "no new checkpoint"
+        return f"{how}: {self.metrics.summary()}; {saved}"
 
     def _validate(self, step: int) -> float:
         loss = self.evaluate()

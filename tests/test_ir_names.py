@@ -71,7 +71,9 @@ def test_shapes_follow_the_config():
 
 
 def test_config_json_round_trip():
-    config = ModelConfig(family="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0}, **BASE)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    config = ModelConfig(family="llama", rope_scaling=scaling, **BASE)
     assert ModelConfig.from_json(config.to_json()) == config
 
 

@@ -107,7 +107,7 @@ def test_damaged_checkpoint_or_manifest(damage, megatron019_written, tmp_path):
         (it / "integrity.json").write_text(json.dumps(manifest | {"algorithm": "md5"}))
         want = "unsupported hash algorithm 'md5'; megatron-core writes 'sha256'"
     elif damage == "missing_file":
-        (it / "integrity.json").write_text(json.dumps({"files": manifest["files"] | {"__1_0.distcp": "00"}}))
+        (it / "integrity.json").write_text(json.dumps({"files": manifest["files"] | {"__1_0.distcp": "0" * 64}}))
         want = "__1_0.distcp listed in integrity.json is missing: the checkpoint is incomplete"
     else:
         del manifest["files"]["__0_0.distcp"]

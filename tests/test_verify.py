@@ -71,7 +71,8 @@ def test_a_correct_conversion_passes_exactly(llama_dir, tmp_path):
     out = run_cli("verify", llama_dir, tmp_path / "core", "--per-layer")
     assert "A: " in out and "(llama_mistral (Hugging Face), float32, run by mtrain)" in out
     assert "(core (Megatron torch), float32, run by mtrain)" in out
-    assert "config bos_token_id: A=1 B=None (does not change the outputs: a generation setting)" in out
+    assert "config bos_token_id" not in out  # Megatron args keep the special token ids (mconvert_token_ids)
+    assert "config padded_vocab_size: A=None B=512 (does not change the outputs: padding rows" in out
     assert out.splitlines()[-1].startswith("PASS  max|Δlogit| 0  mean KL 0  top-1 100.00%  (exact (same dtypes); "
                                            "2x128 tokens, 4 layers")
     assert [line.split()[:3] for line in out.splitlines() if line.startswith("layer ")] == \

@@ -255,9 +255,23 @@ def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtyp
         moe_aux_loss_coeff=_first(get("moe_aux_loss_coeff")) if experts else None,
         moe_jitter_eps=float(get("moe_input_jitter_eps")) if experts and get("moe_input_jitter_eps") else None,
         dtype=dtype,
+        **token_ids_from_args(args),
     )
     deepseek = core_deepseek.config_fields(get, heads=heads, top_k=fields["moe_top_k"], where=where)
     return ModelConfig(**(fields | deepseek))
+
+
+# Megatron's args have no special token ids; mconvert keeps the IR's in one extra attribute so that a round trip
+# through Megatron keeps them (Megatron ignores attributes it does not know).
+TOKEN_IDS_ARG = "mconvert_token_ids"
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def token_ids_from_args(args: Any) -> dict[str, Any]:
+    stored = getattr(args, TOKEN_IDS_ARG, None)
+    if not isinstance(stored, dict):
+        return {}
+    return {k: stored[k] for k in TOKEN_ID_FIELDS if stored.get(k) is not None}
 
 
 # Megatron hard-codes these for --use-rope-scaling (Llama 3.1); only the factor is an argument.
@@ -386,6 +400,7 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         no_load_optim=True, no_load_rng=True, no_save_optim=True, no_save_rng=True,
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
     )
+    values[TOKEN_IDS_ARG] = {k: getattr(c, k) for k in TOKEN_ID_FIELDS}
     values |= core_deepseek.args_fields(c)
     if c.is_moe and expert_layout == "legacy_grouped":
         # Megatron-LM before March 2026 (the GroupedMLP's last version) picks it under TE only with this flag

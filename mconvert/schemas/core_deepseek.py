@@ -118,18 +118,29 @@ def _routing_from_args(get: Get, top_k: int | None, where: str) -> dict[str, Any
 
 def _yarn_from_args(get: Get, where: str) -> dict[str, Any] | None:
     """MLA's rotary scaling from args: Megatron-LM's MLA defaults to YaRN, which is plain rope at factor 1."""
-    factor = float(get("rotary_scaling_factor", 1.0))
-    if get("rope_type", "yarn") != "yarn" or factor <= 1:
+
+    def number(name: str, default: Any) -> float:
+        value = get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConvertError(f"{where}: args.{name}={value!r}: expected a number")
+        return float(value)
+
+    rope_type = get("rope_type", "yarn")
+    if rope_type not in ("rope", "yarn"):  # Megatron's MLA knows these two
+        raise ConvertError(f"{where}: args.rope_type={rope_type!r}: expected 'rope' or 'yarn'")
+    factor = number("rotary_scaling_factor", 1.0)
+    if rope_type != "yarn" or factor <= 1:
         return None
-    mscale, all_dim = float(get("mscale", 1.0)), float(get("mscale_all_dim", 0.0))
+    mscale, all_dim = number("mscale", 1.0), number("mscale_all_dim", 0.0)
     if not (mscale and all_dim) and (mscale, all_dim) != (1.0, 0.0):
         raise ConvertError(f"{where}: YaRN with mscale={mscale}, mscale_all_dim={all_dim}: Megatron's attention "
                            "factor then differs from transformers'; only both non-zero, or 1 and 0, can be carried")
+    original = number("original_max_position_embeddings", get("yarn_original_max_position_embeddings", 4096))
     return {"rope_type": "yarn", "factor": factor, "mscale": mscale, "mscale_all_dim": all_dim,
-            "original_max_position_embeddings": int(get("original_max_position_embeddings",
-                                                        get("yarn_original_max_position_embeddings", 4096))),
-            "beta_fast": float(get("beta_fast", get("yarn_beta_fast", 32.0))),
-            "beta_slow": float(get("beta_slow", get("yarn_beta_slow", 1.0)))}
+            # a fraction is kept, for ModelConfig to refuse by name
+            "original_max_position_embeddings": int(original) if original.is_integer() else original,
+            "beta_fast": number("beta_fast", get("yarn_beta_fast", 32.0)),
+            "beta_slow": number("beta_slow", get("yarn_beta_slow", 1.0))}
 
 
 def args_fields(c: ModelConfig) -> dict[str, Any]:

@@ -18,6 +18,9 @@ def config_dtype(hf: dict[str, Any]) -> str:
 def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) from either transformers 5's `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
     params = hf.get("rope_parameters")
+    for name in ("rope_parameters", "rope_scaling"):  # else dropped, and the model run with plain rope
+        if hf.get(name) is not None and not isinstance(hf[name], dict):
+            raise ConvertError(f"{name} {hf[name]!r}: expected a mapping (rope_type, rope_theta, factor, ...)")
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}

@@ -86,6 +86,10 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     if model_type not in ARCHITECTURES:
         raise ConvertError(f"{where}: model_type {model_type!r} is not a Qwen model (expected one of "
                            f"{', '.join(ARCHITECTURES)})")
+    counts = {k: hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
+    if len(set(map(repr, counts.values()))) > 1:  # which one transformers takes depends on its version
+        raise ConvertError(f"{where}: {' and '.join(f'{k}={v!r}' for k, v in counts.items())} disagree: the two "
+                           "spellings of the expert count must give one number")
     hf = DEFAULTS[model_type] | {k: v for k, v in hf.items() if v is not None or k == "sliding_window"}
     if hf["hidden_act"] != "silu":
         raise ConvertError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported for {model_type} "
@@ -129,7 +133,10 @@ def _moe_from_hf(hf: dict[str, Any], num_layers: int, where: str) -> dict[str, A
     if experts <= 0 or step <= 0:
         raise ConvertError(f"{where}: num_experts={experts} and decoder_sparse_step={step} must be positive for a "
                            "Qwen3-MoE model")
-    only = {int(i) for i in hf["mlp_only_layers"]}
+    only = hf["mlp_only_layers"]
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ConvertError(f"{where}: mlp_only_layers must be a list of layer numbers, got {only!r}")
+    only = set(only)
     dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
     return dict(num_experts=experts, moe_top_k=int(hf["num_experts_per_tok"]),
                 moe_ffn_hidden_size=int(hf["moe_intermediate_size"]), dense_layers=dense,

@@ -40,7 +40,7 @@ def run_transformers(path: Path, tokens: torch.Tensor, num_layers: int, device: 
     check_tree(hf_dir.resolve(path))  # transformers follows whatever links the directory holds
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir.resolve(path), dtype=torch.float32,
-                                                                  local_files_only=True)
+                                                                  local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises many kinds; the message is what matters
         raise ConvertError(f"{path}: transformers cannot load this model ({type(e).__name__}: {e})") from None
     model = model.to(device).eval()

@@ -79,3 +79,24 @@ class RankBatches:
             tokens = torch.from_numpy(rows)
             out.append((tokens[:, :-1], tokens[:, 1:]))
         return out
+
+
+def describe_data(cfg: DataConfig, num_samples: dict[str, int]) -> list[str]:
+    """One line per dataset: documents and tokens of each split, and how many epochs of its train split the run
+    reads (`num_samples[split]` samples of seq_len + 1 tokens, shared by blend weight)."""
+    indexed = [IndexedDataset(p) for p in cfg.paths]
+    weights = list(cfg.weights) if cfg.weights else [1.0] * len(indexed)
+    lines = []
+    for ds, w in zip(indexed, weights):
+        parts = []
+        for i, split in enumerate(SPLITS):
+            begin, end = split_ranges(len(ds), cfg.split)[i]
+            tokens = int(ds.sequence_lengths[begin:end].sum())
+            text = f"{split} {end - begin:,} docs {tokens:,} tokens"
+            want = num_samples.get(split, 0) * w / sum(weights)
+            per_epoch = (tokens - 1) // cfg.seq_len if tokens > cfg.seq_len else 0
+            if want and per_epoch:
+                text += f" ({want / per_epoch:.2f} epochs)"
+            parts.append(text)
+        lines.append(f"data {ds.prefix}: " + ", ".join(parts))
+    return lines

@@ -23,12 +23,13 @@ class Tokenizer:
     eod_id: int | None
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of `text`; `special=False` leaves out what the tokenizer adds around it (e.g. a BOS)."""
         if self.kind == "tokenizers":
-            return self.impl.encode(text).ids
+            return self.impl.encode(text, add_special_tokens=special).ids
         if self.kind == "sentencepiece":
             return self.impl.encode(text)
-        return self.impl(text)["input_ids"]
+        return self.impl(text, add_special_tokens=special)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
         return self.impl.decode(ids)
@@ -102,7 +103,7 @@ def _auto(directory: Path) -> Tokenizer:
         raise TrainError(f"{directory}: reading this tokenizer needs transformers (pip install 'mconvert[hub]')") \
             from None
     try:
-        impl = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        impl = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except Exception as e:
         raise TrainError(f"{directory}: not a tokenizer directory ({type(e).__name__}: {e})") from None
     return Tokenizer("transformers", directory, impl, impl.eos_token_id, len(impl))

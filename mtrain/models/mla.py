@@ -7,6 +7,11 @@
     q = [q_nope | rope(q_rope)],  k = [k_nope | rope(k_rope) for every head]
     out = o(softmax(q k^T * scale + causal) v)   scale = head_dim^-0.5, times YaRN's mscale(f, mscale_all_dim)^2
 
+With a key/value cache (generation) a layer keeps, for every earlier position, kv_norm(c) (B, T, r) and the
+rotated k_rope (B, 1, T, dr): r + dr numbers per position instead of nh x (dn + dr + dv) for whole keys and
+values. Each step re-expands k_nope and v of the cached positions with kv_up (one matrix product over them, far
+cheaper than running the model over them again).
+
 Rotary rows are half-split (the IR's order), so `rope.apply` rotates them as in any other layer. Parameter names
 are the IR names. The core attention (`self.core`) is the same swappable kernel as in multi-head attention, told
 the softmax scale.
@@ -55,11 +60,14 @@ class MLAttention(nn.Module):
         # Head counts come from the weights (-1), so a tensor-parallel shard works with its local heads.
         q_nope, q_rope = q.view(B, T, -1, self.head_dim).transpose(1, 2).split([nope, self.rope_dim], -1)
         latent, k_rope = self.kv_down(x).split([self.rank, self.rope_dim], -1)  # (B, T, r), (B, T, dr)
-        kv = self.kv_up(self.kv_norm(latent)).view(B, T, -1, nope + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([nope, self.v_dim], -1)  # (B, nh, T, dn), (B, nh, T, dv)
-        k_rope = self.shared_key(k_rope.view(B, 1, T, self.rope_dim))
+        latent, k_rope = self.kv_norm(latent), self.shared_key(k_rope.view(B, 1, T, self.rope_dim))
         if ctx.rot is not None:
             q_rope, k_rope = rope.apply(q_rope, *ctx.rot), rope.apply(k_rope, *ctx.rot)
+        if ctx.cache is not None:  # generation: the normed latent and the rotated shared key of every position
+            latent, k_rope = ctx.cache.append(latent, k_rope, dim=(1, 2))  # (B, Tk, r), (B, 1, Tk, dr)
+        Tk = latent.shape[1]
+        kv = self.kv_up(latent).view(B, Tk, -1, nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([nope, self.v_dim], -1)  # (B, nh, Tk, dn), (B, nh, Tk, dv)
         q = torch.cat([q_nope, q_rope], dim=-1)  # (B, nh, T, dn + dr)
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         y = self.core(q, k, v, ctx)  # (B, nh, T, dv)

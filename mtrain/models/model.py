@@ -16,6 +16,9 @@ Hooks for parallelism, with plain single-process defaults: `sequence` says which
 have (context parallel) and how much shorter hidden states are than tokens (sequence parallel);
 `Attention.core` is the attention kernel (context parallel swaps in one that gathers keys and values);
 `MoE.dispatch` runs the experts (expert parallel swaps in the all-to-all).
+
+Generation passes a `KVCache` (kv_cache.py): `model(tokens, cache=cache)` runs the new tokens at the positions
+after the cached ones, and each attention appends its keys and values to its layer's slot (`LayerContext.cache`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from mconvert.ir import ModelConfig
 from mtrain.models import mtp, rope
+from mtrain.models.kv_cache import KVCache, LayerCache
 from mtrain.models.mla import MLAttention
 from mtrain.models.moe import MoE
 
@@ -59,11 +63,13 @@ def make_norm(c: ModelConfig, size: int | None = None) -> nn.Module:
 
 
 class LayerContext(NamedTuple):
-    """What every layer needs besides the hidden states: rotary angles, token positions, the window."""
+    """What every layer needs besides the hidden states: rotary angles, token positions, the window, and in
+    generation the layer's key/value cache."""
 
     rot: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin: each (T, hd)
     positions: torch.Tensor  # (T,) position of each local token in its sequence
     window: int | None  # sliding-window length
+    cache: LayerCache | None = None  # this layer's slot of the KVCache (generation); None in training
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -75,21 +81,26 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T * scale + mask) v over this rank's whole sequence (no parameters); the scale is 1/sqrt(hd)
-    unless the attention sets `scale` (MLA with YaRN)."""
+    """softmax(q k^T * scale + mask) v (no parameters); the scale is 1/sqrt(hd) unless the attention sets `scale`
+    (MLA with YaRN). Queries and keys are the same positions, or, with a key/value cache, the keys are positions
+    0 … Tk-1 and the queries the last Tq of them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scale: float | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        T = q.shape[2]
-        # SDPA's own causal path when the window does not bite; an explicit mask otherwise.
-        mask = attention_mask(ctx.positions, ctx.positions, ctx.window) \
-            if ctx.window is not None and T > ctx.window else None
+        Tq, Tk = q.shape[2], k.shape[2]
+        window_bites = ctx.window is not None and Tk > ctx.window
+        # SDPA's own causal path for a whole sequence, no mask for one query that sees every cached key, an
+        # explicit mask otherwise (a window that bites, or several new queries after cached keys).
+        mask, causal = None, Tq == Tk
+        if window_bites or Tq not in (1, Tk):
+            k_pos = ctx.positions if Tq == Tk else torch.arange(Tk, device=q.device)
+            mask, causal = attention_mask(ctx.positions, k_pos, ctx.window), False
         # Query head i reads key/value group i // (nh/ng), as HF's repeat_kv does.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, hd)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, Tq, hd)
 
 
 class Attention(nn.Module):
@@ -119,6 +130,8 @@ class Attention(nn.Module):
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, ng, T, hd)
         if ctx.rot is not None:
             q, k = rope.apply(q, *ctx.rot), rope.apply(k, *ctx.rot)
+        if ctx.cache is not None:  # generation: attend to the cached positions too
+            k, v = ctx.cache.append(k, v, dim=2)  # (B, ng, cached + T, hd)
         y = self.core(q, k, v, ctx)  # (B, nh, T, hd)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -229,11 +242,14 @@ class Transformer(nn.Module):
                 self.inv_freq.copy_(rope.inv_freq(self.rotary_dim, c.rope_theta, c.rope_scaling))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V). On a pipeline stage after the first, `tokens` are hidden states
-        (B, T/sp, h) and the output of a stage before the last is hidden states too. Training gives the `labels`
-        of the whole sequences (B, cp x T): the MTP modules' loss then enters backward (mtp.py)."""
-        if positions is None:
+        (B, T/sp, h) and the output of a stage before the last is hidden states too. With a `cache` the tokens
+        continue the cached ones (generation, one process). Training gives the `labels` of the whole sequences
+        (B, cp x T): the MTP modules' loss then enters backward (mtp.py)."""
+        if positions is None and cache is not None:
+            positions = cache.positions(tokens.shape[1], tokens.device)
+        elif positions is None:
             length = tokens.shape[1] * (1 if self.embeds_tokens else self.sequence.sp)
             positions = self.sequence.positions(length, tokens.device)
         h = self.embed(tokens) if self.embeds_tokens else tokens  # (B, T, h)
@@ -242,7 +258,9 @@ class Transformer(nn.Module):
         ctx = self.context(positions)
         for key, layer in self.layers.items():
             if int(key) < self.config.num_layers:  # the MTP modules' layers run in mtp.py
-                h = layer(h, ctx)
+                h = layer(h, ctx if cache is None else ctx._replace(cache=cache.layer(int(key))))
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         if self.final_norm is None:
             return h
         h = self.final_norm(h)

@@ -163,6 +163,35 @@ def deepseek_sources(tmp_path_factory) -> dict[str, Path]:
     return {"deepseek_hf": hf, "deepseek_core": root / "deepseek_core"}
 
 
+@pytest.fixture(scope="session")
+def newer_sources(tmp_path_factory, llama_dir, mixtral_dir, deepseek_sources) -> dict[str, Path]:
+    """The formats and families that came after the first adversarial suite: DeepSeek FP8 (HF) and torch_dist,
+    Qwen3-MoE, megatron-core 0.19's torch_dcp / fsdp_dtensor / single grouped expert weight, torch_dist with its
+    integrity.json, and a Mixtral torch_dist to rewrite as singleton_local_shards."""
+    from tests.conftest import make_hf_model
+
+    root = tmp_path_factory.mktemp("newer_sources")
+
+    def convert(src, name, *extra):
+        run_cli("--load-dir", src, "--save-dir", root / name, "-q", *extra)
+        return root / name
+
+    ds = deepseek_sources["deepseek_hf"]
+    out = {"deepseek_fp8": convert(ds, "deepseek_fp8", "--saver", "deepseek_hf", "--fp8-weights"),
+           "deepseek_dist": convert(ds, "deepseek_dist", "--saver", "core", "--ckpt-format", "torch_dist"),
+           "qwen3_moe_hf": make_hf_model(root / "qwen3_moe_hf", "qwen3_moe"),
+           "torch_dcp": convert(llama_dir, "torch_dcp", "--saver", "core", "--ckpt-format", "torch_dcp"),
+           "fsdp_dtensor": convert(mixtral_dir, "fsdp_dtensor", "--saver", "core", "--ckpt-format", "fsdp_dtensor"),
+           "single_grouped": convert(mixtral_dir, "single_grouped", "--saver", "core", "--expert-layout",
+                                     "single_grouped", "--transformer-impl", "te"),
+           "torch_dist_integrity": convert(llama_dir, "torch_dist_integrity", "--saver", "core", "--ckpt-format",
+                                           "torch_dist"),
+           "mixtral_dist": convert(mixtral_dir, "mixtral_dist", "--saver", "core", "--ckpt-format", "torch_dist")}
+    for name in ("deepseek_dist", "mixtral_dist"):  # to reach the checks behind the manifest (see `sources`)
+        (out[name] / "iter_0000001" / "integrity.json").unlink()
+    return out
+
+
 def _as_bin(hf: Path, dst: Path) -> Path:
     """The same HF model with pytorch_model.bin weights (the pickle-based HF format)."""
     shutil.copytree(hf, dst)

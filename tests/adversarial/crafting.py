@@ -140,3 +140,33 @@ def pickle_of(data: bytes) -> bytes:
     """The data.pkl of a torch zip archive."""
     src = zipfile.ZipFile(io.BytesIO(data))
     return src.read(next(n for n in src.namelist() if n.endswith("/data.pkl")))
+
+
+def read_dcp_trusted(root: Path) -> dict[str, Any]:
+    """Every entry of a DCP directory the test itself wrote, as one flat dict (trusted: plain torch.load)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(root), str(root.parent / "state.pt"))
+    state = torch.load(root.parent / "state.pt", weights_only=False)
+    (root.parent / "state.pt").unlink()
+    return state
+
+
+def write_dcp(root: Path, state: dict[str, Any]) -> None:
+    """Replace the DCP files of `root` (.metadata, *.distcp) by `state`, saved in one process."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    for f in [*root.glob("*.distcp"), root / ".metadata"]:
+        f.unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... saving in a single process": meant
+        dcp.save(state, checkpoint_id=str(root), no_dist=True)
+
+
+def edit_dcp(root: Path, edit) -> None:
+    """Rewrite the DCP directory `root` with `edit` applied to its flat dict of entries."""
+    state = read_dcp_trusted(root)
+    edit(state)
+    write_dcp(root, state)

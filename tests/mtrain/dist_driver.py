@@ -3,10 +3,10 @@
     torchrun --standalone --nproc-per-node 2 tests/mtrain/dist_driver.py SPEC.json
 
 SPEC.json is a list of scenarios: {"cli": [args of the `mtrain` command]} runs the command line in-process;
-{"config": {raw config}, "out": "result.json"} runs the Trainer and has rank 0 write its losses; with
-"record": "prefix" every rank also saves its gradients at the steps in "grads_at" and its final weights to
-prefix.rank{R}.pt (see recording.py). A scenario that should fail gives "error": "result.json": rank 0 writes the
-message of the TrainError it raised. "compile_backend": "aot_eager" makes train.compile use that backend.
+{"config": {raw config}, "out": "result.json"} runs the Trainer and has rank 0 write its losses and the lines it
+printed; with "record": "prefix" every rank also saves its gradients at the steps in "grads_at" and its final
+weights to prefix.rank{R}.pt (see recording.py). A scenario that should fail gives "error": "result.json": rank 0
+writes the message of the TrainError it raised. "compile_backend": "aot_eager" makes train.compile use that backend.
 """
 
 from __future__ import annotations
@@ -45,14 +45,16 @@ def run(spec: dict) -> None:
         if dist.get_rank() == 0:
             Path(spec["error"]).write_text(json.dumps({"error": message}))
         return
+    lines: list[str] = []  # what rank 0 printed (the Trainer runs)
     if "record" in spec:
         trainer = RecordingTrainer(from_dict(spec["config"]), grads_at=tuple(spec.get("grads_at", ())))
         result, _ = trainer.run_and_record(Path(f"{spec['record']}.rank{dist.get_rank()}.pt"))
     else:
-        result = Trainer(from_dict(spec["config"])).run()
+        result = Trainer(from_dict(spec["config"]), out=lambda line: print(line) or lines.append(line)).run()
     if dist.get_rank() == 0:
         Path(spec["out"]).write_text(json.dumps({"losses": result.losses, "valid": result.valid_losses,
-                                                 "checkpoints": [str(p) for p in result.checkpoints]}))
+                                                 "checkpoints": [str(p) for p in result.checkpoints],
+                                                 "lines": lines}))
 
 
 if __name__ == "__main__":

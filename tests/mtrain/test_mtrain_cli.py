@@ -21,7 +21,8 @@ from mtrain.cli import main
 from mtrain.config import from_dict
 from mtrain.data.indexed import IndexedDataset
 from mtrain.data.loader import RankBatches, build_splits
-from mtrain.inference import filter_probs, generate, load_model
+from mtrain.generation import filter_probs, generate
+from mtrain.inference import load_model
 from mtrain.train import Trainer
 from tests.conftest import FIXTURES, run_cli
 from tests.mtrain.corpus import TINY_LLAMA, corpus, one_thread, tiny_config, write_corpus, write_tokenizer  # noqa: F401
@@ -99,7 +100,8 @@ def test_evaluate_and_finetune_a_megatron_checkpoint(corpus, tmp_path):  # noqa:
     """A checkpoint written by Megatron (core, TP2 PP2) evaluates like its HF source and finetunes."""
     core, hf = FIXTURES / "llama_gqa" / "core_tp2pp2", FIXTURES / "llama_gqa" / "hf"
     args = ["--data", corpus, "--seq-len", "32", "--max-samples", "16"]
-    from_core, from_hf = mtrain("evaluate", "--load", core, *args), mtrain("evaluate", "--load", hf, *args)
+    # the last line is the result (progress lines come before it, on stderr)
+    from_core, from_hf = (mtrain("evaluate", "--load", path, *args).splitlines()[-1] for path in (core, hf))
     assert from_core == from_hf and from_core.startswith("loss ")
     loss = float(from_core.split()[1])
     assert float(from_core.split("perplexity ")[1].split()[0]) == pytest.approx(math.exp(loss), rel=1e-3)
@@ -129,7 +131,7 @@ def test_generate_greedy_matches_transformers(tmp_path):
     sampled = [generate(model, prompt, max_new_tokens=12, top_p=0.9, seed=s) for s in range(3)]
     assert len({tuple(s) for s in sampled}) > 1
     out = mtrain("generate", "--load", hf, "--tokens", "5 17 42 8", "--max-new-tokens", "12", "--greedy")
-    assert out.split() == [str(t) for t in prompt + want]
+    assert out.splitlines()[0].split() == [str(t) for t in prompt + want]  # then the text
     text = mtrain("generate", "--load", hf, "--prompt", "t5 t9 t3", "--max-new-tokens", "3", "--top-k", "5")
     assert text.startswith("t5 t9 t3 t") and 4 <= len(text.split()) <= 6  # uses the checkpoint's tokenizer
 

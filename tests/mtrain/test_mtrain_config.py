@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,151 @@ def test_missing_and_malformed_files(tmp_path):
     (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
     with pytest.raises(TrainError, match=r"config file .*bad.yaml is not valid YAML"):
         load_config(tmp_path / "bad.yaml")
+
+
+# -- command-line values: lists and null the same for every field --------------------------------------------------
+
+def _fields_of_type(predicate):
+    import dataclasses
+    import typing
+
+    from mtrain.config import SECTIONS
+
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if predicate(hints[f.name]):
+                yield section, f.name, hints[f.name]
+
+
+def _is_optional(hint) -> bool:
+    import types
+    import typing
+
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def _list_item(hint):
+    import typing
+
+    for h in (hint, *typing.get_args(hint)):
+        if typing.get_origin(h) in (tuple, list):
+            return typing.get_args(h)[0]
+    return None
+
+
+MODEL = ["--model.family", "llama", "--model.num_layers", "2", "--model.hidden_size", "32", "--model.ffn_hidden_size",
+         "64", "--model.num_attention_heads", "4", "--model.num_query_groups", "2", "--model.head_dim", "8",
+         "--model.vocab_size", "64", "--model.max_position_embeddings", "64"]
+
+
+def test_null_means_none_for_every_optional_field():
+    optional = list(_fields_of_type(_is_optional))
+    assert len(optional) > 20  # text, number, list and mapping fields alike
+    for section, name, _ in optional:
+        for spelling in ("null", "~"):
+            c = load_config(None, MODEL + [f"--{section}.{name}", spelling])
+            assert getattr(getattr(c, section), name) is None, (section, name, spelling)
+
+
+def test_lists_parse_the_same_for_every_list_field():
+    samples = {str: ("a", "b"), float: (0.7, 0.3), int: (3, 4)}
+    lists = list(_fields_of_type(lambda h: _list_item(h) is not None))
+    assert {(s, n) for s, n, _ in lists} >= {("data", "paths"), ("data", "weights"), ("model", "eos_token_id")}
+    for section, name, hint in lists:
+        want = samples[_list_item(hint)]
+        extra = {("data", "weights"): ["--data.paths", "p,q"],  # what makes each list valid
+                 ("model", "dense_layers"): ["--model.num_layers", "6", "--model.num_experts", "4",
+                                             "--model.moe_top_k", "2", "--model.moe_ffn_hidden_size", "32"],
+                 ("model", "full_attention_layers"): ["--model.num_layers", "6"],
+                 }.get((section, name), [])
+        for text in (",".join(map(str, want)), "[" + ", ".join(map(str, want)) + "]"):
+            c = load_config(None, MODEL + extra + [f"--{section}.{name}", text])
+            assert tuple(getattr(getattr(c, section), name)) == want, (section, name, text)
+    c = load_config(None, ["--data.paths", "a", "--data.weights", "1"])  # one item needs no comma
+    assert c.data.paths == ("a",) and c.data.weights == (1.0,)
+
+
+def test_text_fields_keep_the_text():
+    c = load_config(None, ["--checkpoint.dir", "007", "--data.split", "98,2,0", "--data.tokenizer", "null_tok"])
+    assert (c.checkpoint.dir, c.data.split, c.data.tokenizer) == ("007", "98,2,0", "null_tok")
+
+
+# -- help and `mtrain config` ---------------------------------------------------------------------------------------
+
+def test_every_field_has_one_line_of_meaning():
+    import dataclasses
+
+    from mtrain.config import SECTIONS
+    from mtrain.config_doc import UNDOCUMENTED, field_help
+
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            text = field_help(cls, f)  # a new ModelConfig field needs a line in config_doc.MODEL_HELP
+            assert text and text != UNDOCUMENTED and "\n" not in text, (section, f.name)
+
+
+def _mtrain(*args):
+    from click.testing import CliRunner
+
+    from mtrain.cli import main
+
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_help_names_only_fields_that_exist():
+    """Every `--section.field` that any help text shows is a real field (pretrain once showed --train.lr)."""
+    import dataclasses
+    import re
+
+    from mtrain.cli import main
+    from mtrain.config import SECTIONS
+
+    real = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    import mtrain.cli
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    texts = [_mtrain("--help"), mtrain.cli.__doc__, readme] + [_mtrain(name, "--help") for name in main.commands]
+    shown = {m for text in texts for m in re.findall(r"--([a-z_]+\.[a-z_]+)", text)} - {"section.field"}
+    assert shown and shown <= real, shown - real
+    assert "optim.lr" in shown
+
+
+def test_mtrain_config_lists_every_section_and_field():
+    import dataclasses
+
+    from mtrain.config import SECTIONS
+
+    out = _mtrain("config")
+    for section, cls in SECTIONS.items():
+        assert f"\n{section}:  # " in out
+        for f in dataclasses.fields(cls):
+            assert f"\n  {f.name}: " in out, f"{section}.{f.name}"
+    assert "  seq_len: 1024                   # int: tokens per sample" in out
+    assert "  precision: fp32                 # fp32 | bf16 | auto: " in out
+    assert "  weights: null                   # list of float | null: " in out
+    assert max(len(line) for line in out.splitlines()) <= 118
+
+
+def test_mtrain_config_is_a_config_file(tmp_path):
+    """The output loads back (once the required model fields are filled in) to the defaults."""
+    import yaml
+
+    from mtrain.config import Config
+
+    raw = yaml.safe_load(_mtrain("config"))
+    assert set(raw["model"]) and all(v is None for k, v in raw["model"].items() if k in ("family", "num_layers"))
+    raw["model"] = None
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    assert load_config(tmp_path / "run.yaml") == Config()
+    shown = _mtrain("config", "--config", str(tmp_path / "run.yaml"), "--train.steps", "5")
+    assert "\n  steps: 5 " in shown
+
+
+def test_readme_shows_what_mtrain_config_prints():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    begin = readme.index("<!-- mtrain config: begin")
+    block = readme[readme.index("```yaml\n", begin) + len("```yaml\n"):readme.index("```\n<!-- mtrain config: end")]
+    assert block == _mtrain("config")

@@ -3,6 +3,7 @@ checkpoint written by 2 ranks resumes in 1 with the same following losses."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def tensorboard_scalars(directory: Path, tag: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):  # noqa: F811
-    """Two-rank runs (FSDP via the command line, DDP, FSDP in bf16 with recomputation) and the 1-rank reference."""
+    """Two-rank runs (FSDP via the command line, DDP, FSDP in bf16 with recomputation, dp_mode auto) and the 1-rank
+    reference."""
     tmp = tmp_path_factory.mktemp("dp")
     base = tiny_config(corpus, train={"steps": STEPS}, eval={"interval": 3, "steps": 1},
                        checkpoint={"interval": 3, "keep_last": 5})
@@ -44,8 +46,10 @@ def runs(corpus, tmp_path_factory):  # noqa: F811
                  "--checkpoint.dir", str(tmp / "fsdp"), "--logging.tensorboard_dir", str(tmp / "tb")]},
         {"config": _with(raw, parallel={"dp_mode": "ddp"}, checkpoint={"dir": str(tmp / "ddp")}),
          "out": str(tmp / "ddp.json")},
-        {"config": _with(raw, train={"precision": "bf16", "recompute": "full"}, checkpoint={"dir": None}),
+        {"config": _with(raw, train={"precision": "bf16", "recompute": "full"}, parallel={"dp_mode": "fsdp"},
+                         checkpoint={"dir": None}),
          "out": str(tmp / "bf16.json")},
+        {"config": _with(raw, parallel={"dp_mode": "auto"}, checkpoint={"dir": None}), "out": str(tmp / "auto.json")},
     ]
     launch(spec, tmp)
     single = Trainer(from_dict(_with(raw, checkpoint={"dir": str(tmp / "single")}))).run()
@@ -63,6 +67,38 @@ def test_fsdp_and_ddp_match_one_process(runs):
     assert single.losses[STEPS] < single.losses[1]
     valid = tensorboard_scalars(tmp / "tb", "valid/loss")
     assert sorted(valid) == [3, 6] and valid[6] == pytest.approx(single.valid_losses[6], rel=2e-6)
+
+
+def test_auto_picks_ddp_for_data_parallel_alone_on_cpu(runs):
+    """dp_mode auto on two CPU ranks, data parallel alone: DDP, said so, and the very losses of explicit DDP."""
+    tmp, _, _ = runs
+    auto = json.loads((tmp / "auto.json").read_text())
+    chosen = [line for line in auto["lines"] if line.startswith("parallel.dp_mode auto: ")]
+    assert len(chosen) == 1 and chosen[0].startswith("parallel.dp_mode auto: ddp (data parallel alone on CPU"), chosen
+    assert any(line.startswith("model: ") and line.endswith("(data parallel: ddp)") for line in auto["lines"])
+    assert _losses(tmp / "auto.json") == _losses(tmp / "ddp.json")
+
+
+def test_auto_choice():
+    """FSDP for any layout beyond data parallel, on GPUs, and when the DDP replicas would not fit in memory."""
+    from mtrain.parallel.dims import ParallelDims
+    from mtrain.parallel.dp_mode import REPLICA_BYTES, choose, resolve
+
+    cpu, gib = torch.device("cpu"), 2**30
+    dp2 = ParallelDims(world=2, dp=2)
+    assert choose(dp2, cpu, 10**6, 2, 16 * gib)[0] == "ddp"
+    assert choose(dp2, cpu, 10**6, 2, None)[0] == "ddp"
+    for layout in (dict(world=4, dp=2, tp=2), dict(world=4, dp=2, pp=2), dict(world=2, dp=2, ep=2),
+                   dict(world=4, dp=2, cp=2)):
+        assert choose(ParallelDims(**layout), cpu, 10**6, 4, 16 * gib) == ("fsdp", "the layout is more than "
+                                                                               "data parallel"), layout
+    assert choose(dp2, torch.device("cuda"), 10**6, 2, 16 * gib)[0] == "fsdp"
+    params = 8 * gib // (2 * REPLICA_BYTES)  # two replicas take 8 GiB
+    assert choose(dp2, cpu, params, 2, 17 * gib)[0] == "ddp"
+    mode, why = choose(dp2, cpu, params, 2, 15 * gib)
+    assert mode == "fsdp" and why == "DDP would not fit: 2 replica(s) need 8.0 GiB of 15.0 GiB available"
+    assert resolve("fsdp", dp2, cpu, 10**6) == ("fsdp", None)
+    assert resolve("auto", ParallelDims(world=1, dp=1), cpu, 10**6) == ("fsdp", None)  # one process: no line
 
 
 def test_bf16_with_recomputation_under_fsdp_trains(runs):

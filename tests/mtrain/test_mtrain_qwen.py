@@ -14,7 +14,8 @@ import torch
 from mconvert.ir import ModelConfig
 from mtrain import checkpoint, weights
 from mtrain.config import from_dict
-from mtrain.inference import generate, load_model
+from mtrain.generation import generate
+from mtrain.inference import load_model
 from mtrain.parallelize import build_model
 from tests.conftest import run_cli
 from tests.mtrain.corpus import TINY_LLAMA, corpus, one_thread, tiny_config  # noqa: F401

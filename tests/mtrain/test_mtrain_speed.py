@@ -164,3 +164,33 @@ def test_whole_model_compile_under_fsdp_and_ddp_trains_like_one_process(corpus, 
     reference = Trainer(tiny_config(corpus, train={"steps": 3}), out=lambda _: None).run().losses
     for mode in ("fsdp", "ddp"):
         assert losses(tmp_path / f"{mode}.json") == pytest.approx(reference, rel=1e-5), mode
+
+
+def test_flops_of_deepseek_count_latent_attention_and_shared_experts(tmp_path):
+    """N of a DeepSeek-V3 model (MLA with and without a query LoRA, shared experts) counted from mtrain's own
+    modules: every attention matrix, a dense layer's MLP, and per MoE layer the router, top-k of the routed experts
+    and the shared ones."""
+    from mtrain.inference import load_model
+    from tests.deepseek_models import make_deepseek
+
+    for name, overrides in {"query_lora": {}, "no_query_lora": {"q_lora_rank": None}}.items():
+        model, ir = load_model(make_deepseek(tmp_path / name, seed=1, **overrides))
+        c = ir.config
+
+        def matrices(module) -> int:
+            return sum(p.numel() for p in module.parameters() if p.dim() >= 2)
+
+        want = c.vocab_size * c.hidden_size
+        for i in range(c.num_layers):
+            block = model.layers[str(i)]
+            want += matrices(block.attn)
+            if hasattr(block, "moe"):
+                moe = block.moe
+                routed = matrices(moe) - matrices(moe.shared) - matrices(moe.router)
+                want += matrices(moe.router) + routed * c.moe_top_k // c.num_experts + matrices(moe.shared)
+            else:
+                want += matrices(block.mlp)
+        assert flops.attention_params(c) == matrices(model.layers["0"].attn), name
+        assert flops.matmul_params(c) == want, name
+        nh, hd, dv, L = c.num_attention_heads, c.head_dim, c.v_head_dim, c.num_layers
+        assert flops.flops_per_token(c, 32) == 6 * want + 6 * L * nh * (hd + dv) * 32
