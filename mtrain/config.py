@@ -55,6 +55,9 @@ class TrainSection:
         "none", "torch.compile each layer, or the model/stage (slow start)")
     moe_capacity_factor: float | None = opt(
         None, "MoE: cap experts at factor x fair share (null: dropless)")
+    moe_router_bias_update_rate: float = opt(
+        1e-3, "MoE expert bias (DeepSeek-V3): its step per optimizer step to balance")
+    mtp_loss_scaling_factor: float = opt(0.1, "MTP modules: their mean loss x this joins the loss")
 
 
 @dataclass(frozen=True, kw_only=True)

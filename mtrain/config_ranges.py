@@ -18,6 +18,8 @@ _RANGES: tuple[tuple[str, str, float, bool, float | None, bool], ...] = (
     ("train", "init_std", 0, True, None, False),
     ("train", "exit_after_steps", 1, False, None, True),
     ("train", "moe_capacity_factor", 0, True, None, True),
+    ("train", "moe_router_bias_update_rate", 0, False, None, False),
+    ("train", "mtp_loss_scaling_factor", 0, False, None, False),
     ("optim", "lr", 0, False, None, False),
     ("optim", "min_lr", 0, False, None, False),
     ("optim", "warmup_steps", 0, False, None, False),

@@ -101,6 +101,8 @@ class Metrics:
                  f"mean loss {self.last_mean_loss:.4f}", f"lr {s['lr']:.3e}", f"grad norm {s['grad_norm']:.3f}"]
         if s.get("aux_loss") is not None:
             parts.append(f"aux loss {s['aux_loss']:.4f}")
+        if s.get("mtp_loss") is not None:
+            parts.append(f"mtp loss {s['mtp_loss']:.4f}")
         parts.append(f"{tokens_per_s:,.0f} tok/s")
         if self.throughput is not None:
             parts.append(self.throughput.describe(tokens_per_s))

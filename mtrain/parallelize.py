@@ -107,7 +107,7 @@ def build_parallel_model(config: ModelConfig, dims: ParallelDims, mesh: DeviceMe
         part.init_buffers()
     parts = [part for _, part in stages]
     model = ParallelModel(config, dims, mesh, parts, [i for i, _ in stages], coords)
-    if dims.pp > 1 and config.tie_embeddings:
+    if dims.pp > 1 and (config.tie_embeddings or config.mtp_layers):  # the MTP modules read the embedding
         model.tied = TiedEmbeddings(parts, mesh, dims)
     if sharded_experts:
         model.experts = ExpertGradients(expert_parameters(parts), mesh, dims.dp * dims.cp)

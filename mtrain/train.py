@@ -39,8 +39,9 @@ from mtrain import checkpoint, distributed, flops, precision, weights
 from mtrain.config import Config, check_positions, dump
 from mtrain.data.loader import RankBatches, build_splits, describe_data
 from mtrain.errors import TrainError
+from mtrain.expert_bias import ExpertBiasUpdater
 from mtrain.metrics import Metrics, build_sinks
-from mtrain.models import moe, state_dict_adapter
+from mtrain.models import moe, mtp, state_dict_adapter
 from mtrain.optim import Optimizers, lr_at
 from mtrain.parallel import dp_mode, grads
 from mtrain.parallel.context_parallel import split_sequence
@@ -146,6 +147,8 @@ class Trainer:
         self.valid = splits["valid"]
         for part in self.parts:
             moe.set_aux_loss_scale(part, 1.0 / self.batches.micro_batches)
+            mtp.set_loss_scale(part, t.mtp_loss_scaling_factor, self.batches.micro_batches)
+        self.expert_bias = ExpertBiasUpdater(self.parts, t.moe_router_bias_update_rate, group(mesh, "dp_cp"))
         self.autocast = self.precision == "bf16" and not uses_fsdp_mixed_precision(self.model)
         self.pp_group = group(mesh, "pp")
         self.schedule = None
@@ -194,12 +197,14 @@ class Trainer:
         self.optimizer.set_lr(lr)
         self.optimizer.step()
         self.optimizer.zero_grad()
+        self.expert_bias.step()
         self.state.step += 1
         self.state.consumed_samples = self.batches.consumed_samples
         elapsed = time.perf_counter() - start
         tokens = self.config.train.global_batch_size * self.config.data.seq_len
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "aux_loss": self._aux_loss(),
-                "tokens_per_s": tokens / elapsed, "step_time": elapsed, **self.throughput.scalars(tokens / elapsed)}
+                "mtp_loss": self._mtp_loss(), "tokens_per_s": tokens / elapsed, "step_time": elapsed,
+                **self.throughput.scalars(tokens / elapsed)}
 
     def forward_backward(self) -> float:
         """Gradients of the next global batch's mean loss (synced over the layout); returns that loss."""
@@ -212,9 +217,10 @@ class Trainer:
             total = torch.zeros((), dtype=torch.float64)
             for i, (inputs, labels) in enumerate(micro):
                 self._sync_gradients(last=i == len(micro) - 1)
+                whole = labels.to(self.env.device)  # the MTP modules read the labels of the whole sequences
                 inputs, labels = self._local_tokens(inputs, labels)
                 with self._loss_context():
-                    loss = self._loss(inputs, labels)
+                    loss = self._loss(inputs, labels, whole)
                     (loss / len(micro)).backward()
                 total += _value(loss)
             loss = float(total / len(micro))
@@ -223,14 +229,18 @@ class Trainer:
 
     def _pipeline_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], train: bool = True) -> float:
         """One pass of the schedule over the micro-batches (the loss function divides by their number)."""
-        inputs, labels = self._local_tokens(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))
+        whole = torch.cat([y for _, y in micro])
+        inputs, labels = self._local_tokens(torch.cat([x for x, _ in micro]), whole)
         args = (inputs,) if self.parallel.has_first_stage else ()
         last = self.parallel.has_last_stage
         losses: list[torch.Tensor] = []
+        # The MTP modules on the last stage read the whole sequences' labels: the schedule splits them into the
+        # micro-batches and hands them to this rank's stages, which ignore them unless they hold the modules.
+        mtp_labels = {"labels": whole.to(self.env.device)} if train and last and self.model_config.mtp_layers else {}
         with self._loss_context(), self._autocast():
             run = self.schedule.step if train else self.schedule.eval
             run(*args, target=labels if last else None, losses=losses if last else None,
-                **({"return_outputs": False} if train else {}))
+                **({"return_outputs": False} if train else {}), **mtp_labels)
         return float(sum(_value(x) for x in losses)) if last else 0.0
 
     def _local_tokens(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,9 +258,11 @@ class Trainer:
         return torch.autocast(self.env.device.type, dtype=torch.bfloat16) if self.autocast \
             else contextlib.nullcontext()
 
-    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor, whole: torch.Tensor | None = None) -> torch.Tensor:
+        """The language-model loss; given the `whole` sequences' labels in training, the MTP modules' loss joins its
+        gradient (models/mtp.py)."""
         with self._autocast():
-            logits = self.model(inputs)
+            logits = self.model(inputs, labels=whole) if self.model_config.mtp_layers else self.model(inputs)
         return self._cross_entropy(logits, labels)
 
     @staticmethod
@@ -286,6 +298,14 @@ class Trainer:
         if self.env.world > 1:
             dist.all_reduce(stats)
         return float(stats[0] / stats[1]) if stats[1] else None
+
+    def _mtp_loss(self) -> float | None:
+        """The MTP modules' mean loss at the last training forward, over the modules and the data ranks."""
+        if not self.model_config.mtp_layers:
+            return None
+        losses = [_value(x) for part in self.parts for x in getattr(part, "last_mtp_losses", [])]
+        has = 1.0 if losses and self.coords.tp == 0 else 0.0
+        return distributed.weighted_mean(sum(losses) / len(losses) if losses else 0.0, has, self.env)
 
     # -- validation ---------------------------------------------------------------------------------------------
 

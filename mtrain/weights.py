@@ -35,6 +35,16 @@ def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {clean_name(n): p for n, p in model.named_parameters()}
 
 
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and the saved buffers (a router's expert bias): every tensor a checkpoint holds."""
+    out: dict[str, torch.Tensor] = dict(named_parameters(model))
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                out[clean_name(f"{module_name}.{name}" if module_name else name)] = buffer
+    return out
+
+
 def random_init(c: ModelConfig, seed: int, std: float = 0.02, names: Collection[str] | None = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Megatron's scheme: N(0, std) weights, N(0, std/sqrt(2L)) for the projections that feed the residual
@@ -72,16 +82,16 @@ def check_shapes(model: nn.Module, shapes: dict[str, tuple[int, ...]], where: st
 
 
 def local_names(parts: nn.Module | list[nn.Module]) -> set[str]:
-    """The parameter names held by this rank's part(s) of the model."""
-    return {n for part in (parts if isinstance(parts, list) else [parts]) for n in named_parameters(part)}
+    """The names of the parameters and saved buffers held by this rank's part(s) of the model."""
+    return {n for part in (parts if isinstance(parts, list) else [parts]) for n in named_tensors(part)}
 
 
 def load_full_weights(parts: nn.Module | list[nn.Module], tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy full tensors into the parameters of this rank's part(s) (each keeps its shard; tensors of other
-    pipeline stages are skipped). Names must be checked first (check_shapes)."""
-    params: dict[str, list[nn.Parameter]] = {}
+    """Copy full tensors into the parameters and saved buffers of this rank's part(s) (each keeps its shard;
+    tensors of other pipeline stages are skipped). Names must be checked first (check_shapes)."""
+    params: dict[str, list[torch.Tensor]] = {}
     for part in parts if isinstance(parts, list) else [parts]:
-        for name, p in named_parameters(part).items():
+        for name, p in named_tensors(part).items():
             params.setdefault(name, []).append(p)
     with torch.no_grad():
         for name, full in tensors:

@@ -19,6 +19,8 @@ the softmax scale.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -44,6 +46,9 @@ class MLAttention(nn.Module):
         self.kv_up = nn.Linear(c.kv_lora_rank, nh * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o = nn.Linear(nh * c.v_head_dim, h, bias=False)
         self.core = core
+        # The rope key every head reads: identity here; under tensor parallel each rank's heads read it, so its
+        # gradient is summed over the ranks (tensor_parallel.copy_to_region).
+        self.shared_key: Callable[[torch.Tensor], torch.Tensor] = _identity
         yarn = yarn_params(c.rope_scaling)
         mscale = yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) if yarn and yarn["mscale_all_dim"] else 1.0
         self.core.scale = c.head_dim ** -0.5 * mscale * mscale
@@ -55,7 +60,7 @@ class MLAttention(nn.Module):
         # Head counts come from the weights (-1), so a tensor-parallel shard works with its local heads.
         q_nope, q_rope = q.view(B, T, -1, self.head_dim).transpose(1, 2).split([nope, self.rope_dim], -1)
         latent, k_rope = self.kv_down(x).split([self.rank, self.rope_dim], -1)  # (B, T, r), (B, T, dr)
-        latent, k_rope = self.kv_norm(latent), k_rope.view(B, 1, T, self.rope_dim)
+        latent, k_rope = self.kv_norm(latent), self.shared_key(k_rope.view(B, 1, T, self.rope_dim))
         if ctx.rot is not None:
             q_rope, k_rope = rope.apply(q_rope, *ctx.rot), rope.apply(k_rope, *ctx.rot)
         if ctx.cache is not None:  # generation: the normed latent and the rotated shared key of every position
@@ -67,3 +72,7 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         y = self.core(q, k, v, ctx)  # (B, nh, T, dv)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t

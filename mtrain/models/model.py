@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mconvert.ir import ModelConfig
-from mtrain.models import rope
+from mtrain.models import mtp, rope
 from mtrain.models.kv_cache import KVCache, LayerCache
 from mtrain.models.mla import MLAttention
 from mtrain.models.moe import MoE
@@ -222,9 +222,11 @@ class Transformer(nn.Module):
             if first and c.position_embedding == "learned" else None
         layers = list(range(c.num_layers) if layers is None else layers)
         # The MTP modules go with the head; their transformer layers are layers num_layers + i (the IR's names).
-        mtp = range(c.mtp_layers if last else 0)
-        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in [*layers, *(c.num_layers + m for m in mtp)]})
-        self.mtp = nn.ModuleDict({str(m): MTPModule(c) for m in mtp}) if c.mtp_layers and last else None
+        modules = range(c.mtp_layers if last else 0)
+        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in [*layers, *(c.num_layers + m for m in modules)]})
+        self.mtp = nn.ModuleDict({str(m): MTPModule(c) for m in modules}) if c.mtp_layers and last else None
+        self.mtp_loss_scale = 0.0  # set by the trainer (mtp.set_loss_scale)
+        self.last_mtp_losses: list[torch.Tensor] = []  # each MTP module's loss at the last training forward
         self.final_norm = make_norm(c) if last else None
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if last and not c.tie_embeddings else None
         self.sequence = SequenceShard()
@@ -240,10 +242,11 @@ class Transformer(nn.Module):
                 self.inv_freq.copy_(rope.inv_freq(self.rotary_dim, c.rope_theta, c.rope_scaling))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V). On a pipeline stage after the first, `tokens` are hidden states
         (B, T/sp, h) and the output of a stage before the last is hidden states too. With a `cache` the tokens
-        continue the cached ones (generation, one process)."""
+        continue the cached ones (generation, one process). Training gives the `labels` of the whole sequences
+        (B, cp x T): the MTP modules' loss then enters backward (mtp.py)."""
         if positions is None and cache is not None:
             positions = cache.positions(tokens.shape[1], tokens.device)
         elif positions is None:
@@ -254,13 +257,16 @@ class Transformer(nn.Module):
             h = h + self.pos_embed(positions)
         ctx = self.context(positions)
         for key, layer in self.layers.items():
-            if int(key) < self.config.num_layers:  # the MTP modules' layers run in mtp_logits
+            if int(key) < self.config.num_layers:  # the MTP modules' layers run in mtp.py
                 h = layer(h, ctx if cache is None else ctx._replace(cache=cache.layer(int(key))))
         if cache is not None:
             cache.advance(tokens.shape[1])
         if self.final_norm is None:
             return h
-        return self.head(self.final_norm(h))
+        h = self.final_norm(h)
+        if labels is not None and self.mtp is not None and torch.is_grad_enabled():
+            h = mtp.attach_loss(self, h, labels, positions, ctx)
+        return self.head(h)
 
     def context(self, positions: torch.Tensor) -> LayerContext:
         c = self.config
@@ -272,21 +278,15 @@ class Transformer(nn.Module):
         """(logits, [logits of MTP module i]) of a whole model. Module i reads the hidden state of module i-1 (the
         model's, after its final norm, for i = 0) at positions 0..T-2-i and the embedding of the token i+1 further
         on; its logits there predict the token i+2 further on (DeepSeek-V3's multi-token prediction)."""
-        T, c = tokens.shape[1], self.config
-        h = self.embed(tokens)
-        ctx = self.context(torch.arange(T, device=tokens.device))
-        for i in range(c.num_layers):
+        T = tokens.shape[1]
+        positions = torch.arange(T, device=tokens.device)
+        h, ctx = self.embed(tokens), self.context(positions)
+        for i in range(self.config.num_layers):
             h = self.layers[str(i)](h, ctx)
         h = self.final_norm(h)
-        logits, mtp = self.head(h), []
-        for i, module in enumerate(self.mtp.values() if self.mtp is not None else ()):
-            length = T - 1 - i
-            ctx = self.context(torch.arange(length, device=tokens.device))
-            x = module.eh_proj(torch.cat([module.enorm(self.embed(tokens[:, i + 1:i + 1 + length])),
-                                          module.hnorm(h[:, :length])], dim=-1))
-            h = module.final_norm(self.layers[str(c.num_layers + i)](x, ctx))
-            mtp.append(self.head(h))
-        return logits, mtp
+        following = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # the labels, but for the unknown last one
+        modules = mtp.hidden_states(self, h, following, positions, ctx) if self.mtp else ()
+        return self.head(h), [self.head(s[:, :T - 1 - i]) for i, (s, _) in enumerate(modules)]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)

@@ -56,11 +56,12 @@ def run_experts(x: torch.Tensor, tokens_per_expert: torch.Tensor, experts: nn.Mo
     return experts(x, tokens_per_expert)
 
 
-class _AuxLossGradient(torch.autograd.Function):
+class AddLossGradient(torch.autograd.Function):
     """Identity on `out` that, in backward, also sends gradient `scale` into `aux_loss`.
 
     The auxiliary loss thus trains the router without being returned through every layer (which pipeline
-    stages and activation checkpointing would have to carry); Megatron-Core's MoEAuxLossAutoScaler trick.
+    stages and activation checkpointing would have to carry); Megatron-Core's MoEAuxLossAutoScaler trick. The MTP
+    loss enters the same way (mtp.py).
     """
 
     @staticmethod
@@ -136,8 +137,12 @@ class MoE(nn.Module):
         self.norm_topk = c.moe_norm_topk
         self.sigmoid, self.scaling = c.moe_router_score == "sigmoid", c.moe_router_scaling_factor
         self.groups, self.group_topk = c.moe_router_groups, c.moe_router_group_topk
-        if c.moe_router_expert_bias:  # the IR's layers.{L}.moe.router.expert_bias; not trained by gradients
-            self.router.expert_bias = nn.Parameter(torch.zeros(c.num_experts), requires_grad=False)
+        # The IR's layers.{L}.moe.router.expert_bias: a buffer (saved and exported, never seen by the optimizer),
+        # moved by the trainer from the expert loads of each step (mtrain/expert_bias.py).
+        if c.moe_router_expert_bias:
+            self.router.register_buffer("expert_bias", torch.zeros(c.num_experts))
+        self.routed: torch.Tensor | None = None  # (E,) (token, expert) pairs routed in training since the last reset
+        self.count_loads = True  # off for a pipeline stage's shape-inference pass (parallel/pipeline.py)
         self.experts = GroupedExperts(c.num_experts, c.hidden_size, c.expert_ffn_hidden_size)
         if c.moe_shared_expert_ffn_hidden_size:
             self.shared = SharedExperts(c.hidden_size, c.moe_shared_expert_ffn_hidden_size)
@@ -163,6 +168,7 @@ class MoE(nn.Module):
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * flat_idx.shape[0] / self.num_experts)
             order, counts = keep_within_capacity(order, flat_idx[order], counts, capacity)
+        self._count_loads(counts)
         token = order // self.top_k
         y = self.dispatch(x[token], counts, self.experts)  # (pairs, h), in the order of `order`
         y = y * top_w.flatten()[order, None].to(y.dtype)
@@ -173,16 +179,24 @@ class MoE(nn.Module):
         aux = load_balancing_loss(probs, top_idx, self.num_experts, self.reduce_stats)
         self.last_aux_loss = aux.detach()
         if self.training and self.aux_coeff > 0 and torch.is_grad_enabled():
-            out = _AuxLossGradient.apply(out, aux, self.aux_coeff * self.aux_loss_scale)
+            out = AddLossGradient.apply(out, aux, self.aux_coeff * self.aux_loss_scale)
         return out
+
+    def _count_loads(self, counts: torch.Tensor) -> None:
+        """Add the pairs each expert takes (after any capacity drop, as megatron-core counts them) to the loads that
+        move the expert bias: in training only. Full recomputation routes every micro-batch twice, which doubles
+        all loads alike and leaves the update (a sign per expert) as it is."""
+        if self.training and torch.is_grad_enabled() and self.count_loads and hasattr(self.router, "expert_bias"):
+            self.routed = counts.detach() if self.routed is None else self.routed + counts.detach()
 
     def route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """DeepSeek-V3's routing in float32: (scores normalized per token, for the auxiliary-loss statistics; top-k
         weights; top-k experts). Experts are chosen by score + expert bias, among the `group_topk` groups whose two
         best choice scores sum highest; weighed by their score, renormalized (+1e-20) and scaled."""
-        scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))  # (N, E)
+        # the local weight: a replicated DTensor under tensor parallel (its gradient is the same on every tp rank)
+        scores = torch.sigmoid(F.linear(x.float(), _local(self.router.weight).float()))  # (N, E)
         bias = getattr(self.router, "expert_bias", None)
-        choice = scores + bias.float() if bias is not None else scores
+        choice = scores + _local(bias).float() if bias is not None else scores
         if self.groups:
             N = choice.shape[0]
             group_scores = choice.view(N, self.groups, -1).topk(2, dim=-1)[0].sum(dim=-1)  # (N, groups)

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mconvert.deepseek import features
 from mconvert.ir import ModelConfig
 from mconvert.layout import Chunk, LayoutError, ParallelLayout
 from mtrain.config import ParallelConfig
@@ -82,7 +81,6 @@ class ParallelDims:
     def check_model(self, c: ModelConfig) -> None:
         """Refuse a model this layout cannot split, naming the size that does not divide (all problems at once)."""
         problems = [LayoutError(p).spelled(config_field) for p in self.layout.model_problems(c)]
-        problems += deepseek_problems(c, self)
         if problems:
             raise TrainError("the parallel layout does not fit the model: " + "; ".join(problems))
         self.chunks(c.num_layers)
@@ -159,22 +157,3 @@ def group(mesh: DeviceMesh | None, name: str) -> dist.ProcessGroup | None:
         return None
     return mesh[name].get_group()
 
-
-def deepseek_problems(c: ModelConfig, dims: ParallelDims) -> list[str]:
-    """What mtrain cannot train yet of a DeepSeek-V3 model (it builds and runs it: evaluate, generate, verify):
-    MTP modules (no MTP loss: they would stay untrained), the router's expert bias (DeepSeek updates it from the
-    expert loads, auxiliary-loss-free balancing; frozen it would silently train another recipe), and its layers
-    under tensor, pipeline, expert or context parallelism."""
-    problems = []
-    if c.mtp_layers:
-        problems.append(f"the model has {c.mtp_layers} multi-token-prediction module(s), which mtrain does not train "
-                        "yet (they would stay as they are): leave them out with `mconvert --skip-mtp`")
-    if c.moe_router_expert_bias:
-        problems.append("mtrain does not update the router's expert bias (DeepSeek's auxiliary-loss-free balancing) "
-                        "yet, so it does not train this model")
-    found = [f for f in features(c) if "multi-token" not in f]
-    split = [f"parallel.{n} {getattr(dims, n)}" for n in ("tp", "pp", "ep", "cp") if getattr(dims, n) > 1]
-    if found and split:
-        problems.append(f"{', '.join(found)} train in one process or with data parallelism only so far, not with "
-                        f"{', '.join(split)}")
-    return problems

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from mtrain.models.moe import MoE
 from mtrain.parallel.grads import laid_out_like_param, local_tensor
+from mtrain.parallel.tensor_parallel import copy_to_region
 
 EXPERT_WEIGHTS = {"gate": 1, "up": 1, "down": 2}  # name -> the ffn dim split by tensor parallel
 
@@ -93,9 +94,7 @@ def apply_expert_parallel(moe: MoE, mesh: DeviceMesh, ep: int, tp: int) -> None:
     if tp > 1:
         tp_mesh = mesh["tp"]
         # copy to the tp region: identity forward, gradient summed over tp ranks in backward
-        experts.register_forward_pre_hook(lambda m, args: (
-            DTensor.from_local(args[0], tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()]),
-            *args[1:]))
+        experts.register_forward_pre_hook(lambda m, args: (copy_to_region(args[0], tp_mesh), *args[1:]))
         # reduce from the tp region: the ranks' partial outputs summed, gradient passed through
         experts.register_forward_hook(lambda m, i, out: DTensor.from_local(out, tp_mesh, [Partial()], run_check=False)
                                       .redistribute(tp_mesh, [Replicate()]).to_local())

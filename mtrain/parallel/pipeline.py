@@ -8,8 +8,14 @@ chunk-major order, so pipeline rank p runs stages p, p + pp, p + 2pp, … :
                              rank 1: stage 1 = layers 2-3, stage 3 = layers 6-7
 
 Each stage is a Transformer holding its layers (under their global indices); the first embeds tokens, the last
-has the final norm and head, and with tied embeddings keeps its own copy of `embed.weight` whose gradient is
-summed with the first stage's after every step (Megatron's embedding group), so both copies stay equal.
+has the final norm and head, and with tied embeddings or MTP modules keeps its own copy of `embed.weight` whose
+gradient is summed with the first stage's after every step (Megatron's embedding group), so both copies stay equal.
+The MTP modules run on the last stage; the trainer hands it each micro-batch's labels (a keyword argument of the
+schedule's step), from which they read the following tokens and their targets.
+
+Before its first micro-batch (and after each switch between evaluation and training) a stage runs its forward once
+more, on placeholder inputs, to learn the shapes it exchanges; `Stage` keeps the MoE layers from counting the
+expert loads of that pass (they move the expert bias: expert_bias.py).
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from mconvert.ir import ModelConfig
+from mtrain.errors import TrainError
 from mtrain.models.model import Transformer
+from mtrain.models.moe import MoE
 from mtrain.parallel.dims import ParallelDims
 from mtrain.parallel.grads import laid_out_like_param, local_tensor
 
@@ -39,12 +47,31 @@ def build_stages(config: ModelConfig, dims: ParallelDims, pp_rank: int) -> list[
     return out
 
 
+class Stage(PipelineStage):
+    """A PipelineStage whose shape-inference forward leaves the MoE layers' expert-load counts alone."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        layers = [m for m in self.submod.modules() if isinstance(m, MoE)]
+        for m in layers:
+            m.count_loads = False
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            for m in layers:
+                m.count_loads = True
+
+
 def build_schedule(parts: list[nn.Module], stage_ids: list[int], dims: ParallelDims, group: dist.ProcessGroup,
                    device: torch.device, micro_batches: int, loss_fn):
     """The configured schedule over this rank's stages. `loss_fn(output, target)` must already be divided by
     `micro_batches` (gradients are not rescaled here, as in the trainer's own gradient accumulation)."""
     num_stages = dims.pp * dims.vpp
-    stages = [PipelineStage(part, stage_id, num_stages, device, group=group)
+    biased = any(isinstance(m, MoE) and hasattr(m.router, "expert_bias") for part in parts for m in part.modules())
+    if biased and not hasattr(PipelineStage, "_forward_metadata_inference"):
+        raise TrainError("pipeline parallel with a router expert bias needs PyTorch's PipelineStage."
+                         "_forward_metadata_inference (PyTorch 2.13, as scripts/setup.sh installs), so that the shape-"
+                         "inference forward does not count expert loads; use that PyTorch or parallel.pp 1")
+    stages = [Stage(part, stage_id, num_stages, device, group=group)
               for part, stage_id in zip(parts, stage_ids)]
     cls = get_schedule_class(dims.schedule)
     if issubclass(cls, PipelineScheduleSingle):

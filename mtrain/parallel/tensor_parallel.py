@@ -2,9 +2,13 @@
 
     attention   q, k, v column-parallel (heads split: rank r has query heads and key/value groups r*n/tp ..),
                 o row-parallel (sum of the ranks' partial outputs)
+    MLA         q (or q_up) and kv_up column-parallel by heads, o row-parallel; the down projections q_down,
+                kv_down (latent and the rope key all heads share) and the latent norms replicated
     MLP         gate, up column-parallel (ffn split), down row-parallel
-    MoE         router replicated; experts split on ffn like the MLP (expert tensor parallel = tp), see
-                expert_parallel.py
+    MoE         router (and its expert bias) replicated; experts split on ffn like the MLP (expert tensor
+                parallel = tp), see expert_parallel.py; shared experts split like the MLP
+    MTP         each module's norms and eh_proj replicated (split over the sequence with sequence parallel, like
+                norms: their weight gradients summed over the ranks); its transformer layer like any other
     embeddings  vocabulary-parallel: rows split, each rank looks up its rows, the sum is the output
     head        column-parallel over the vocabulary; the loss runs on vocab-sharded logits (`loss_parallel`),
                 full logits are never gathered. Tied: the embedding's row-split weight is the head's.
@@ -21,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -31,7 +35,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from mtrain.models.model import Block, Transformer
+from mtrain.models.mla import MLAttention
+from mtrain.models.model import Attention, Block, Transformer
 
 
 class ReplicateParallel(ParallelStyle):
@@ -56,6 +61,12 @@ def regather(x: torch.Tensor, mesh: DeviceMesh, placement: Placement, keep_dtens
     return out if keep_dtensor else out.to_local()
 
 
+def copy_to_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """x itself, whose gradient is summed over the ranks in backward: a tensor every rank reads for its own heads
+    or ffn slice (Megatron's copy to the tensor-parallel region)."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
 def _norm_style(sequence_parallel: bool):
     """Norms run on whatever part of the sequence the rank holds; their outputs are local tensors."""
     return (lambda: SequenceParallel(use_local_output=True)) if sequence_parallel else ReplicateParallel
@@ -76,9 +87,12 @@ def apply_tensor_parallel(part: Transformer, mesh: DeviceMesh, sequence_parallel
     if part.lm_head is not None:
         plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(part, mesh, plan)
+    for module in (part.mtp or {}).values():  # position-wise, on the hidden states' part of the sequence
+        parallelize_module(module, mesh, {"enorm": norm(), "hnorm": norm(), "final_norm": norm(), "eh_proj": norm()})
     if part.final_norm is not None and part.lm_head is None:
         # Tied head: F.linear(h, embed.weight) with h whole and the weight row-split gives vocab-sharded logits.
-        part.final_norm.register_forward_hook(lambda m, i, out: regather(out, mesh, seq, keep_dtensor=True))
+        for final_norm in [part.final_norm, *(m.final_norm for m in (part.mtp or {}).values())]:
+            final_norm.register_forward_hook(lambda m, i, out: regather(out, mesh, seq, keep_dtensor=True))
     for block in part.layers.values():
         _parallelize_block(block, mesh, sequence_parallel)
 
@@ -86,12 +100,17 @@ def apply_tensor_parallel(part: Transformer, mesh: DeviceMesh, sequence_parallel
 def _parallelize_block(block: Block, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     seq = Shard(1) if sequence_parallel else Replicate()
     norm = _norm_style(sequence_parallel)
-    plan: dict[str, ParallelStyle] = {
-        "attn_norm": norm(), "mlp_norm": norm(),
-        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-        "attn.o": RowwiseParallel(output_layouts=seq),
-    }
-    if hasattr(block.attn, "q_norm"):
+    plan: dict[str, ParallelStyle] = {"attn_norm": norm(), "mlp_norm": norm(),
+                                      "attn.o": RowwiseParallel(output_layouts=seq)}
+    if isinstance(block.attn, MLAttention):
+        for name in ("q_down", "q_norm", "kv_down", "kv_norm"):
+            if hasattr(block.attn, name):  # q_down, q_norm: with a query LoRA only
+                plan[f"attn.{name}"] = ReplicateParallel()
+        plan |= {f"attn.{name}": ColwiseParallel() for name in ("q", "q_up", "kv_up") if hasattr(block.attn, name)}
+        block.attn.shared_key = lambda k_rope: copy_to_region(k_rope, mesh)
+    else:
+        plan |= {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel()}
+    if isinstance(block.attn, Attention) and hasattr(block.attn, "q_norm"):
         # per-head norms see this rank's heads, (B, T, heads/tp, hd): a replicated weight whose gradient sums
         # over the ranks' heads, which DTensor's sequence-parallel style does with the heads as the split dim
         plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -107,6 +126,9 @@ def _parallelize_block(block: Block, mesh: DeviceMesh, sequence_parallel: bool) 
         plan["mlp.down"] = RowwiseParallel(output_layouts=seq)
     else:
         plan["moe.router"] = ReplicateParallel()
+        if hasattr(block.moe, "shared"):  # inside the MoE, which works on whole sequences
+            plan |= {"moe.shared.gate": ColwiseParallel(), "moe.shared.up": ColwiseParallel(),
+                     "moe.shared.down": RowwiseParallel()}
     parallelize_module(block, mesh, plan)
     if hasattr(block, "moe") and sequence_parallel:
         # Routing needs every token of the sequence (the auxiliary loss is a whole-sequence statistic, as in one

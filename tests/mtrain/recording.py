@@ -20,10 +20,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def full_tensors(parts, grad: bool) -> dict[str, torch.Tensor]:
-    """name -> whole tensor of every parameter (or its gradient) of this rank's parts (a collective)."""
+    """name -> whole tensor of every parameter (or its gradient) and saved buffer (the router's expert bias) of
+    this rank's parts (a collective)."""
     out = {}
     for part in parts:
-        for name, p in weights.named_parameters(part).items():
+        for name, p in weights.named_tensors(part).items():
             value = p.grad if grad else p
             if value is not None:
                 out[name] = full(value.detach())

@@ -60,7 +60,8 @@ def error(*overrides, text=None, tmp_path=None) -> str:
 def test_unknown_field():
     assert error("--train.lrr", "1") == (
         "unknown config field(s) train.lrr; valid fields of train: steps, micro_batch_size, global_batch_size, "
-        "seed, precision, recompute, deterministic, init_std, exit_after_steps, compile, moe_capacity_factor")
+        "seed, precision, recompute, deterministic, init_std, exit_after_steps, compile, moe_capacity_factor, "
+        "moe_router_bias_update_rate, mtp_loss_scaling_factor")
 
 
 def test_unknown_field_in_a_file(tmp_path):

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from mtrain.config import ParallelConfig
-from mtrain.errors import TrainError
 from mtrain.inference import load_model
 from mtrain.parallel.dims import ParallelDims
 from tests.deepseek_models import hf_logits_with_mtp, make_deepseek
@@ -56,11 +55,10 @@ def test_each_deepseek_feature_changes_the_logits(tmp_path, tokens):
             assert (model(tokens) - reference).abs().max() > 1e-4, what
 
 
-def test_training_what_mtrain_cannot_train_yet_is_refused(tmp_path):
+def test_every_layout_takes_the_model(tmp_path):
+    """MLA, DeepSeek's MoE and MTP modules pass the layout checks of every parallelism (they train alike:
+    tests/mtrain/test_mtrain_deepseek_train.py)."""
     _, ir = load_model(make_deepseek(tmp_path / "hf", seed=23, mtp=1))
-    dims = ParallelDims.from_config(ParallelConfig(tp=2), world=2)
-    with pytest.raises(TrainError) as e:
-        dims.check_model(ir.config)
-    assert "the model has 1 multi-token-prediction module(s), which mtrain does not train yet" in str(e.value)
-    assert "does not update the router's expert bias (DeepSeek's auxiliary-loss-free balancing) yet" in str(e.value)
-    assert "train in one process or with data parallelism only so far, not with parallel.tp 2" in str(e.value)
+    for parallel, world in [(dict(tp=2, ep=2, sequence_parallel=True), 4), (dict(pp=3, tp=2), 6), (dict(cp=2), 2),
+                            (dict(pp=2, first_stage_layers=1, cp=2), 4)]:
+        ParallelDims.from_config(ParallelConfig(**parallel), world=world).check_model(ir.config)
