@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from convert import run_measured  # noqa: E402
-from mconvert.formats import hf_dir  # noqa: E402
-from mconvert.formats.safetensors_io import Entry  # noqa: E402
 
 from mconvert import fp8  # noqa: E402
+from mconvert.formats import hf_dir  # noqa: E402
+from mconvert.formats.safetensors_io import Entry  # noqa: E402
 from mconvert.ir import ModelConfig  # noqa: E402
 from mconvert.ir_names import expected_shapes  # noqa: E402
 from mconvert.layout import ParallelLayout  # noqa: E402

@@ -26,9 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mconvert.formats.integrity import MANIFEST, write_manifest  # noqa: E402
-
 from bench.convert import SIZES, build_llama  # noqa: E402
+from mconvert.formats.integrity import MANIFEST, write_manifest  # noqa: E402
 
 
 def timed(*args: str) -> float:

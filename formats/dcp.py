@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from mconvert.formats.contained import inside
-from mconvert.formats.integrity import Manifest
-from mconvert.formats.torch_pickle import locate_tensor, safe_load_bytes
 
 from mconvert.blocks import Blocks, FileBytes
 from mconvert.errors import ConvertError, format_names
+from mconvert.formats.contained import inside
+from mconvert.formats.integrity import Manifest
+from mconvert.formats.torch_pickle import locate_tensor, safe_load_bytes
 
 METADATA = ".metadata"
 
@@ -159,7 +159,10 @@ def _check_records(md: Record, path: Path) -> None:
 
 
 @dataclass(frozen=True)
-class Chunk:
+class StoredChunk:
+    """One stored piece of a tensor: where it sits in the whole tensor (offsets, sizes) and which bytes hold it
+    (file relative to the checkpoint, start, length). Not a pipeline chunk (mconvert.layout.Chunk)."""
+
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     file: str
@@ -171,7 +174,7 @@ class Chunk:
 class TensorEntry:
     shape: tuple[int, ...]
     dtype: torch.dtype
-    chunks: tuple[Chunk, ...]
+    chunks: tuple[StoredChunk, ...]
 
 
 class DcpReader:
@@ -195,7 +198,7 @@ class DcpReader:
                 chunks = []
                 for c in meta.chunks:
                     info = self._storage(where, fqn, tuple(c.offsets))
-                    chunks.append(Chunk(tuple(c.offsets), tuple(c.sizes), info.relative_path, info.offset,
+                    chunks.append(StoredChunk(tuple(c.offsets), tuple(c.sizes), info.relative_path, info.offset,
                                         info.length))
                 self.tensors[fqn] = TensorEntry(tuple(meta.size), meta.properties.dtype, tuple(chunks))
         self._check_files()
@@ -247,10 +250,10 @@ class DcpReader:
             self.manifest.check_file(file, mapping)
         return mapping
 
-    def _chunk(self, c: Chunk) -> torch.Tensor:
+    def _chunk(self, c: StoredChunk) -> torch.Tensor:
         return self._sourced_chunk(c)[0]
 
-    def _sourced_chunk(self, c: Chunk) -> tuple[torch.Tensor, FileBytes | None]:
+    def _sourced_chunk(self, c: StoredChunk) -> tuple[torch.Tensor, FileBytes | None]:
         """The chunk (a view of the file's map: decoded once, its archive header costs ~0.3 ms to parse, and a
         layer-stacked chunk is asked for once per layer) and, when contiguous, where its bytes are in its file."""
         key = (c.file, c.start)
@@ -334,7 +337,7 @@ class DcpReader:
         return safe_load_bytes(self.read_bytes(fqn), f"{self.root}:{fqn}")
 
 
-def _covers(c: Chunk, lo: Sequence[int], hi: Sequence[int], k: int) -> bool:
+def _covers(c: StoredChunk, lo: Sequence[int], hi: Sequence[int], k: int) -> bool:
     """Does chunk `c` hold all of [lo, hi), with the trailing (non-index) dimensions whole?"""
     return all(o <= a and o + s >= b for o, s, a, b in zip(c.offsets, c.sizes, lo, hi)) and \
         all(o == a and s == b - a for o, s, a, b in zip(c.offsets[k:], c.sizes[k:], lo[k:], hi[k:]))

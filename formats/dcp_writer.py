@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+
+from mconvert.errors import ConvertError
 from mconvert.formats.block_writer import Sender
 from mconvert.formats.dcp import METADATA
 from mconvert.formats.integrity import file_digest
 from mconvert.formats.torch_zip import ALIGN, TorchFileWriter
-
-from mconvert.errors import ConvertError
 from mconvert.workers import Job
 
 FILE_BYTES = 4 << 30

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from mconvert.formats import safetensors_io
-from mconvert.formats.contained import inside
-from mconvert.formats.torch_pickle import safe_load
 
 from mconvert.blocks import Blocks
 from mconvert.errors import ConvertError
+from mconvert.formats import safetensors_io
+from mconvert.formats.contained import inside
+from mconvert.formats.torch_pickle import safe_load
 from mconvert.ir import LazyTensor
 from mconvert.workers import Job, run
 

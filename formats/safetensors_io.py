@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from mconvert.formats.block_writer import Sender, pwrite_all
-from mconvert.formats.writeback import Writeback
 
 from mconvert.blocks import Blocks, FileBytes, as_blocks
 from mconvert.errors import ConvertError
+from mconvert.formats.block_writer import Sender, pwrite_all
+from mconvert.formats.writeback import Writeback
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

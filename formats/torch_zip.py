@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from mconvert.formats.block_writer import Sender
-from mconvert.formats.writeback import Writeback
 
 from mconvert.blocks import Blocks, as_blocks
+from mconvert.formats.block_writer import Sender
+from mconvert.formats.writeback import Writeback
 
 try:  # ISA-L's CRC-32 (the very same checksum) runs about 6x faster than zlib's; zipfile calls it for every byte
     from isal.isal_zlib import crc32 as _fast_crc32

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from mconvert.formats.torch_zip import save as torch_save
 
 from mconvert.errors import ConvertError
+from mconvert.formats.torch_zip import save as torch_save
 
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64, torch.int64: np.int64,
           torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8,

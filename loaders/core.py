@@ -10,6 +10,10 @@ import re
 from pathlib import Path
 
 import torch
+
+from mconvert.blocks import Blocks
+from mconvert.errors import ConvertError
+from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.loaders.core_dcp import is_dcp_checkpoint, load_dcp
 from mconvert.loaders.core_dist import load_dist
 from mconvert.loaders.megatron_files import (
@@ -23,10 +27,6 @@ from mconvert.loaders.megatron_files import (
     tokenizer,
 )
 from mconvert.loaders.megatron_files import config as megatron_config
-
-from mconvert.blocks import Blocks
-from mconvert.errors import ConvertError
-from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import to_ir, verify_copies
 from mconvert.options import Options
 from mconvert.registry import register_loader

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mconvert.formats import hf_dir
-
 from mconvert.errors import ConvertError
+from mconvert.formats import hf_dir
 from mconvert.ir import ModelIR
 from mconvert.options import Options
 from mconvert.registry import get_loader, register_loader

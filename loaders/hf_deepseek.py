@@ -10,12 +10,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mconvert.formats import hf_dir
-from mconvert.loaders.hf_files import read_config
-
 from mconvert import fp8
 from mconvert.errors import ConvertError
+from mconvert.formats import hf_dir
 from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo, dtype_name
+from mconvert.loaders.hf_files import read_config
 from mconvert.mapping import expand, take_copies, to_ir, verify_copies
 from mconvert.options import Options
 from mconvert.registry import register_loader

@@ -6,9 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mconvert.formats import hf_dir
-
 from mconvert.config_checks import HF_INTEGERS, check_integers, with_where
+from mconvert.formats import hf_dir
 from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import expand, take_copies, to_ir, verify_copies
 from mconvert.options import Options

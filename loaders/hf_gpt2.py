@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mconvert.formats import hf_dir
-from mconvert.loaders.hf_files import load_hf
-
 from mconvert.ir import LazyTensor, ModelIR
+from mconvert.loaders.hf_files import load_hf
 from mconvert.options import Options
 from mconvert.registry import register_loader
 from mconvert.schemas import hf_gpt2

@@ -5,13 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mconvert.formats import hf_dir
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.loaders.hf_files import load_hf
-
 from mconvert.config_checks import META_INTEGERS, check_integers, with_where
 from mconvert.errors import ConvertError
+from mconvert.formats import hf_dir
+from mconvert.formats.torch_pickle import safe_load
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
+from mconvert.loaders.hf_files import load_hf
 from mconvert.mapping import expand, to_ir
 from mconvert.options import Options
 from mconvert.registry import register_loader

@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from mconvert.errors import ConvertError
+from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.loaders.megatron_files import (
     RankFiles,
     chunks_in_files,
@@ -20,9 +23,6 @@ from mconvert.loaders.megatron_files import (
     tokenizer,
 )
 from mconvert.loaders.megatron_files import config as megatron_config
-
-from mconvert.errors import ConvertError
-from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
 from mconvert.mapping import to_ir, verify_copies
 from mconvert.options import Options
 from mconvert.registry import register_loader

@@ -10,17 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mconvert.formats import hf_dir
-from mconvert.formats.contained import inside
-from mconvert.formats.torch_pickle import file_sources, safe_load
-from mconvert.loaders.core_dcp import is_dcp_checkpoint
-from mconvert.loaders.core_dist import config_from_args, is_dist_checkpoint
 
 from mconvert.blocks import FileBytes
 from mconvert.config_checks import MEGATRON_INTEGERS, check_integers
 from mconvert.errors import ConvertError, format_names
+from mconvert.formats import hf_dir
+from mconvert.formats.contained import inside
+from mconvert.formats.torch_pickle import file_sources, safe_load
 from mconvert.ir import LazyTensor, ModelConfig
 from mconvert.layout import Chunk, ParallelLayout, chunks_of
+from mconvert.loaders.core_dcp import is_dcp_checkpoint
+from mconvert.loaders.core_dist import config_from_args, is_dist_checkpoint
 from mconvert.mapping import Row
 from mconvert.options import Options
 from mconvert.schemas import core

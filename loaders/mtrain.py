@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mconvert.formats import hf_dir
-
 from mconvert.errors import ConvertError, format_names, mismatch
+from mconvert.formats import hf_dir
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
 from mconvert.options import Options
 from mconvert.registry import register_loader
@@ -36,7 +35,6 @@ def _step_dir(path: Path) -> Path | None:
 def load(path: Path, options: Options) -> ModelIR:
     """mtrain checkpoints (DCP): a step directory, or a run's checkpoint directory (its latest step)."""
     from mconvert.formats.dcp import DcpReader
-
     from mtrain import checkpoint
     from mtrain.models import state_dict_adapter
 

@@ -35,15 +35,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from mconvert.formats import hf_dir
-from mconvert.formats.contained import check_tree, inside
-from mconvert.formats.dcp import read_metadata
-from mconvert.formats.torch_pickle import safe_load
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from mconvert.errors import ConvertError
+from mconvert.formats import hf_dir
+from mconvert.formats.contained import check_tree, inside
+from mconvert.formats.dcp import read_metadata
+from mconvert.formats.torch_pickle import safe_load
 from mconvert.ir import ModelConfig
 from mtrain import safe_dcp, weights
 from mtrain.errors import TrainError

@@ -20,8 +20,6 @@ import io
 import mmap
 from pathlib import Path
 
-from mconvert.formats import dcp as dcp_format
-from mconvert.formats.torch_pickle import map_tensor, safe_load_bytes
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
@@ -31,6 +29,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from mconvert.errors import ConvertError
+from mconvert.formats import dcp as dcp_format
+from mconvert.formats.torch_pickle import map_tensor, safe_load_bytes
 
 
 class _RealClasses(dcp_format._MetadataUnpickler):

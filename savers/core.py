@@ -10,9 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from mconvert.savers import megatron_files
-from mconvert.savers.core_dcp import save_dcp
-from mconvert.savers.core_dist import check_model, save_dist
 
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
@@ -21,8 +18,10 @@ from mconvert.options import LAYOUT_OPTIONS, Options
 from mconvert.progress import Progress
 from mconvert.registry import register_saver
 from mconvert.rules import Ctx
+from mconvert.savers import megatron_files
+from mconvert.savers.core_dcp import save_dcp
+from mconvert.savers.core_dist import check_model, save_dist
 from mconvert.schemas import core, core_dcp, core_deepseek, rank_plan
-from mconvert.transforms import padded_vocab_size
 
 
 @register_saver("core", aliases=("megatron", "mcore"),
@@ -38,12 +37,7 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
         return save_dist(ir, out, options, progress)
     c, layout = ir.config, options.layout
     check_model(c, options)
-    padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
-    iteration = megatron_files.iteration(ir, options)
-    args = core.args_from_config(c, layout, padded_vocab_size=padded,
-                                 divisible_by=options.make_vocab_size_divisible_by, impl=options.transformer_impl,
-                                 expert_layout=options.expert_layout,
-                                 tokenizer_model=megatron_files.tokenizer_model(ir, out, options, iteration))
+    padded, iteration, args = megatron_files.core_args(ir, out, options)
     ctx = Ctx(c, padded, tp=layout.tp, etp=layout.expert_tp, local_experts=(c.num_experts or 0) // layout.ep)
     parts = plan(ir, options)
     top = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration}

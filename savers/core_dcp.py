@@ -12,18 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from mconvert.formats.dcp_writer import DcpWriter
-from mconvert.savers import megatron_files
-from mconvert.savers.core_dist import check_model
 
 from mconvert.errors import ConvertError
+from mconvert.formats.dcp_writer import DcpWriter
 from mconvert.ir import ModelIR
 from mconvert.mapping import check_plan
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.rules import Ctx
+from mconvert.savers import megatron_files
+from mconvert.savers.core_dist import check_model
 from mconvert.schemas import core, core_dcp
-from mconvert.transforms import padded_vocab_size
 
 
 def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
@@ -39,12 +38,7 @@ def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> No
                            "which this format is not checked to hold; use --ckpt-format torch_dist or torch, or "
                            "--skip-mtp to leave them out")
     check_model(c, options)
-    padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
-    iteration = megatron_files.iteration(ir, options)
-    args = core.args_from_config(c, layout, padded_vocab_size=padded,
-                                 divisible_by=options.make_vocab_size_divisible_by,
-                                 impl=options.transformer_impl, ckpt_format=fmt, expert_layout=options.expert_layout,
-                                 tokenizer_model=megatron_files.tokenizer_model(ir, out, options, iteration))
+    padded, iteration, args = megatron_files.core_args(ir, out, options)
     it_dir = out / core.iteration_dir(iteration)
     ctx = Ctx(c, padded)
     prefix = core_dcp.WRITE_PREFIX[fmt]

@@ -11,22 +11,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from mconvert.formats import dcp_writer, hf_dir
-from mconvert.formats.integrity import write_manifest
-from mconvert.formats.torch_zip import save as torch_save
-from mconvert.savers import megatron_files
 
 from mconvert import workers
 from mconvert.blocks import as_blocks, reshape
 from mconvert.errors import ConvertError
+from mconvert.formats import dcp_writer, hf_dir
+from mconvert.formats.integrity import write_manifest
+from mconvert.formats.torch_zip import save as torch_save
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.mapping import check_plan
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.row_plan import RowPlanner
 from mconvert.rules import Ctx
+from mconvert.savers import megatron_files
 from mconvert.schemas import core, core_deepseek, core_dist
-from mconvert.transforms import padded_vocab_size
 from mconvert.workers import Job
 
 
@@ -36,13 +35,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
         raise ConvertError(f"--ckpt-format {backend} checkpoints do not depend on the pipeline or expert layout; "
                            "drop --pp/--vpp/--ep (Megatron reshards them when it loads)")
     check_model(c, options)
-    padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
-    iteration = megatron_files.iteration(ir, options)
-    args = core.args_from_config(c, layout, padded_vocab_size=padded,
-                                 divisible_by=options.make_vocab_size_divisible_by,
-                                 impl=options.transformer_impl, ckpt_format=backend,
-                                 expert_layout=options.expert_layout,
-                                 tokenizer_model=megatron_files.tokenizer_model(ir, out, options, iteration))
+    padded, iteration, args = megatron_files.core_args(ir, out, options)
     it_dir = out / core.iteration_dir(iteration)
     placements = core_dist.placements(c, options.transformer_impl)
     check_plan(ir.tensors, [(backend, [placed.row for placed in placements])], where=f"saver core ({backend})")

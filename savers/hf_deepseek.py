@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mconvert.savers.hf_files import save_hf
-
 from mconvert import fp8
 from mconvert.ir import ModelIR
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.registry import register_saver
+from mconvert.savers.hf_files import save_hf
 from mconvert.schemas import hf_deepseek
 
 

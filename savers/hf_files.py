@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mconvert.formats import hf_dir
-from mconvert.formats.safetensors_io import Entry
 
 from mconvert import fp8 as mfp8
 from mconvert import workers
 from mconvert.blocks import Blocks
+from mconvert.formats import hf_dir
+from mconvert.formats.safetensors_io import Entry
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.mapping import check_plan, expand, from_ir
 from mconvert.options import Options

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mconvert.savers.hf_files import save_hf
-
 from mconvert.ir import ModelIR
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.registry import register_saver
+from mconvert.savers.hf_files import save_hf
 from mconvert.schemas import hf_mixtral
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mconvert.savers import megatron_files
-
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelIR
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.registry import register_saver
 from mconvert.rules import Ctx
+from mconvert.savers import megatron_files
 from mconvert.schemas import legacy, rank_plan
 from mconvert.transforms import padded_vocab_size
 

@@ -3,16 +3,16 @@ iteration folder, the tracker file and the tokenizer that travels with the check
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import functools
 from collections.abc import Callable
 from pathlib import Path
 
+from mconvert import workers
 from mconvert.formats import hf_dir
 from mconvert.formats.torch_zip import TorchFileWriter
-
-from mconvert import workers
 from mconvert.ir import ModelIR
 from mconvert.mapping import Row, check_plan
 from mconvert.options import Options
@@ -21,6 +21,7 @@ from mconvert.row_plan import RowPlanner
 from mconvert.rules import Ctx
 from mconvert.schemas import core
 from mconvert.schemas.rank_plan import Part
+from mconvert.transforms import padded_vocab_size
 
 
 def iteration(ir: ModelIR, options: Options) -> int:
@@ -28,6 +29,19 @@ def iteration(ir: ModelIR, options: Options) -> int:
     if options.iteration is not None:
         return options.iteration
     return ir.source.iteration if ir.source.iteration is not None else 1
+
+
+def core_args(ir: ModelIR, out: Path, options: Options) -> tuple[int, int, argparse.Namespace]:
+    """(padded vocabulary, iteration, Megatron `args`) of a core checkpoint in `options.ckpt_format`: what the
+    torch, torch_dist and DCP savers each start from."""
+    c, layout = ir.config, options.layout
+    padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
+    number = iteration(ir, options)
+    args = core.args_from_config(c, layout, padded_vocab_size=padded, divisible_by=options.make_vocab_size_divisible_by,
+                                 impl=options.transformer_impl, ckpt_format=options.ckpt_format,
+                                 expert_layout=options.expert_layout,
+                                 tokenizer_model=tokenizer_model(ir, out, options, number))
+    return padded, number, args
 
 
 def write_parts(ir: ModelIR, planner: RowPlanner, parts: list[Part], ranks: list[int], dirs: list[Path],

@@ -14,11 +14,11 @@ import json
 import sys
 
 import torch.distributed as dist
-from mconvert.formats.torch_zip import TorchFileWriter
-from mconvert.savers import megatron_files
 
 from mconvert.cli import main
 from mconvert.errors import ConvertError
+from mconvert.formats.torch_zip import TorchFileWriter
+from mconvert.savers import megatron_files
 
 
 def failing_add(self, tensor):

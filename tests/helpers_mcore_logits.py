@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from mconvert.formats.torch_pickle import safe_load
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -75,9 +76,10 @@ def transformer_config(args):
 def check_dist_keys(sharded_state_dict, it_dir: Path) -> None:
     """The checkpoint holds exactly the tensors and objects megatron-core's model asks for, under its keys (a
     torch_dist load alone ignores keys nobody asks for)."""
-    from mconvert.formats.dcp import DcpReader
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factories
+
+    from mconvert.formats.dcp import DcpReader
 
     apply_factories(sharded_state_dict)
     want = {v.unique_key if isinstance(v, ShardedObject) else v.key for v in nested_values(sharded_state_dict)}

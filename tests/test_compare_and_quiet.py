@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from mconvert.formats.torch_pickle import safe_load
 
+from mconvert.formats.torch_pickle import safe_load
 from tests.conftest import run_cli
 
 

@@ -8,6 +8,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from mconvert.formats.dcp import DcpReader
 from mconvert.formats.dcp_writer import DcpWriter
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from mconvert.formats.dcp import DcpReader
-from mconvert.formats.torch_pickle import safe_load
 from safetensors.torch import load_file, save_file
 
 from mconvert import engine
 from mconvert.errors import ConvertError
+from mconvert.formats.dcp import DcpReader
+from mconvert.formats.torch_pickle import safe_load
 from mconvert.ir import ModelConfig
 from mconvert.options import Options
 from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, run_cli

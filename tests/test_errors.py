@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 import torch
+
 from mconvert.formats.torch_pickle import safe_load
 from mconvert.formats.torch_zip import TorchFileWriter
-
 from tests.conftest import make_hf_model, run_cli
 
 
@@ -245,9 +245,8 @@ def test_malformed_config_json(llama_dir, tmp_path, config, message):
 def test_safetensors_header_that_is_not_an_object(tmp_path):
     import struct
 
-    from mconvert.formats.safetensors_io import SafetensorsFile
-
     from mconvert.errors import ConvertError
+    from mconvert.formats.safetensors_io import SafetensorsFile
 
     (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", 2) + b"[]")
     with pytest.raises(ConvertError, match="corrupt safetensors header: a JSON list, not an object"):
@@ -269,7 +268,6 @@ def test_bad_numbers_and_paths(llama_dir, tmp_path):
 
 def test_mtrain_loader_file_names_follow_the_trainer():
     from mconvert.loaders import mtrain as loader
-
     from mtrain import checkpoint
 
     assert (loader.META_FILE, loader.LATEST_FILE) == (checkpoint.META_FILE, checkpoint.LATEST_FILE)

@@ -9,12 +9,12 @@ import struct
 
 import pytest
 import torch
-from mconvert.formats import hf_dir, safetensors_io
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.formats.torch_zip import TorchFileWriter
 from safetensors.torch import load_file, save_file
 
 from mconvert.errors import ConvertError
+from mconvert.formats import hf_dir, safetensors_io
+from mconvert.formats.torch_pickle import safe_load
+from mconvert.formats.torch_zip import TorchFileWriter
 from mconvert.ir import ModelConfig
 
 
@@ -231,9 +231,8 @@ def test_big_endian_torch_files_are_never_copied_from_the_file(tmp_path):
     file's, so no provenance is claimed and the (little-endian) values are written from memory."""
     import zipfile
 
-    from mconvert.formats.torch_pickle import file_sources
-
     from mconvert.blocks import Blocks
+    from mconvert.formats.torch_pickle import file_sources
 
     values = torch.randn(1024, 512)
     torch.save({"model": {"w": values}}, tmp_path / "little.pt")

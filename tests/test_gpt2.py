@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 import torch
-from mconvert.formats.torch_pickle import safe_load
 from safetensors.torch import load_file
 
 from mconvert.errors import ConvertError
+from mconvert.formats.torch_pickle import safe_load
 from mconvert.ir import ModelConfig
 from mconvert.rules import Ctx
 from mconvert.schemas import core, hf_gpt2

@@ -8,18 +8,18 @@ import shutil
 
 import pytest
 import torch
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.loaders.core import is_core_checkpoint
-from mconvert.loaders.legacy import is_legacy_checkpoint
-from mconvert.savers import legacy as legacy_saver
 from safetensors.torch import load_file
 
 from mconvert import transforms
 from mconvert.errors import ConvertError
+from mconvert.formats.torch_pickle import safe_load
 from mconvert.ir import ModelConfig, ModelIR, SourceInfo
+from mconvert.loaders.core import is_core_checkpoint
+from mconvert.loaders.legacy import is_legacy_checkpoint
 from mconvert.options import Options
 from mconvert.progress import QUIET
 from mconvert.rules import Ctx
+from mconvert.savers import legacy as legacy_saver
 from mconvert.schemas import legacy as schema
 from tests.conftest import FIXTURES, assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
 

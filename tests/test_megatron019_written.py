@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 import torch
-from mconvert.formats.dcp import DcpReader
 
 from mconvert import engine
+from mconvert.formats.dcp import DcpReader
 from mconvert.options import Options
 from tests.conftest import hf_logits, run_cli
 from tests.megatron_lm.specs import VOCAB, specs

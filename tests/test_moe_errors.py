@@ -6,10 +6,10 @@ import os
 import shutil
 
 import pytest
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.formats.torch_zip import TorchFileWriter
 
 from mconvert.errors import ConvertError
+from mconvert.formats.torch_pickle import safe_load
+from mconvert.formats.torch_zip import TorchFileWriter
 from mconvert.mapping import Row, check_plan
 from mconvert.rules import Rule
 from tests.conftest import run_cli

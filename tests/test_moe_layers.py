@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from mconvert.formats.torch_pickle import safe_load
 
 from mconvert import engine
 from mconvert.errors import ConvertError
+from mconvert.formats.torch_pickle import safe_load
 from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo
 from mconvert.ir_names import expected_shapes
 from mconvert.options import Options

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from mconvert.formats.dcp import DcpReader
-from mconvert.formats.torch_pickle import safe_load
 from safetensors.torch import save_file
 
 from mconvert import engine
+from mconvert.formats.dcp import DcpReader
+from mconvert.formats.torch_pickle import safe_load
 from mconvert.options import Options
 from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli, write_tokenizer
 

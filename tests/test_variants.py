@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from mconvert.formats.torch_pickle import safe_load
 
+from mconvert.formats.torch_pickle import safe_load
 from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
 
 VARIANTS = {

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from mconvert.formats import block_writer, hf_dir
 
+from mconvert.formats import block_writer, hf_dir
 from mconvert.workers import assign
 from tests.conftest import run_cli
 

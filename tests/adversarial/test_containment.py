@@ -154,6 +154,7 @@ def test_zarr_array_linking_out(sources, tmp_path, outside):
 def test_megatron_args_tokenizer_model_outside(sources, tmp_path, outside, llama_dir):
     """args.tokenizer_model is a path the checkpoint names: used only inside it, or when the user passes it."""
     import torch
+
     from mconvert.formats.torch_pickle import safe_load
 
     src = fresh(sources["core"], tmp_path)

@@ -20,12 +20,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mconvert.formats import safetensors_io
-from mconvert.formats.dcp import read_metadata
-from mconvert.formats.torch_pickle import map_tensor, safe_load_bytes
 from safetensors.torch import save_file
 
 from mconvert.errors import ConvertError
+from mconvert.formats import safetensors_io
+from mconvert.formats.dcp import read_metadata
+from mconvert.formats.torch_pickle import map_tensor, safe_load_bytes
 from tests.adversarial.crafting import payloads, pickle_of, replace_pickle_in_zip, torch_bytes
 
 # 150 examples per fuzzer keeps the suite fast in CI; FUZZ_EXAMPLES=5000 for a longer hunt.

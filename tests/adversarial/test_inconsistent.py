@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from mconvert.formats.torch_pickle import safe_load
 from safetensors.torch import load_file, save_file
 
+from mconvert.formats.torch_pickle import safe_load
 from tests.adversarial.conftest import cli, convert_refused, fresh, refused
 
 # -- rank files from different saves -------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from mconvert.formats.torch_pickle import safe_load
 from safetensors.torch import load_file, save_file
 
+from mconvert.formats.torch_pickle import safe_load
 from tests.adversarial.conftest import convert_refused, fresh
 from tests.adversarial.crafting import edit_dcp
 
