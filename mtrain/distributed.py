@@ -5,6 +5,7 @@ The device mesh of the parallel layout is built from the config by mtrain/parall
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ def init() -> DistEnv:
 
 def shutdown(env: DistEnv) -> None:
     if env.owns_group and dist.is_initialized():
+        gc.collect()  # state that holds collectives (DDP's reducer, FSDP's) goes while the process group is alive
         dist.destroy_process_group()
 
 
