@@ -354,5 +354,6 @@ def main(argv: list[str]) -> None:
         dp = {name: PEERS[name][2] for name in pythons}
         report(runs, args, world, per_token, failed,
                {**labels, **({n: f"{labels[n]} {dp[n]}" for n in pythons} if world > 1 else {}),
-                **({"mtrain": "mtrain (FSDP)", "mtrain compile": "mtrain (DDP, train.compile: model)"}
+                **({"mtrain": "mtrain (dp_mode auto: DDP)", "mtrain fsdp": "mtrain (FSDP)",
+                    "mtrain compile": "mtrain (DDP, train.compile: model)"}
                    if world > 1 else {})}, tmp)
