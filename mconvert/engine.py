@@ -77,11 +77,7 @@ def staged_output(dst: Path) -> Iterator[Path]:
 
 def _sync_tree(root: Path) -> None:
     for path in sorted(root.rglob("*"), reverse=True):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        staging.fsync_path(path)
 
 
 def tree_size(root: Path) -> tuple[int, int]:

@@ -84,6 +84,15 @@ def remove_stale(parent: Path) -> list[Path]:
     return removed
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's entries to the disk (a directory: so a rename into it survives a crash)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def remove(path: Path) -> None:
     """rmtree that tries twice (a writer thread may have been finishing a file during the first pass)."""
     for _ in range(2):

@@ -31,6 +31,7 @@ from typing import Any
 
 from mconvert.errors import ConvertError
 from mconvert.progress import Progress
+from mconvert.staging import fsync_path
 
 MAX_DEFAULT_WORKERS = 8  # past a few writers the disk, not the CPU, sets the pace
 
@@ -133,7 +134,7 @@ def _run_local(jobs: list[Job], ids: list[int], workers: int, progress: Progress
 
                 result = job.run(advance)
             for path in job.files:
-                sync_file(path)
+                fsync_path(path)
             return result
         except BaseException:
             stop.set()
@@ -156,14 +157,6 @@ def _run_local(jobs: list[Job], ids: list[int], workers: int, progress: Progress
             errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
             raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
         return {i: f.result() for f, i in futures.items()}
-
-
-def sync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _gather(results: dict[int, Any], error: BaseException | None, me: Team) -> dict[int, Any]:

@@ -45,6 +45,7 @@ from mconvert.formats.contained import check_tree, inside
 from mconvert.formats.dcp import read_metadata
 from mconvert.formats.torch_pickle import safe_load
 from mconvert.ir import ModelConfig
+from mconvert.staging import fsync_path
 from mtrain import safe_dcp, weights
 from mtrain.errors import TrainError
 from mtrain.optim import Optimizers
@@ -196,7 +197,7 @@ class Checkpointer:
             shutil.rmtree(trash, ignore_errors=True)
         os.replace(partial, final)
         _write_synced(self.root / LATEST_FILE, final.name + "\n")
-        _fsync_dir(self.root)
+        fsync_path(self.root)
         complete = sorted(p for p in self.root.glob("step_*") if is_complete(p))
         for old in complete[:-self.keep_last] if self.keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
@@ -311,14 +312,6 @@ def _write_synced(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _copy_tokenizer(source: Path, dest: Path) -> None:
