@@ -150,20 +150,11 @@ def safe_load(path: Path | str, *, mmap: bool = True) -> Any:
                 if mmap and "mmap" in str(e):  # pre-zip (legacy) serialization cannot be mapped
                     return torch.load(path, map_location="cpu", weights_only=True)
                 raise
-    except pickle.UnpicklingError as e:
-        found = _UNSAFE.search(str(e))
-        if found:
-            raise ConvertError(
-                f"{path}: refusing to unpickle: the file asks for the Python global `{found.group(1)}`, which is "
-                "not on the allow-list of safe types (tensors, dtypes, argparse.Namespace, Megatron's classes). "
-                "A checkpoint can run arbitrary code through such a global; if you trust this file, re-save "
-                "it with plain tensors and dicts."
-            ) from None
-        raise ConvertError(f"{path}: refusing to unpickle: {_first_line(e)}") from None
     except Exception as e:  # a damaged archive or pickle trips torch over anything (even an AssertionError)
-        raise ConvertError(
-            f"{path}: not a readable torch checkpoint (truncated or corrupt?): {_first_line(e)}"
-        ) from None
+        raise _refused(e, str(path), "the file asks for the Python global `{name}`, which is not on the allow-list "
+                       "of safe types (tensors, dtypes, argparse.Namespace, Megatron's classes). A checkpoint can "
+                       "run arbitrary code through such a global; if you trust this file, re-save it with plain "
+                       "tensors and dicts.", ": not a readable torch checkpoint (truncated or corrupt?)") from None
 
 
 def file_sources(path: Path | str, state: Any) -> dict[int, FileBytes]:
@@ -213,14 +204,9 @@ def safe_load_bytes(data: bytes, where: str) -> Any:
     try:
         with _allowing(SAFE_GLOBALS):
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        found = _UNSAFE.search(str(e))
-        if found:
-            raise ConvertError(f"{where}: refusing to unpickle: it asks for the Python global `{found.group(1)}`, "
-                               "which is not on the allow-list of safe types") from None
-        raise ConvertError(f"{where}: refusing to unpickle: {_first_line(e)}") from None
     except Exception as e:
-        raise ConvertError(f"{where}: not a readable torch object (truncated or corrupt?): {_first_line(e)}") from None
+        raise _refused(e, where, "it asks for the Python global `{name}`, which is not on the allow-list of safe "
+                       "types", ": not a readable torch object (truncated or corrupt?)") from None
 
 
 def map_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> torch.Tensor:
@@ -235,14 +221,9 @@ def locate_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> t
     try:
         with open(path, "rb") as f:  # a tensor needs nothing beyond torch's own allow-list
             meta = torch.load(_ReadWindow(f, offset, length), map_location="meta", weights_only=True)
-    except pickle.UnpicklingError as e:
-        found = _UNSAFE.search(str(e))
-        if found:
-            raise ConvertError(f"{where}: refusing to unpickle: unexpected global `{found.group(1)}` (a tensor "
-                               "archive names only torch's own tensor classes)") from None
-        raise ConvertError(f"{where}: refusing to unpickle: {_first_line(e)}") from None
     except Exception as e:  # a damaged archive trips torch's zip reader over anything (even an AssertionError)
-        raise ConvertError(f"{where} is not readable (truncated or corrupt?): {_first_line(e)}") from None
+        raise _refused(e, where, "unexpected global `{name}` (a tensor archive names only torch's own tensor "
+                       "classes)", " is not readable (truncated or corrupt?)") from None
     if not isinstance(meta, torch.Tensor):
         raise ConvertError(f"{where} holds a {type(meta).__name__}, not a tensor")
     storage = meta.untyped_storage()
@@ -255,12 +236,27 @@ def locate_tensor(path: Path, offset: int, length: int, mapping: mmap.mmap) -> t
         raise ConvertError(f"{where} lacks the bytes of its storage (truncated?)")
     if not nbytes:
         return torch.empty(meta.shape, dtype=meta.dtype), offset + start
+    if _overlapping(tuple(meta.shape), meta.stride()):
+        raise ConvertError(f"{where}: sizes {list(meta.shape)} with strides {list(meta.stride())} make elements share "
+                           "bytes; a saved tensor never does (corrupt?)")
     flat = torch.frombuffer(mapping, dtype=meta.dtype, count=nbytes // meta.dtype.itemsize, offset=offset + start)
     try:
         tensor = flat.as_strided(meta.shape, meta.stride(), meta.storage_offset())
     except RuntimeError as e:  # sizes and strides reaching beyond the storage
         raise ConvertError(f"{where} is not readable (corrupt sizes?): {_first_line(e)}") from None
     return tensor, offset + start + meta.storage_offset() * meta.dtype.itemsize
+
+
+def _overlapping(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Would two elements of this view share memory? Dimensions taken by growing stride must each step past
+    everything the smaller ones reach: [4, 6] with strides (6, 1) reaches 0..23 without overlap, [4, 103] with
+    strides (6, 1) reuses elements."""
+    reach = 1
+    for step, size in sorted((st, sz) for sz, st in zip(shape, stride) if sz > 1):
+        if step < reach:
+            return True
+        reach += step * (size - 1)
+    return False
 
 
 class _ReadWindow:
@@ -293,6 +289,17 @@ class _ReadWindow:
 
     def readable(self) -> bool:
         return True
+
+
+def _refused(e: Exception, where: str, unsafe: str, unreadable: str) -> ConvertError:
+    """The error for a weights-only load that failed at `where`: a global off the allow-list (`unsafe`, with the
+    global as {name}), another refusal of the unpickler, or bytes torch could not read (`unreadable` follows
+    `where`)."""
+    if isinstance(e, pickle.UnpicklingError):
+        found = _UNSAFE.search(str(e))
+        reason = unsafe.format(name=found.group(1)) if found else _first_line(e)
+        return ConvertError(f"{where}: refusing to unpickle: {reason}")
+    return ConvertError(f"{where}{unreadable}: {_first_line(e)}")
 
 
 def _first_line(e: Exception) -> str:

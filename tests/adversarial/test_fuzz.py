@@ -207,6 +207,20 @@ def test_tensor_chunk_decoder_mutations(tmp_path_factory, flips, in_pickle):
         pass
 
 
+
+def test_a_chunk_whose_sizes_reuse_its_elements_is_refused(tmp_path):
+    """Found by the fuzzer above: one flipped byte turned [4, 6] into [4, 103] with strides (6, 1), a view whose
+    rows overlap inside the stored 24 elements; it was returned as 412 numbers. Saved tensors never overlap."""
+    chunk = bytearray(torch_bytes(torch.arange(24, dtype=torch.float32).reshape(4, 6)))
+    at = chunk.index(b"K\x04K\x06\x86")  # the pickled size (4, 6)
+    chunk[at + 3] = 103
+    path = tmp_path / "chunk.distcp"
+    path.write_bytes(bytes(chunk))
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    with pytest.raises(ConvertError, match=r"sizes \[4, 103\] with strides \[6, 1\] make elements share bytes"):
+        map_tensor(path, 0, len(chunk), mapping)
+
 def test_a_planted_call_is_live_outside_the_safe_reader(torch_file, tmp_path):
     """The control for the splicing above: the same opcodes as a whole pickle do run under plain pickle."""
     marker = tmp_path / "ran"
