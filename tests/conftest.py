@@ -193,6 +193,24 @@ def run_megatron(python: Path, script: str, *args: str, timeout: int = 1200) -> 
     return result.stdout
 
 
+def megatron_core_logits(core: Path, tokens: torch.Tensor, tmp: Path,
+                         timeout: int = 900) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+    """megatron-core's own GPTModel (this environment's, 0.16.1) built from the core checkpoint's args, run on
+    `tokens` by tests/helpers_mcore_logits.py: (its stdout, logits, MTP modules' logits or None)."""
+    import subprocess
+    import sys
+
+    torch.save(tokens, tmp / "tokens.pt")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "helpers_mcore_logits.py"), str(core),
+                             str(tmp / "tokens.pt"), str(tmp / "logits.pt")],
+                            capture_output=True, text=True, env=env, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    mtp = tmp / "logits_mtp.pt"
+    return (result.stdout, torch.load(tmp / "logits.pt", weights_only=True),
+            torch.load(mtp, weights_only=True) if mtp.exists() else None)
+
+
 @pytest.fixture(scope="session")
 def megatron019_written(tmp_path_factory, mcore_python) -> Path:
     """Checkpoints written by Megatron-LM 0.19's own save_checkpoint (tests/megatron_lm/specs.py), with

@@ -11,31 +11,16 @@ router, experts, shared experts, MTP) is Megatron's own code.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, run_cli
+from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, megatron_core_logits, run_cli
 from tests.deepseek_models import hf_logits_with_mtp, make_deepseek, make_deepseek_v2
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed (pip install megatron-core)")
-
-
-def megatron_logits(core: Path, tokens: torch.Tensor, tmp: Path) -> tuple[str, torch.Tensor, torch.Tensor]:
-    torch.save(tokens, tmp / "tokens.pt")
-    helper = Path(__file__).with_name("helpers_mcore_logits.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(helper), str(core), str(tmp / "tokens.pt"), str(tmp / "logits.pt")],
-                            capture_output=True, text=True, env=env, timeout=900)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    mtp = tmp / "logits_mtp.pt"
-    return (result.stdout, torch.load(tmp / "logits.pt", weights_only=True),
-            torch.load(mtp, weights_only=True) if mtp.exists() else None)
 
 
 def assert_same_logits(hf_dir: Path, out: str, ours: torch.Tensor, ours_mtp: torch.Tensor, tokens: torch.Tensor):
@@ -54,7 +39,7 @@ def test_megatron_core_runs_a_resharded_deepseek_checkpoint(tmp_path):
             "grouped", "--load-dir", src, "--save-dir", tmp_path / "sharded")
     run_cli("--saver", "core", "--load-dir", tmp_path / "sharded", "--save-dir", tmp_path / "core")
     tokens = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(4))
-    out, ours, ours_mtp = megatron_logits(tmp_path / "core", tokens, tmp_path)
+    out, ours, ours_mtp = megatron_core_logits(tmp_path / "core", tokens, tmp_path)
     assert "torch, layers ['dense', 'moe', 'moe'], 2 MTP, strict load: <All keys matched successfully>" in out
     assert_same_logits(src, out, ours, ours_mtp, tokens)
     from mtrain.inference import load_model  # and mtrain's model of the same checkpoint computes what Megatron does
@@ -73,7 +58,7 @@ def test_megatron_core_reads_our_torch_dist_deepseek_checkpoint(tmp_path):
     src = make_deepseek(tmp_path / "hf", seed=12, mtp=1, q_lora_rank=None, dtype=torch.bfloat16)
     run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", src, "--save-dir", tmp_path / "core")
     tokens = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(5))
-    out, ours, ours_mtp = megatron_logits(tmp_path / "core", tokens, tmp_path)
+    out, ours, ours_mtp = megatron_core_logits(tmp_path / "core", tokens, tmp_path)
     assert "torch_dist, layers ['dense', 'moe', 'moe'], 1 MTP, strict load: <All keys matched successfully>" in out
     assert "torch_dist keys: the" in out  # exactly the keys its model asks for, per-layer ones and the MTP module's
     assert_same_logits(src, out, ours, ours_mtp, tokens)
@@ -85,7 +70,7 @@ def test_megatron_core_reads_a_stacked_torch_dist_deepseek_checkpoint(tmp_path):
     src = make_deepseek(tmp_path / "hf", seed=14, mtp=1, first_k_dense_replace=0)
     run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", src, "--save-dir", tmp_path / "core")
     tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(7))
-    out, ours, ours_mtp = megatron_logits(tmp_path / "core", tokens, tmp_path)
+    out, ours, ours_mtp = megatron_core_logits(tmp_path / "core", tokens, tmp_path)
     assert "torch_dist, layers ['moe', 'moe', 'moe'], 1 MTP, strict load: <All keys matched successfully>" in out
     assert "torch_dist keys: the" in out
     assert_same_logits(src, out, ours, ours_mtp, tokens)
@@ -98,6 +83,6 @@ def test_megatron_core_runs_a_deepseek_v2_checkpoint(tmp_path):
     src = make_deepseek_v2(tmp_path / "hf", seed=13)
     run_cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "core")
     tokens = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(6))
-    out, ours, _ = megatron_logits(tmp_path / "core", tokens, tmp_path)
+    out, ours, _ = megatron_core_logits(tmp_path / "core", tokens, tmp_path)
     assert "torch, layers ['dense', 'moe', 'moe'], strict load: <All keys matched successfully>" in out
     assert (ours - hf_logits(src, tokens)).abs().max().item() < 1e-5

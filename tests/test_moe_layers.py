@@ -5,9 +5,6 @@ routing, every Megatron layout, and megatron-core's own model against mtrain's."
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ from mconvert.formats.torch_pickle import safe_load
 from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo
 from mconvert.ir_names import expected_shapes
 from mconvert.options import Options
-from tests.conftest import assert_same_tensors, ir_tensors, run_cli
+from tests.conftest import assert_same_tensors, ir_tensors, megatron_core_logits, run_cli
 
 CONFIG = ModelConfig(family="mixtral", num_layers=4, hidden_size=32, ffn_hidden_size=96, num_attention_heads=4,
                      num_query_groups=2, head_dim=8, vocab_size=200, max_position_embeddings=64, num_experts=4,
@@ -109,17 +106,11 @@ def test_megatron_core_computes_what_mtrain_computes(source, tmp_path):
     from mtrain.inference import load_model
 
     tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    torch.save(tokens, tmp_path / "tokens.pt")
-    helper = Path(__file__).with_name("helpers_mcore_logits.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(helper), str(source), str(tmp_path / "tokens.pt"),
-                             str(tmp_path / "logits.pt")], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "layers ['dense', 'moe', 'dense', 'moe'], strict load: <All keys matched successfully>" in result.stdout
+    out, theirs, _ = megatron_core_logits(source, tokens, tmp_path, timeout=600)
+    assert "layers ['dense', 'moe', 'dense', 'moe'], strict load: <All keys matched successfully>" in out
     model, _ = load_model(source)
     with torch.no_grad():
         ours = model(tokens)
-    theirs = torch.load(tmp_path / "logits.pt", weights_only=True)
     assert (ours - theirs).abs().max().item() < 1e-5
     # and the routing flag matters: renormalizing the top-k weights changes the logits
     normalized, _ = load_model(source)

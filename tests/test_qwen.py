@@ -8,10 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -23,7 +20,15 @@ from mconvert import engine
 from mconvert.formats.dcp import DcpReader
 from mconvert.formats.torch_pickle import safe_load
 from mconvert.options import Options
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli, write_tokenizer
+from tests.conftest import (
+    assert_same_tensors,
+    hf_logits,
+    ir_tensors,
+    make_hf_model,
+    megatron_core_logits,
+    run_cli,
+    write_tokenizer,
+)
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
 needs_zarr = pytest.mark.skipif(importlib.util.find_spec("tensorstore") is None, reason="zarr needs tensorstore")
@@ -298,14 +303,9 @@ def test_megatron_core_computes_transformers_logits(family, fmt, sources, tokens
 
 
 def megatron_logits(core: Path, tokens: torch.Tensor, tmp_path: Path) -> torch.Tensor:
-    torch.save(tokens, tmp_path / "tokens.pt")
-    helper = Path(__file__).with_name("helpers_mcore_logits.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(helper), str(core), str(tmp_path / "tokens.pt"),
-                             str(tmp_path / "logits.pt")], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "strict load: <All keys matched successfully>" in result.stdout
-    return torch.load(tmp_path / "logits.pt", weights_only=True)
+    out, logits, _ = megatron_core_logits(core, tokens, tmp_path, timeout=600)
+    assert "strict load: <All keys matched successfully>" in out
+    return logits
 
 
 QWEN = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, num_query_groups=2,
