@@ -31,18 +31,25 @@ def models(tmp_path_factory):
     return out
 
 
+def assert_cached_pass_is_whole(model, tokens: torch.Tensor, prefill: int) -> KVCache:
+    """Logits through the cache (`prefill` positions, then 3 at once: queries after cached keys need a mask, then
+    one at a time) equal one whole pass; returns the filled cache."""
+    batch, length = tokens.shape
+    with torch.no_grad():
+        whole = model(tokens)
+        cache = KVCache(batch=batch, max_len=length)
+        pieces = [model(tokens[:, :prefill], cache=cache), model(tokens[:, prefill:prefill + 3], cache=cache)]
+        pieces += [model(tokens[:, i:i + 1], cache=cache) for i in range(prefill + 3, length)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, atol=2e-5, rtol=1e-5)
+    return cache
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_logits_equal_a_whole_pass(models, family):
     """Prefill 5 positions, then 3 at once (queries after cached keys need a mask), then one at a time."""
-    model = models[family][1]
     tokens = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        whole = model(tokens)
-        cache = KVCache(batch=2, max_len=20)
-        pieces = [model(tokens[:, :5], cache=cache), model(tokens[:, 5:8], cache=cache)]
-        pieces += [model(tokens[:, i:i + 1], cache=cache) for i in range(8, 20)]
+    cache = assert_cached_pass_is_whole(models[family][1], tokens, prefill=5)
     assert cache.length == 20
-    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -152,14 +159,8 @@ def deepseek(tmp_path_factory):
 def test_deepseek_cached_logits_equal_a_whole_pass(deepseek, name):
     """Past YaRN's original 64 positions; each layer keeps kv_norm(latent) (B, T, 32) and the rotated shared key
     (B, 1, T, 8), not full keys and values; the MTP module's layer has no slot (generation does not run it)."""
-    model = deepseek[name][1]
     tokens = torch.randint(3, 300, (2, 80), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        whole = model(tokens)
-        cache = KVCache(batch=2, max_len=80)
-        pieces = [model(tokens[:, :30], cache=cache), model(tokens[:, 30:33], cache=cache)]
-        pieces += [model(tokens[:, i:i + 1], cache=cache) for i in range(33, 80)]
-    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, atol=2e-5, rtol=1e-5)
+    cache = assert_cached_pass_is_whole(deepseek[name][1], tokens, prefill=30)
     assert sorted(cache.layers) == [0, 1, 2]
     assert all([tuple(t.shape) for t in layer.buffers] == [(2, 80, 32), (2, 1, 80, 8)]
                for layer in cache.layers.values())
