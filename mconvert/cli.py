@@ -171,9 +171,7 @@ def main(ctx: click.Context, loader, saver, load_dir, save_dir, force, verify_ou
     finally:
         gc.unfreeze()
         if grouped:
-            import torch.distributed
-
-            torch.distributed.destroy_process_group()
+            workers.end_process_group()
     if quiet or not leader:  # rank 0 reports
         return
     ir = summary.ir

@@ -245,5 +245,42 @@ def init_from_env() -> bool:
 
     if dist.is_initialized():
         return False
-    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=2))  # a big share of a big model takes a while
+    init_process_group("gloo", timeout=datetime.timedelta(hours=2))  # a big share of a big model takes a while
     return True
+
+
+def init_process_group(backend: str, **kwargs) -> None:
+    """`torch.distributed.init_process_group`, after importing torch.distributed.checkpoint.
+
+    Imported while a group exists, torch.distributed.checkpoint (through torch._dynamo) takes references to it that
+    `destroy_process_group()` does not drop, so gloo's worker threads outlive it. One of them may then release the
+    last collective's tensors while the interpreter shuts down, and the process aborts after its work is done
+    ("terminate called without an active exception", SIGABRT: one torchrun launch in eight here). Imported before,
+    `destroy_process_group()` stops those threads. mtrain and the torchrun conversions both start here."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint  # noqa: F401 - see above
+
+    dist.init_process_group(backend, **kwargs)
+
+
+def end_process_group() -> None:
+    """Destroy the process groups, and with them gloo's worker threads.
+
+    A group outlives `destroy_process_group()` while anything else holds it, and its threads with it; one of them
+    may then release a collective's tensors while the interpreter shuts down, which aborts the process after the
+    run has ended well (see init_process_group). State that holds collectives (DDP's reducer,
+    FSDP's) is collected while the groups are whole; then the groups are destroyed and the device meshes that
+    DTensor's caches keep let go of theirs."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
+    if "torch.distributed.device_mesh" in sys.modules:
+        # DTensor's caches (sharding decisions, redistribution plans) keep device meshes, each mesh its groups
+        from torch.distributed.device_mesh import DeviceMesh
+
+        for mesh in (o for o in gc.get_objects() if isinstance(o, DeviceMesh)):
+            getattr(mesh, "_pg_registry", {}).clear()
+        gc.collect()

@@ -5,12 +5,13 @@ The device mesh of the parallel layout is built from the config by mtrain/parall
 
 from __future__ import annotations
 
-import gc
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from mconvert.workers import end_process_group, init_process_group
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ def init() -> DistEnv:
         world, owns = dist.get_world_size(), False
     elif world > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend)
+        init_process_group(backend)  # imports torch.distributed.checkpoint first, or the group outlives its end
         owns = True
     else:
         owns = False
@@ -46,8 +47,7 @@ def init() -> DistEnv:
 
 def shutdown(env: DistEnv) -> None:
     if env.owns_group and dist.is_initialized():
-        gc.collect()  # state that holds collectives (DDP's reducer, FSDP's) goes while the process group is alive
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def weighted_mean(value: float, weight: float, env: DistEnv) -> float:

@@ -19,6 +19,8 @@ from mconvert.cli import main
 from mconvert.errors import ConvertError
 from mconvert.formats.torch_zip import TorchFileWriter
 from mconvert.savers import megatron_files
+from mconvert.workers import init_process_group
+from tests.gloo_threads import gloo_threads
 
 
 def failing_add(self, tensor):
@@ -38,7 +40,7 @@ def run(args: list[str]) -> str | None:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
+    init_process_group("gloo")  # as mconvert's own torchrun start does
     rank = dist.get_rank()
     add, check = TorchFileWriter.add, megatron_files.check_plan
     bad = []
@@ -54,6 +56,8 @@ if __name__ == "__main__":
             bad.append(f"rank {rank}: {scenario['args']}: expected {'failure' if fail is not None else 'success'}, "
                        f"got {error or 'success'}")
     dist.destroy_process_group()
+    if gloo_threads():  # left running, one of them can abort the process while the interpreter shuts down
+        bad.append(f"rank {rank}: {gloo_threads()} gloo threads outlived destroy_process_group()")
     if bad:
         print("\n".join(bad))
         sys.exit(1)

@@ -18,8 +18,11 @@ warnings.filterwarnings("ignore")
 
 def main() -> None:
     ckpt, reference = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
+    # Megatron's modules (and torch.distributed.checkpoint with them) before the group: imported after, they keep
+    # it alive past destroy_process_group (see mconvert.workers.init_process_group).
     from megatron.core import dist_checkpointing, parallel_state  # registers Megatron's classes for weights_only
+
+    dist.init_process_group("gloo")
 
     def safe_load(path):
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -63,6 +66,9 @@ def main() -> None:
     assert not bad, bad
     assert loaded["checkpoint_version"] == 3.0 and loaded["args"].num_layers == args.num_layers
     print(f"OK {len(got)}", flush=True)
+    del loaded, got
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
 
 
 main()

@@ -11,7 +11,6 @@ writes the message of the TrainError it raised. "compile_backend": "aot_eager" m
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -21,10 +20,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from mconvert.workers import end_process_group, init_process_group  # noqa: E402
 from mtrain.cli import main  # noqa: E402
 from mtrain.config import from_dict  # noqa: E402
 from mtrain.errors import TrainError  # noqa: E402
 from mtrain.train import Trainer  # noqa: E402
+from tests.gloo_threads import gloo_threads  # noqa: E402
 from tests.mtrain.recording import RecordingTrainer  # noqa: E402
 
 
@@ -60,16 +61,11 @@ def run(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
+    init_process_group("gloo")  # as mtrain's own start does
     try:
         for scenario in json.loads(Path(sys.argv[1]).read_text()):
             run(scenario)
     finally:
-        gc.collect()  # the scenarios' DDP/FSDP state and any collective it holds go while the interpreter is whole
-        dist.destroy_process_group()
-    # Every result is written. Skip interpreter finalization: a gloo worker thread that still holds a tensor then
-    # needs the GIL, and Python ends such a thread in a way that aborts the process ("terminate called without an
-    # active exception"), failing a launch whose every check passed (seen twice in a day of loaded full suites).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        end_process_group()  # as mtrain's own end does
+    if gloo_threads():  # left running, one of them can abort the process while the interpreter shuts down
+        sys.exit(f"rank {os.environ.get('RANK')}: {gloo_threads()} gloo threads outlived the process groups")
