@@ -92,7 +92,7 @@ def dequantized(source: dict[str, LazyTensor], block: tuple[int, int] = BLOCK,
             out.pop(key)  # reported here, not again as unscaled
             continue
         out[key] = LazyTensor(q.shape, dtype, lambda q=q, s=s: dequantize(q.load(), s.load(), block, dtype),
-                              f"{q.origin} (FP8, dequantized)")
+                              f"{q.origin} (FP8, dequantized)", fp8_block=tuple(block))
     unscaled = [k for k, t in out.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
     if unscaled:
         problems.append(f"FP8 tensors without a {SCALE_SUFFIX}: {', '.join(unscaled[:5])}")

@@ -246,7 +246,8 @@ class LazyTensor:
 
     `origin` names where the bytes come from (`file:key`), for error messages. `blocks`, when a loader can give
     it, returns the same tensor as contiguous pieces without joining them (see `mconvert.blocks`), which is what
-    writers want.
+    writers want. `fp8_block` is set on a weight stored FP8 block-quantized and dequantized on load (see
+    `mconvert.fp8`): its (rows, cols) block; `verify` rounds the other checkpoint's tensor the same way.
     """
 
     shape: tuple[int, ...]
@@ -254,6 +255,7 @@ class LazyTensor:
     thunk: Callable[[], torch.Tensor] = field(repr=False)
     origin: str = ""
     blocks: Callable[[], Blocks] | None = field(default=None, repr=False)
+    fp8_block: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -277,12 +279,15 @@ class LazyTensor:
         return self.blocks().check(self.shape, self.dtype, self.origin)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor], shape=None, dtype=None, origin=None) -> LazyTensor:
-        """A new lazy tensor that applies `fn` to this one's bytes when loaded."""
+        """A new lazy tensor that applies `fn` to this one's bytes when loaded (an FP8 block survives a map that
+        keeps the shape: a cast, or a permutation of rows, which stays within blocks for real models' heads)."""
+        shape = tuple(self.shape if shape is None else shape)
         return LazyTensor(
-            tuple(self.shape if shape is None else shape),
+            shape,
             self.dtype if dtype is None else dtype,
             lambda: fn(self.load()),
             self.origin if origin is None else origin,
+            fp8_block=self.fp8_block if shape == tuple(self.shape) else None,
         )
 
     @classmethod

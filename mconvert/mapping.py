@@ -113,7 +113,9 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
                 found = planner.backward(row.rule, [p.load_blocks() for p in pieces])
                 return Blocks.of(thunk()) if found is None else found[i]
 
-            out[name] = LazyTensor(shapes[i], pieces[0].dtype, thunk, origin, blocks if moves_rows else None)
+            kept = len(pieces) == 1 and len(row.ir) == 1 and tuple(shapes[i]) == tuple(pieces[0].shape)
+            out[name] = LazyTensor(shapes[i], pieces[0].dtype, thunk, origin, blocks if moves_rows else None,
+                                   fp8_block=pieces[0].fp8_block if kept else None)  # rows moved within a block
     order = {name: i for i, name in enumerate(want_shapes)}  # canonical IR order, whatever the file order
     return dict(sorted(out.items(), key=lambda item: order.get(item[0], len(order))))
 

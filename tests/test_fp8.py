@@ -14,6 +14,7 @@ from mconvert import engine, fp8
 from mconvert.errors import ConvertError
 from mconvert.options import Options
 from mconvert.schemas.hf_deepseek import is_fp8_weight
+from mconvert.verify.run import verify
 from tests.conftest import hf_logits, ir_tensors, run_cli
 from tests.deepseek_models import make_deepseek
 
@@ -118,6 +119,24 @@ def test_fp8_export_reproduces_the_fp8_bytes(fp8_dir, tmp_path):
         assert out[key].dtype == value.dtype and torch.equal(as_bytes(out[key]), as_bytes(value)), key
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"] == \
         fp8.QUANTIZATION_CONFIG
+
+
+def test_fp8_export_verifies_against_its_source_rounded_the_same_way(tmp_path):
+    """`--fp8-weights --verify`: the FP8 output is judged against the source rounded to the same 128x128 blocks
+    (a correct export *is* that reference, so its distance is exactly the rounding noise), either way round; a
+    wrong scale fails at the layer that holds it. Before, every FP8 export failed its own --verify."""
+    src = make_deepseek(tmp_path / "bf16", seed=5, mtp=1, dtype=torch.bfloat16)
+    out = tmp_path / "out"
+    run_cli("--saver", "deepseek_hf", "--fp8-weights", "--verify", "--load-dir", src, "--save-dir", out)
+    for a, b in ((src, out), (out, src)):
+        report = verify(a, b)
+        assert report.passed and report.bound.kind == "cast", report.bound
+        assert report.logits.max_abs == report.noise.max_abs > 0  # the output is the reference, bit for bit
+    weights = load_file(out / "model.safetensors")
+    weights["model.layers.1.self_attn.o_proj.weight_scale_inv"] *= -1
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    report = verify(src, out)
+    assert not report.passed and report.first_stage == "layer 1", (report.first_stage, report.logits)
 
 
 def test_bad_fp8_checkpoints_are_refused(fp8_dir, tmp_path):

@@ -3,8 +3,9 @@
 Same dtypes: both checkpoints hold the same numbers and run through the same code in fp32, so a correct
 conversion gives bit-identical logits and hidden states; the bound is 0.
 
-Casts (a tensor is float32 on one side, bfloat16 on the other, say): a correct conversion stores the source's
-numbers rounded to the other side's dtype. `verify` builds exactly that model, the *cast reference* (the source
+Casts (a tensor is float32 on one side, bfloat16 on the other, say; or FP8 block-quantized on one side only, as
+`--fp8-weights` writes it): a correct conversion stores the source's numbers rounded to the other side's dtype
+(and FP8 blocks). `verify` builds exactly that model, the *cast reference* (the source
 checkpoint with each such tensor rounded to nearest-even, as `Tensor.to` does; the source is the side whose dtype
 holds the other's values, and A between float16 and bfloat16, where neither does),
 runs it on the same tokens and measures how far rounding alone moves the outputs (the *cast noise*). The bound
@@ -29,7 +30,8 @@ from typing import Literal
 
 import torch
 
-from mconvert.ir import ModelIR
+from mconvert import fp8
+from mconvert.ir import LazyTensor, ModelIR
 from mconvert.verify.metrics import HiddenMetrics, LogitMetrics
 
 CAST_FACTOR = 2.0  # max |difference| may be this many times the cast noise
@@ -45,27 +47,38 @@ Kind = Literal["exact", "cast", "reference"]
 
 
 def cast_tensors(a: ModelIR, b: ModelIR) -> list[str]:
-    """The tensors both checkpoints have (same shape) but store in different dtypes."""
-    return [n for n, t in a.tensors.items() if n in b.tensors and b[n].dtype != t.dtype and b[n].shape == t.shape]
+    """The tensors both checkpoints have (same shape) but store in different dtypes, or FP8 on one side only."""
+    return [n for n, t in a.tensors.items() if n in b.tensors and b[n].shape == t.shape
+            and (b[n].dtype != t.dtype or (b[n].fp8_block is None) != (t.fp8_block is None))]
 
 
 def cast_reference(a: ModelIR, b: ModelIR) -> tuple[Literal["A", "B"], ModelIR] | None:
     """None when no tensor changes dtype; else the source side of the cast and the cast reference built from it.
 
-    The source of a cast tensor is the side whose dtype holds the other's values (float32 for float32 vs
-    bfloat16), and A between float16 and bfloat16, where neither holds the other; the source side is the one
-    that is the source for most cast tensors (A on a tie). The reference is the source side with each cast tensor
-    rounded to the other side's dtype (read lazily, as ever): what a correct cast conversion writes.
+    The source of a cast tensor is the side that is not FP8 when one side is (a weight written with
+    `--fp8-weights`), else the side whose dtype holds the other's values (float32 for float32 vs bfloat16), and A
+    between float16 and bfloat16, where neither holds the other; the source side is the one that is the source
+    for most cast tensors (A on a tie). The reference is the source side with each cast tensor rounded to the
+    other side's FP8 blocks and dtype (read lazily, as ever): what a correct cast conversion writes.
     """
     names = cast_tensors(a, b)
     if not names:
         return None
-    b_sources = sum(a[n].dtype in _HOLDS.get(b[n].dtype, set()) for n in names)  # B's dtype holds A's
+    b_sources = sum(a[n].fp8_block is not None and b[n].fp8_block is None if a[n].fp8_block != b[n].fp8_block
+                    else a[n].dtype in _HOLDS.get(b[n].dtype, set()) for n in names)  # B holds A's values
     side, src, dst = ("B", b, a) if 2 * b_sources > len(names) else ("A", a, b)
     tensors = dict(src.tensors)
     for n in names:
-        tensors[n] = src[n].map(lambda x, d=dst[n].dtype: x.to(d), dtype=dst[n].dtype)
+        tensors[n] = src[n].map(lambda x, t=dst[n]: _rounded(x, t), dtype=dst[n].dtype)
     return side, dataclasses.replace(src, tensors=tensors)
+
+
+def _rounded(x: torch.Tensor, like: LazyTensor) -> torch.Tensor:
+    """x as `like` stores it: rounded to its FP8 blocks (when it has them) and its dtype."""
+    if like.fp8_block is None:
+        return x.to(like.dtype)
+    q, scale = fp8.quantize(x, like.fp8_block)
+    return fp8.dequantize(q, scale, like.fp8_block, like.dtype)
 
 
 def in_common_dtype(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
