@@ -21,10 +21,9 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
-
 from mconvert.blocks import Blocks, FileBytes
 from mconvert.formats.writeback import Writeback
+from mconvert.lazy import torch
 
 try:  # ISA-L's CRC-32 (the very same checksum) runs about 6x faster than zlib's
     from isal.isal_zlib import crc32

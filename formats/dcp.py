@@ -24,13 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from mconvert import dtypes
 from mconvert.blocks import Blocks, FileBytes
 from mconvert.errors import ConvertError, format_names
 from mconvert.formats.contained import inside
 from mconvert.formats.integrity import Manifest
 from mconvert.formats.torch_pickle import locate_tensor, safe_load_bytes
+from mconvert.lazy import torch
 
 METADATA = ".metadata"
 
@@ -46,15 +46,14 @@ _DCP_CLASSES = {
                                                              "TensorWriteData")),
 }
 _PLAIN = {
-    ("torch", "Size"): torch.Size,
+    ("torch", "Size"): lambda *args: torch.Size(*args),  # torch is imported when a pickle asks for it
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id, as torch's own dcp.save records it
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
     ("torch.serialization", "_get_layout"): lambda name: name,  # TensorProperties.layout: not needed to read
 }
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+           "float8_e4m3fn", "float8_e5m2")
 
 
 class Record:
@@ -104,7 +103,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if key in _PLAIN:
             return _PLAIN[key]
         if module == "torch" and name in _DTYPES:
-            return _DTYPES[name]
+            return dtypes.to_torch(name)
         raise ConvertError(f"{self.where}: refusing to unpickle: it asks for the Python global `{module}.{name}`, "
                            "which is not one of torch.distributed.checkpoint's metadata classes")
 

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from mconvert.blocks import Blocks
+from mconvert.blocks import Blocks, FileBytes
 from mconvert.errors import ConvertError
 from mconvert.formats import safetensors_io
 from mconvert.formats.contained import inside
 from mconvert.formats.torch_pickle import safe_load
 from mconvert.ir import LazyTensor
+from mconvert.lazy import torch
 from mconvert.workers import Job, run
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -113,7 +113,9 @@ def _open_indexed(root: Path, index_name: str) -> dict[str, LazyTensor]:
 def _open_file(path: Path) -> dict[str, LazyTensor]:
     if path.suffix == ".safetensors":
         f = safetensors_io.SafetensorsFile(path)
-        return {k: LazyTensor(i.shape, i.dtype, lambda k=k: f.get(k), f"{path.name}:{k}", lambda k=k: f.get_blocks(k))
+        where = os.path.abspath(path)
+        return {k: LazyTensor(i.shape, i.dtype_name, lambda k=k: f.get(k), f"{path.name}:{k}",
+                              lambda k=k: f.get_blocks(k), FileBytes(where, i.start, f.identity))
                 for k, i in f.infos.items()}
     state = safe_load(path)
     if not isinstance(state, dict):

@@ -19,18 +19,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from mconvert import dtypes
 from mconvert.blocks import Blocks, FileBytes, as_blocks
 from mconvert.errors import ConvertError
 from mconvert.formats.block_writer import Sender, pwrite_all
 from mconvert.formats.writeback import Writeback
+from mconvert.lazy import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+# the header's dtype codes -> torch's dtype names (see mconvert.dtypes)
+DTYPES: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64",
 }
 CODES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
@@ -39,9 +40,13 @@ _MAX_HEADER = 100 * 1024 * 1024
 @dataclass(frozen=True)
 class TensorInfo:
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str
     start: int  # absolute file offsets
     end: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtypes.to_torch(self.dtype_name)
 
 
 class SafetensorsFile:
@@ -50,6 +55,7 @@ class SafetensorsFile:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self.infos, self.metadata = read_header(self.path)
+        self.identity = FileBytes.identity_of(self.path.stat())  # the file whose header this is
         self._map: mmap.mmap | None = None
         self._identity: tuple[int, int, int, int] | None = None
 
@@ -103,7 +109,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     need = base
     for name, entry in header.items():
         try:
-            dtype = DTYPES[entry["dtype"]]
+            dtype = DTYPES[entry["dtype"]]  # a name
             shape = tuple(_count(s) for s in entry["shape"])
             start, end = (_count(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
@@ -111,7 +117,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         numel = 1
         for s in shape:
             numel *= s
-        if end - start != numel * dtype.itemsize:
+        if end - start != numel * dtypes.itemsize(dtype):
             raise ConvertError(f"{path}: tensor {name!r} {list(shape)} {entry['dtype']} claims bytes "
                                f"[{start}, {end}), which does not match its size")
         infos[name] = TensorInfo(shape, dtype, base + start, base + end)
@@ -165,7 +171,8 @@ def layout(entries: Iterable[Entry], metadata: dict[str, str] | None = None) -> 
         nbytes = e.dtype.itemsize
         for s in e.shape:
             nbytes *= s
-        header[e.name] = {"dtype": CODES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + nbytes]}
+        header[e.name] = {"dtype": CODES[dtypes.name_of(e.dtype)], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned

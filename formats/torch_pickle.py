@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import io
 import mmap
 import os
@@ -28,11 +29,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from mconvert.blocks import FileBytes
 from mconvert.errors import ConvertError
+from mconvert.lazy import np, torch
 
 
 class StandIn:
@@ -86,28 +85,31 @@ def _stand_in(full_name: str) -> tuple[type, str]:
     return type(full_name.rsplit(".", 1)[1], (StandIn,), {"__module__": "mconvert.standins"}), full_name
 
 
-try:
-    from numpy._core.multiarray import _reconstruct as _np_reconstruct
-except ImportError:  # numpy 1
-    from numpy.core.multiarray import _reconstruct as _np_reconstruct
+@functools.cache
+def safe_globals() -> list:
+    """What a weights-only load may name besides tensors, built once when first needed (it names torch and numpy
+    classes, and importing this module must not import them)."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct
+    # numpy arrays (numpy's RNG state in Megatron's rng_state), rebuilt for real as torch and Megatron allow; numpy
+    # 1 and 2 spell the module differently.
+    numpy = [(np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype"),
+             (np.dtypes.UInt32DType, "numpy.dtypes.UInt32DType"),
+             *((_reconstruct, f"{module}.multiarray._reconstruct") for module in ("numpy.core", "numpy._core"))]
+    return [
+        argparse.Namespace,
+        types.SimpleNamespace,
+        signal.Signals,
+        collections.OrderedDict,
+        io.BytesIO,  # Transformer Engine <= 1.13 extra state
+        pathlib.PosixPath,
+        torch.Generator,
+        *numpy,
+        *(_stand_in(name) for name in STAND_INS),
+    ]
 
-# numpy arrays (numpy's RNG state in Megatron's rng_state), rebuilt for real as torch and Megatron allow; numpy
-# 1 and 2 spell the module differently.
-_NUMPY = [(np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype"),
-          (np.dtypes.UInt32DType, "numpy.dtypes.UInt32DType"),
-          *((_np_reconstruct, f"{module}.multiarray._reconstruct") for module in ("numpy.core", "numpy._core"))]
-
-SAFE_GLOBALS: list = [
-    argparse.Namespace,
-    types.SimpleNamespace,
-    signal.Signals,
-    collections.OrderedDict,
-    io.BytesIO,  # Transformer Engine <= 1.13 extra state
-    pathlib.PosixPath,
-    torch.Generator,
-    *_NUMPY,
-    *(_stand_in(name) for name in STAND_INS),
-]
 
 _UNSAFE = re.compile(r"GLOBAL ([\w.]+)")
 _LOCK = threading.Lock()
@@ -143,7 +145,7 @@ def safe_load(path: Path | str, *, mmap: bool = True) -> Any:
     if not path.is_file():
         raise ConvertError(f"{path}: file not found")
     try:
-        with _allowing(SAFE_GLOBALS):
+        with _allowing(safe_globals()):
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             except RuntimeError as e:
@@ -171,7 +173,7 @@ def file_sources(path: Path | str, state: Any) -> dict[int, FileBytes]:
         reader = torch._C.PyTorchFileReader(str(path))
         if reader.has_record("byteorder") and bytes(reader.get_record("byteorder")) != b"little":
             return {}
-        with _allowing(SAFE_GLOBALS):
+        with _allowing(safe_globals()):
             meta = torch.load(path, map_location="meta", weights_only=True)
         identity = FileBytes.identity_of(os.stat(path))
     except Exception:  # noqa: BLE001 - provenance is an optimisation: without it the bytes are written from memory
@@ -202,7 +204,7 @@ def _pair_tensors(mapped: Any, meta: Any, out: list[tuple[torch.Tensor, int]]) -
 def safe_load_bytes(data: bytes, where: str) -> Any:
     """`safe_load` for a torch.save archive held in memory (entries embedded in other files)."""
     try:
-        with _allowing(SAFE_GLOBALS):
+        with _allowing(safe_globals()):
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
         raise _refused(e, where, "it asks for the Python global `{name}`, which is not on the allow-list of safe "

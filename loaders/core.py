@@ -9,11 +9,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
-
 from mconvert.blocks import Blocks
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
+from mconvert.lazy import torch
 from mconvert.loaders.core_dcp import is_dcp_checkpoint, load_dcp
 from mconvert.loaders.core_dist import load_dist
 from mconvert.loaders.megatron_files import (

@@ -9,8 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mconvert.config_checks import MEGATRON_INTEGERS, check_integers, with_where
 from mconvert.errors import ConvertError, mismatch
 from mconvert.formats import hf_dir
@@ -18,6 +16,7 @@ from mconvert.formats.dcp import DcpReader
 from mconvert.formats.integrity import Manifest
 from mconvert.formats.torch_pickle import safe_load
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR, SourceInfo, dtype_name
+from mconvert.lazy import torch
 from mconvert.mapping import Row, to_ir, verify_copies
 from mconvert.options import Options
 from mconvert.rules import Ctx

@@ -36,7 +36,7 @@ def load(path: Path, options: Options) -> ModelIR:
     hf, config = read_config(root, hf_deepseek.config_from_hf)
     source, notes = _dequantized(hf, hf_dir.open_weights(root), where)
     if EMBED_KEY in source:
-        config = config.replace(dtype=dtype_name(source[EMBED_KEY].dtype))
+        config = config.replace(dtype=dtype_name(source[EMBED_KEY].dtype_name))
     config, mtp_notes = _mtp_layers(config, source, where)
     notes += mtp_notes
     fused = any(k.endswith(hf_deepseek.FUSED_MARKER) for k in source)

@@ -29,7 +29,7 @@ def load_hf(path: Path, options: Options, *, name: str, config_from_hf: Callable
     _, config = read_config(root, config_from_hf)
     source = fix_source(hf_dir.open_weights(root))
     if embed_key in source:
-        config = config.replace(dtype=dtype_name(source[embed_key].dtype))
+        config = config.replace(dtype=dtype_name(source[embed_key].dtype_name))
     pieces = {k: [v] for k, v in source.items()}
     # Tied: a stored lm_head.weight must be the embedding again (checked when the embedding is read), never a
     # distinct matrix silently dropped.

@@ -63,7 +63,7 @@ def load_meta(root: Path, options: Options) -> ModelIR:
                            "the config contradicts the tensors")
     config, notes = with_where(str(root / "params.json"), lambda: meta_llama.config_from_params(
         params, vocab_size=vocab, ffn_hidden_size=ffn, tied="output.weight" not in pieces,
-        dtype=dtype_name(embed[0].dtype), where=str(root / "params.json")))
+        dtype=dtype_name(embed[0].dtype_name), where=str(root / "params.json")))
     table = meta_llama.table(ROW if by_hidden else COLUMN)
     ctx = Ctx(config, config.vocab_size)
     tensors = to_ir(pieces, expand(table, config), ctx, where=str(root), drop=meta_llama.DROP, cache=LoadCache(4))

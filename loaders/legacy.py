@@ -10,10 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor, LoadCache, ModelIR, SourceInfo, dtype_name
+from mconvert.lazy import torch
 from mconvert.loaders.megatron_files import (
     RankFiles,
     chunks_in_files,

@@ -9,8 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mconvert.blocks import FileBytes
 from mconvert.config_checks import MEGATRON_INTEGERS, check_integers
 from mconvert.errors import ConvertError, format_names
@@ -19,6 +17,7 @@ from mconvert.formats.contained import inside
 from mconvert.formats.torch_pickle import file_sources, safe_load
 from mconvert.ir import LazyTensor, ModelConfig
 from mconvert.layout import Chunk, ParallelLayout, chunks_of
+from mconvert.lazy import torch
 from mconvert.loaders.core_dcp import is_dcp_checkpoint
 from mconvert.loaders.core_dist import config_from_args, is_dist_checkpoint
 from mconvert.mapping import Row

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from mconvert.errors import ConvertError
+from mconvert.lazy import torch
 
 
 @dataclass(frozen=True)

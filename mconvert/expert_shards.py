@@ -25,13 +25,15 @@ TP rank t is expert TP rank `t % etp` whenever etp divides tp.
 from __future__ import annotations
 
 import dataclasses
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from mconvert import transforms
 from mconvert.errors import ConvertError
+from mconvert.lazy import torch
 from mconvert.rules import GATED_COLUMN, ROW, Ctx, Join, Shard, cat_pieces, chunks, gated_chunks, gated_unchunk
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def _pairs(tensors: list[Tensor]) -> list[tuple[Tensor, Tensor]]:

@@ -15,18 +15,24 @@ from __future__ import annotations
 
 import math
 
-import torch
-
+from mconvert import dtypes
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor
+from mconvert.lazy import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_NAME = "float8_e4m3fn"  # `FP8` is its torch.dtype (built on first use: importing this module needs no torch)
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"
 # config.json's quantization_config for such weights (DeepSeek-V3's)
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "weight_block_size": list(BLOCK)}
+
+
+def __getattr__(name: str):
+    if name == "FP8":
+        return dtypes.to_torch(FP8_NAME)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[int, int]:
@@ -37,12 +43,12 @@ STRIPE_ROWS = 1024  # rows dequantized at a time: a float32 stripe of at most 10
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK,
-               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               dtype: torch.dtype | str = "bfloat16") -> torch.Tensor:
     """W = q * s per block, in float32, stored as `dtype`; a stripe of rows at a time (three passes over it:
     to float32, scale in place, to `dtype`)."""
     rows, cols = q.shape
     br, bc = block
-    out = torch.empty(rows, cols, dtype=dtype)
+    out = torch.empty(rows, cols, dtype=dtypes.to_torch(dtypes.name_of(dtype)))
     step = br * max(1, STRIPE_ROWS // br)
     for start in range(0, rows, step):
         stop = min(start + step, rows)
@@ -69,11 +75,11 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Ten
     amax = torch.maximum(blocks.amax(dim=(1, 3)), -blocks.amin(dim=(1, 3)))  # (rows/br, cols/bc)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     blocks.div_(scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
-    return pad[:rows, :cols].to(FP8).contiguous(), scale
+    return pad[:rows, :cols].to(dtypes.to_torch(FP8_NAME)).contiguous(), scale
 
 
 def dequantized(source: dict[str, LazyTensor], block: tuple[int, int] = BLOCK,
-                dtype: torch.dtype = torch.bfloat16) -> tuple[dict[str, LazyTensor], int]:
+                dtype: torch.dtype | str = "bfloat16") -> tuple[dict[str, LazyTensor], int]:
     """The source with each `X.weight` + `X.weight_scale_inv` pair replaced by one lazy `dtype` tensor `X.weight`;
     and how many pairs there were. Unpaired or misshapen scales are refused by name."""
     out = dict(source)
@@ -85,15 +91,15 @@ def dequantized(source: dict[str, LazyTensor], block: tuple[int, int] = BLOCK,
             problems.append(f"{key + SCALE_SUFFIX} {list(s.shape)} does not scale {key} "
                             f"{list(q.shape) if q is not None else '(absent)'} in {block[0]}x{block[1]} blocks")
             continue
-        if q.dtype != FP8 or not s.dtype.is_floating_point:  # a scale would silently multiply any other weight
-            problems.append(f"{key} ({str(q.dtype).removeprefix('torch.')}) with {key + SCALE_SUFFIX} "
-                            f"({str(s.dtype).removeprefix('torch.')}): block scales pair a float8_e4m3fn weight "
+        if q.dtype_name != FP8_NAME or not dtypes.is_floating(s.dtype_name):  # a scale would multiply any other weight
+            problems.append(f"{key} ({q.dtype_name}) with {key + SCALE_SUFFIX} "
+                            f"({s.dtype_name}): block scales pair a float8_e4m3fn weight "
                             "with floating-point scales")
             out.pop(key)  # reported here, not again as unscaled
             continue
         out[key] = LazyTensor(q.shape, dtype, lambda q=q, s=s: dequantize(q.load(), s.load(), block, dtype),
                               f"{q.origin} (FP8, dequantized)", fp8_block=tuple(block))
-    unscaled = [k for k, t in out.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    unscaled = [k for k, t in out.items() if t.dtype_name in (FP8_NAME, "float8_e5m2")]
     if unscaled:
         problems.append(f"FP8 tensors without a {SCALE_SUFFIX}: {', '.join(unscaled[:5])}")
     if problems:

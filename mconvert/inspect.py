@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from mconvert import engine
+from mconvert import engine, finite
 from mconvert.ir import ModelIR
+from mconvert.lazy import torch
 from mconvert.options import Options
 from mconvert.progress import human_bytes
 
@@ -33,7 +32,7 @@ def describe(path: Path, loader: str | None, options: Options, *, tensors: bool 
         *(f"  {k + ' ':<26}{v}" for k, v in c.to_dict().items()),
     ]
     lines += [f"note: {n}" for n in src.notes]
-    bad = {name: found for name, t in ir if (found := non_finite(t.load())) is not None} if values else {}
+    bad = {name: found for name, t in ir if (found := finite.describe(finite.count(t))) is not None} if values else {}
     if values:
         lines.append("values:      " + (f"non-finite values in {len(bad)} of {len(ir.tensors)} tensors: "
                                         + ", ".join(f"{n} ({v})" for n, v in list(bad.items())[:8])
@@ -42,19 +41,14 @@ def describe(path: Path, loader: str | None, options: Options, *, tensors: bool 
         width = max(len(n) for n in ir.tensors)
         lines.append(f"tensors ({len(ir.tensors)}):")
         for name, t in ir:
-            dtype = str(t.dtype).removeprefix("torch.")
             flag = f"  [{bad[name]}]" if name in bad else ""
-            lines.append(f"  {name:<{width}}  {str(list(t.shape)):<16} {dtype:<9} {t.origin}{flag}")
+            lines.append(f"  {name:<{width}}  {str(list(t.shape)):<16} {t.dtype_name:<9} {t.origin}{flag}")
     return "\n".join(lines)
 
 
 def non_finite(t: torch.Tensor) -> str | None:
     """`3 NaN, 1 Inf` for a floating tensor holding such values, else None."""
-    if not t.is_floating_point():
-        return None
-    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
-    parts = [f"{nan} NaN" if nan else "", f"{inf} Inf" if inf else ""]
-    return ", ".join(p for p in parts if p) or None
+    return finite.describe(finite.count_tensor(t))
 
 
 def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, options: Options) -> tuple[str, bool]:

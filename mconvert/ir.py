@@ -16,14 +16,16 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-import torch
-
-from mconvert.blocks import Blocks
+from mconvert import dtypes
+from mconvert.blocks import Blocks, FileBytes
 from mconvert.config_checks import check_model_config
 from mconvert.deepseek import check_config
 from mconvert.errors import ConvertError, mismatch
+
+if TYPE_CHECKING:
+    import torch
 
 Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2"]
 Norm = Literal["rmsnorm", "layernorm"]
@@ -32,14 +34,21 @@ PositionEmbedding = Literal["rope", "learned"]
 DType = Literal["float32", "bfloat16", "float16"]
 RouterScore = Literal["softmax", "sigmoid"]
 
-TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def dtype_name(dtype: torch.dtype) -> DType:
-    for name, value in TORCH_DTYPES.items():
-        if value == dtype:
-            return name  # type: ignore[return-value]
-    raise ConvertError(f"unsupported parameter dtype {dtype}; expected one of {', '.join(TORCH_DTYPES)}")
+def __getattr__(name: str) -> Any:
+    """`TORCH_DTYPES` (the model dtypes as torch.dtype), built on first use: importing this module needs no torch."""
+    if name == "TORCH_DTYPES":
+        return {n: dtypes.to_torch(n) for n in get_args(DType)}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def dtype_name(dtype: torch.dtype | str) -> DType:
+    """The model dtype of parameters stored as `dtype` (a torch.dtype or its name)."""
+    name = dtypes.name_of(dtype)
+    if name not in get_args(DType):
+        raise ConvertError(f"unsupported parameter dtype torch.{name}; expected one of {', '.join(get_args(DType))}")
+    return name  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,7 +210,7 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.dtype]
+        return dtypes.to_torch(self.dtype)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -246,23 +255,40 @@ class LazyTensor:
 
     `origin` names where the bytes come from (`file:key`), for error messages. `blocks`, when a loader can give
     it, returns the same tensor as contiguous pieces without joining them (see `mconvert.blocks`), which is what
-    writers want. `fp8_block` is set on a weight stored FP8 block-quantized and dequantized on load (see
-    `mconvert.fp8`): its (rows, cols) block; `verify` rounds the other checkpoint's tensor the same way.
+    writers want. `file_bytes`, when the loader knows it from a header, says where the whole tensor lies in a file,
+    unchanged and row-major: `mconvert inspect` then reads the values without torch. `fp8_block` is set on a
+    weight stored FP8 block-quantized and dequantized on load (see `mconvert.fp8`): its (rows, cols) block;
+    `verify` rounds the other checkpoint's tensor the same way.
+
+    The dtype is kept by name (`dtype_name`, "bfloat16"; a torch.dtype given is stored as its name) so that
+    headers are read and names mapped without importing torch; `dtype` is the torch.dtype.
     """
 
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str
     thunk: Callable[[], torch.Tensor] = field(repr=False)
     origin: str = ""
     blocks: Callable[[], Blocks] | None = field(default=None, repr=False)
+    file_bytes: FileBytes | None = field(default=None, repr=False)
     fp8_block: tuple[int, int] | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype_name", dtypes.name_of(self.dtype_name))
+
     @property
-    def nbytes(self) -> int:
+    def dtype(self) -> torch.dtype:
+        return dtypes.to_torch(self.dtype_name)
+
+    @property
+    def numel(self) -> int:
         n = 1
         for s in self.shape:
             n *= s
-        return n * self.dtype.itemsize
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.itemsize(self.dtype_name)
 
     def load(self) -> torch.Tensor:
         t = self.thunk()
@@ -284,7 +310,7 @@ class LazyTensor:
         shape = tuple(self.shape if shape is None else shape)
         return LazyTensor(
             shape,
-            self.dtype if dtype is None else dtype,
+            self.dtype_name if dtype is None else dtype,
             lambda: fn(self.load()),
             self.origin if origin is None else origin,
             fp8_block=self.fp8_block if shape == tuple(self.shape) else None,
@@ -329,7 +355,7 @@ class ModelIR:
 
     @property
     def num_params(self) -> int:
-        return sum(t.nbytes // t.dtype.itemsize for t in self.tensors.values())
+        return sum(t.numel for t in self.tensors.values())
 
     @property
     def nbytes(self) -> int:
@@ -367,13 +393,11 @@ class ModelIR:
 
     def cast(self, dtype: DType) -> ModelIR:
         """The same model with every tensor converted to `dtype` at load time."""
-        target = TORCH_DTYPES[dtype]
-
-        def kind(name: str) -> torch.dtype:  # DeepSeek and Megatron keep the router's expert bias in float32
-            return torch.float32 if name.endswith(".router.expert_bias") else target
+        def kind(name: str) -> str:  # DeepSeek and Megatron keep the router's expert bias in float32
+            return "float32" if name.endswith(".router.expert_bias") else dtype
 
         tensors = {
-            n: t if t.dtype == kind(n) else t.map(lambda x, d=kind(n): x.to(d), dtype=kind(n))
+            n: t if t.dtype_name == kind(n) else t.map(lambda x, d=dtypes.to_torch(kind(n)): x.to(d), dtype=kind(n))
             for n, t in self.tensors.items()
         }
         return dataclasses.replace(self, config=self.config.replace(dtype=dtype), tensors=tensors)

@@ -13,14 +13,14 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import torch
-
+from mconvert import dtypes
 from mconvert.blocks import Blocks
 from mconvert.errors import ConvertError, format_names, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR
 from mconvert.ir_names import expected_shapes
+from mconvert.lazy import torch
 from mconvert.row_plan import RowPlanner
-from mconvert.rules import IDENTITY, Ctx, LayerKind, Rule, Table, active
+from mconvert.rules import IDENTITY, REPLICATE, Ctx, LayerKind, Rule, Table, active
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
                 return Blocks.of(thunk()) if found is None else found[i]
 
             kept = len(pieces) == 1 and len(row.ir) == 1 and tuple(shapes[i]) == tuple(pieces[0].shape)
-            out[name] = LazyTensor(shapes[i], pieces[0].dtype, thunk, origin, blocks if moves_rows else None,
+            out[name] = LazyTensor(shapes[i], pieces[0].dtype_name, thunk, origin, blocks if moves_rows else None,
                                    fp8_block=pieces[0].fp8_block if kept else None)  # rows moved within a block
     order = {name: i for i, name in enumerate(want_shapes)}  # canonical IR order, whatever the file order
     return dict(sorted(out.items(), key=lambda item: order.get(item[0], len(order))))
@@ -123,21 +123,26 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
 def _check_floating(source: dict[str, Sequence[LazyTensor]], rows: list[Row], where: str) -> None:
     """Weights are floating point: an integer or boolean tensor under a weight's key would be carried as is into a
     model that cannot compute with it."""
-    bad = [f"{p.origin} ({str(p.dtype).removeprefix('torch.')})" for row in rows for p in source[row.key]
-           if isinstance(p.dtype, torch.dtype) and not p.dtype.is_floating_point]
+    bad = [f"{p.origin} ({p.dtype_name})" for row in rows for p in source[row.key]
+           if not dtypes.is_floating(p.dtype_name)]
     if bad:
         raise ConvertError(f"{where}: weights must be floating-point tensors, and {format_names(bad)} "
                            f"{'is' if len(bad) == 1 else 'are'} not")
 
 
 def _ir_shapes_of(row: Row, pieces: list[LazyTensor], ctx: Ctx, want: dict) -> list[tuple[int, ...]]:
-    """The IR shapes the pieces combine into, computed on meta; a mismatch means config and weights disagree."""
+    """The IR shapes the pieces combine into, computed on meta; a mismatch means config and weights disagree.
+    One piece under an identity rule (a tensor stored as is, most of a Hugging Face model) is its own IR tensor:
+    no meta tensor, and so no torch, is needed to know its shape."""
     shown = " + ".join(f"{p.origin} {list(p.shape)}" for p in pieces[:4])
-    try:
-        parts = row.rule.backward([torch.empty(p.shape, device="meta") for p in pieces], ctx)
-    except (ConvertError, RuntimeError) as e:
-        raise ConvertError(f"{shown}: does not fit the config: {e}") from None
-    shapes = [tuple(p.shape) for p in parts]
+    if len(pieces) == 1 and row.rule.join is IDENTITY and row.rule.shard is REPLICATE:
+        shapes = [tuple(pieces[0].shape)]  # = backward([piece]): replicated([p]) is p, the identity split [p]
+    else:
+        try:
+            parts = row.rule.backward([torch.empty(p.shape, device="meta") for p in pieces], ctx)
+        except (ConvertError, RuntimeError) as e:
+            raise ConvertError(f"{shown}: does not fit the config: {e}") from None
+        shapes = [tuple(p.shape) for p in parts]
     if len(shapes) != len(row.ir):  # e.g. a stack of experts holding more or fewer than the config's
         raise ConvertError(f"{shown} gives {len(shapes)} tensors, but the config implies {len(row.ir)} "
                            f"({row.ir[0]} ... {row.ir[-1]}): the config contradicts the tensors")
@@ -216,4 +221,4 @@ def verify_copies(tensors: dict[str, LazyTensor], name: str, copies: list[list[L
                                    f"differs from {base.origin}; the checkpoint is inconsistent")
         return value
 
-    tensors[name] = LazyTensor(base.shape, base.dtype, thunk, base.origin)
+    tensors[name] = LazyTensor(base.shape, base.dtype_name, thunk, base.origin)

@@ -29,7 +29,7 @@ class Plugin:
 
 _LOADERS: dict[str, Plugin] = {}
 _SAVERS: dict[str, Plugin] = {}
-_loaded = False
+_loaded: set[str] = set()  # the kinds ("loader", "saver") whose plugins are imported
 
 
 def _register(table: dict[str, Plugin], kind: str, name: str, aliases, detect, options):
@@ -55,23 +55,23 @@ def register_saver(name: str, *, aliases=(), options=()):
     return _register(_SAVERS, "saver", name, aliases, None, options)
 
 
-def _load_plugins() -> None:
-    global _loaded
-    if _loaded:
+def _load_plugins(kind: str) -> None:
+    """Import the built-in and entry-point plugins of one kind: finding a loader (`mconvert inspect`) imports no
+    saver."""
+    if kind in _loaded:
         return
-    _loaded = True
-    importlib.import_module("mconvert.loaders")
-    importlib.import_module("mconvert.savers")
-    for group in ("mconvert.loaders", "mconvert.savers"):
-        for ep in importlib.metadata.entry_points(group=group):
-            try:
-                ep.load()
-            except Exception as e:  # a broken third-party plugin must not break the built-in ones
-                raise ConvertError(f"plugin {ep.name!r} from entry point group {group} failed to load: {e}") from e
+    _loaded.add(kind)
+    group = f"mconvert.{kind}s"
+    importlib.import_module(group)
+    for ep in importlib.metadata.entry_points(group=group):
+        try:
+            ep.load()
+        except Exception as e:  # a broken third-party plugin must not break the built-in ones
+            raise ConvertError(f"plugin {ep.name!r} from entry point group {group} failed to load: {e}") from e
 
 
 def _get(table: dict[str, Plugin], kind: str, name: str) -> Plugin:
-    _load_plugins()
+    _load_plugins(kind)
     if name not in table:
         raise ConvertError(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(names(table))}")
     return table[name]
@@ -90,12 +90,12 @@ def get_saver(name: str) -> Plugin:
 
 
 def loaders() -> list[Plugin]:
-    _load_plugins()
+    _load_plugins("loader")
     return [_LOADERS[n] for n in names(_LOADERS)]
 
 
 def savers() -> list[Plugin]:
-    _load_plugins()
+    _load_plugins("saver")
     return [_SAVERS[n] for n in names(_SAVERS)]
 
 

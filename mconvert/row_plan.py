@@ -20,11 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from mconvert.blocks import Blocks
 from mconvert.errors import ConvertError
 from mconvert.ir import LazyTensor
+from mconvert.lazy import torch
 from mconvert.rules import Ctx, Rule
 
 Direction = Literal["forward", "backward"]

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Literal
 
 from mconvert import transforms
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig
+from mconvert.lazy import torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass(frozen=True)

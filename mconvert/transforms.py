@@ -6,10 +6,13 @@ bit. They work on meta tensors too, which is how loaders and savers plan shapes 
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from mconvert.errors import ConvertError
+from mconvert.lazy import torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def cat(tensors: list[Tensor], dim: int = 0) -> Tensor:

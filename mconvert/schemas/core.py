@@ -19,13 +19,12 @@ import argparse
 import re
 from typing import Any, Literal
 
-import torch
-
 from mconvert.config_checks import check_true_vocab_size
 from mconvert.errors import ConvertError
 from mconvert.formats.hf_dir import tokenizer_vocab_size
 from mconvert.ir import ModelConfig
 from mconvert.layout import ParallelLayout
+from mconvert.lazy import torch
 from mconvert.options import ExpertLayout
 from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, QKV, REPLICATE, ROW, VOCAB, Rule, Table, linear, moved, norm
 from mconvert.schemas import core_deepseek, core_moe
