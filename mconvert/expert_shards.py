@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 
 from mconvert import transforms
 from mconvert.errors import ConvertError
-from mconvert.lazy import torch
 from mconvert.rules import GATED_COLUMN, ROW, Ctx, Join, Shard, cat_pieces, chunks, gated_chunks, gated_unchunk
 
 if TYPE_CHECKING:
@@ -84,7 +83,7 @@ def expert_tp(inner: Shard) -> Shard:
         etp, inner_ctx = split(dataclasses.replace(ctx, tp=len(pieces)))
         for i in range(etp, len(pieces)):
             a, b = pieces[i % etp], pieces[i]
-            if a.shape != b.shape or (a.device.type != "meta" and not torch.equal(a, b)):
+            if a.shape != b.shape or (a.device.type != "meta" and not transforms.same_bits(a, b)):
                 raise ConvertError(f"expert weights differ between TP rank {i % etp} and TP rank {i}, which share "
                                    f"expert tensor-parallel rank {i % etp} (expert TP size {etp})")
         return inner.unshard(pieces[:etp], inner_ctx)

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from mconvert import dtypes
+from mconvert import dtypes, transforms
 from mconvert.blocks import Blocks
 from mconvert.errors import ConvertError, format_names, mismatch
 from mconvert.ir import LazyTensor, LoadCache, ModelConfig, ModelIR
@@ -216,7 +216,7 @@ def verify_copies(tensors: dict[str, LazyTensor], name: str, copies: list[list[L
         value = base.load()
         for pieces in copies:
             copy = rule.backward([p.load() for p in pieces], ctx)[0]
-            if copy.shape != value.shape or not torch.equal(copy, value):
+            if not transforms.same_bits(copy, value):
                 raise ConvertError(f"{pieces[0].origin}: this copy of {name} (kept for {kept_for}) "
                                    f"differs from {base.origin}; the checkpoint is inconsistent")
         return value

@@ -97,7 +97,7 @@ def replicated(pieces: list[Tensor]) -> Tensor:
     """The one tensor every piece must equal (a replicated tensor read from several TP ranks)."""
     first = pieces[0]
     for i, p in enumerate(pieces[1:], 1):
-        if p.shape != first.shape or (p.device.type != "meta" and not torch.equal(p, first)):
+        if p.shape != first.shape or (p.device.type != "meta" and not transforms.same_bits(p, first)):
             raise ConvertError(f"a replicated tensor differs between TP rank 0 and TP rank {i} "
                                f"({list(first.shape)} vs {list(p.shape)})")
     return first

@@ -15,6 +15,19 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    """Copies of one stored tensor: the same shape, dtype and bits. Unlike `torch.equal`, a NaN matches the same
+    NaN (a checkpoint may legitimately carry one, and `inspect` reports it), and -0.0 does not match 0.0."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}[a.element_size()]
+        if a.element_size() == 16:  # complex128: two float64 per element
+            a, b = torch.view_as_real(a), torch.view_as_real(b)
+        a, b = a.view(bits), b.view(bits)
+    return bool(torch.equal(a, b))
+
+
 def cat(tensors: list[Tensor], dim: int = 0) -> Tensor:
     """`torch.cat`, except that on the meta device (shape planning) it only computes the shape: torch's meta
     implementation of cat imports torch._dynamo, which would add about a second and 70 MB to every run."""

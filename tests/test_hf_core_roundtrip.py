@@ -48,3 +48,22 @@ def test_bf16_cast(llama_dir, tmp_path):
     got = ir_tensors(tmp_path / "a")
     want = {n: t.to(torch.bfloat16) for n, t in ir_tensors(llama_dir).items()}
     assert_same_tensors(want, got)
+
+
+def test_a_nan_in_a_replicated_tensor_survives_tensor_parallel(llama_dir, tmp_path):
+    """A layer norm holding a NaN is written to both TP ranks and read back as one tensor (the ranks' copies were
+    compared with torch.equal, which refused them as different)."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in llama_dir.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    weights = load_file(src / "model.safetensors")
+    weights["model.layers.0.input_layernorm.weight"][3] = float("nan")
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    run_cli("--saver", "core", "--tp", "2", "--load-dir", src, "--save-dir", tmp_path / "core")
+    run_cli("--saver", "llama_mistral", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "back")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    for name, value in weights.items():
+        assert torch.equal(back[name].view(torch.uint8), value.view(torch.uint8)), name

@@ -80,6 +80,17 @@ def test_replicated_pieces_must_agree():
         REPLICATE.unshard([torch.zeros(3), torch.ones(3)], Ctx(CONFIG, 16, tp=2))
 
 
+def test_replicated_pieces_are_compared_bit_for_bit():
+    """A NaN a checkpoint carries is the same NaN on every rank (torch.equal says it differs); -0.0 is not 0.0."""
+    nan = torch.tensor([1.0, float("nan"), -2.0])
+    assert torch.equal(REPLICATE.unshard([nan, nan.clone()], Ctx(CONFIG, 16, tp=2)).view(torch.int32),
+                       nan.view(torch.int32))
+    for a, b in ((nan, torch.tensor([1.0, 0.0, -2.0])), (torch.tensor([0.0]), torch.tensor([-0.0])),
+                 (torch.zeros(2), torch.zeros(2, dtype=torch.float64))):
+        with pytest.raises(ConvertError, match="differs between TP rank 0 and TP rank 1"):
+            REPLICATE.unshard([a, b], Ctx(CONFIG, 16, tp=2))
+
+
 def test_transpose_is_its_own_inverse():
     w = torch.randn(3, 7)
     assert torch.equal(transforms.transpose(transforms.transpose(w)), w)
