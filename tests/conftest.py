@@ -193,22 +193,41 @@ def run_megatron(python: Path, script: str, *args: str, timeout: int = 1200) -> 
     return result.stdout
 
 
-def megatron_core_logits(core: Path, tokens: torch.Tensor, tmp: Path,
-                         timeout: int = 900) -> tuple[str, torch.Tensor, torch.Tensor | None]:
-    """megatron-core's own GPTModel (this environment's, 0.16.1) built from the core checkpoint's args, run on
-    `tokens` by tests/helpers_mcore_logits.py: (its stdout, logits, MTP modules' logits or None)."""
+def run_mcore_logits_helper(core: Path, tokens: torch.Tensor, tmp: Path, *extra: str, python: Path | None = None,
+                            timeout: int = 900) -> str:
+    """tests/helpers_mcore_logits.py run by `python` (default: this environment's, megatron-core 0.16.1) on the
+    core checkpoint and `tokens`, writing tmp/logits.pt (and its siblings); returns its stdout."""
     import subprocess
     import sys
 
     torch.save(tokens, tmp / "tokens.pt")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "helpers_mcore_logits.py"), str(core),
-                             str(tmp / "tokens.pt"), str(tmp / "logits.pt")],
+    result = subprocess.run([str(python or sys.executable), str(REPO / "tests" / "helpers_mcore_logits.py"), str(core),
+                             str(tmp / "tokens.pt"), str(tmp / "logits.pt"), *extra],
                             capture_output=True, text=True, env=env, timeout=timeout)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def megatron_core_logits(core: Path, tokens: torch.Tensor, tmp: Path,
+                         timeout: int = 900) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+    """megatron-core's own GPTModel (this environment's, 0.16.1) built from the core checkpoint's args, run on
+    `tokens` by tests/helpers_mcore_logits.py: (its stdout, logits, MTP modules' logits or None)."""
+    out = run_mcore_logits_helper(core, tokens, tmp, timeout=timeout)
     mtp = tmp / "logits_mtp.pt"
-    return (result.stdout, torch.load(tmp / "logits.pt", weights_only=True),
+    return (out, torch.load(tmp / "logits.pt", weights_only=True),
             torch.load(mtp, weights_only=True) if mtp.exists() else None)
+
+
+def megatron_core_losses(core: Path, tokens: torch.Tensor, labels: torch.Tensor, tmp: Path, *, factor: float,
+                         loss_mask: torch.Tensor | None = None, python: Path | None = None) -> dict:
+    """megatron-core's own losses of an MTP model on `tokens` and `labels` (with `loss_mask`, and
+    mtp_loss_scaling_factor `factor`): {"lm": per-token cross entropy [b, s], "mtp": MTPLossLoggingHelper's
+    per-module losses [M], "mtp_scaled": what each module hands MTPLossAutoScaler, summed [M], "stdout"}."""
+    torch.save({"labels": labels, "mtp_loss_scaling_factor": factor}
+               | ({"loss_mask": loss_mask} if loss_mask is not None else {}), tmp / "loss.pt")
+    out = run_mcore_logits_helper(core, tokens, tmp, str(tmp / "loss.pt"), python=python)
+    return torch.load(tmp / "logits_loss.pt", weights_only=True) | {"stdout": out}
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Independent check: megatron-core builds its GPTModel from the args of a `core` checkpoint we wrote, loads the
 weights strictly and computes logits, which a test compares with another implementation's.
 
-    python tests/helpers_mcore_logits.py CORE_DIR TOKENS_PT OUT_PT
+    python tests/helpers_mcore_logits.py CORE_DIR TOKENS_PT OUT_PT [LOSS_PT]
 
 CORE_DIR: a TP1 PP1 EP1 `torch`-format checkpoint with the local spec (sequential or legacy grouped experts), or
 a `torch_dist` checkpoint, which megatron-core's own dist_checkpointing reads into the model's sharded state dict
@@ -12,7 +12,14 @@ layers it skips (window_size, window_attn_skip_freq), head_dim (kv_channels), mu
 MTP modules. The model is built with megatron-core's own decoder block spec, so what Megatron makes of our args is
 what is checked. Saves the logits (vocabulary padding stripped) to OUT_PT, with MTP modules also OUT_PT's `_mtp`
 sibling ([modules, batch, seq, vocab]: module i's logits for the tokens i+1 further on), and prints one line about
-the load.
+the load. Runs in this environment (megatron-core 0.16.1) or in .venv-mcore-0.19 (0.19.2: MTP checkpoints there in
+torch_dist, whose keys 0.19 maps to its renamed MTP layer; its plain state dict calls it `mtp_model_layer`).
+
+LOSS_PT ({"labels": [b, s], "loss_mask": [b, s] or absent, "mtp_loss_scaling_factor": f}) asks for Megatron's own
+losses as well: the model then runs in training mode (so that GPTModel logs its MTP losses) with these labels and
+loss mask, and OUT_PT's `_loss` sibling holds {"lm": the per-token cross entropy GPTModel returns [b, s], "mtp":
+the per-module losses in MTPLossLoggingHelper's tracker [M], "mtp_scaled": the sum of each tensor GPTModel hands
+to MTPLossAutoScaler [M] (what enters backward: f / M x module m's loss)}.
 
 CPU stand-ins beyond helpers_mcore_moe's: megatron-core's local DotProductAttention takes no separate key and
 value head sizes, so MLA layers get the plain definition of causal attention with MLA's softmax scale (what TE's
@@ -22,6 +29,7 @@ fused kernel computes); MLA's TE-only fp8 branch is switched off.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -29,7 +37,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mconvert.formats.torch_pickle import safe_load
+
+def use_repository_packages() -> None:
+    """In a megatron-core environment of scripts/megatron_envs.sh mconvert is not installed: PYTHONPATH finds
+    `mconvert`, and its `formats` subpackage is the repository's formats/, as pyproject.toml's package-dir maps it."""
+    import mconvert
+
+    root = str(Path(__file__).resolve().parents[1])
+    if importlib.util.find_spec("mconvert.formats") is None and root not in mconvert.__path__:
+        mconvert.__path__.append(root)
+
+
+use_repository_packages()
+from mconvert.formats.torch_pickle import safe_load  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers_mcore_moe import megatron_on_cpu  # noqa: E402
@@ -64,7 +84,8 @@ def transformer_config(args):
         use_cpu_initialization=True, perform_initialization=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, moe_permute_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
-        mtp_num_layers=getattr(args, "mtp_num_layers", None))
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
+        mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1))
     if moe:
         fields |= {k: getattr(args, k) for k in ROUTING_FIELDS if getattr(args, k, None) is not None}
     if getattr(args, "multi_latent_attention", False):
@@ -120,7 +141,9 @@ def build(args):
                      max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
                      rotary_base=args.rotary_base, mtp_block_spec=mtp,
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
-    layers = list(model.decoder.layers) + ([m.transformer_layer for m in model.mtp.layers] if mtp else [])
+    # an MTP module's layer: `transformer_layer` up to megatron-core 0.16, `mtp_model_layer` in 0.19
+    layers = list(model.decoder.layers) + ([getattr(m, "transformer_layer", None) or m.mtp_model_layer
+                                            for m in model.mtp.layers] if mtp else [])
     for layer in layers:  # GroupedMLP.forward asserts bf16, which it does not otherwise need
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None:
@@ -140,11 +163,35 @@ def load_state(model, it_dir: Path):
     return dict(safe_load(it_dir / "mp_rank_00" / "model_optim_rng.pt")["model"]), "torch"
 
 
-def main(core_dir: str, tokens_file: str, out_file: str) -> None:
+def recorded_mtp_losses(run):
+    """run() with GPTModel's MTP loss tensors recorded: (run's result, the tracker's per-module losses, the sum of
+    each tensor handed to MTPLossAutoScaler)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+
+    scaled: list[torch.Tensor] = []
+    apply = MTPLossAutoScaler.apply
+
+    def recording(output, mtp_loss):
+        scaled.append(mtp_loss.detach().sum())
+        return apply(output, mtp_loss)
+
+    MTPLossAutoScaler.apply = recording
+    try:
+        result = run()
+    finally:
+        MTPLossAutoScaler.apply = apply
+    tracker = MTPLossLoggingHelper.tracker  # the losses are "values" in 0.16, "loss_values" in 0.19
+    return result, tracker.get("values", tracker.get("loss_values")).clone(), torch.stack(scaled)
+
+
+def main(core_dir: str, tokens_file: str, out_file: str, loss_file: str | None = None) -> None:
     megatron_on_cpu()
     it_dir = Path(core_dir) / "iter_0000001"
     common = it_dir / ("common.pt" if (it_dir / "metadata.json").is_file() else "mp_rank_00/model_optim_rng.pt")
     args = safe_load(common)["args"]
+    loss = torch.load(loss_file, weights_only=True) if loss_file else None
+    if loss is not None:
+        args.mtp_loss_scaling_factor = loss["mtp_loss_scaling_factor"]
     model = build(args)
     state, kind = load_state(model, it_dir)
     result = model.load_state_dict(state, strict=True)  # raises on any missing or extra key
@@ -160,7 +207,12 @@ def main(core_dir: str, tokens_file: str, out_file: str) -> None:
     outputs: list[torch.Tensor] = []
     model.output_layer.register_forward_hook(lambda m, i, out: outputs.append(out[0].transpose(0, 1).clone()))
     with torch.no_grad():
-        model.eval()(tokens, positions, causal, labels=tokens if mtp_layers else None)
+        if loss is None:
+            model.eval()(tokens, positions, causal, labels=tokens if mtp_layers else None)
+        else:  # training mode: GPTModel logs the MTP losses only then (no dropout is configured)
+            lm, values, scaled = recorded_mtp_losses(lambda: model.train()(
+                tokens, positions, causal, labels=loss["labels"], loss_mask=loss.get("loss_mask")))
+            torch.save({"lm": lm, "mtp": values, "mtp_scaled": scaled}, out_file.removesuffix(".pt") + "_loss.pt")
     logits = [o[..., :args.vocab_size] for o in outputs]
     torch.save(logits[-1], out_file)
     if mtp_layers:

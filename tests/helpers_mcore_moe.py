@@ -54,12 +54,18 @@ def megatron_on_cpu():
     torch.distributed.init_process_group(backend="gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random
-    from megatron.core.transformer.moe import grouped_gemm_util, moe_utils
+    from megatron.core.transformer.moe import moe_utils
+
+    try:  # the legacy GroupedMLP's kernel wrapper; gone from megatron-core 0.17 on, with GroupedMLP
+        from megatron.core.transformer.moe import grouped_gemm_util
+    except ImportError:
+        grouped_gemm_util = None
 
     parallel_state.initialize_model_parallel(1, 1)
     random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
-    grouped_gemm_util.ops = types.SimpleNamespace(gmm=cpu_grouped_gemm)
+    if grouped_gemm_util is not None:
+        grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+        grouped_gemm_util.ops = types.SimpleNamespace(gmm=cpu_grouped_gemm)
     moe_utils.te_general_gemm = None  # 0.16 leaves the name undefined without Transformer Engine
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils
