@@ -30,7 +30,7 @@ from mconvert.mapping import to_ir, verify_copies
 from mconvert.options import Options
 from mconvert.registry import register_loader
 from mconvert.rules import Ctx
-from mconvert.schemas import core, core_moe, rank_plan
+from mconvert.schemas import core, core_deepseek, core_moe, rank_plan
 
 LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.")
 # Not weights: module extra state (FP8 metadata or None) and rotary frequencies Megatron recomputes.
@@ -61,9 +61,19 @@ def load(path: Path, options: Options) -> ModelIR:
 
     def tensors_of(tp: int, pp: int, ep: int, entry: str) -> dict[str, LazyTensor]:
         idx = (tp, pp, ep)
-        return {k: LazyTensor(tuple(v.shape), v.dtype, lambda v=v: v, f"{files.rel(idx)}:{entry}.{k}",
-                              lambda v=v: Blocks.of(v, files.source(idx, v)))
-                for k, v in files.model(tp, pp, ep, entry).items() if isinstance(v, torch.Tensor)}
+        out: dict[str, LazyTensor] = {}
+        for k, v in files.model(tp, pp, ep, entry).items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            # megatron-core 0.19 stores an MTP module's layer as mtp_model_layer: read under the table's one name
+            key = core_deepseek.mtp_layer_named(k, "transformer_layer")
+            if key in out:
+                names = sorted({key, core_deepseek.mtp_layer_named(key, "mtp_model_layer")})
+                raise ConvertError(f"{files.rel(idx)}: {entry} holds both {names[1]} and {names[0]} (one MTP layer "
+                                   f"under both of megatron-core's names)")
+            out[key] = LazyTensor(tuple(v.shape), v.dtype, lambda v=v: v, f"{files.rel(idx)}:{entry}.{k}",
+                                  lambda v=v: Blocks.of(v, files.source(idx, v)))
+        return out
 
     chunks = chunks_in_files(files, LAYER_KEY, tensors_of)
     names = files.chunk_names()

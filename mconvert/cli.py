@@ -32,7 +32,7 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
 # Options that only some loaders/savers understand; giving one to a plugin that ignores it is an error.
 PLUGIN_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers", "transformer_impl",
                   "expert_layout", "ckpt_format", "make_vocab_size_divisible_by", "iteration", "true_vocab_size",
-                  "max_shard_size", "fp8_weights")
+                  "max_shard_size", "fp8_weights", "mtp_layer_name")
 
 
 def parse_size(text: str) -> int:
@@ -121,6 +121,11 @@ def _fail_cleanly(func):
               "block scales (weight_scale_inv), as DeepSeek-V3 ships them (saver deepseek_hf).")
 @click.option("--skip-mtp", is_flag=True, help="Leave out multi-token-prediction modules (DeepSeek-V3's MTP "
               "layers); without it they are converted, or the conversion fails if the target cannot hold them.")
+@click.option("--mtp-layer-name", type=click.Choice(["transformer_layer", "mtp_model_layer"]),
+              default="transformer_layer", show_default=True,
+              help="Saver core, --ckpt-format torch: the key of an MTP module's layer (mtp.layers.M.NAME.*). "
+              "megatron-core 0.16 names it transformer_layer, 0.19 mtp_model_layer (its torch_dist "
+              "checkpoints keep transformer_layer, which this saver always writes there). Both are read.")
 @click.option("--force", is_flag=True, help="Replace an existing, non-empty --save-dir.")
 @click.option("--verify", "verify_output", is_flag=True,
               help="Before moving the output into place, run it and the source on the same tokens (as `mconvert "
@@ -249,6 +254,7 @@ def _options(o: dict):
         iteration=o["iteration"],
         workers=o["workers"],
         skip_mtp=o["skip_mtp"],
+        mtp_layer_name=o["mtp_layer_name"],
         fp8_weights=o["fp8_weights"],
     )
 

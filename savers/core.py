@@ -26,11 +26,14 @@ from mconvert.schemas import core, core_dcp, core_deepseek, rank_plan
 
 @register_saver("core", aliases=("megatron", "mcore"),
                 options=(*LAYOUT_OPTIONS, "transformer_impl", "expert_layout", "ckpt_format",
-                         "make_vocab_size_divisible_by", "iteration"))
+                         "make_vocab_size_divisible_by", "iteration", "mtp_layer_name"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`,
     `zarr`, `torch_dcp` or `fsdp_dtensor` (--ckpt-format)."""
     check_expert_layout(ir, options)
+    if options.mtp_layer_name != "transformer_layer" and options.ckpt_format != "torch":
+        raise ConvertError(f"--mtp-layer-name {options.mtp_layer_name} is for --ckpt-format torch; megatron-core "
+                           f"stores transformer_layer in {options.ckpt_format} checkpoints whatever its version")
     if options.ckpt_format in core_dcp.FORMATS:
         return save_dcp(ir, out, options, progress)
     if options.ckpt_format != "torch":
@@ -41,8 +44,19 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     ctx = Ctx(c, padded, tp=layout.tp, etp=layout.expert_tp, local_experts=(c.num_experts or 0) // layout.ep)
     parts = plan(ir, options)
     top = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration}
+
+    def chunk_dict(part: rank_plan.Part, flat: dict) -> dict:
+        return _mtp_named(flat | extra_states(part.chunk, options, c), options.mtp_layer_name)
+
     megatron_files.write_checkpoint(ir, out, options, progress, ctx=ctx, parts=parts, top=top, where="saver core",
-                                    chunk_dict=lambda part, flat: flat | extra_states(part.chunk, options, c))
+                                    chunk_dict=chunk_dict)
+
+
+def _mtp_named(state: dict, name: str) -> dict:
+    """The state dict with each MTP module's layer stored under `name` (megatron-core 0.19: mtp_model_layer)."""
+    if name == "transformer_layer":
+        return state
+    return {core_deepseek.mtp_layer_named(k, name): v for k, v in state.items()}
 
 
 def plan(ir: ModelIR, options: Options) -> list[rank_plan.Part]:

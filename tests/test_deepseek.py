@@ -144,6 +144,29 @@ def test_a_differing_mtp_copy_is_refused(ds_dir, tmp_path):
            "(kept for the MTP modules) differs from" in out
 
 
+def test_mtp_layer_under_megatron_core_019s_name(ds_dir, tmp_path):
+    """megatron-core 0.19's `torch` format names an MTP module's layer mtp_model_layer: written on request (TP2 PP3
+    here), read back to the same tensors; a file holding one layer under both names, or the name asked of a format
+    that never stores it, is refused."""
+    run_cli("--saver", "core", "--tp", "2", "--pp", "3", "--mtp-layer-name", "mtp_model_layer", "--load-dir", ds_dir,
+            "--save-dir", tmp_path / "core")
+    target = tmp_path / "core" / "iter_0000001" / "mp_rank_01_002" / "model_optim_rng.pt"
+    state = safe_load(target, mmap=False)
+    mtp = [k for k in state["model"] if k.startswith("mtp.layers.0.") and k.count(".") > 3]
+    assert mtp and all(k.split(".")[3] in ("eh_proj", "enorm", "hnorm", "final_layernorm", "mtp_model_layer")
+                       for k in mtp) and "mtp.layers.0.mtp_model_layer.self_attention.linear_proj.weight" in mtp
+    assert_same_tensors(ir_tensors(tmp_path / "core"), ir_tensors(ds_dir))
+    key = "mtp.layers.0.mtp_model_layer.input_layernorm.weight"
+    state["model"][key.replace("mtp_model_layer", "transformer_layer")] = state["model"][key]
+    torch.save(state, target)
+    out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
+    assert "mp_rank_01_002/model_optim_rng.pt: model holds both mtp.layers.0.transformer_layer.input_layernorm" \
+           ".weight and mtp.layers.0.mtp_model_layer.input_layernorm.weight" in out
+    out = run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--mtp-layer-name", "mtp_model_layer",
+                  "--load-dir", ds_dir, "--save-dir", tmp_path / "dist", expect_error=True)
+    assert "--mtp-layer-name mtp_model_layer is for --ckpt-format torch" in out
+
+
 def test_the_torch_dist_layout_is_megatrons_for_unlike_layers(ds_dir, tmp_path):
     """Dense then expert layers: Megatron keys each layer by its number instead of stacking (non-homogeneous
     layers); MTP modules by theirs; the embedding once."""

@@ -40,11 +40,11 @@ def megatron_python(version: str, mcore_python) -> Path | None:
     return None if version == "0.16" else mcore_python(version)
 
 
-def convert(src: Path, out: Path, fmt: str, divisible_by: int = 4) -> Path:
+def convert(src: Path, out: Path, fmt: str, divisible_by: int = 4, *extra: str) -> Path:
     """A TP1 core checkpoint; the tiny models' 300 tokens divide by 4, so by default there is no vocabulary
     padding and Megatron's cross entropy runs over the same 300 logits as mtrain's."""
     run_cli("--saver", "core", "--ckpt-format", fmt, "--make-vocab-size-divisible-by", str(divisible_by),
-            "--load-dir", src, "--save-dir", out)
+            "--load-dir", src, "--save-dir", out, *extra)
     return out
 
 
@@ -69,11 +69,15 @@ def mtrain_losses(core: Path, inputs: torch.Tensor, labels: torch.Tensor) -> tup
     return lm, losses, model.mtp_loss_scale * sum(losses)
 
 
-@pytest.mark.parametrize("version,fmt,mtp", [("0.16", "torch", 1), ("0.16", "torch", 2), ("0.19", "torch_dist", 2)])
+@pytest.mark.parametrize("version,fmt,mtp", [("0.16", "torch", 1), ("0.16", "torch", 2), ("0.19", "torch_dist", 2),
+                                             ("0.19", "torch", 2)])
 def test_mtp_losses_equal_megatron_cores(tmp_path, mcore_python, version, fmt, mtp):
-    """Per-module MTP losses, the scaled total and the language-model loss, mtrain against megatron-core."""
+    """Per-module MTP losses, the scaled total and the language-model loss, mtrain against megatron-core. A 0.19
+    `torch` checkpoint names an MTP module's layer mtp_model_layer (--mtp-layer-name): megatron-core loads it
+    strictly, and mtrain reads it back through mconvert's loader."""
     python = megatron_python(version, mcore_python)
-    core = convert(make_deepseek(tmp_path / "hf", seed=30 + mtp, mtp=mtp), tmp_path / "core", fmt)
+    extra = ("--mtp-layer-name", "mtp_model_layer") if (version, fmt) == ("0.19", "torch") else ()
+    core = convert(make_deepseek(tmp_path / "hf", seed=30 + mtp, mtp=mtp), tmp_path / "core", fmt, 4, *extra)
     inputs, labels = sample(mtp)
     theirs = megatron_core_losses(core, inputs, labels, tmp_path, factor=FACTOR, python=python)
     assert f"{mtp} MTP, strict load: <All keys matched successfully>" in theirs["stdout"]

@@ -21,6 +21,7 @@ interleaved (mconvert/schemas/mla.py): Megatron's MLA de-interleaves them at run
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,15 @@ MTP = (
     Rule("mtp.layers.{m}.final_layernorm.weight", ("mtp.{M}.final_norm.weight",)),
 )
 LAYER_PREFIX, MTP_LAYER_PREFIX = "decoder.layers.{l}.", "mtp.layers.{m}.transformer_layer."
+# megatron-core 0.19 renamed an MTP module's layer `mtp_model_layer` in its state dict (the `torch` format stores
+# that name; its torch_dist checkpoints keep `transformer_layer`, mapped back on save and load).
+MTP_LAYER_NAMES = ("transformer_layer", "mtp_model_layer")
+_MTP_LAYER_KEY = re.compile(r"(mtp\.layers\.\d+\.)(transformer_layer|mtp_model_layer)\.")
+
+
+def mtp_layer_named(key: str, name: str) -> str:
+    """`key` with an MTP module's layer under `name` (either of MTP_LAYER_NAMES); other keys unchanged."""
+    return _MTP_LAYER_KEY.sub(lambda m: f"{m.group(1)}{name}.", key, count=1)
 
 
 def attention_extra_states(impl: str, c: ModelConfig) -> tuple[str, ...]:
