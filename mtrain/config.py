@@ -58,6 +58,8 @@ class TrainSection:
     moe_router_bias_update_rate: float = opt(
         1e-3, "MoE expert bias (DeepSeek-V3): its step per optimizer step to balance")
     mtp_loss_scaling_factor: float = opt(0.1, "MTP modules: their mean loss x this joins the loss")
+    cpu_malloc: Literal["keep", "system"] = opt(
+        "keep", "CPU: freed memory kept for reuse, or malloc's default")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,7 @@ from mconvert import engine
 from mconvert.errors import ConvertError
 from mconvert.ir import ModelConfig, ModelIR
 from mconvert.options import Options
-from mtrain import checkpoint, distributed, flops, precision, weights
+from mtrain import checkpoint, cpu_memory, distributed, flops, precision, weights
 from mtrain.config import Config, check_positions, dump
 from mtrain.data.loader import RankBatches, build_splits, describe_data
 from mtrain.errors import TrainError
@@ -75,6 +75,8 @@ class Trainer:
         self.finished_message: str | None = None
         self.env = distributed.init()
         self.out = out if self.env.is_main else (lambda _: None)
+        if config.train.cpu_malloc == "keep" and self.env.device.type == "cpu":
+            cpu_memory.keep_freed_memory()  # the whole process, from here on (cpu_memory.py)
         self._deterministic = _Determinism(config.train.deterministic).__enter__()
         try:
             self._setup()

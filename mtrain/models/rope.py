@@ -80,20 +80,23 @@ def attention_factor(scaling: dict[str, Any] | None) -> float:
 
 
 def cos_sin(freq: torch.Tensor, positions: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every (position, pair) angle, duplicated over both halves, times `scale`: each (T, hd)."""
+    """cos and sin of every (position, pair) angle, duplicated over both halves, times `scale`: each (T, hd). The
+    first half of sin is negated, the sign of rotate_half's (-x2) moved onto the angle, which `apply` reads."""
     angles = positions.float()[:, None] * freq[None, :]  # (T, hd/2)
     emb = torch.cat((angles, angles), dim=-1)  # (T, hd)
-    if scale == 1.0:
-        return emb.cos(), emb.sin()
-    return emb.cos() * scale, emb.sin() * scale
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    sin[:, : sin.shape[1] // 2].neg_()
+    return cos, sin
 
 
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, hd) by the angles in cos/sin (T, hd)."""
+    """Rotate x (B, heads, T, hd) by the angles in cos/sin (T, hd; sin's first half negated, see cos_sin):
+
+        x * cos + rotate_half(x) * sin  =  [x1 | x2] * cos + [x2 | x1] * [-sin | sin]
+
+    the same bits as the rotate_half form (negation is exact), without its separate negation pass."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin

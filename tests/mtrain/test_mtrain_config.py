@@ -61,7 +61,7 @@ def test_unknown_field():
     assert error("--train.lrr", "1") == (
         "unknown config field(s) train.lrr; valid fields of train: steps, micro_batch_size, global_batch_size, "
         "seed, precision, recompute, deterministic, init_std, exit_after_steps, compile, moe_capacity_factor, "
-        "moe_router_bias_update_rate, mtp_loss_scaling_factor")
+        "moe_router_bias_update_rate, mtp_loss_scaling_factor, cpu_malloc")
 
 
 def test_unknown_field_in_a_file(tmp_path):

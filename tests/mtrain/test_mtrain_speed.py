@@ -3,11 +3,14 @@ eager; and what it reports about speed: model FLOPs per token, MFU / achieved FL
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from mconvert.ir import ModelConfig
-from mtrain import flops, precision
+from mtrain import cpu_memory, flops, precision
 from mtrain.config import OptimConfig
 from mtrain.errors import TrainError
 from mtrain.optim import build_optimizer, implementation
@@ -194,3 +197,41 @@ def test_flops_of_deepseek_count_latent_attention_and_shared_experts(tmp_path):
         assert flops.matmul_params(c) == want, name
         nh, hd, dv, L = c.num_attention_heads, c.head_dim, c.v_head_dim, c.num_layers
         assert flops.flops_per_token(c, 32) == 6 * want + 6 * L * nh * (hd + dv) * 32
+
+
+FAULTS_OF_FIVE_STEPS = """
+import resource, sys
+import torch
+from mtrain import cpu_memory
+if sys.argv[1] == "keep":
+    assert cpu_memory.keep_freed_memory()
+head = torch.nn.Linear(256, 12288, bias=False)
+x = torch.randn(1024, 256)
+def step():  # logits, their log-softmax and gradients: 48 MiB each, freed at the end of the step
+    torch.nn.functional.cross_entropy(head(x), torch.zeros(1024, dtype=torch.long)).backward()
+for _ in range(3):
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_kept_cpu_memory_is_reused_without_page_faults():
+    """Steps that allocate and free blocks of 48 MiB: glibc's default maps each afresh (a page fault per 4 KiB: about
+    250,000 in five steps here), with train.cpu_malloc keep the steps reuse the pages of the earlier ones (12,288)."""
+    faults = {mode: int(subprocess.run([sys.executable, "-c", FAULTS_OF_FIVE_STEPS, mode], check=True,
+                                       capture_output=True, text=True).stdout)
+              for mode in ("system", "keep")}
+    assert faults["system"] > 100_000
+    assert faults["keep"] < 40_000
+
+
+@pytest.mark.parametrize("mode,calls", [("keep", 1), ("system", 0)])
+def test_trainer_keeps_cpu_memory_unless_told_not_to(corpus, monkeypatch, mode, calls):  # noqa: F811
+    made = []
+    monkeypatch.setattr(cpu_memory, "keep_freed_memory", lambda: made.append(1) or True)
+    Trainer(tiny_config(corpus, train={"steps": 1, "cpu_malloc": mode}), out=lambda _: None).close()
+    assert len(made) == calls
