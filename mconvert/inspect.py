@@ -46,11 +46,6 @@ def describe(path: Path, loader: str | None, options: Options, *, tensors: bool 
     return "\n".join(lines)
 
 
-def non_finite(t: torch.Tensor) -> str | None:
-    """`3 NaN, 1 Inf` for a floating tensor holding such values, else None."""
-    return finite.describe(finite.count_tensor(t))
-
-
 def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, options: Options) -> tuple[str, bool]:
     """Report config differences and, tensor by tensor, whether A and B are bit-identical."""
     ir_a = engine.load(a, options, loader_a)

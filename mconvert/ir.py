@@ -35,14 +35,6 @@ DType = Literal["float32", "bfloat16", "float16"]
 RouterScore = Literal["softmax", "sigmoid"]
 
 
-
-def __getattr__(name: str) -> Any:
-    """`TORCH_DTYPES` (the model dtypes as torch.dtype), built on first use: importing this module needs no torch."""
-    if name == "TORCH_DTYPES":
-        return {n: dtypes.to_torch(n) for n in get_args(DType)}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def dtype_name(dtype: torch.dtype | str) -> DType:
     """The model dtype of parameters stored as `dtype` (a torch.dtype or its name)."""
     name = dtypes.name_of(dtype)

@@ -20,10 +20,10 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
     NaN (a checkpoint may legitimately carry one, and `inspect` reports it), and -0.0 does not match 0.0."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if a.is_floating_point() or a.is_complex():
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}[a.element_size()]
-        if a.element_size() == 16:  # complex128: two float64 per element
-            a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_complex():  # its real and imaginary parts
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_floating_point():
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         a, b = a.view(bits), b.view(bits)
     return bool(torch.equal(a, b))
 
