@@ -64,13 +64,19 @@ def cast_reference(a: ModelIR, b: ModelIR) -> tuple[Literal["A", "B"], ModelIR] 
     names = cast_tensors(a, b)
     if not names:
         return None
-    b_sources = sum(a[n].fp8_block is not None and b[n].fp8_block is None if a[n].fp8_block != b[n].fp8_block
-                    else a[n].dtype in _HOLDS.get(b[n].dtype, set()) for n in names)  # B holds A's values
+    b_sources = sum(_holds(b[n], a[n]) for n in names)
     side, src, dst = ("B", b, a) if 2 * b_sources > len(names) else ("A", a, b)
     tensors = dict(src.tensors)
     for n in names:
         tensors[n] = src[n].map(lambda x, t=dst[n]: _rounded(x, t), dtype=dst[n].dtype)
     return side, dataclasses.replace(src, tensors=tensors)
+
+
+def _holds(x: LazyTensor, y: LazyTensor) -> bool:
+    """Does x hold y's values: y is FP8 and x is not, or (FP8 on neither side or both) x's dtype holds y's."""
+    if (x.fp8_block is None) != (y.fp8_block is None):
+        return x.fp8_block is None
+    return y.dtype in _HOLDS.get(x.dtype, set())
 
 
 def _rounded(x: torch.Tensor, like: LazyTensor) -> torch.Tensor:
