@@ -36,16 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from convert import run_measured  # noqa: E402
 
-from mconvert import fp8  # noqa: E402
-from mconvert.formats import hf_dir  # noqa: E402
-from mconvert.formats.safetensors_io import Entry  # noqa: E402
-from mconvert.ir import ModelConfig  # noqa: E402
-from mconvert.ir_names import expected_shapes  # noqa: E402
-from mconvert.layout import ParallelLayout  # noqa: E402
-from mconvert.mapping import expand  # noqa: E402
-from mconvert.rules import Ctx  # noqa: E402
-from mconvert.schemas import core, hf_deepseek, rank_plan  # noqa: E402
-from mconvert.transforms import padded_vocab_size  # noqa: E402
+from mconvert.hf import deepseek as hf_deepseek  # noqa: E402
+from mconvert.io import hf_dir  # noqa: E402
+from mconvert.io.safetensors import Entry  # noqa: E402
+from mconvert.ir.config import ModelConfig  # noqa: E402
+from mconvert.ir.names import expected_shapes  # noqa: E402
+from mconvert.megatron import core, rank_plan
+from mconvert.rules import fp8  # noqa: E402
+from mconvert.rules.layout import ParallelLayout  # noqa: E402
+from mconvert.rules.mapping import expand  # noqa: E402
+from mconvert.rules.table import Ctx  # noqa: E402
+from mconvert.rules.transforms import padded_vocab_size  # noqa: E402
 
 # DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3), the fields that shape the weights
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 from mtrain import weights
 from mtrain.generation import Sampling, generate_batch
 from mtrain.parallelize import build_model

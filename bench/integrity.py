@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.convert import SIZES, build_llama  # noqa: E402
-from mconvert.formats.integrity import MANIFEST, write_manifest  # noqa: E402
+from mconvert.io.integrity import MANIFEST, write_manifest  # noqa: E402
 
 
 def timed(*args: str) -> float:

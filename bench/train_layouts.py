@@ -110,7 +110,7 @@ def run_once(name: str, args, prefix: str, tmp: Path) -> float:
 
 def flops_per_token(args, moe: bool) -> float:
     """Training model FLOPs per token (mtrain/flops.py: 6 x matmul weights per token + attention)."""
-    from mconvert.ir import ModelConfig
+    from mconvert.ir.config import ModelConfig
     from mtrain.flops import flops_per_token as count
 
     return count(ModelConfig(**model_section(args, moe)), args.seq)

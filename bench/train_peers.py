@@ -316,7 +316,7 @@ def main(argv: list[str]) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import peer_data
 
-    from mconvert.ir import ModelConfig
+    from mconvert.ir.config import ModelConfig
     from mtrain import flops
 
     pythons, skipped, labels = {}, {}, {"mtrain": "mtrain", "mtrain ddp": "mtrain (DDP)",

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from convert import SIZES, build_llama, measure  # noqa: E402
 
-from mconvert.ir import ModelConfig  # noqa: E402
-from mconvert.ir_names import expected_shapes  # noqa: E402
+from mconvert.ir.config import ModelConfig  # noqa: E402
+from mconvert.ir.names import expected_shapes  # noqa: E402
 
 TARGET_LAYERS = SIZES["7b"][1]
 LLAMA_7B = dict(family="llama", num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,

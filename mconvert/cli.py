@@ -210,8 +210,8 @@ def _verify_output(load_dir: Path, loader: str, save_dir: Path, options, progres
     """`--verify`: a check of the staged output against the source (read again, without the --dtype cast)."""
 
     def check(staging: Path) -> None:
-        from mconvert.verify import VerifySettings, verify
-        from mconvert.verify.report import summary_line
+        from mconvert.tools.verify import VerifySettings, verify
+        from mconvert.tools.verify.report import summary_line
 
         settings = VerifySettings(loader_a=loader, options=dataclasses.replace(options, dtype=None))
         report = verify(load_dir, staging, settings, progress, labels=(str(load_dir), str(save_dir)))
@@ -236,8 +236,8 @@ def _check_applicable(ctx: click.Context, loader: registry.Plugin, saver: regist
 
 
 def _options(o: dict):
-    from mconvert.layout import ParallelLayout
     from mconvert.options import Options
+    from mconvert.rules.layout import ParallelLayout
 
     layout = ParallelLayout(tp=o["tp"], pp=o["pp"], vpp=o["vpp"], ep=o["ep"], etp=o["etp"],
                             first_stage_layers=o["first_stage_layers"], last_stage_layers=o["last_stage_layers"])
@@ -289,8 +289,8 @@ def _dtype(o: dict) -> str | None:
 @_fail_cleanly
 def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors: bool, values: bool) -> None:
     """Show a checkpoint's format, config, layout, size, tensors and any NaN/Inf values."""
-    from mconvert.inspect import describe
     from mconvert.options import Options
+    from mconvert.tools.inspect import describe
 
     click.echo(describe(path, loader, Options(true_vocab_size=true_vocab_size), tensors=tensors, values=values))
 
@@ -307,8 +307,8 @@ def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, true_v
 
     Exits with status 1 when a config field or a tensor differs.
     """
-    from mconvert.inspect import compare as run
     from mconvert.options import Options
+    from mconvert.tools.inspect import compare as run
 
     text, same = run(a, b, loader_a, loader_b, Options(true_vocab_size=true_vocab_size))
     click.echo(text)
@@ -343,8 +343,8 @@ def verify_command(a: Path, b: Path, loader_a, loader_b, true_vocab_size, per_la
     """
     from mconvert.options import Options
     from mconvert.progress import Progress
-    from mconvert.verify import VerifySettings, verify
-    from mconvert.verify.report import text, to_json
+    from mconvert.tools.verify import VerifySettings, verify
+    from mconvert.tools.verify.report import text, to_json
 
     settings = VerifySettings(loader_a=loader_a, loader_b=loader_b, options=Options(true_vocab_size=true_vocab_size),
                               **given)

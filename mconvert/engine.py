@@ -18,8 +18,8 @@ from pathlib import Path
 
 from mconvert import staging, workers
 from mconvert.errors import ConvertError
-from mconvert.formats import contained, hf_dir
-from mconvert.ir import ModelIR
+from mconvert.io import contained, hf_dir
+from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
 from mconvert.progress import QUIET, Progress
 from mconvert.registry import Plugin, detect_loader, get_loader, get_saver
@@ -87,7 +87,7 @@ def tree_size(root: Path) -> tuple[int, int]:
 
 def resolve_source(path: Path | str) -> Path:
     """The checkpoint location: an existing path, or a hub id (`org/name`) found in the local HF cache; checked
-    to hold no link leading out of it (see mconvert.formats.contained) before any reader opens a file."""
+    to hold no link leading out of it (see mconvert.io.contained) before any reader opens a file."""
     if Path(path).exists():
         found = Path(path)
     elif re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):

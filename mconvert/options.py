@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from mconvert.ir import DType
-from mconvert.layout import ParallelLayout
+from mconvert.ir.dtypes import DType
+from mconvert.rules.layout import ParallelLayout
 
 # The command-line options that describe a Megatron output layout (savers that take them list them all).
 LAYOUT_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers")

@@ -1,15 +1,18 @@
 """Loaders and savers, registered by the name users type.
 
-Built-in plugins live in `mconvert.loaders` and `mconvert.savers` (the `loaders/` and `savers/` folders) and
-register themselves with `@register_loader("name")` / `@register_saver("name")`. Third-party packages add theirs
-through the entry-point groups `mconvert.loaders` and `mconvert.savers` (the entry point names a module to
-import, or the plugin function itself, which registers by decorator when its module is imported).
+Built-in plugins are the modules of `mconvert.hf` (one per Hugging Face family) and `mconvert.megatron` (one
+per storage format); each registers its loader and saver with `@register_loader("name")` /
+`@register_saver("name")`, so adding a module adds its plugins. Other packages add theirs through the
+entry-point groups `mconvert.loaders` and `mconvert.savers` (the entry point names a module to import, or the
+plugin function itself, which registers by decorator when its module is imported); mtrain's loader comes this
+way, so mconvert never imports the trainer.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +33,7 @@ class Plugin:
 _LOADERS: dict[str, Plugin] = {}
 _SAVERS: dict[str, Plugin] = {}
 _loaded: set[str] = set()  # the kinds ("loader", "saver") whose plugins are imported
+BUILTIN = ("mconvert.hf", "mconvert.megatron")  # packages each of whose modules may register plugins
 
 
 def _register(table: dict[str, Plugin], kind: str, name: str, aliases, detect, options):
@@ -56,13 +60,14 @@ def register_saver(name: str, *, aliases=(), options=()):
 
 
 def _load_plugins(kind: str) -> None:
-    """Import the built-in and entry-point plugins of one kind: finding a loader (`mconvert inspect`) imports no
-    saver."""
+    """Import the built-in plugin modules and the entry-point plugins of one kind."""
     if kind in _loaded:
         return
     _loaded.add(kind)
+    for package in BUILTIN:
+        for info in pkgutil.iter_modules(importlib.import_module(package).__path__, package + "."):
+            importlib.import_module(info.name)
     group = f"mconvert.{kind}s"
-    importlib.import_module(group)
     for ep in importlib.metadata.entry_points(group=group):
         try:
             ep.load()

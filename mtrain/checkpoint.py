@@ -40,11 +40,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from mconvert.errors import ConvertError
-from mconvert.formats import hf_dir
-from mconvert.formats.contained import check_tree, inside
-from mconvert.formats.dcp import read_metadata
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.ir import ModelConfig
+from mconvert.io import hf_dir
+from mconvert.io.contained import check_tree, inside
+from mconvert.io.dcp import read_metadata
+from mconvert.io.torch_pickle import safe_load
+from mconvert.ir.config import ModelConfig
 from mconvert.staging import fsync_path
 from mtrain import safe_dcp, weights
 from mtrain.errors import TrainError

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mconvert.errors import ConvertError
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 from mtrain.config_ranges import check_ranges
 from mtrain.errors import TrainError
 

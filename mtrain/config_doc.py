@@ -4,7 +4,7 @@
       seq_len: 1024                       # int: tokens per sample (at most the model's max_position_embeddings)
 
 Each line shows the value (the default, or the resolved value of a given config), the type and one line of
-meaning. The output is itself a config file: `mtrain config > run.yaml`, fill in the model, edit. README.md shows
+meaning. The output is itself a config file: `mtrain config > run.yaml`, fill in the model, edit. docs/mtrain.md shows
 this output verbatim (tests/mtrain/test_mtrain_config.py keeps the two the same).
 
 mtrain's own sections carry their help in the dataclass fields (config.opt); the model section is mconvert's
@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 from mtrain.config import SECTION_HELP, SECTIONS, Config
 
 MODEL_HELP = {

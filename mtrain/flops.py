@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 
 # Dense (no sparsity) peak TFLOP/s of one GPU from the vendors' data sheets: (bf16 tensor cores, fp32 without TF32).
 # Matched against torch.cuda.get_device_name() in this order (the first name it contains wins).

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 from mtrain.errors import TrainError
 from mtrain.models.kv_cache import KVCache
 from mtrain.models.model import Transformer

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mconvert import engine
-from mconvert.ir import ModelIR
+from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
 from mtrain import weights
 from mtrain.config import check_positions

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 from mtrain.models.model import SequenceShard, Transformer
 from mtrain.models.moe import MoE
 from mtrain.parallel.context_parallel import apply_context_parallel

@@ -7,7 +7,7 @@ resumes from it. Here every byte goes through an allow-list or through no unpick
 
     .metadata       mconvert's allow-listed DCP unpickler (DCP's own classes only), checked first by `DcpReader`
                     (types, every relative_path inside the checkpoint, no file shorter than the records say)
-    tensor chunks   memory-mapped, decoded by `formats.torch_pickle.map_tensor` (torch's weights-only loader)
+    tensor chunks   memory-mapped, decoded by `mconvert.io.torch_pickle.map_tensor` (torch's weights-only loader)
     bytes items     `safe_load_bytes` (torch's weights_only loader with mconvert's allow-list)
 
 DCP still plans the load, so resharding to another layout works as before.
@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from mconvert.errors import ConvertError
-from mconvert.formats import dcp as dcp_format
-from mconvert.formats.torch_pickle import map_tensor, safe_load_bytes
+from mconvert.io import dcp as dcp_format
+from mconvert.io.torch_pickle import map_tensor, safe_load_bytes
 
 
 class _RealClasses(dcp_format._MetadataUnpickler):

@@ -33,7 +33,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from mconvert import engine
 from mconvert.errors import ConvertError
-from mconvert.ir import ModelConfig, ModelIR
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
 from mtrain import checkpoint, cpu_memory, distributed, flops, precision, weights
 from mtrain.config import Config, check_positions, dump

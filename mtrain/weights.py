@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mconvert.errors import mismatch
-from mconvert.ir import ModelConfig, ModelIR
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.tensors import ModelIR
 from mtrain.errors import TrainError
 from mtrain.models import state_dict_adapter
 

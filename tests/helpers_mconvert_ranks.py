@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from mconvert.cli import main
 from mconvert.errors import ConvertError
-from mconvert.formats.torch_zip import TorchFileWriter
-from mconvert.savers import megatron_files
+from mconvert.io.torch_zip import TorchFileWriter
+from mconvert.megatron import rank_files
 from mconvert.workers import init_process_group
 from tests.gloo_threads import gloo_threads
 
@@ -42,16 +42,16 @@ def run(args: list[str]) -> str | None:
 if __name__ == "__main__":
     init_process_group("gloo")  # as mconvert's own torchrun start does
     rank = dist.get_rank()
-    add, check = TorchFileWriter.add, megatron_files.check_plan
+    add, check = TorchFileWriter.add, rank_files.check_plan
     bad = []
     for scenario in json.loads(open(sys.argv[1]).read()):
         fail = scenario.get("fail_rank")
         if fail == rank and scenario.get("fail_in", "write") == "write":
             TorchFileWriter.add = failing_add
         if fail == rank and scenario.get("fail_in") == "plan":
-            megatron_files.check_plan = failing_check
+            rank_files.check_plan = failing_check
         error = run(scenario["args"])
-        TorchFileWriter.add, megatron_files.check_plan = add, check
+        TorchFileWriter.add, rank_files.check_plan = add, check
         if (error is None) != (fail is None):
             bad.append(f"rank {rank}: {scenario['args']}: expected {'failure' if fail is not None else 'success'}, "
                        f"got {error or 'success'}")

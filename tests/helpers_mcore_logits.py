@@ -49,7 +49,7 @@ def use_repository_packages() -> None:
 
 
 use_repository_packages()
-from mconvert.formats.torch_pickle import safe_load  # noqa: E402
+from mconvert.io.torch_pickle import safe_load  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers_mcore_moe import megatron_on_cpu  # noqa: E402
@@ -100,7 +100,7 @@ def check_dist_keys(sharded_state_dict, it_dir: Path) -> None:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factories
 
-    from mconvert.formats.dcp import DcpReader
+    from mconvert.io.dcp import DcpReader
 
     apply_factories(sharded_state_dict)
     want = {v.unique_key if isinstance(v, ShardedObject) else v.key for v in nested_values(sharded_state_dict)}

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mconvert.formats.torch_pickle import safe_load
+from mconvert.io.torch_pickle import safe_load
 from tests.conftest import run_cli
 
 

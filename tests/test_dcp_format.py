@@ -1,4 +1,4 @@
-"""mconvert.formats.dcp on its own: several ranks writing their own shards, partial reads without copies."""
+"""mconvert.io.dcp on its own: several ranks writing their own shards, partial reads without copies."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mconvert.formats.dcp import DcpReader
-from mconvert.formats.dcp_writer import DcpWriter
+from mconvert.io.dcp import DcpReader
+from mconvert.io.dcp_writer import DcpWriter
 
 
 def _free_port() -> int:
@@ -69,7 +69,7 @@ def test_reading_needs_no_torch_distributed_checkpoint(tmp_path):
     with DcpWriter(tmp_path) as writer:
         writer.add_chunk("w", (2, 3), (0, 0), torch.ones(2, 3))
         writer.finish()
-    code = ("import sys, torch; from formats.dcp import DcpReader; "
+    code = ("import sys, torch; from mconvert.io.dcp import DcpReader; "
             f"t = DcpReader(__import__('pathlib').Path(r'{tmp_path}')).read('w'); "
             "print(bool(torch.equal(t, torch.ones(2, 3))), 'torch.distributed.checkpoint' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

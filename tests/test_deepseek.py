@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from mconvert import engine
 from mconvert.errors import ConvertError
-from mconvert.formats.dcp import DcpReader
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.ir import ModelConfig
+from mconvert.io.dcp import DcpReader
+from mconvert.io.torch_pickle import safe_load
+from mconvert.ir.config import ModelConfig
 from mconvert.options import Options
 from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, run_cli
 from tests.deepseek_models import LAYERS, make_deepseek, make_deepseek_v2
@@ -200,7 +200,7 @@ def test_a_format_without_mtp_refuses_rather_than_dropping(ds_dir, tmp_path):
     out = run_cli("--saver", "mixtral_hf", "--load-dir", ds_dir, "--save-dir", tmp_path / "hf", expect_error=True)
     assert "(Mixtral has experts in every layer), multi-latent attention, shared experts, sigmoid router scores, a " \
            "router expert bias, group-limited routing, routed weights scaled by 2.5, 1 multi-token-prediction " \
-           "module(s) (--skip-mtp leaves them out)" in out
+           "module(s) (--skip-mtp leaves them out) (deepseek_hf can hold these)" in out
 
 
 def test_megatron_args_describe_the_model(ds_dir, tmp_path):
@@ -258,22 +258,22 @@ def test_inconsistent_deepseek_configs_are_refused(ds_dir, change, message):
 
 
 def test_megatron_refusals_name_what_it_cannot_express(ds_dir):
-    from mconvert.schemas import core_deepseek
+    from mconvert.megatron import mla
 
     c = engine.load(ds_dir, Options()).config
     with pytest.raises(ConvertError, match=r"scores a group of experts by its best moe_router_topk // moe_router_"
                                            r"group_topk = 1 experts, this model \(as DeepSeek\) by its best 2"):
-        core_deepseek.routing_args(c.replace(moe_router_group_topk=4))
+        mla.routing_args(c.replace(moe_router_group_topk=4))
     with pytest.raises(ConvertError, match="YaRN with mscale=0 and mscale_all_dim=0.7"):
-        core_deepseek.yarn_args(c.replace(rope_scaling=c.rope_scaling | {"mscale": 0.0}))
+        mla.yarn_args(c.replace(rope_scaling=c.rope_scaling | {"mscale": 0.0}))
     with pytest.raises(ConvertError, match="supports YaRN rope scaling only"):
-        core_deepseek.yarn_args(c.replace(rope_scaling={"rope_type": "linear", "factor": 2.0}))
-    assert core_deepseek.saver_problems(c.replace(kv_lora_rank=33), 2, "local") == [
+        mla.yarn_args(c.replace(rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    assert mla.saver_problems(c.replace(kv_lora_rank=33), 2, "local") == [
         "--tp 2 does not divide kv_lora_rank + qk_rope_head_dim=41 (the local spec splits MLA's down projections "
         "over TP; Transformer Engine's --transformer-impl te does not)"]
-    assert core_deepseek.saver_problems(c.replace(kv_lora_rank=33), 2, "te") == []
+    assert mla.saver_problems(c.replace(kv_lora_rank=33), 2, "te") == []
     # transformers ignores mscale when mscale_all_dim is 0 (attention factor mscale(f, 1)): Megatron's (1, 0)
-    assert core_deepseek.yarn_args(c.replace(rope_scaling=c.rope_scaling | {"mscale": 0.5, "mscale_all_dim": 0}))[
+    assert mla.yarn_args(c.replace(rope_scaling=c.rope_scaling | {"mscale": 0.5, "mscale_all_dim": 0}))[
         "mscale"] == 1.0
 
 
@@ -342,7 +342,8 @@ def test_megatron_dcp_formats_hold_mla_and_refuse_mtp(ds_dir, tmp_path, tokens, 
 def test_a_plan_that_drops_a_tensor_is_refused_before_writing(ds_dir, tmp_path, monkeypatch):
     """The torch_dist and DCP savers check that their plan writes every IR tensor (a table missing a family's
     tensors once wrote a model without its attention and exited 0)."""
-    from mconvert.schemas import core_dcp, core_dist
+    from mconvert.megatron import dcp as core_dcp
+    from mconvert.megatron import dist as core_dist
 
     real_rows, real_placements = core_dcp.rows, core_dist.placements
     monkeypatch.setattr(core_dcp, "rows", lambda *a, **k: [r for r in real_rows(*a, **k) if "kv_down" not in r.key])

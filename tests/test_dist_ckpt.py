@@ -51,7 +51,7 @@ def test_moe_torch_dist_keys(impl, mixtral_dir, tmp_path):
     """Experts stack on a second axis; the MoE pre-MLP norm is named by the spec (TE keeps its own module)."""
     run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--transformer-impl", impl, "--load-dir", mixtral_dir,
             "--save-dir", tmp_path / "d")
-    from mconvert.formats.dcp import DcpReader
+    from mconvert.io.dcp import DcpReader
 
     reader = DcpReader(tmp_path / "d" / "iter_0000001")
     shapes = {k: v.shape for k, v in reader.tensors.items()}
@@ -92,7 +92,7 @@ def test_torch_to_dist_to_torch_reshards(fmt, llama_dir, tmp_path):
 
 def test_torch_dist_layout_is_megatrons(tmp_path):
     run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", LLAMA / "hf", "--save-dir", tmp_path / "d")
-    from mconvert.formats.dcp import DcpReader
+    from mconvert.io.dcp import DcpReader
 
     ours, theirs = DcpReader(tmp_path / "d" / "iter_0000001"), DcpReader(LLAMA / "torch_dist" / "iter_0000001")
     assert {k: (v.shape, v.dtype) for k, v in ours.tensors.items()} == \
@@ -102,7 +102,7 @@ def test_torch_dist_layout_is_megatrons(tmp_path):
     it = tmp_path / "d" / "iter_0000001"
     assert json.loads((it / "metadata.json").read_text()) == json.loads(
         (LLAMA / "torch_dist" / "iter_0000001" / "metadata.json").read_text())
-    from mconvert.formats.torch_pickle import safe_load
+    from mconvert.io.torch_pickle import safe_load
 
     common = safe_load(it / "common.pt")
     assert set(common) == set(safe_load(LLAMA / "torch_dist" / "iter_0000001" / "common.pt"))

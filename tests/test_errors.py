@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.formats.torch_zip import TorchFileWriter
+from mconvert.io.torch_pickle import safe_load
+from mconvert.io.torch_zip import TorchFileWriter
 from tests.conftest import make_hf_model, run_cli
 
 
@@ -182,7 +182,7 @@ def test_checkpoint_without_args(tmp_path):
 
 def test_mtrain_checkpoint_with_unsafe_metadata(tmp_path):
     """The mtrain loader reads DCP metadata through the allow-list too (torch's reader would run the pickle)."""
-    from mconvert.ir import ModelConfig
+    from mconvert.ir.config import ModelConfig
     from mtrain import checkpoint
 
     step = tmp_path / "run" / "step_0000001"
@@ -246,7 +246,7 @@ def test_safetensors_header_that_is_not_an_object(tmp_path):
     import struct
 
     from mconvert.errors import ConvertError
-    from mconvert.formats.safetensors_io import SafetensorsFile
+    from mconvert.io.safetensors import SafetensorsFile
 
     (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", 2) + b"[]")
     with pytest.raises(ConvertError, match="corrupt safetensors header: a JSON list, not an object"):
@@ -267,8 +267,8 @@ def test_bad_numbers_and_paths(llama_dir, tmp_path):
 
 
 def test_mtrain_loader_file_names_follow_the_trainer():
-    from mconvert.loaders import mtrain as loader
     from mtrain import checkpoint
+    from mtrain import export as loader
 
     assert (loader.META_FILE, loader.LATEST_FILE) == (checkpoint.META_FILE, checkpoint.LATEST_FILE)
 

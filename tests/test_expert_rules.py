@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from mconvert import transforms
 from mconvert.errors import ConvertError
-from mconvert.expert_shards import GROUPED_GEMM_FC1, GROUPED_GEMM_FC2, STACK, STACK_GATE_UP, expert_tp
-from mconvert.ir import ModelConfig
-from mconvert.rules import GATED_COLUMN, ROW, Ctx
+from mconvert.ir.config import ModelConfig
+from mconvert.rules import transforms
+from mconvert.rules.experts import GROUPED_GEMM_FC1, GROUPED_GEMM_FC2, STACK, STACK_GATE_UP, expert_tp
+from mconvert.rules.table import GATED_COLUMN, ROW, Ctx
 
 CONFIG = ModelConfig(family="mixtral", num_layers=1, hidden_size=6, ffn_hidden_size=8, num_attention_heads=2,
                      num_query_groups=1, head_dim=3, vocab_size=10, max_position_embeddings=16, num_experts=4,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mconvert.formats.torch_pickle import safe_load
+from mconvert.io.torch_pickle import safe_load
 from tests.conftest import FIXTURES, assert_same_tensors, ir_tensors, run_cli
 
 LLAMA = FIXTURES / "llama_gqa"

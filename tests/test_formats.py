@@ -12,10 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mconvert.errors import ConvertError
-from mconvert.formats import hf_dir, safetensors_io
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.formats.torch_zip import TorchFileWriter
-from mconvert.ir import ModelConfig
+from mconvert.io import hf_dir
+from mconvert.io import safetensors as safetensors_io
+from mconvert.io.torch_pickle import safe_load
+from mconvert.io.torch_zip import TorchFileWriter
+from mconvert.ir.config import ModelConfig
 
 
 def test_torch_writer_matches_torch_load(tmp_path):
@@ -147,7 +148,7 @@ def test_torch_finds_our_storages_where_they_are(tmp_path):
 def test_embedded_tensor_archives_are_mapped_or_refused(tmp_path):
     import mmap
 
-    from mconvert.formats.torch_pickle import map_tensor
+    from mconvert.io.torch_pickle import map_tensor
 
     path = tmp_path / "chunks.bin"
     with open(path, "wb") as f:
@@ -171,7 +172,7 @@ def test_embedded_tensor_archives_are_mapped_or_refused(tmp_path):
 
 def _send(tmp_path, *blocks):
     """Send `blocks` one after another into a new file; its bytes and the sender's counts."""
-    from mconvert.formats.block_writer import Sender
+    from mconvert.io.block_writer import Sender
 
     sender = Sender()
     fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -192,7 +193,7 @@ def _raw(t: torch.Tensor) -> bytes:
 def test_file_bytes_go_file_to_file_only_while_unchanged(tmp_path):
     """A part a loader mapped from a file unchanged is copied file to file (copy_file_range), rows of it at their
     own offsets; a cast, a transpose, a part written in place, or a file replaced since is written from memory."""
-    from mconvert.blocks import Blocks
+    from mconvert.ir.blocks import Blocks
 
     tensors = {k: torch.randn(1024, 512) for k in "abcde"}
     save_file(tensors, tmp_path / "model.safetensors")
@@ -231,8 +232,8 @@ def test_big_endian_torch_files_are_never_copied_from_the_file(tmp_path):
     file's, so no provenance is claimed and the (little-endian) values are written from memory."""
     import zipfile
 
-    from mconvert.blocks import Blocks
-    from mconvert.formats.torch_pickle import file_sources
+    from mconvert.io.torch_pickle import file_sources
+    from mconvert.ir.blocks import Blocks
 
     values = torch.randn(1024, 512)
     torch.save({"model": {"w": values}}, tmp_path / "little.pt")
@@ -258,8 +259,8 @@ def test_big_endian_torch_files_are_never_copied_from_the_file(tmp_path):
 def test_fused_qkv_rows_are_copied_from_their_own_offsets(tmp_path):
     """HF q, k, v -> Megatron's fused QKV (query groups interleaved) moves whole rows: each run of rows is copied
     from where it lies in the source file, and the result is the rule's own output, byte for byte."""
-    from mconvert.row_plan import RowPlanner
-    from mconvert.rules import COLUMN, QKV, Ctx, Rule
+    from mconvert.rules.row_plan import RowPlanner
+    from mconvert.rules.table import COLUMN, QKV, Ctx, Rule
 
     config = ModelConfig(family="llama", num_layers=1, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8,
                          num_query_groups=2, head_dim=32, vocab_size=64, max_position_embeddings=64)
@@ -271,7 +272,7 @@ def test_fused_qkv_rows_are_copied_from_their_own_offsets(tmp_path):
     pieces = RowPlanner(ctx).forward(rule, [lazy[n].load_blocks() for n in "qkv"])
     assert pieces is not None and all(p.source(i) is not None for p in pieces for i in range(len(p.parts)))
     expected = rule.forward([q, k, v], ctx)
-    import mconvert.formats.block_writer as block_writer
+    import mconvert.io.block_writer as block_writer
 
     old, block_writer.SPAN_MIN = block_writer.SPAN_MIN, 0
     try:
@@ -284,7 +285,7 @@ def test_fused_qkv_rows_are_copied_from_their_own_offsets(tmp_path):
 def test_dequantized_fp8_weights_are_never_copied_from_the_file(tmp_path):
     """DeepSeek's FP8 weights are dequantized when read: new bytes, no provenance, written from memory, while the
     bf16 tensors beside them still go file to file."""
-    from mconvert import fp8
+    from mconvert.rules import fp8
 
     w = torch.randn(256, 256)
     q, s = fp8.quantize(w)

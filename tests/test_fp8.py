@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mconvert import engine, fp8
+from mconvert import engine
 from mconvert.errors import ConvertError
+from mconvert.hf.deepseek import is_fp8_weight
 from mconvert.options import Options
-from mconvert.schemas.hf_deepseek import is_fp8_weight
-from mconvert.verify.run import verify
+from mconvert.rules import fp8
+from mconvert.tools.verify.run import verify
 from tests.conftest import hf_logits, ir_tensors, run_cli
 from tests.deepseek_models import make_deepseek
 
@@ -165,7 +166,7 @@ def test_fp8_with_several_workers_and_file_copies(fp8_dir, tmp_path, monkeypatch
     import os
     import shutil
 
-    from mconvert.formats import block_writer
+    from mconvert.io import block_writer
 
     def written(*args: str) -> dict[str, bytes]:
         out = tmp_path / "out"

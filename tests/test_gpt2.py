@@ -11,10 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from mconvert.errors import ConvertError
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.ir import ModelConfig
-from mconvert.rules import Ctx
-from mconvert.schemas import core, hf_gpt2
+from mconvert.hf import gpt2 as hf_gpt2
+from mconvert.io.torch_pickle import safe_load
+from mconvert.ir.config import ModelConfig
+from mconvert.megatron import arguments
+from mconvert.rules.table import Ctx
 from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
 
 H = 64  # the gpt2 test model: 4 layers, 4 heads of 16, n_inner null (256), vocab 300, 128 positions
@@ -180,7 +181,7 @@ def test_megatron_fused_bias_gelu_is_the_tanh_approximation():
     def activation(**args):
         from types import SimpleNamespace
 
-        return core.config_from_args(SimpleNamespace(**base, **args), vocab_size=10, padded_vocab_size=128,
+        return arguments.config_from_args(SimpleNamespace(**base, **args), vocab_size=10, padded_vocab_size=128,
                                      dtype="float32", where="test").activation
 
     assert activation(openai_gelu=True) == "gelu_tanh"
@@ -224,8 +225,8 @@ def test_hf_dispatcher(gpt2_dir, llama_dir, tmp_path):
 
 
 def test_hf_saver_names_the_families_it_writes(gpt2_dir, tmp_path, monkeypatch):
-    from mconvert import savers
+    from mconvert.hf import family
 
-    monkeypatch.delitem(savers.hf.SAVERS, "gpt2")
+    monkeypatch.delitem(family.FAMILIES, "gpt2_hf")
     out = run_cli("--saver", "hf", "--load-dir", gpt2_dir, "--save-dir", tmp_path / "o", expect_error=True)
     assert "the hf saver cannot write a gpt2 model yet; it writes deepseek_v2, deepseek_v3, llama, mistral" in out

@@ -14,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mconvert import engine, finite
-from mconvert.formats import hf_dir
-from mconvert.inspect import describe
+from mconvert import engine
+from mconvert.io import hf_dir
 from mconvert.options import Options
+from mconvert.tools import finite
+from mconvert.tools.inspect import describe
 from tests.conftest import make_hf_model, run_cli
 
 # One tensor per floating dtype inspect reads without torch, with NaN (of either sign, quiet and signalling) and

@@ -1,7 +1,7 @@
 """Pin the IR vocabulary: the exact tensor names per family (a change here is a format change)."""
 
-from mconvert.ir import ModelConfig
-from mconvert.ir_names import expected_shapes
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.names import expected_shapes
 
 BASE = dict(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=1, head_dim=4,
             vocab_size=10, max_position_embeddings=32)

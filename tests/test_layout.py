@@ -3,8 +3,8 @@
 import pytest
 
 from mconvert.errors import ConvertError
-from mconvert.ir import ModelConfig
-from mconvert.layout import ParallelLayout
+from mconvert.ir.config import ModelConfig
+from mconvert.rules.layout import ParallelLayout
 
 
 def assignment(layers: int, **layout) -> dict[tuple[int, int], list[int]]:

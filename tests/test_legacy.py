@@ -10,17 +10,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mconvert import transforms
 from mconvert.errors import ConvertError
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.ir import ModelConfig, ModelIR, SourceInfo
-from mconvert.loaders.core import is_core_checkpoint
-from mconvert.loaders.legacy import is_legacy_checkpoint
+from mconvert.io.torch_pickle import safe_load
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.tensors import ModelIR, SourceInfo
+from mconvert.megatron import legacy as legacy_saver
+from mconvert.megatron import legacy as schema
+from mconvert.megatron.legacy import is_legacy_checkpoint
+from mconvert.megatron.torch_format import is_core_checkpoint
 from mconvert.options import Options
 from mconvert.progress import QUIET
-from mconvert.rules import Ctx
-from mconvert.savers import legacy as legacy_saver
-from mconvert.schemas import legacy as schema
+from mconvert.rules import transforms
+from mconvert.rules.table import Ctx
 from tests.conftest import FIXTURES, assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
 
 needs_fixtures = pytest.mark.skipif(not (FIXTURES / "llama_gqa").is_dir(), reason=f"fixtures not found at {FIXTURES}")

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.schemas import legacy as schema
+from mconvert.io.torch_pickle import safe_load
+from mconvert.megatron import legacy as schema
 from tests.conftest import FIXTURES, assert_same_tensors, hf_logits, ir_tensors, run_cli
 from tests.test_legacy import RANK_FILE, rank_file, to_legacy
 

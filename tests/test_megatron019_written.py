@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mconvert import engine
-from mconvert.formats.dcp import DcpReader
+from mconvert.io.dcp import DcpReader
 from mconvert.options import Options
 from tests.conftest import hf_logits, run_cli
 from tests.megatron_lm.specs import VOCAB, specs

@@ -10,8 +10,8 @@ import zipfile
 import pytest
 import torch
 
-from mconvert.formats.dcp import DcpReader, read_metadata
-from mconvert.formats.torch_pickle import safe_load
+from mconvert.io.dcp import DcpReader, read_metadata
+from mconvert.io.torch_pickle import safe_load
 from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
 
 IT = "iter_0000001"

@@ -8,10 +8,10 @@ import shutil
 import pytest
 
 from mconvert.errors import ConvertError
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.formats.torch_zip import TorchFileWriter
-from mconvert.mapping import Row, check_plan
-from mconvert.rules import Rule
+from mconvert.io.torch_pickle import safe_load
+from mconvert.io.torch_zip import TorchFileWriter
+from mconvert.rules.mapping import Row, check_plan
+from mconvert.rules.table import Rule
 from tests.conftest import run_cli
 
 EXPERT = "decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1.weight"

@@ -12,9 +12,10 @@ import torch
 
 from mconvert import engine
 from mconvert.errors import ConvertError
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo
-from mconvert.ir_names import expected_shapes
+from mconvert.io.torch_pickle import safe_load
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.names import expected_shapes
+from mconvert.ir.tensors import LazyTensor, ModelIR, SourceInfo
 from mconvert.options import Options
 from tests.conftest import assert_same_tensors, ir_tensors, megatron_core_logits, run_cli
 

@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from mconvert.formats.torch_pickle import safe_load
-from mconvert.formats.torch_zip import TorchFileWriter
+from mconvert.io.torch_pickle import safe_load
+from mconvert.io.torch_zip import TorchFileWriter
 from tests.conftest import assert_same_tensors, ir_tensors, run_cli
 
 # Each step reshards the previous one; every result must equal a direct conversion from HF, file by file.

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from mconvert import engine
-from mconvert.formats.dcp import DcpReader
-from mconvert.formats.torch_pickle import safe_load
+from mconvert.io.dcp import DcpReader
+from mconvert.io.torch_pickle import safe_load
 from mconvert.options import Options
 from tests.conftest import (
     assert_same_tensors,
@@ -333,8 +333,8 @@ REFUSALS = [
 @pytest.mark.parametrize("fields, message", REFUSALS, ids=range(len(REFUSALS)))
 def test_what_hf_qwen_cannot_hold_is_refused(fields, message):
     from mconvert.errors import ConvertError
-    from mconvert.ir import ModelConfig
-    from mconvert.schemas import hf_qwen
+    from mconvert.hf import qwen as hf_qwen
+    from mconvert.ir.config import ModelConfig
 
     with pytest.raises(ConvertError) as e:
         hf_qwen.config_to_hf(ModelConfig(**(QWEN | fields)))
@@ -360,8 +360,9 @@ def test_what_megatron_cannot_hold_is_refused(tmp_path):
 
 def test_mistral_cannot_skip_its_window_in_some_layers():
     from mconvert.errors import ConvertError
-    from mconvert.ir import ModelConfig
-    from mconvert.schemas import hf_llama, hf_mixtral
+    from mconvert.hf import llama as hf_llama
+    from mconvert.hf import mixtral as hf_mixtral
+    from mconvert.ir.config import ModelConfig
 
     with pytest.raises(ConvertError, match=r"HF Mistral cannot hold this model: no sliding window in layers \[0\] "
                                            r"\(Mistral's applies to every layer\)"):
@@ -389,8 +390,8 @@ def test_bad_config_json_is_refused(change, message, sources, tmp_path):
 
 def test_ir_names_and_window_fields():
     from mconvert.errors import ConvertError
-    from mconvert.ir import ModelConfig
-    from mconvert.ir_names import expected_shapes
+    from mconvert.ir.config import ModelConfig
+    from mconvert.ir.names import expected_shapes
 
     config = ModelConfig(**QWEN, family="qwen3", qk_norm=True, sliding_window=8, full_attention_layers=[0, 1])
     names = [n for n in expected_shapes(config) if n.startswith("layers.0.attn.")]

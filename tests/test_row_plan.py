@@ -7,13 +7,16 @@ import dataclasses
 import pytest
 import torch
 
-from mconvert.blocks import Blocks
-from mconvert.ir import ModelConfig
-from mconvert.ir_names import expected_shapes
-from mconvert.mapping import expand
-from mconvert.row_plan import RowPlanner
-from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, QKV, ROW, TRANSPOSE, VOCAB, Ctx, Rule
-from mconvert.schemas import core, hf_gpt2, hf_llama, hf_mixtral, legacy
+from mconvert.hf import gpt2 as hf_gpt2
+from mconvert.hf import llama as hf_llama
+from mconvert.hf import mixtral as hf_mixtral
+from mconvert.ir.blocks import Blocks
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.names import expected_shapes
+from mconvert.megatron import core, legacy
+from mconvert.rules.mapping import expand
+from mconvert.rules.row_plan import RowPlanner
+from mconvert.rules.table import COLUMN, GATE_UP, GATED_COLUMN, QKV, ROW, TRANSPOSE, VOCAB, Ctx, Rule
 
 LLAMA = ModelConfig(family="llama", num_layers=1, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
                     num_query_groups=2, head_dim=8, vocab_size=40, max_position_embeddings=64, qkv_bias=True)

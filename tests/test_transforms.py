@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from mconvert import transforms
 from mconvert.errors import ConvertError
-from mconvert.ir import ModelConfig
-from mconvert.rules import COLUMN, GATE_UP, GATED_COLUMN, IDENTITY, QKV, REPLICATE, ROW, TRANSPOSE, VOCAB, Ctx
+from mconvert.ir.config import ModelConfig
+from mconvert.rules import transforms
+from mconvert.rules.table import COLUMN, GATE_UP, GATED_COLUMN, IDENTITY, QKV, REPLICATE, ROW, TRANSPOSE, VOCAB, Ctx
 
 CONFIG = ModelConfig(family="llama", num_layers=1, hidden_size=16, ffn_hidden_size=24, num_attention_heads=8,
                      num_query_groups=2, head_dim=2, vocab_size=13, max_position_embeddings=32)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from mconvert.formats.torch_pickle import safe_load
+from mconvert.io.torch_pickle import safe_load
 from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
 
 VARIANTS = {
@@ -87,8 +87,8 @@ def test_transformer_engine_names(llama_dir, tmp_path):
 
 def test_llama_saver_refuses_what_llama_cannot_express():
     from mconvert.errors import ConvertError
-    from mconvert.ir import ModelConfig
-    from mconvert.schemas import hf_llama
+    from mconvert.hf import llama as hf_llama
+    from mconvert.ir.config import ModelConfig
 
     config = ModelConfig(family="llama", num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
                          num_query_groups=1, head_dim=4, vocab_size=10, max_position_embeddings=16, activation="gelu",

@@ -280,7 +280,7 @@ def test_verify_holds_one_stage_at_a_time(llama_dir, tmp_path, monkeypatch):
     verifies), and every tensor is read once per stream."""
     import weakref
 
-    from mconvert.verify import VerifySettings, stages, verify
+    from mconvert.tools.verify import VerifySettings, stages, verify
 
     run_cli("--saver", "core", "--dtype", "bf16", "--load-dir", llama_dir, "--save-dir", tmp_path / "bf16", "-q")
     built, alive_at_build = [], []
@@ -329,7 +329,7 @@ def test_verify_refuses_a_saver_that_mistranslates_a_field(llama_dir, tmp_path, 
 
 def test_help_does_not_import_the_verifier():
     code = ("import sys; from mconvert.cli import main; main(['--help'], standalone_mode=False); "
-            "print([m for m in ('mconvert.verify', 'mtrain', 'transformers') if m in sys.modules] or 'light')")
+            "print([m for m in ('mconvert.tools.verify', 'mtrain', 'transformers') if m in sys.modules] or 'light')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("light")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mconvert.formats import block_writer, hf_dir
+from mconvert.io import block_writer, hf_dir
 from mconvert.workers import assign
 from tests.conftest import run_cli
 

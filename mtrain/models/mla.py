@@ -1,4 +1,4 @@
-"""Multi-latent attention (DeepSeek-V2/V3), the IR's MLA (see mconvert/deepseek.py); architecture only.
+"""Multi-latent attention (DeepSeek-V2/V3), the IR's MLA (see mconvert/ir/features.py); architecture only.
 
     x (B, T, h)
     q  = q_up(q_norm(q_down(x)))  or q(x)        (B, nh, T, dn + dr)   split [q_nope | q_rope]
@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mconvert.deepseek import yarn_mscale, yarn_params
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.features import yarn_mscale, yarn_params
 from mtrain.models import rope
 
 

@@ -3,7 +3,7 @@
     tokens (B, T) ─ embed (+ pos_embed) ─ layers["0"] … layers["L-1"] ─ final_norm ─ lm_head ─ logits (B, T, V)
     each layer:  h = h + attn(attn_norm(h));  h = h + mlp(mlp_norm(h))   (a MoE in the expert layers)
 
-Parameter names are the IR names (see mconvert/ir_names.py), except the MoE experts, which are stacked in one
+Parameter names are the IR names (see mconvert/ir/names.py), except the MoE experts, which are stacked in one
 module (state_dict_adapter.py maps them). Build the model on the meta device, apply parallelism from outside
 (parallelize.py), then `to_empty()` and `init_buffers()`; weights come from weights.py.
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 from mtrain.models import mtp, rope
 from mtrain.models.kv_cache import KVCache, LayerCache
 from mtrain.models.mla import MLAttention

@@ -1,5 +1,5 @@
 """Mixture of experts as in Mixtral: a top-k softmax router, SwiGLU experts, a load-balancing auxiliary loss; and
-as in DeepSeek-V3 (config fields, see mconvert/deepseek.py): sigmoid scores, a per-expert bias that only chooses,
+as in DeepSeek-V3 (config fields, see mconvert/ir/features.py): sigmoid scores, a per-expert bias that only chooses,
 group-limited top-k, a scaling of the routed output, shared experts every token goes through.
 
 The experts live in one module with stacked weights (`gate`, `up`: [E, f, h]; `down`: [E, h, f]) and take
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 
 
 class GroupedExperts(nn.Module):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mconvert.deepseek import yarn_mscale
+from mconvert.ir.features import yarn_mscale
 from mtrain.errors import TrainError
 
 SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn")

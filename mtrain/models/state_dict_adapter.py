@@ -16,8 +16,8 @@ from typing import TypeVar
 
 import torch
 
-from mconvert.ir import ModelConfig
-from mconvert.ir_names import expected_shapes
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.names import expected_shapes
 
 T = TypeVar("T")
 

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mconvert.ir import ModelConfig
-from mconvert.layout import Chunk, LayoutError, ParallelLayout
+from mconvert.ir.config import ModelConfig
+from mconvert.rules.layout import Chunk, LayoutError, ParallelLayout
 from mtrain.config import ParallelConfig
 from mtrain.errors import TrainError
 

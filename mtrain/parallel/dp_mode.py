@@ -7,8 +7,8 @@
            replicas fit in memory; fsdp otherwise
 
 Why: on CPUs over gloo FSDP's collectives do not overlap with compute, and two ranks measured 0.82-0.88x the
-throughput of HF's and litgpt's DDP loops while DDP measured 1.03x (README, bench/train_peers.py). On GPUs FSDP
-overlaps its collectives and saves memory, so auto keeps it there.
+throughput of HF's and litgpt's DDP loops while DDP measured 1.03x (docs/performance.md, bench/train_peers.py).
+On GPUs FSDP overlaps its collectives and saves memory, so auto keeps it there.
 
 "Fits": a DDP replica holds REPLICA_BYTES per parameter (fp32 weights and gradients, AdamW's two moments, DDP's
 gradient buckets); the replicas of the ranks on this machine must take at most MEMORY_SHARE of its available

@@ -1,6 +1,6 @@
 """Pipeline parallel with torch.distributed.pipelining: stages, schedules, tied embeddings across stages.
 
-Layers go to stages exactly as mconvert writes Megatron checkpoints (mconvert.layout.ParallelLayout.chunks):
+Layers go to stages exactly as mconvert writes Megatron checkpoints (mconvert.rules.layout.ParallelLayout.chunks):
 even stages unless the first/last are given their own count, and with virtual stages (vpp chunks per rank)
 chunk-major order, so pipeline rank p runs stages p, p + pp, p + 2pp, … :
 
@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 from mtrain.errors import TrainError
 from mtrain.models.model import Transformer
 from mtrain.models.moe import MoE

@@ -62,7 +62,7 @@ def torch_bytes(obj: Any) -> bytes:
 
 def plant_in_torch_file(path: Path, payload: Call, key: str | None = None) -> None:
     """Put `payload` into a torch.save file: under `key` of its top-level dict, or as the whole file."""
-    from mconvert.formats.torch_pickle import safe_load
+    from mconvert.io.torch_pickle import safe_load
 
     if key is None:
         torch.save(payload, path)

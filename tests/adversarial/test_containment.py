@@ -155,7 +155,7 @@ def test_megatron_args_tokenizer_model_outside(sources, tmp_path, outside, llama
     """args.tokenizer_model is a path the checkpoint names: used only inside it, or when the user passes it."""
     import torch
 
-    from mconvert.formats.torch_pickle import safe_load
+    from mconvert.io.torch_pickle import safe_load
 
     src = fresh(sources["core"], tmp_path)
     tok = outside / "tokenizer"

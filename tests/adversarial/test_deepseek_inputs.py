@@ -120,7 +120,7 @@ ARGS_ROPE = [
 def test_bad_yarn_args(deepseek_sources, tmp_path, field, value, named):
     """Megatron's YaRN args: text or lists were a ValueError/TypeError traceback; an unknown rope_type meant plain
     rope (the YaRN scaling dropped, exit 0)."""
-    from mconvert.formats.torch_pickle import safe_load
+    from mconvert.io.torch_pickle import safe_load
 
     src = fresh(deepseek_sources["deepseek_core"], tmp_path)
     for f in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):

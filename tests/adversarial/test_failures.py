@@ -155,7 +155,7 @@ def test_failure_removes_the_parents_it_created(sources, tmp_path):
 
 def test_reading_error_of_the_source(sources, tmp_path, monkeypatch):
     """An I/O error while reading the source (EIO) is one clean line naming the file."""
-    from mconvert.formats import safetensors_io
+    from mconvert.io import safetensors as safetensors_io
 
     def failing_get(self, name):
         raise OSError(errno.EIO, os.strerror(errno.EIO), str(self.path))

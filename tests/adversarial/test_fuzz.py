@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from mconvert.errors import ConvertError
-from mconvert.formats import safetensors_io
-from mconvert.formats.dcp import read_metadata
-from mconvert.formats.torch_pickle import map_tensor, safe_load_bytes
+from mconvert.io import safetensors as safetensors_io
+from mconvert.io.dcp import read_metadata
+from mconvert.io.torch_pickle import map_tensor, safe_load_bytes
 from tests.adversarial.crafting import payloads, pickle_of, replace_pickle_in_zip, torch_bytes
 
 # 150 examples per fuzzer keeps the suite fast in CI; FUZZ_EXAMPLES=5000 for a longer hunt.

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mconvert.formats.torch_pickle import safe_load
+from mconvert.io.torch_pickle import safe_load
 from tests.adversarial.conftest import cli, convert_refused, fresh, refused
 
 # -- rank files from different saves -------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from tests.adversarial.conftest import cli
 # mconvert with every tensor write slowed down, announcing on stderr when it starts writing.
 DRIVER = """
 import signal, sys, time
-from mconvert.formats.torch_zip import TorchFileWriter
+from mconvert.io.torch_zip import TorchFileWriter
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if the parent ignores it
 original, started = TorchFileWriter.add, []
 def slow_add(self, tensor):

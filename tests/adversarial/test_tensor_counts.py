@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mconvert.formats.torch_pickle import safe_load
+from mconvert.io.torch_pickle import safe_load
 from tests.adversarial.conftest import convert_refused, fresh
 from tests.adversarial.crafting import edit_dcp
 

@@ -13,7 +13,8 @@ import torch
 
 from mconvert import engine
 from mconvert.errors import ConvertError
-from mconvert.ir import LazyTensor, ModelConfig, ModelIR, SourceInfo
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.tensors import LazyTensor, ModelIR, SourceInfo
 from mconvert.options import Options
 from tests.conftest import perturb_norms, write_tokenizer
 

@@ -214,8 +214,9 @@ def test_help_names_only_fields_that_exist():
     real = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
     import mtrain.cli
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    texts = [_mtrain("--help"), mtrain.cli.__doc__, readme] + [_mtrain(name, "--help") for name in main.commands]
+    root = Path(__file__).resolve().parents[2]
+    docs = [(root / name).read_text() for name in ("README.md", "docs/mtrain.md")]
+    texts = [_mtrain("--help"), mtrain.cli.__doc__, *docs] + [_mtrain(name, "--help") for name in main.commands]
     shown = {m for text in texts for m in re.findall(r"--([a-z_]+\.[a-z_]+)", text)} - {"section.field"}
     assert shown and shown <= real, shown - real
     assert "optim.lr" in shown
@@ -252,8 +253,8 @@ def test_mtrain_config_is_a_config_file(tmp_path):
     assert "\n  steps: 5 " in shown
 
 
-def test_readme_shows_what_mtrain_config_prints():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_guide_shows_what_mtrain_config_prints():
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "mtrain.md").read_text()
     begin = readme.index("<!-- mtrain config: begin")
     block = readme[readme.index("```yaml\n", begin) + len("```yaml\n"):readme.index("```\n<!-- mtrain config: end")]
     assert block == _mtrain("config")

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from mconvert import engine
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 from mconvert.options import Options
 from mtrain import weights
 from mtrain.config import from_dict

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mconvert.ir import ModelConfig
-from mconvert.layout import ParallelLayout
+from mconvert.ir.config import ModelConfig
+from mconvert.rules.layout import ParallelLayout
 from mtrain.config import ParallelConfig
 from mtrain.errors import TrainError
 from mtrain.models.model import SequenceShard

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mconvert.ir import LazyTensor, ModelIR
-from mconvert.ir_names import expected_shapes
+from mconvert.ir.names import expected_shapes
+from mconvert.ir.tensors import LazyTensor, ModelIR
 from mtrain import weights
 from mtrain.models import state_dict_adapter
 from mtrain.models.model import Transformer

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 from mtrain import checkpoint, weights
 from mtrain.config import from_dict
 from mtrain.generation import generate
@@ -160,7 +160,7 @@ def hf_ir_in_memory(family):
     import tempfile
     from pathlib import Path
 
-    from mconvert.ir import LazyTensor, ModelIR
+    from mconvert.ir.tensors import LazyTensor, ModelIR
 
     with tempfile.TemporaryDirectory() as d:
         ir = hf_ir(save_hf(family, Path(d) / "m", seed=3))

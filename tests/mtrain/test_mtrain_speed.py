@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 from mtrain import cpu_memory, flops, precision
 from mtrain.config import OptimConfig
 from mtrain.errors import TrainError
@@ -220,13 +220,19 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_kept_cpu_memory_is_reused_without_page_faults():
-    """Steps that allocate and free blocks of 48 MiB: glibc's default maps each afresh (a page fault per 4 KiB: about
-    250,000 in five steps here), with train.cpu_malloc keep the steps reuse the pages of the earlier ones (12,288)."""
+    """Steps that allocate and free blocks of 48 MiB (12,288 pages each): glibc's default maps each afresh, so five
+    steps fault every page of every block again (about 250,000 faults: 5 steps x ~4 blocks x 12,288). With
+    train.cpu_malloc keep the main heap's pages are reused; what may still fault is a block that an intra-op
+    thread allocates in its own arena, which glibc maps whatever mallopt says: at most one such block per step
+    (0, 12,288, 24,576 or 49,152 faults were seen, by thread count and CPU kernels). So `keep` stays under
+    5 x 12,288 = 61,440, a quarter of the default's count, on any machine; a regression to mapping every block
+    would fault as often as the default."""
     faults = {mode: int(subprocess.run([sys.executable, "-c", FAULTS_OF_FIVE_STEPS, mode], check=True,
                                        capture_output=True, text=True).stdout)
               for mode in ("system", "keep")}
-    assert faults["system"] > 100_000
-    assert faults["keep"] < 40_000
+    block_pages, steps = 48 * 2**20 // 4096, 5
+    assert faults["system"] > 3 * steps * block_pages  # every step faults its blocks again
+    assert faults["keep"] <= steps * block_pages + 1_000  # at most one block per step (+ small allocations)
 
 
 @pytest.mark.parametrize("mode,calls", [("keep", 1), ("system", 0)])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mconvert.ir import ModelConfig
+from mconvert.ir.config import ModelConfig
 from mtrain import checkpoint
 from mtrain.config import from_dict
 from mtrain.errors import TrainError

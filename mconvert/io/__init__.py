@@ -1,0 +1,1 @@
+"""Bytes on disk: safetensors, torch.save files (read safely), DCP, zarr, Hugging Face directories, manifests."""

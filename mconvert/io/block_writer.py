@@ -1,0 +1,145 @@
+"""Sending `Blocks` (see mconvert.ir.blocks) to a file: copied file to file where the bytes are a checkpoint's on disk,
+written from memory otherwise, a few MiB at a time, with the CRC-32 that zip records need when asked.
+
+    part with provenance (FileBytes), >= SPAN_MIN   copy_file_range(source, out): no copy through this process
+    other contiguous part                            write() straight from its memory
+    strided part (a row-parallel piece)              copied WRITE_SIZE bytes at a time into a reused scratch
+                                                     buffer, then written (no buffer the size of the piece)
+
+Provenance is the loader's word that a part shows a file's bytes unchanged (see `mconvert.ir.blocks.FileBytes`);
+nothing asks the kernel where memory came from. The source file is opened again by path and used only if it is
+still the file the loader mapped (device, inode, size, modification time); otherwise, or if the kernel refuses
+the copy (another file system on an old kernel), the bytes are written from memory.
+
+Writes go to explicit offsets (pwrite), so several writers can fill one file at once (safetensors ranges), and
+each finished stretch is queued for disk early (`mconvert.io.writeback`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from mconvert.io.writeback import Writeback
+from mconvert.ir.blocks import Blocks, FileBytes
+from mconvert.lazy import torch
+
+try:  # ISA-L's CRC-32 (the very same checksum) runs about 6x faster than zlib's
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - the `isal` wheel is a dependency; zlib's is only slower
+    from zlib import crc32
+
+WRITE_SIZE = 8 << 20  # bytes per write: few system calls, and small enough to stay in the CPU caches
+SPAN_MIN = 1 << 20  # below this one write from memory is cheaper than a copy_file_range call
+
+
+class Sender:
+    """Writes blocks into files; holds one thread's scratch buffer and open source files (`close` them)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[tuple[str, tuple[int, int, int, int]], int | None] = {}
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._copy_files = hasattr(os, "copy_file_range")
+        self.copied = self.written = 0  # bytes sent file to file, and from memory
+
+    def send(self, blocks: Blocks, fd: int, position: int, *, crc: int | None = None,
+             writeback: Writeback | None = None) -> tuple[int, int | None]:
+        """Write `blocks` into `fd` at `position`; returns the end position and the CRC-32 continued from `crc`
+        (None: not computed)."""
+        for i, part in enumerate(blocks.parts):
+            span = self._span(part, blocks.source(i))
+            for buffer in self._buffers(part):
+                if crc is not None:
+                    crc = crc32(buffer, crc)
+                if span is not None:
+                    span = self._copy(span, fd, position, len(buffer))
+                if span is None:
+                    pwrite_all(fd, buffer, position)
+                    self.written += len(buffer)
+                else:
+                    self.copied += len(buffer)
+                position += len(buffer)
+                if writeback is not None:
+                    writeback.advance(position)
+        return position, crc
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+        self._fds.clear()
+
+    def _span(self, part: torch.Tensor, source: FileBytes | None) -> Span | None:
+        if source is None or not self._copy_files or part.numel() * part.element_size() < SPAN_MIN:
+            return None
+        key = (source.path, source.identity)
+        if key not in self._fds:
+            self._fds[key] = _open_same(source)
+        fd = self._fds[key]
+        return None if fd is None else Span(fd, source.offset)
+
+    def _copy(self, span: Span, fd: int, position: int, nbytes: int) -> Span | None:
+        """Copy `nbytes` at `span` to `position`; the span of what follows, or None if the kernel refused (then
+        this buffer and the rest are written from memory)."""
+        done = 0
+        try:
+            while done < nbytes:
+                n = os.copy_file_range(span.fd, fd, nbytes - done, span.offset + done, position + done)
+                if n == 0:
+                    raise OSError("copy_file_range copied nothing (source shorter than its mapping?)")
+                done += n
+        except OSError:
+            self._copy_files = False  # e.g. across file systems on an older kernel: write from memory from now on
+            if done:
+                raise  # half a buffer copied: cannot happen silently, let the caller see it
+            return None
+        return Span(span.fd, span.offset + nbytes)
+
+    def _buffers(self, part: torch.Tensor) -> Iterator[memoryview]:
+        """The part's bytes as memoryviews of at most WRITE_SIZE bytes; a strided part goes through the scratch
+        buffer (each view valid until the next is asked for)."""
+        if not part.numel():
+            return
+        if part.is_contiguous():
+            view = memoryview(part.reshape(-1).view(torch.uint8).numpy())
+            for i in range(0, len(view), WRITE_SIZE):
+                yield view[i:i + WRITE_SIZE]
+            return
+        row_bytes = part[0].numel() * part.element_size()
+        step = max(1, WRITE_SIZE // row_bytes)
+        for r in range(0, part.shape[0], step):
+            rows = part[r:r + step]
+            nbytes = rows.numel() * rows.element_size()
+            if self._scratch.numel() < nbytes:
+                self._scratch = torch.empty(max(nbytes, WRITE_SIZE), dtype=torch.uint8)
+            out = self._scratch[:nbytes]
+            out.view(rows.dtype).view(rows.shape).copy_(rows)
+            yield memoryview(out.numpy())
+
+
+@dataclass(frozen=True)
+class Span:
+    """An open source file and the offset of the next bytes to copy from it."""
+
+    fd: int
+    offset: int
+
+
+def _open_same(source: FileBytes) -> int | None:
+    """The source file, opened for reading, if it is still the file the loader mapped; else None."""
+    try:
+        fd = os.open(source.path, os.O_RDONLY)
+    except OSError:  # removed or renamed since
+        return None
+    if FileBytes.identity_of(os.fstat(fd)) != source.identity:
+        os.close(fd)
+        return None
+    return fd
+
+
+def pwrite_all(fd: int, buffer: memoryview, position: int) -> int:
+    while len(buffer):
+        n = os.pwrite(fd, buffer, position)
+        buffer, position = buffer[n:], position + n
+    return position

@@ -1,0 +1,225 @@
+"""Writing PyTorch distributed checkpoints (DCP) offline, planned first and then written file by file in parallel.
+
+A DCP directory is `.metadata` plus `.distcp` files holding, at recorded offsets, one small torch.save archive per
+tensor chunk and raw bytes per bytes item (see `mconvert.io.dcp`). The writer first plans which file every item goes
+to, by size alone (in order, to the file with the fewest bytes so far), so no file's contents depend on timing or
+on how many workers write them; each file is then one job (`mconvert.workers`), and `.metadata` is written once
+every job has returned its entries:
+
+    __0_0.distcp   [archive: chunk 0][zeros to 64][archive: chunk 2] …
+    __0_1.distcp   [archive: chunk 1][pickled extra state] …
+
+The number of files grows with the model (one per FILE_BYTES, at least two, like one Megatron rank's writer
+threads), so a cluster has enough files to share out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import pickle
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from mconvert.errors import ConvertError
+from mconvert.io.block_writer import Sender
+from mconvert.io.dcp import METADATA
+from mconvert.io.integrity import file_digest
+from mconvert.io.torch_zip import ALIGN, TorchFileWriter
+from mconvert.lazy import torch
+from mconvert.workers import Job
+
+FILE_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class Item:
+    """One entry of the checkpoint. A tensor chunk has `global_shape`, `offsets` into it and the chunk's `shape`
+    and `dtype`; `produce()` then gives the chunk (a tensor or Blocks). Without `global_shape` it is a bytes item:
+    `produce()` gives its bytes (Megatron stores non-tensor state as torch.save'd bytes, see `object_bytes`)."""
+
+    fqn: str
+    nbytes: int
+    produce: Callable[[], Any] = field(repr=False)
+    global_shape: tuple[int, ...] | None = None
+    offsets: tuple[int, ...] | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+
+
+def file_count(nbytes: int) -> int:
+    return max(2, -(-nbytes // FILE_BYTES))
+
+
+def plan(root: Path, items: list[Item], files: int | None = None, *, digests: bool = False,
+         ) -> tuple[list[Job], Callable[[list[Any]], dict[str, str]]]:
+    """Jobs writing `items` into `files` .distcp files in `root` (default: `file_count`), and the finish step
+    writing `.metadata` from their results. With `digests` each job also hashes the file it wrote (SHA-256, read
+    back from the page cache by the worker that wrote it, so hashing is shared out like the writing); the finish
+    step returns them by file name (for `mconvert.io.integrity.write_manifest`)."""
+    # `.metadata` is made of torch.distributed.checkpoint's classes, whose import costs about half a second of
+    # CPU: start it now, beside the writing (mostly the kernel's work), rather than after it.
+    threading.Thread(target=_import_metadata_classes, name="mconvert-dcp-import", daemon=True).start()
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for item in items:
+        if item.global_shape is not None:
+            want = (tuple(item.global_shape), item.dtype)
+            if tensors.setdefault(item.fqn, want) != want:
+                raise ConvertError(f"{item.fqn}: chunks disagree on the global shape or dtype: {tensors[item.fqn]} "
+                                   f"vs {want}")
+    n = files or file_count(sum(i.nbytes for i in items))
+    load, members = [0] * n, [[] for _ in range(n)]
+    for k, item in enumerate(items):
+        i = min(range(n), key=lambda i: (load[i], i))
+        members[i].append(k)
+        load[i] += item.nbytes
+    names = [f"__0_{i}.distcp" for i in range(n)]
+    jobs = [Job(f"{root.name}/{name}", load[i],
+                functools.partial(_write_file, root / name, items, members[i], digests=digests),
+                files=(root / name,)) for i, name in enumerate(names)]
+
+    def finish(results: list[Any]) -> dict[str, str]:
+        entries = dict(e for per_file, _ in results for e in per_file)
+        write_metadata(root, [entries[k] for k in range(len(items))], tensors)
+        return {name: digest for name, (_, digest) in zip(names, results) if digest is not None}
+
+    return jobs, finish
+
+
+def _write_file(path: Path, items: list[Item], members: list[int], advance: Callable[[int], None], *,
+                digests: bool = False) -> tuple[list[tuple[int, tuple]], str | None]:
+    """Write the `members` of `items` one after another; their `.metadata` entries, by item index, and the file's
+    SHA-256 when asked."""
+    entries = []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f, contextlib.closing(Sender()) as sender:
+        for k in members:
+            entries.append((k, _write_item(f, path.name, items[k], sender)))
+            advance(items[k].nbytes)
+    return entries, file_digest(path) if digests else None
+
+
+def _write_item(f: BinaryIO, name: str, item: Item, sender: Sender) -> tuple:
+    """Append `item` to the open file `f` (called `name`); its `.metadata` entry."""
+    if item.global_shape is None:
+        start = f.tell()
+        f.write(item.produce())
+        return item.fqn, None, None, name, start, f.tell() - start
+    f.write(b"\0" * (-f.tell() % ALIGN))  # start every archive aligned, so its tensor maps aligned
+    start = f.tell()
+    writer = TorchFileWriter(f, background=False, sender=sender)
+    handle = writer.add(item.produce())
+    if handle.shape != tuple(item.shape) or handle.dtype != item.dtype:
+        raise ConvertError(f"{f.name}: chunk of {item.fqn} at {list(item.offsets)} came out {list(handle.shape)} "
+                           f"{handle.dtype}, planned {list(item.shape)} {item.dtype}")
+    writer.finish(handle)
+    return item.fqn, tuple(item.offsets), handle.shape, name, start, f.tell() - start
+
+
+class DcpWriter:
+    """Write a DCP directory as chunks come, in one thread (savers plan instead, to write files in parallel).
+
+    Items go to the file with the fewest bytes so far. Inside a process group every rank writes its own files
+    (`__{rank}_{i}.distcp`) and rank 0 gathers the entries and writes `.metadata`, as DCP does. A context manager.
+    """
+
+    def __init__(self, root: Path, *, rank: int = 0, files: int = 2) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._files = [open(self.root / f"__{rank}_{i}.distcp", "wb") for i in range(files)]  # noqa: SIM115
+        self._sizes = [0] * files
+        self._sender = Sender()
+        self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.entries: list[tuple] = []
+
+    def __enter__(self) -> DcpWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _add(self, item: Item) -> None:
+        i = min(range(len(self._files)), key=lambda i: (self._sizes[i], i))
+        self._sizes[i] += item.nbytes
+        f = self._files[i]
+        self.entries.append(_write_item(f, Path(f.name).name, item, self._sender))
+
+    def add_chunk(self, fqn: str, global_shape, offsets, tensor: torch.Tensor) -> None:
+        """One chunk of tensor `fqn` (global shape `global_shape`) starting at `offsets`."""
+        shape, dtype = tuple(global_shape), tensor.dtype
+        if self.tensors.setdefault(fqn, (shape, dtype)) != (shape, dtype):
+            raise ConvertError(f"{fqn}: chunks disagree on the global shape or dtype: {self.tensors[fqn]} vs "
+                               f"{(shape, dtype)}")
+        self._add(Item(fqn, tensor.numel() * tensor.element_size(), lambda: tensor, shape, tuple(offsets),
+                       tuple(tensor.shape), dtype))
+
+    def add_bytes(self, fqn: str, data: bytes) -> None:
+        self._add(Item(fqn, len(data), lambda: data))
+
+    def add_object(self, fqn: str, obj) -> None:
+        """A bytes item holding `torch.save(obj)` (how Megatron stores non-tensor state)."""
+        self.add_bytes(fqn, object_bytes(obj))
+
+    def close(self) -> None:
+        self._sender.close()
+        for f in self._files:
+            f.close()
+
+    def finish(self, group=None) -> None:
+        """Close the files and write `.metadata` (rank 0 of `group` gathers every rank's entries)."""
+        self.close()
+        entries, tensors = list(self.entries), dict(self.tensors)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered = [None] * torch.distributed.get_world_size(group)
+            torch.distributed.all_gather_object(gathered, (entries, tensors), group=group)
+            if torch.distributed.get_rank(group) != 0:
+                return
+            entries = [e for part, _ in gathered for e in part]
+            tensors = {k: v for _, part in gathered for k, v in part.items()}
+        write_metadata(self.root, entries, tensors)
+
+
+def object_bytes(obj: Any) -> bytes:
+    """What a bytes item holding `obj` stores: torch.save(obj)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _import_metadata_classes():
+    from torch.distributed.checkpoint import metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return metadata, _StorageInfo
+
+
+def write_metadata(root: Path, entries: list[tuple], tensors: dict) -> None:
+    """`.metadata` made of torch.distributed.checkpoint's own classes, as its reader (and Megatron's) expects.
+
+    `entries` are (fqn, chunk offsets or None for a bytes item, chunk sizes, file, start, length)."""
+    dcp_md, _StorageInfo = _import_metadata_classes()
+    state, storage = {}, {}
+    chunks: dict[str, list] = {}
+    # Equal names as one object each: the pickle then refers back to it, however the entries were gathered (in
+    # this process, or from other ranks), so the file's bytes depend on the checkpoint alone.
+    entries = [(sys.intern(fqn), offsets, sizes, sys.intern(file), start, length)
+               for fqn, offsets, sizes, file, start, length in entries]
+    tensors = {sys.intern(k): v for k, v in tensors.items()}
+    for fqn, offsets, sizes, file, start, length in entries:
+        key = dcp_md.MetadataIndex(fqn, torch.Size(offsets) if offsets is not None else None)
+        storage[key] = _StorageInfo(relative_path=file, offset=start, length=length)
+        if offsets is None:
+            state[fqn] = dcp_md.BytesStorageMetadata()
+        else:
+            chunks.setdefault(fqn, []).append(dcp_md.ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+    for fqn, (shape, dtype) in tensors.items():
+        found = sorted(chunks.get(fqn, []), key=lambda c: tuple(c.offsets))
+        state[fqn] = dcp_md.TensorStorageMetadata(dcp_md.TensorProperties(dtype=dtype), torch.Size(shape), found)
+    md = dcp_md.Metadata(state_dict_metadata=state, storage_data=storage)
+    with open(root / METADATA, "wb") as f:
+        pickle.dump(md, f)

@@ -1,0 +1,234 @@
+"""The torch.save zip format: a streaming writer (reading is torch's own `torch.load`, see `mconvert.io.torch_pickle`).
+
+A torch.save file is a stored (uncompressed) zip archive `<name>/data.pkl`, `<name>/data/<key>` (raw storage
+bytes, 64-byte aligned), `.format_version`, `.storage_alignment`, `byteorder`, `version`.
+
+Writing streams: `TorchFileWriter.add(tensor)` queues the tensor's bytes for the archive at once and returns a
+small handle; `finish(obj)` pickles the object tree (with handles in place of tensors) last. Memory stays at a
+couple of tensors, whatever the file size. The archive is written with Python's zipfile (CRC-32 by zlib, much
+faster than torch's own writer) and can start anywhere in an open file: distributed-checkpoint files embed one
+such archive per tensor chunk.
+
+Records are laid out by Python's zipfile, not by torch's writer (miniz), so the archive does not claim torch's
+`.format_version`: with it, torch would compute storage offsets from miniz's layout (its
+`calculate_storage_offsets` option and meta-device loads) instead of reading each record's header.
+
+Why not torch.save itself with `torch.serialization.skip_data()` (records laid out, bytes filled in later)? It
+writes each data record's CRC-32 as 0 (checked with torch 2.13: `zipfile.testzip` names `data/0`), so filling in
+the bytes afterwards would also mean patching every local header and the central directory: more code than
+writing the records here, where the CRC is computed as the bytes go out.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import functools
+import io
+import pickle
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from mconvert.io.block_writer import Sender
+from mconvert.io.writeback import Writeback
+from mconvert.ir.blocks import Blocks, as_blocks
+from mconvert.lazy import torch
+
+try:  # ISA-L's CRC-32 (the very same checksum) runs about 6x faster than zlib's; zipfile calls it for every byte
+    from isal.isal_zlib import crc32 as _fast_crc32
+
+    zipfile.crc32 = _fast_crc32
+except ImportError:  # pragma: no cover - the `isal` wheel is a dependency; zlib's is only slower
+    pass
+
+ALIGN = 64
+# zipfile's record writer counts the bytes and CRC it is given in these two attributes (CPython 3.6 to 3.13); the
+# tensor bytes are sent past it, so they are set directly. Without them, tensors go through write() (slower).
+_COUNTS_BYTES = all(a in zipfile._ZipWriteFile.__init__.__code__.co_names for a in ("_file_size", "_crc"))
+
+
+@functools.cache
+def _storage_types() -> dict:
+    """dtype -> the legacy storage class torch.save pickles (`torch.FloatStorage`), built when first written."""
+    return {dtype: getattr(torch, name) for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+
+
+class _StorageRef:
+    """A storage already written to the archive; the pickler turns it into a persistent id."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class StoredTensor:
+    """A handle to a tensor whose bytes are (being) written to the archive; pickles as that tensor."""
+
+    def __init__(self, storage: _StorageRef, shape: tuple[int, ...]) -> None:
+        self.storage, self.shape = storage, tuple(shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    def __reduce_ex__(self, protocol: int):
+        stride, acc = [], 1
+        for size in reversed(self.shape):
+            stride.append(acc)
+            acc *= size
+        args = (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict())
+        return torch._utils._rebuild_tensor_v2, args
+
+
+class Window:
+    """A file object that starts at the current position of `f`: what zipfile sees as offset 0."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.base = f, f.tell()
+
+    def write(self, data) -> int:
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.f.tell() - self.base
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0:
+            pos += self.base
+        return self.f.seek(pos, whence) - self.base
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class TorchFileWriter:
+    """Write a torch.save-compatible archive tensor by tensor (see the module docstring).
+
+    `target` is a path, or an open binary file positioned where the archive starts (left open). With
+    `background` the tensor bytes are checksummed and written by a helper thread, overlapping with the caller
+    preparing the next tensor; at most `max_pending` tensors wait at a time. `sender` (see mconvert.io.block_writer)
+    may be shared by archives written one after another by one thread (DCP files hold one per chunk).
+    """
+
+    def __init__(self, target: Path | str | BinaryIO, *, archive: str | None = None, background: bool = True,
+                 max_pending: int = 2, sender: Sender | None = None) -> None:
+        if isinstance(target, (str, Path)):
+            self._file, self._own = open(target, "wb"), True  # noqa: SIM115
+            archive = archive or Path(target).stem
+        else:
+            self._file, self._own = target, False
+        self._out = Window(self._file)
+        self._writeback = Writeback(self._file.fileno(), self._file.tell())
+        self._sender, self._own_sender = (sender, False) if sender else (Sender(), True)  # one writing thread
+        self._prefix = archive or "archive"
+        self._zip = zipfile.ZipFile(self._out, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if background else None
+        self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
+        self._max_pending = max_pending
+        self._count = 0
+        self._closed = False
+        self.bytes_written = 0
+
+    def _record(self, name: str, data: bytes | Blocks) -> None:
+        """One stored record of `data`: bytes, or blocks sent by `mconvert.io.block_writer` (file to file where it can)
+        behind zipfile's back, telling it the size and CRC it would have counted."""
+        info = zipfile.ZipInfo(f"{self._prefix}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+        # Local header = 30 bytes + name + our padding field (4 + n) + the zip64 field (20): pad the data to ALIGN.
+        header = 30 + len(info.filename.encode()) + 4 + 20
+        pad = -(self._out.tell() + header) % ALIGN
+        info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        with self._zip.open(info, "w", force_zip64=True) as f:
+            if isinstance(data, bytes):
+                f.write(data)
+            elif not _COUNTS_BYTES:
+                f.write(data.join().reshape(-1).view(torch.uint8).numpy())
+            else:
+                self._file.flush()
+                start = self._file.tell()
+                end, crc = self._sender.send(data, self._file.fileno(), start, crc=0, writeback=self._writeback)
+                self._file.seek(end)
+                f._file_size, f._crc = end - start, crc  # what f.write() would have counted
+        self._writeback.advance(self._file.tell())
+
+    def _write_tensor(self, key: str, blocks: Blocks) -> None:
+        self._record(f"data/{key}", blocks)
+
+    def _wait(self, keep: int) -> None:
+        while len(self._pending) > keep:
+            self._pending.popleft().result()  # re-raises a failed write here
+
+    def add(self, tensor: torch.Tensor | Blocks) -> StoredTensor:
+        """Write (or queue) the tensor's bytes; return a handle to put in the object passed to `finish`. Blocks
+        (see mconvert.ir.blocks) are written one after another, never joined."""
+        blocks = as_blocks(tensor)
+        key = str(self._count)
+        self._count += 1
+        if self._pool is None:
+            try:
+                self._write_tensor(key, blocks)
+            except BaseException:  # e.g. a full disk: release the archive now, not in ZipFile.__del__
+                with contextlib.suppress(Exception):
+                    self.close()
+                raise
+        else:
+            self._wait(self._max_pending - 1)
+            self._pending.append(self._pool.submit(self._write_tensor, key, blocks))
+        self.bytes_written += blocks.nbytes
+        numel = blocks.nbytes // blocks.dtype.itemsize
+        return StoredTensor(_StorageRef(key, blocks.dtype, numel), blocks.shape)
+
+    def finish(self, obj: Any) -> int:
+        """Pickle `obj` (tensors already replaced by `add` handles, or small tensors added now) and close."""
+        buf = io.BytesIO()
+        writer = self
+
+        class _Pickler(pickle.Pickler):
+            def persistent_id(self, o: Any):
+                if isinstance(o, _StorageRef):
+                    return ("storage", _storage_types()[o.dtype], o.key, "cpu", o.numel)
+                return None
+
+            def reducer_override(self, o: Any):
+                if isinstance(o, torch.Tensor):
+                    return writer.add(o).__reduce_ex__(2)
+                return NotImplemented
+
+        try:
+            _Pickler(buf, protocol=2).dump(obj)
+            self._wait(0)
+            data = buf.getvalue()
+            for name, value in (("data.pkl", data), (".storage_alignment", b"64"), ("byteorder", b"little"),
+                                ("version", b"3\n")):
+                self._record(name, value)
+        except BaseException:  # e.g. a full disk: release the file now, not in ZipFile.__del__ (which would fail)
+            with contextlib.suppress(Exception):
+                self.close()
+            raise
+        self.close()
+        self.bytes_written += len(data)
+        return self.bytes_written
+
+    def close(self) -> None:
+        """Close the archive (also after a failure: pending writes are finished or abandoned)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._wait(0)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            try:
+                self._zip.close()
+            finally:
+                if self._own_sender:
+                    self._sender.close()
+                if self._own:
+                    self._file.close()
+
+
+def save(obj: Any, target: Path | str | BinaryIO, **kwargs) -> int:
+    """`torch.save` through the streaming writer (same format); returns the bytes written."""
+    return TorchFileWriter(target, **kwargs).finish(obj)

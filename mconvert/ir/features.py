@@ -1,0 +1,141 @@
+"""What the IR means by its model features (DeepSeek-V3's among them), the checks that keep a config meaningful,
+and the features formats declare they hold.
+
+Multi-latent attention (MLA), per layer, with nh heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim,
+dv = v_head_dim (IR names under `layers.{L}.attn.`):
+
+    q      = q_up(q_norm(q_down(x)))        or q(x) without a query LoRA      (T, nh, dn + dr)
+    kv     = kv_down(x) = [c (kv_lora_rank) | k_rope (dr)]                    one k_rope shared by the heads
+    k, v   = kv_up(kv_norm(c)) per head = [k_nope (dn) | v (dv)]
+    scores = ([q_nope | rope(q_rope)] . [k_nope | rope(k_rope)]) * softmax_scale
+    out    = o(softmax(scores) v)
+
+The rotary rows (the last dr rows of each head of `q`/`q_up`, the last dr rows of `kv_down`) are kept in the
+half-split ("rotate_half") order of the rest of the IR. DeepSeek's checkpoints and Megatron's MLA store them
+interleaved (pairs (x0, x1), (x2, x3), ...): both de-interleave at run time, transformers with `rope_interleave`,
+Megatron always (its MLA rotary code); so both formats permute those rows on the way in and out.
+
+Routing (`moe_router_score = "sigmoid"`): s = sigmoid(router(x)); experts are chosen by s + expert_bias (the bias
+only chooses, it never weighs); with groups, each token keeps the `moe_router_group_topk` groups whose two best
+choice scores sum highest and picks its top-k experts among them; the weights are the chosen s, divided by their
+sum (+1e-20) when `moe_norm_topk`, times `moe_router_scaling_factor`. The shared experts' MLP (SwiGLU of
+`moe_shared_expert_ffn_hidden_size`) is added to the routed output of every MoE layer.
+
+YaRN (`rope_scaling = {"rope_type": "yarn", ...}`, meant as transformers computes it): the rotary frequencies
+blend interpolation and extrapolation; cos and sin are multiplied by the attention factor, `mscale(f, mscale) /
+mscale(f, mscale_all_dim)` when both are non-zero, else `mscale(f, 1)`; and with MLA the softmax scale is
+multiplied by `mscale(f, mscale_all_dim)**2` when mscale_all_dim is non-zero; `mscale(f, m) = 0.1 * m * ln(f) + 1`
+(1 when f <= 1).
+
+Multi-token prediction (MTP) module i (0-based) predicts one token further than module i-1 (the main model for
+i = 0): h = layer(eh_proj([enorm(embed(next tokens)) | hnorm(h_prev)])), logits = lm_head(final_norm(h)), where
+h_prev is module i-1's h (the main model's output after its final norm for i = 0), as Megatron and transformers'
+MtpModel compute it; its transformer layer is IR layer `num_layers + i` (as Hugging Face numbers it), its own
+tensors are `mtp.{i}.*`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from mconvert.errors import ConvertError
+
+if TYPE_CHECKING:
+    from mconvert.ir.config import ModelConfig
+
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def check_config(c: ModelConfig) -> None:
+    """Refuse DeepSeek fields that contradict each other or the rest of the config (one error, every problem).
+    Each value is in its own range already (mconvert.ir.checks runs first)."""
+    problems = _mla_problems(c) + _routing_problems(c)
+    if problems:
+        raise ConvertError("inconsistent config: " + "; ".join(problems))
+
+
+def _mla_problems(c: ModelConfig) -> list[str]:
+    fields = ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
+    given = [n for n in fields if getattr(c, n) is not None]
+    if not given:
+        return ["q_lora_rank describes multi-latent attention, which needs kv_lora_rank"] \
+            if c.q_lora_rank is not None else []
+    problems = []
+    if len(given) != len(fields):
+        problems.append(f"multi-latent attention needs all of {', '.join(fields)}; given only {', '.join(given)}")
+    elif c.qk_rope_head_dim % 2 or c.qk_rope_head_dim >= c.head_dim:
+        problems.append(f"qk_rope_head_dim={c.qk_rope_head_dim} must be even and smaller than head_dim="
+                        f"{c.head_dim} (the query/key head: its part without positions plus the rotary part)")
+    if c.num_query_groups != c.num_attention_heads:
+        problems.append(f"multi-latent attention has one key/value per head: num_query_groups must equal "
+                        f"num_attention_heads={c.num_attention_heads}, got {c.num_query_groups}")
+    if c.position_embedding != "rope" or c.qkv_bias or c.proj_bias:
+        problems.append("multi-latent attention uses rotary positions and no attention biases")
+    if c.qk_norm:
+        problems.append("qk_norm (per-head q/k norms) with multi-latent attention, which normalizes its latents "
+                        "instead (q_norm, kv_norm)")
+    return problems
+
+
+def _routing_problems(c: ModelConfig) -> list[str]:
+    deepseek = {"moe_shared_expert_ffn_hidden_size": c.moe_shared_expert_ffn_hidden_size is not None,
+                "moe_router_score": c.moe_router_score != "softmax", "moe_router_expert_bias": c.moe_router_expert_bias,
+                "moe_router_groups": c.moe_router_groups is not None or c.moe_router_group_topk is not None,
+                "moe_router_scaling_factor": c.moe_router_scaling_factor != 1.0}
+    if not c.is_moe:
+        set_ = [n for n, on in deepseek.items() if on]
+        return [f"{', '.join(set_)} describe mixture-of-experts models; this one has no experts"] if set_ else []
+    problems = []
+    if c.moe_router_expert_bias and c.moe_router_score != "sigmoid":
+        problems.append("moe_router_expert_bias is defined for sigmoid router scores only")
+    groups, topk = c.moe_router_groups, c.moe_router_group_topk
+    if (groups is None) != (topk is None):
+        problems.append("moe_router_groups and moe_router_group_topk go together")
+    elif groups is not None and not problems:
+        if c.moe_router_score != "sigmoid":
+            problems.append("group-limited routing (moe_router_groups) is defined for sigmoid router scores only")
+        if c.num_experts % groups or c.num_experts // groups < 2:
+            problems.append(f"moe_router_groups={groups} must divide num_experts={c.num_experts} into groups of at "
+                            "least 2 (a group is scored by its two best experts)")
+        elif not 1 <= topk <= groups or c.moe_top_k > topk * (c.num_experts // groups):
+            problems.append(f"moe_router_group_topk={topk} must be in [1, {groups}] and leave at least moe_top_k="
+                            f"{c.moe_top_k} experts to choose from")
+    return problems
+
+
+def yarn_params(scaling: dict[str, Any] | None) -> dict[str, float] | None:
+    """The YaRN parameters of a rope_scaling dict with transformers' defaults filled in, or None if not YaRN."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return None
+    out = {k: float(scaling.get(k) if scaling.get(k) is not None else v) for k, v in YARN_DEFAULTS.items()}
+    out["factor"] = float(scaling["factor"])
+    out["original_max_position_embeddings"] = float(scaling["original_max_position_embeddings"])
+    return out
+
+
+# The features a format may or may not hold, by the name a family or format declares in its SUPPORTS:
+# name -> (how an error says it, does the model have it). A model has the features whose test is true; a format
+# that does not declare one refuses the model, naming it (see mconvert.hf.family.missing_features).
+FEATURES: dict[str, tuple[Callable[[ModelConfig], str], Callable[[ModelConfig], bool]]] = {
+    "mla": (lambda c: "multi-latent attention", lambda c: c.is_mla),
+    "shared_experts": (lambda c: "shared experts", lambda c: bool(c.moe_shared_expert_ffn_hidden_size)),
+    "router_score": (lambda c: f"{c.moe_router_score} router scores", lambda c: c.moe_router_score != "softmax"),
+    "router_expert_bias": (lambda c: "a router expert bias", lambda c: c.moe_router_expert_bias),
+    "group_routing": (lambda c: "group-limited routing", lambda c: c.moe_router_groups is not None),
+    "router_scaling": (lambda c: f"routed weights scaled by {c.moe_router_scaling_factor}",
+                       lambda c: c.moe_router_scaling_factor != 1.0),
+    "mtp": (lambda c: f"{c.mtp_layers} multi-token-prediction module(s) (--skip-mtp leaves them out)",
+            lambda c: bool(c.mtp_layers)),
+}
+
+
+def features(c: ModelConfig) -> dict[str, str]:
+    """The declarable features the model has: name -> how an error says it."""
+    return {name: describe(c) for name, (describe, present) in FEATURES.items() if present(c)}

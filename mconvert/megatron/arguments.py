@@ -1,0 +1,293 @@
+"""Megatron-LM's arguments <-> the IR config, both ways.
+
+A Megatron checkpoint describes its model only through the training arguments it was saved with (`args`, an
+argparse.Namespace in `torch`-format files, in the common state of distributed ones). `config_from_args` reads
+them into a `ModelConfig`, refusing settings the IR has no place for; `args_from_config` writes the arguments a
+saved checkpoint needs for Megatron-LM to load it (and for mconvert to read it back).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from mconvert.errors import ConvertError
+from mconvert.io.hf_dir import tokenizer_vocab_size
+from mconvert.ir.checks import check_true_vocab_size, with_where
+from mconvert.ir.config import ModelConfig
+from mconvert.lazy import torch
+from mconvert.megatron import mla as mla_keys
+from mconvert.megatron.core import Impl
+from mconvert.options import ExpertLayout
+from mconvert.rules.layout import ParallelLayout
+
+GPT2_BPE_VOCAB = 50257  # the GPT2BPETokenizer's vocabulary
+
+
+def true_vocab_size(args: Any, given: int | None, assets: dict, padded: int, where: str) -> tuple[int, list[str]]:
+    """The unpadded vocabulary, from the first that says: --true-vocab-size, args.vocab_size (Megatron),
+    args.orig_vocab_size (HF's megatron_gpt2 script), the checkpoint's tokenizer (what Megatron padded from),
+    GPT2BPETokenizer's 50257 when args name that tokenizer; else all `padded` rows. Notes say what was guessed."""
+    check_true_vocab_size(given, args, tokenizer_vocab_size(assets), where)
+    recorded = given or getattr(args, "vocab_size", None) or getattr(args, "orig_vocab_size", None)
+    if recorded:
+        vocab, notes = int(recorded), []
+    elif (from_tokenizer := tokenizer_vocab_size(assets)) is not None:
+        vocab, notes = from_tokenizer, [f"vocabulary size {from_tokenizer} taken from the checkpoint's tokenizer"]
+    elif getattr(args, "tokenizer_type", None) == "GPT2BPETokenizer" and padded >= GPT2_BPE_VOCAB:
+        vocab, notes = GPT2_BPE_VOCAB, [f"the true vocabulary size is not recorded; using {GPT2_BPE_VOCAB}, the size "
+                                        "of the GPT2BPETokenizer named by args.tokenizer_type (pass "
+                                        "--true-vocab-size to change)"]
+    else:
+        vocab, notes = padded, [f"the true vocabulary size is not recorded; keeping all {padded} (padded) rows — "
+                                "pass --true-vocab-size to strip the padding"]
+    if vocab > padded:
+        raise ConvertError(f"{where}: vocabulary size {vocab} exceeds the {padded} embedding rows")
+    return vocab, notes
+
+
+# Megatron settings with no place in the IR: (arg, MoE-only, accepted value). Anything else is refused, never
+# silently dropped; defaults (and None, "unset") are accepted.
+_SETTINGS = (
+    ("rotary_interleaved", False, lambda v: not v),
+    ("rotary_percent", False, lambda v: v is None or float(v) == 1.0),
+    ("rotary_seq_len_interpolation_factor", False, lambda v: v in (None, 1, 1.0)),
+    ("no_rope_freq", False, lambda v: not v),
+    ("layernorm_zero_centered_gamma", False, lambda v: not v),
+    ("apply_layernorm_1p", False, lambda v: not v),
+    ("apply_residual_connection_post_layernorm", False, lambda v: not v),
+    ("squared_relu", False, lambda v: not v),
+    ("moe_shared_expert_gate", True, lambda v: not v),  # a sigmoid gate on the shared experts' output
+)
+
+
+def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtype: str,
+                     where: str) -> ModelConfig:
+    """The IR config from a Megatron `args` namespace (names as Megatron stores them); a value ModelConfig refuses
+    (NaN epsilon, ...) is reported against `where`."""
+    return with_where(where, lambda: _config_from_args(args, vocab_size=vocab_size,
+                                                       padded_vocab_size=padded_vocab_size, dtype=dtype, where=where))
+
+
+def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtype: str,
+                      where: str) -> ModelConfig:
+
+    def get(name: str, default: Any = None) -> Any:
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    moe = bool(get("num_experts"))
+    unsupported = [f"{name}={get(name)!r}" for name, applies, ok in _SETTINGS
+                   if (moe or not applies) and not ok(get(name))]
+    position = get("position_embedding_type", "learned_absolute")
+    if position not in ("rope", "learned_absolute"):
+        unsupported.append(f"position_embedding_type={position!r}")
+    if unsupported:
+        raise ConvertError(f"{where}: Megatron settings that change what the model computes and that mconvert "
+                           f"cannot carry (yet): {', '.join(unsupported)}; refusing rather than converting to a "
+                           "different model")
+    try:
+        hidden, heads, layers = int(args.hidden_size), int(args.num_attention_heads), int(args.num_layers)
+    except AttributeError as e:
+        raise ConvertError(f"{where}: args lack {e.name!r}; is this a Megatron GPT checkpoint?") from None
+    rope = position == "rope"
+    experts = get("num_experts")
+    window = get("window_size")
+    sliding_window = int(window[0]) + 1 if window and int(window[0]) >= 0 else None  # see args_from_config
+    ffn = get("ffn_hidden_size") or 4 * hidden
+    dense = _dense_layers(get("moe_layer_freq", 1), layers, where) if experts else ()
+    qkv_bias_only = bool(get("add_qkv_bias", False)) and not get("add_bias_linear", True)
+    mla = bool(get("multi_latent_attention"))
+    fields = dict(
+        family=_family(moe=bool(experts), mla=mla, sigmoid=get("moe_router_score_function") == "sigmoid",
+                       qk_norm=bool(get("qk_layernorm")), qkv_bias_only=qkv_bias_only, window=bool(sliding_window),
+                       rope=rope),
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=int(ffn),
+        moe_ffn_hidden_size=int(get("moe_ffn_hidden_size", ffn)) if experts else None,
+        dense_layers=dense,
+        # Megatron's default takes the top-k of the logits, then softmax over them (the weights sum to 1);
+        # pre-softmax routing keeps the softmax over all experts
+        moe_norm_topk=not get("moe_router_pre_softmax", False),
+        num_attention_heads=heads,
+        num_query_groups=int(get("num_query_groups", heads)) if get("group_query_attention") else heads,
+        head_dim=int(get("kv_channels", hidden // heads)),
+        vocab_size=vocab_size,
+        padded_vocab_size=padded_vocab_size,
+        max_position_embeddings=int(get("max_position_embeddings", get("seq_length", 2048))),
+        norm="rmsnorm" if get("normalization", "LayerNorm") == "RMSNorm" else "layernorm",
+        norm_eps=float(get("layernorm_epsilon", get("norm_epsilon", 1e-5))),
+        # Megatron's fused bias-GELU (bias_gelu_fusion, on by default with biases) computes the tanh approximation
+        activation="swiglu" if get("swiglu") else "gelu_tanh" if get("openai_gelu") or (
+            get("bias_gelu_fusion") and get("add_bias_linear", True)) else "gelu",
+        position_embedding="rope" if rope else "learned",
+        rope_theta=float(get("rotary_base", 10000)),
+        rope_scaling=LLAMA3_SCALING | {"factor": float(get("rope_scaling_factor", 8.0))}
+        if get("use_rope_scaling") else None,
+        qkv_bias=bool(get("add_bias_linear", True) or get("add_qkv_bias", False)),
+        proj_bias=bool(get("add_bias_linear", True)),
+        mlp_bias=bool(get("add_bias_linear", True)),
+        tie_embeddings=not get("untie_embeddings_and_output_weights", False),
+        sliding_window=sliding_window,
+        full_attention_layers=_full_attention_layers(get("window_attn_skip_freq"), layers, where),
+        # with multi-latent attention qk_layernorm names the norms of its latents (see core_deepseek)
+        qk_norm=bool(get("qk_layernorm")) and not mla,
+        num_experts=int(experts) if experts else None,
+        moe_top_k=int(get("moe_router_topk", 2)) if experts else None,
+        moe_aux_loss_coeff=_first(get("moe_aux_loss_coeff")) if experts else None,
+        moe_jitter_eps=float(get("moe_input_jitter_eps")) if experts and get("moe_input_jitter_eps") else None,
+        dtype=dtype,
+        **token_ids_from_args(args),
+    )
+    deepseek = mla_keys.config_fields(get, heads=heads, top_k=fields["moe_top_k"], where=where)
+    return ModelConfig(**(fields | deepseek))
+
+
+# Megatron's args have no special token ids; mconvert keeps the IR's in one extra attribute so that a round trip
+# through Megatron keeps them (Megatron ignores attributes it does not know).
+TOKEN_IDS_ARG = "mconvert_token_ids"
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def token_ids_from_args(args: Any) -> dict[str, Any]:
+    stored = getattr(args, TOKEN_IDS_ARG, None)
+    if not isinstance(stored, dict):
+        return {}
+    return {k: stored[k] for k in TOKEN_ID_FIELDS if stored.get(k) is not None}
+
+
+# Megatron hard-codes these for --use-rope-scaling (Llama 3.1); only the factor is an argument.
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def _family(*, moe: bool, mla: bool, sigmoid: bool, qk_norm: bool, qkv_bias_only: bool, window: bool,
+            rope: bool) -> str:
+    """The IR family Megatron args describe (which HF format `--saver hf` writes): Megatron's DeepSeek recipes use
+    `--multi-latent-attention` (V3 routes with sigmoid scores, V2 with softmax), its Qwen recipes `--qk-layernorm`
+    (Qwen3, Qwen3-MoE) or `--add-qkv-bias --disable-bias-linear` (Qwen2 / 2.5)."""
+    if mla:
+        return "deepseek_v3" if sigmoid else "deepseek_v2"
+    if qk_norm:
+        return "qwen3_moe" if moe else "qwen3"
+    if moe:
+        return "mixtral"
+    if qkv_bias_only:
+        return "qwen2"
+    return "mistral" if window else "llama" if rope else "gpt2"
+
+
+def _full_attention_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:
+    """The layers without the window, from window_attn_skip_freq: every N-th layer (counting from 1) for an int N,
+    or the zeros of a 0/1 pattern with one entry per layer (1 = sliding window); None: every layer slides."""
+    if freq is None:
+        return ()
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return tuple(i for i in range(num_layers) if (i + 1) % freq == 0)
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(f in (0, 1) for f in freq):
+        return tuple(i for i, f in enumerate(freq) if not f)
+    raise ConvertError(f"{where}: window_attn_skip_freq={freq!r} is neither a positive integer nor a 0/1 pattern "
+                       f"with one entry per layer ({num_layers})")
+
+
+def _dense_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:
+    """The layers without experts, from moe_layer_freq: every k-th layer (from layer 0) has experts for an int k,
+    or a 0/1 pattern with one entry per layer (what `--moe-layer-freq "([0]*3+[1]*58)"` parses into)."""
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return tuple(i for i in range(num_layers) if i % freq)
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(f in (0, 1) for f in freq):
+        return tuple(i for i, f in enumerate(freq) if not f)
+    raise ConvertError(f"{where}: moe_layer_freq={freq!r} is neither a positive integer nor a 0/1 pattern with one "
+                       f"entry per layer ({num_layers})")
+
+
+def _first(value: Any) -> float | None:
+    if isinstance(value, (list, tuple)):
+        return float(value[0]) if value else None
+    return None if value is None else float(value)
+
+
+def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_size: int, divisible_by: int,
+                     impl: Impl, ckpt_format: str = "torch", expert_layout: ExpertLayout = "sequential",
+                     tokenizer_model: str | None = None) -> argparse.Namespace:
+    """A Megatron `args` namespace describing the model, so Megatron-LM can resume or finetune from it.
+
+    Only plain values and torch dtypes: Megatron's own loader refuses anything else under weights_only.
+    With --use-checkpoint-args Megatron-LM takes tokenizer_type and tokenizer_model from here: `tokenizer_model`
+    is the tokenizer directory the checkpoint carries (a HuggingFaceTokenizer); without one, tokenizer_type is
+    left unset (None) so that the run's own --tokenizer-type applies, except GPT-2's GPT2BPETokenizer, Megatron's
+    own tokenizer for that family (it then needs --vocab-file/--merge-file). The norm epsilon goes under both
+    names Megatron-LM has used: `layernorm_epsilon` (megatron-core's config field, the args name since 2024) and
+    `norm_epsilon` (the older args name, still read by tools/checkpoint's loaders).
+    """
+    if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3" and not c.is_mla:
+        raise ConvertError(f"Megatron supports only Llama 3 rope scaling; this model has {c.rope_scaling}")
+    if c.rope_scaling and not c.is_mla and {k: v for k, v in c.rope_scaling.items() if k != "factor"} != \
+            {k: v for k, v in LLAMA3_SCALING.items() if k != "factor"}:
+        raise ConvertError(f"Megatron hard-codes the Llama 3 rope scaling parameters {LLAMA3_SCALING} except the "
+                           f"factor; this model has {c.rope_scaling}")
+    if c.proj_bias != c.mlp_bias or (c.proj_bias and not c.qkv_bias):
+        raise ConvertError("Megatron's add_bias_linear puts a bias on every linear (add_qkv_bias on q/k/v alone); "
+                           f"this model has qkv_bias={c.qkv_bias}, proj_bias={c.proj_bias}, mlp_bias={c.mlp_bias}")
+    if c.rope_theta != int(c.rope_theta):
+        raise ConvertError(f"Megatron's rotary_base is an integer; this model's rope_theta is {c.rope_theta}")
+    rope = c.position_embedding == "rope"
+    vpp = layout.vpp if layout.vpp > 1 else None
+    dtype = c.torch_dtype
+    values = dict(
+        num_layers=c.num_layers, encoder_num_layers=c.num_layers, hidden_size=c.hidden_size,
+        ffn_hidden_size=c.ffn_hidden_size, num_attention_heads=c.num_attention_heads,
+        group_query_attention=c.num_query_groups != c.num_attention_heads, num_query_groups=c.num_query_groups,
+        kv_channels=c.head_dim, seq_length=c.max_position_embeddings, encoder_seq_length=c.max_position_embeddings,
+        max_position_embeddings=c.max_position_embeddings,
+        # Megatron's defaults for the next two whatever the position embedding (resuming compares them)
+        position_embedding_type="rope" if rope else "learned_absolute", add_position_embedding=True,
+        use_rotary_position_embeddings=False, rotary_base=int(c.rope_theta), rotary_percent=1.0,
+        rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling),
+        rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling else 8.0,
+        normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=c.norm_eps,
+        norm_epsilon=c.norm_eps,
+        apply_layernorm_1p=False, layernorm_zero_centered_gamma=False, qk_layernorm=c.qk_norm,
+        swiglu=c.gated, openai_gelu=c.activation == "gelu_tanh", squared_relu=False, bias_gelu_fusion=False,
+        add_bias_linear=c.proj_bias, add_qkv_bias=c.qkv_bias,
+        untie_embeddings_and_output_weights=not c.tie_embeddings,
+        # Megatron's window (left, right) lets a query see `left` earlier keys and itself; the IR's (and HF's)
+        # sliding_window counts the query too
+        window_size=(c.sliding_window - 1, 0) if c.sliding_window else None,
+        # per layer (from 1): 1 slides, 0 attends to everything (no effect without window_size, but kept: it is
+        # the Qwen config's max_window_layers)
+        window_attn_skip_freq=[0 if i in c.full_attention_layers else 1 for i in range(c.num_layers)]
+        if c.full_attention_layers else None,
+        num_experts=c.num_experts, moe_router_topk=c.moe_top_k or 2,
+        moe_ffn_hidden_size=c.expert_ffn_hidden_size if c.is_moe else None,
+        moe_layer_freq=[0 if i in c.dense_layers else 1 for i in range(c.num_layers)] if c.dense_layers else 1,
+        moe_router_pre_softmax=c.is_moe and not c.moe_norm_topk,
+        # Megatron applies jitter whenever the value is not None, and Uniform(1, 1) fails: no jitter is None
+        moe_aux_loss_coeff=c.moe_aux_loss_coeff or 0.0, moe_input_jitter_eps=c.moe_jitter_eps or None,
+        moe_grouped_gemm=c.is_moe and expert_layout != "sequential",
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        transformer_pipeline_model_parallel_size=layout.pp, virtual_pipeline_model_parallel_size=vpp,
+        num_virtual_stages_per_pipeline_rank=vpp, num_layers_per_virtual_pipeline_stage=None,
+        decoder_first_pipeline_num_layers=layout.first_stage_layers,
+        decoder_last_pipeline_num_layers=layout.last_stage_layers,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
+        world_size=layout.tp * layout.pp * layout.ep, data_parallel_size=1,
+        vocab_size=c.vocab_size, padded_vocab_size=padded_vocab_size, make_vocab_size_divisible_by=divisible_by,
+        tokenizer_model=tokenizer_model,
+        tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else "GPT2BPETokenizer" if c.family == "gpt2"
+        else None,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        ckpt_format=ckpt_format, transformer_impl="transformer_engine" if impl == "te" else "local",
+        use_legacy_models=False, bert_binary_head=True,
+        no_load_optim=True, no_load_rng=True, no_save_optim=True, no_save_rng=True,
+        consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
+    )
+    values[TOKEN_IDS_ARG] = {k: getattr(c, k) for k in TOKEN_ID_FIELDS}
+    values |= mla_keys.args_fields(c)
+    if c.is_moe and expert_layout == "legacy_grouped":
+        # Megatron-LM before March 2026 (the GroupedMLP's last version) picks it under TE only with this flag
+        values["moe_use_legacy_grouped_gemm"] = True
+    if c.is_moe and expert_layout == "single_grouped":  # megatron-core requires the TE op fuser for it
+        values |= {"moe_single_grouped_weight": True, "use_transformer_engine_op_fuser": True}
+    return argparse.Namespace(**values)

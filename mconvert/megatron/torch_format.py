@@ -1,0 +1,196 @@
+"""Plugin `core` (loader and saver): Megatron-core GPT checkpoints, any TP / PP (uneven) / VPP / EP layout.
+
+The `--ckpt-format` decides the storage: `torch` (this module), `torch_dist` and `zarr` (`mconvert.megatron.dist`),
+`torch_dcp` and `fsdp_dtensor` (`mconvert.megatron.dcp`); reading detects it from the directory.
+
+Reading: every rank file is opened memory-mapped through the safe unpickler (no Megatron needed, no code executed);
+the pieces of each tensor across TP ranks are combined only when the tensor is asked for.
+
+Writing: files are written stage by stage: the TP (and EP) files of one pipeline stage are open together, each IR
+tensor is read once, split into its per-rank pieces and streamed into every file of the stage, so peak
+memory is about one layer whatever the model size.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from mconvert.errors import ConvertError
+from mconvert.ir.blocks import Blocks
+from mconvert.ir.dtypes import dtype_name
+from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
+from mconvert.lazy import torch
+from mconvert.megatron import core, mla, rank_files, rank_plan
+from mconvert.megatron import dcp as core_dcp
+from mconvert.megatron import moe as core_moe
+from mconvert.megatron.dcp import load_dcp, save_dcp
+from mconvert.megatron.dist import load_dist, save_dist
+from mconvert.megatron.rank_files import (
+    RankFiles,
+    chunks_in_files,
+    find_iteration,
+    first_model,
+    has_markers,
+    read_parts,
+    tokenizer,
+)
+from mconvert.megatron.rank_files import config as megatron_config
+from mconvert.options import LAYOUT_OPTIONS, Options
+from mconvert.progress import Progress
+from mconvert.registry import register_loader, register_saver
+from mconvert.rules.mapping import to_ir, verify_copies
+from mconvert.rules.table import Ctx
+
+LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.")
+# Not weights: module extra state (FP8 metadata or None) and rotary frequencies Megatron recomputes.
+DROP = (r".*\._extra_state", r".*rotary_pos_emb\.inv_freq")
+
+
+def is_core_checkpoint(path: Path) -> bool:
+    if not has_markers(path):
+        return False
+    it_dir, _ = find_iteration(path)  # a broken tracker file is reported (see registry.detect_loader)
+    if core.is_dist_checkpoint(it_dir) or core.is_dcp_checkpoint(it_dir):
+        return True
+    model = first_model(it_dir)  # core keys are flat (`embedding.`, `decoder.`); legacy ones nest
+    return model is not None and any(k.startswith(("decoder.", "embedding.", "output_layer")) for k in model)
+
+
+@register_loader("core", aliases=("megatron", "mcore"), detect=is_core_checkpoint,
+                 options=("true_vocab_size", "tokenizer"))
+def load(path: Path, options: Options) -> ModelIR:
+    """Megatron-core GPT: `torch` (local or Transformer-Engine names), `torch_dist`, `zarr`, `torch_dcp` or
+    `fsdp_dtensor`, detected."""
+    it_dir, iteration = find_iteration(Path(path))
+    if core.is_dist_checkpoint(it_dir):
+        return load_dist(it_dir, iteration, options)
+    if core.is_dcp_checkpoint(it_dir):
+        return load_dcp(it_dir, iteration, options)
+    files = RankFiles(it_dir)
+
+    def tensors_of(tp: int, pp: int, ep: int, entry: str) -> dict[str, LazyTensor]:
+        idx = (tp, pp, ep)
+        out: dict[str, LazyTensor] = {}
+        for k, v in files.model(tp, pp, ep, entry).items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            # megatron-core 0.19 stores an MTP module's layer as mtp_model_layer: read under the table's one name
+            key = mla.mtp_layer_named(k, "transformer_layer")
+            if key in out:
+                names = sorted({key, mla.mtp_layer_named(key, "mtp_model_layer")})
+                raise ConvertError(f"{files.rel(idx)}: {entry} holds both {names[1]} and {names[0]} (one MTP layer "
+                                   f"under both of megatron-core's names)")
+            out[key] = LazyTensor(tuple(v.shape), v.dtype, lambda v=v: v, f"{files.rel(idx)}:{entry}.{k}",
+                                  lambda v=v: Blocks.of(v, files.source(idx, v)))
+        return out
+
+    chunks = chunks_in_files(files, LAYER_KEY, tensors_of)
+    names = files.chunk_names()
+    first_model = files.model(0, 0, 0, names[0])
+    impl = "te" if any(k.endswith(("linear_qkv.layer_norm_weight", "linear_kv_up_proj.layer_norm_weight"))
+                       for k in first_model) else "local"
+    embed_key = "embedding.word_embeddings.weight"
+    if embed_key not in first_model:
+        raise ConvertError(f"{files.rel((0, 0, 0))}: no {embed_key} in the first pipeline stage")
+    embed = first_model[embed_key]
+    padded = embed.shape[0] * files.tp
+    notes: list[str] = []
+    assets = tokenizer(options, it_dir, files.args, notes)
+    config, config_notes = megatron_config(files.args, options, padded, dtype_name(embed.dtype), it_dir, assets)
+    notes += config_notes
+    expert_layout, etp = _experts(files, names, config, notes) if config.is_moe else (None, files.tp)
+    ctx = Ctx(config, padded, tp=files.tp, etp=etp, local_experts=(config.num_experts or 0) // files.ep)
+    parts = rank_plan.plan(core.table(impl, expert_layout or "sequential", config.is_mla), config, chunks,
+                           ep=files.ep, entry_names=names, tied_copy=core.TIED_OUTPUT, embed_copy=core.MTP_EMBEDDING)
+    source, rows, copies = read_parts(files, parts, tensors_of)
+    tensors = to_ir(source, rows, ctx, where=str(it_dir), drop=DROP, cache=LoadCache(4))
+    verify_copies(tensors, "embed.weight", copies, core.TIED_OUTPUT, ctx,
+                  kept_for="the MTP modules" if config.mtp_layers else "the tied output layer")
+    layout = {"tp": files.tp, "pp": files.pp, "vpp": len(names) if names != ["model"] else 1, "ep": files.ep,
+              "stage_layers": [sum(len(c.layers) for c in chunks if c.pp == p) for p in range(files.pp)],
+              "transformer_impl": impl, "padded_vocab": padded}
+    if config.is_moe:
+        layout |= {"etp": etp, "expert_layout": expert_layout}
+    return ModelIR(config, tensors, SourceInfo("core (Megatron torch)", it_dir, layout, iteration, notes), assets)
+
+
+def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> tuple[str | None, int]:
+    """(expert layout, expert tensor-parallel size) of an MoE checkpoint, detected from its tensors."""
+    if config.num_experts % files.ep:
+        raise ConvertError(f"{files.it_dir}: args.expert_model_parallel_size={files.ep} does not divide "
+                           f"num_experts={config.num_experts}: expert-parallel ranks must hold equal numbers of "
+                           "experts")
+    local = config.num_experts // files.ep
+    shapes = {k: tuple(t.shape) for pp in range(files.pp) for name in chunks
+              for k, t in files.model(0, pp, 0, name).items() if isinstance(t, torch.Tensor)}
+    layout = core_moe.detect_layout(shapes, str(files.it_dir))
+    etp = core_moe.detect_expert_tp(shapes, layout, ffn=config.expert_ffn_hidden_size, local_experts=local,
+                                    where=files.rel((0, 0, 0))) if layout else None
+    etp = etp or files.tp
+    if files.tp % etp:
+        raise ConvertError(f"{files.it_dir}: the expert weights are split over {etp} tensor-parallel ranks, which "
+                           f"does not divide the tensor-parallel size {files.tp}")
+    stored = getattr(files.args, "expert_tensor_parallel_size", None)
+    if stored and stored != etp:
+        notes.append(f"args.expert_tensor_parallel_size is {stored} but the expert weights are split over {etp} "
+                     "rank(s); using the tensors' split")
+    return layout, etp
+
+
+@register_saver("core", aliases=("megatron", "mcore"),
+                options=(*LAYOUT_OPTIONS, "transformer_impl", "expert_layout", "ckpt_format",
+                         "make_vocab_size_divisible_by", "iteration", "mtp_layer_name"))
+def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
+    """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`,
+    `zarr`, `torch_dcp` or `fsdp_dtensor` (--ckpt-format)."""
+    check_expert_layout(ir, options)
+    if options.mtp_layer_name != "transformer_layer" and options.ckpt_format != "torch":
+        raise ConvertError(f"--mtp-layer-name {options.mtp_layer_name} is for --ckpt-format torch; megatron-core "
+                           f"stores transformer_layer in {options.ckpt_format} checkpoints whatever its version")
+    if options.ckpt_format in core_dcp.FORMATS:
+        return save_dcp(ir, out, options, progress)
+    if options.ckpt_format != "torch":
+        return save_dist(ir, out, options, progress)
+    c, layout = ir.config, options.layout
+    core.check_model(c, options)
+    padded, iteration, args = rank_files.core_args(ir, out, options)
+    ctx = Ctx(c, padded, tp=layout.tp, etp=layout.expert_tp, local_experts=(c.num_experts or 0) // layout.ep)
+    parts = plan(ir, options)
+    top = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration}
+
+    def chunk_dict(part: rank_plan.Part, flat: dict) -> dict:
+        return _mtp_named(flat | core.extra_states(part.chunk, options, c), options.mtp_layer_name)
+
+    rank_files.write_checkpoint(ir, out, options, progress, ctx=ctx, parts=parts, top=top, where="saver core",
+                                    chunk_dict=chunk_dict)
+
+
+def _mtp_named(state: dict, name: str) -> dict:
+    """The state dict with each MTP module's layer stored under `name` (megatron-core 0.19: mtp_model_layer)."""
+    if name == "transformer_layer":
+        return state
+    return {mla.mtp_layer_named(k, name): v for k, v in state.items()}
+
+
+def plan(ir: ModelIR, options: Options) -> list[rank_plan.Part]:
+    """What each rank file holds, for this model in the saver's layout, implementation and expert layout."""
+    layout = options.layout
+    return rank_plan.plan(core.table(options.transformer_impl, options.expert_layout, ir.config.is_mla), ir.config,
+                          layout.chunks(ir.config.num_layers), ep=layout.ep, entry_names=rank_plan.entries(layout.vpp),
+                          tied_copy=core.TIED_OUTPUT, embed_copy=core.MTP_EMBEDDING)
+
+
+def check_expert_layout(ir: ModelIR, options: Options) -> None:
+    """The expert layout must exist under the chosen transformer implementation, and only MoE models have one."""
+    if options.expert_layout == "sequential":
+        return
+    if not ir.config.is_moe:
+        raise ConvertError(f"--expert-layout {options.expert_layout} needs a mixture-of-experts model; this one "
+                           "is dense")
+    if options.expert_layout in ("grouped", "single_grouped") and options.transformer_impl != "te":
+        raise ConvertError(f"--expert-layout {options.expert_layout} is Transformer Engine's grouped GEMM "
+                           "(TEGroupedMLP) and needs --transformer-impl te; with local modules use sequential or "
+                           "legacy_grouped")
+
+

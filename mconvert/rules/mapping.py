@@ -1,0 +1,226 @@
+"""Apply a format's rule table to whole (unsharded) checkpoints, in both directions.
+
+`expand` turns templated rules into concrete (checkpoint key, IR names, rule) rows for one model. `to_ir` maps
+a flat dict of source tensors into lazy IR tensors, strictly: every source tensor is consumed or explicitly
+dropped, every expected one is present, and one error lists all differences. `from_ir` is the inverse plan a
+saver writes from. Sharded formats (Megatron) build on the same rows with their own file layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from mconvert.errors import ConvertError, format_names, mismatch
+from mconvert.ir import dtypes
+from mconvert.ir.blocks import Blocks
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.names import expected_shapes
+from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR
+from mconvert.lazy import torch
+from mconvert.rules import transforms
+from mconvert.rules.row_plan import RowPlanner
+from mconvert.rules.table import IDENTITY, REPLICATE, Ctx, LayerKind, Rule, Table, active
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    ir: tuple[str, ...]
+    rule: Rule
+
+
+def expand(table: Table, config: ModelConfig, *, layers: Iterable[tuple[int, int]] | None = None,
+           experts: Iterable[tuple[int, int]] | None = None, embedding: bool = True, head: bool = True,
+           mtp: Iterable[tuple[int, int]] | None = None, ir_names: Iterable[str] | None = None) -> list[Row]:
+    """Concrete rows in file order: embeddings, each layer (with its experts), head, MTP modules.
+
+    `layers` gives (global, local) layer numbers for the `{L}`/`{l}` templates, `experts` (global, local)
+    expert numbers for `{E}`/`{e}` and `mtp` (global, local) MTP module numbers for `{M}`/`{m}`; by default all
+    of them, numbered globally (unsharded formats), the MTP modules going with the head.
+    """
+    names = set(expected_shapes(config) if ir_names is None else ir_names)
+    layers = [(L, L) for L in range(config.num_layers)] if layers is None else list(layers)
+    experts = [(E, E) for E in range(config.num_experts or 0)] if experts is None else list(experts)
+    mtp = [(M, M) for M in range(config.mtp_layers if head else 0)] if mtp is None else list(mtp)
+    rows: list[Row] = []
+
+    def add(rules: Iterable[Rule], kind: LayerKind | None = None, **index: int) -> None:
+        for rule in active(list(rules), names, kind, **index):
+            key, ir = rule.keys(**index)
+            rows.append(Row(key, ir, rule))
+
+    def add_layer(layer: tuple[Rule, ...], expert: tuple[Rule, ...], expert_stack: tuple[Rule, ...],
+                  **index: int) -> None:
+        L = index["L"]
+        moe = config.is_moe_layer(L)
+        add(layer, "moe" if moe else "dense", **index)
+        for E, e in experts if moe else ():
+            add(expert, "moe", E=E, e=e, **index)
+        for rule in expert_stack if experts and moe else ():
+            ir = tuple(n.format(E=E, e=e, **index) for E, e in experts for n in rule.ir)
+            if all(n in names for n in ir):
+                rows.append(Row(rule.key.format(**index), ir, rule))
+
+    if embedding:
+        add(table.embedding)
+    for L, l in layers:
+        add_layer(table.layer, table.expert, table.expert_stack, L=L, l=l)
+    if head:
+        add(table.head)
+    for M, m in mtp:
+        index = dict(L=config.num_layers + M, l=m, M=M, m=m)
+        add(table.mtp, **index)
+        add_layer(table.layer if table.mtp_layer is None else table.mtp_layer,
+                  table.expert if table.mtp_expert is None else table.mtp_expert,
+                  table.expert_stack if table.mtp_expert_stack is None else table.mtp_expert_stack, **index)
+    return rows
+
+
+def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *, where: str,
+          drop: Iterable[str] = (), cache: LoadCache | None = None) -> dict[str, LazyTensor]:
+    """Lazy IR tensors from source tensors by key, each key given as its TP pieces (one piece if unsharded).
+
+    Strict: every source key is consumed by a row or matches a `drop` regex, every row's key is present, and
+    the pieces' shapes must fit the config; one error lists all differences.
+    """
+    dropped = [re.compile(p) for p in drop]
+    wanted = {row.key for row in rows}
+    missing = [row.key for row in rows if row.key not in source]
+    extra = [k for k in source if k not in wanted and not any(p.fullmatch(k) for p in dropped)]
+    if missing or extra:
+        raise ConvertError(f"{where}: the tensors do not match a {ctx.config.family} model with this config "
+                           f"({ctx.config.num_layers} layers). " + mismatch(missing, extra))
+    _check_floating(source, rows, where)
+    cache = cache or LoadCache()
+    planner = RowPlanner(ctx)
+    want_shapes = expected_shapes(ctx.config)
+    out: dict[str, LazyTensor] = {}
+    for row in rows:
+        pieces = list(source[row.key])
+        shapes = _ir_shapes_of(row, pieces, ctx, want_shapes)
+        if len(pieces) == 1 and row.rule.join is IDENTITY:
+            out[row.ir[0]] = pieces[0]  # stored as is: no copy, no cache
+            continue
+        origin = pieces[0].origin if len(pieces) == 1 else f"{pieces[0].origin} (+{len(pieces) - 1} TP pieces)"
+        moves_rows = planner.moves_rows(row.rule, "backward", [p.shape for p in pieces])
+        for i, name in enumerate(row.ir):
+
+            def thunk(row=row, pieces=pieces, i=i):
+                return cache.part(row.key, i, lambda: row.rule.backward([p.load() for p in pieces], ctx))
+
+            def blocks(row=row, pieces=pieces, i=i, thunk=thunk):
+                found = planner.backward(row.rule, [p.load_blocks() for p in pieces])
+                return Blocks.of(thunk()) if found is None else found[i]
+
+            kept = len(pieces) == 1 and len(row.ir) == 1 and tuple(shapes[i]) == tuple(pieces[0].shape)
+            out[name] = LazyTensor(shapes[i], pieces[0].dtype_name, thunk, origin, blocks if moves_rows else None,
+                                   fp8_block=pieces[0].fp8_block if kept else None)  # rows moved within a block
+    order = {name: i for i, name in enumerate(want_shapes)}  # canonical IR order, whatever the file order
+    return dict(sorted(out.items(), key=lambda item: order.get(item[0], len(order))))
+
+
+def _check_floating(source: dict[str, Sequence[LazyTensor]], rows: list[Row], where: str) -> None:
+    """Weights are floating point: an integer or boolean tensor under a weight's key would be carried as is into a
+    model that cannot compute with it."""
+    bad = [f"{p.origin} ({p.dtype_name})" for row in rows for p in source[row.key]
+           if not dtypes.is_floating(p.dtype_name)]
+    if bad:
+        raise ConvertError(f"{where}: weights must be floating-point tensors, and {format_names(bad)} "
+                           f"{'is' if len(bad) == 1 else 'are'} not")
+
+
+def _ir_shapes_of(row: Row, pieces: list[LazyTensor], ctx: Ctx, want: dict) -> list[tuple[int, ...]]:
+    """The IR shapes the pieces combine into, computed on meta; a mismatch means config and weights disagree.
+    One piece under an identity rule (a tensor stored as is, most of a Hugging Face model) is its own IR tensor:
+    no meta tensor, and so no torch, is needed to know its shape."""
+    shown = " + ".join(f"{p.origin} {list(p.shape)}" for p in pieces[:4])
+    if len(pieces) == 1 and row.rule.join is IDENTITY and row.rule.shard is REPLICATE:
+        shapes = [tuple(pieces[0].shape)]  # = backward([piece]): replicated([p]) is p, the identity split [p]
+    else:
+        try:
+            parts = row.rule.backward([torch.empty(p.shape, device="meta") for p in pieces], ctx)
+        except (ConvertError, RuntimeError) as e:
+            raise ConvertError(f"{shown}: does not fit the config: {e}") from None
+        shapes = [tuple(p.shape) for p in parts]
+    if len(shapes) != len(row.ir):  # e.g. a stack of experts holding more or fewer than the config's
+        raise ConvertError(f"{shown} gives {len(shapes)} tensors, but the config implies {len(row.ir)} "
+                           f"({row.ir[0]} ... {row.ir[-1]}): the config contradicts the tensors")
+    for name, shape in zip(row.ir, shapes):
+        if name in want and tuple(want[name]) != shape:
+            raise ConvertError(f"{shown} gives {name} of shape {list(shape)}, but the config implies "
+                               f"{list(want[name])}: the config contradicts the tensors")
+    return shapes
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One checkpoint tensor a saver will write: its key, shape, dtype and how to compute it."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: object
+    row: Row
+
+    def produce(self, ir: ModelIR, planner: RowPlanner) -> torch.Tensor | Blocks:
+        """The tensor, or its blocks when the rule only moves rows (`planner` of the saver's unsharded Ctx)."""
+        return planner.forward_lazy(self.row.rule, [ir[n] for n in self.row.ir])[0]
+
+
+def from_ir(ir: ModelIR, rows: list[Row], ctx: Ctx) -> list[Planned]:
+    """The unsharded checkpoint tensors for `ir`, shapes computed without reading any bytes."""
+    plan = []
+    for row in rows:
+        shape = row.rule.piece_shapes([ir[n].shape for n in row.ir], dataclasses.replace(ctx, tp=1))[0]
+        plan.append(Planned(row.key, shape, ir[row.ir[0]].dtype, row))
+    return plan
+
+
+def check_plan(ir_names: Iterable[str], plans: Sequence[tuple[str, list[Row]]], *, where: str) -> None:
+    """Refuse, before a byte is written, a saver plan that would drop a tensor or duplicate an expert.
+
+    `plans` lists (label, rows) per output part (a pipeline chunk of one expert-parallel rank). Every IR
+    tensor must be written somewhere; dense tensors may repeat (every EP rank holds the attention weights),
+    but each expert tensor belongs to exactly one part.
+    """
+    owners: dict[str, list[str]] = {}
+    for label, rows in plans:
+        for row in rows:
+            for name in row.ir:
+                owners.setdefault(name, []).append(label)
+    dropped = [n for n in ir_names if n not in owners]
+    twice = [f"{n} (in {', '.join(parts)})" for n, parts in owners.items() if ".moe.experts." in n and len(parts) > 1]
+    if dropped or twice:
+        hint = " (multi-token-prediction modules: pass --skip-mtp to leave them out)" \
+            if any(n.startswith("mtp.") for n in dropped) else ""
+        parts = [f"would drop {format_names(dropped)}{hint}" if dropped else "",
+                 f"would write experts more than once: {format_names(twice, 4)}" if twice else ""]
+        raise ConvertError(f"{where}: refusing to write: the layout " + "; ".join(p for p in parts if p))
+
+
+def take_copies(source: dict[str, Sequence[LazyTensor]], pattern: str) -> list[list[LazyTensor]]:
+    """Remove from `source` the keys matching `pattern` (stored duplicates of another tensor); return their pieces."""
+    found = [k for k in source if re.fullmatch(pattern, k)]
+    return [list(source.pop(k)) for k in found]
+
+
+def verify_copies(tensors: dict[str, LazyTensor], name: str, copies: list[list[LazyTensor]], rule: Rule,
+                  ctx: Ctx, kept_for: str = "the tied output layer") -> None:
+    """Make reading IR tensor `name` also check that each stored copy of it (e.g. the last pipeline stage's
+    output layer when embeddings are tied) holds the same values, instead of silently ignoring the copies."""
+    if not copies:
+        return
+    base = tensors[name]
+
+    def thunk() -> torch.Tensor:
+        value = base.load()
+        for pieces in copies:
+            copy = rule.backward([p.load() for p in pieces], ctx)[0]
+            if not transforms.same_bits(copy, value):
+                raise ConvertError(f"{pieces[0].origin}: this copy of {name} (kept for {kept_for}) "
+                                   f"differs from {base.origin}; the checkpoint is inconsistent")
+        return value
+
+    tensors[name] = LazyTensor(base.shape, base.dtype_name, thunk, base.origin)

@@ -1,0 +1,137 @@
+"""Rules that only move whole rows, planned once on row numbers and then applied to blocks without copying.
+
+Most joins and shards move whole rows (dimension 0) of their inputs and leave every row as it is: the grouped
+QKV fuse and split, `[gate ; up]`, column-parallel chunks, vocabulary padding, an unsharded copy. Running such a
+rule on tensors that hold row *numbers* shows where every output row comes from:
+
+    q rows 0..3, k rows 4..5, v rows 6..7 (one query group per TP rank, 2 q heads, head_dim 2)
+    rule.forward(numbers) -> rank 0: [0 1 4 6]  rank 1: [2 3 5 7]
+    plan: rank 0 = (q, 0:2) (k, 0:1) (v, 0:1)    rank 1 = (q, 2:4) (k, 1:2) (v, 1:2)
+
+The plan is then applied to `Blocks` of the real inputs: every output is views of input rows, which a writer
+sends from the source's memory map straight to the file. A rule that mixes values inside rows (a transpose, a
+row-parallel split) or compares them (TP pieces of a replicated tensor must agree) fails the probe and runs on
+real tensors as before. Probing costs two int64 numbers per row, once per rule and shapes (layers repeat).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from mconvert.errors import ConvertError
+from mconvert.ir.blocks import Blocks
+from mconvert.ir.tensors import LazyTensor
+from mconvert.lazy import torch
+from mconvert.rules.table import Ctx, Rule
+
+Direction = Literal["forward", "backward"]
+
+
+@dataclass(frozen=True)
+class Output:
+    shape: tuple[int, ...]
+    runs: tuple[tuple[int, int, int], ...]  # (input, first row, end row), in output order
+
+
+class RowPlanner:
+    """Row plans of the rules of one conversion (one `Ctx`), each probed once; safe to share between threads."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        self.ctx = ctx
+        self._plans: dict[tuple, tuple[Output, ...] | None] = {}
+
+    def forward(self, rule: Rule, inputs: Sequence[Blocks]) -> list[Blocks] | None:
+        """`rule.forward` on blocks (IR tensors -> per-rank pieces), or None if the rule does more than move rows."""
+        return self._apply(rule, "forward", inputs)
+
+    def backward(self, rule: Rule, pieces: Sequence[Blocks]) -> list[Blocks] | None:
+        """`rule.backward` on blocks (per-rank pieces -> IR tensors), or None if the rule does more than move rows."""
+        return self._apply(rule, "backward", pieces)
+
+    def forward_lazy(self, rule: Rule, tensors: Sequence[LazyTensor]) -> list[torch.Tensor | Blocks]:
+        """The per-rank pieces of IR tensors: blocks of the sources' rows when the rule only moves rows, else
+        `rule.forward` on the loaded tensors (pieces left as they come, often views: a writer copies only the
+        pieces it writes)."""
+        if len({t.dtype for t in tensors}) == 1 and self.moves_rows(rule, "forward", [t.shape for t in tensors]):
+            found = self.forward(rule, [t.load_blocks() for t in tensors])
+            if found is not None:
+                return list(found)
+        return list(rule.forward([t.load() for t in tensors], self.ctx))
+
+    def moves_rows(self, rule: Rule, direction: Direction, shapes: Sequence[tuple[int, ...]]) -> bool:
+        return self.plan(rule, direction, shapes) is not None
+
+    def plan(self, rule: Rule, direction: Direction, shapes: Sequence[tuple[int, ...]]) -> tuple[Output, ...] | None:
+        key = (rule, direction, tuple(tuple(s) for s in shapes))
+        if key not in self._plans:
+            fn = rule.forward if direction == "forward" else rule.backward
+            self._plans[key] = probe(lambda ts: fn(ts, self.ctx), key[2])
+        return self._plans[key]
+
+    def _apply(self, rule: Rule, direction: Direction, inputs: Sequence[Blocks]) -> list[Blocks] | None:
+        if len({b.dtype for b in inputs}) != 1:
+            return None
+        plan = self.plan(rule, direction, [b.shape for b in inputs])
+        if plan is None:
+            return None
+        dtype = inputs[0].dtype
+        made = []
+        for out in plan:
+            pieces = [v for j, a, b in out.runs for v in inputs[j].rows(a, b)]
+            sources = tuple(s for _, s in pieces)
+            made.append(Blocks(out.shape, dtype, tuple(p for p, _ in pieces),
+                               sources if any(s is not None for s in sources) else ()))
+        return made
+
+
+def probe(fn: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+          shapes: Sequence[tuple[int, ...]]) -> tuple[Output, ...] | None:
+    """Where each output row of `fn` comes from, if `fn` only moves whole rows of inputs of these shapes.
+
+    Each input row becomes the pair (n, -n-1) for its global row number n; an output that is not made of such
+    pairs (values mixed, transposed, compared) or whose real shape (computed on meta tensors) is not whole input
+    rows means `fn` does more than move rows: None.
+    """
+    if not shapes or any(len(s) == 0 for s in shapes) or len({tuple(s[1:]) for s in shapes}) != 1:
+        return None
+    trailing = tuple(shapes[0][1:])
+    starts, n = [], 0
+    for s in shapes:
+        starts.append(n)
+        n += s[0]
+    ids = []
+    for start, s in zip(starts, shapes):
+        col = torch.arange(start, start + s[0], dtype=torch.int64)
+        ids.append(torch.stack([col, -col - 1], dim=1))
+    try:
+        outs = fn(ids)
+        real = fn([torch.empty(s, device="meta") for s in shapes])
+    except (ConvertError, RuntimeError, ValueError, IndexError):
+        return None
+    if len(outs) != len(real):
+        return None
+    bounds = torch.tensor(starts, dtype=torch.int64)
+    plan = []
+    for o, r in zip(outs, real):
+        if o.dim() != 2 or o.shape[1] != 2 or tuple(r.shape) != (o.shape[0], *trailing) or \
+                not torch.equal(o[:, 1], -o[:, 0] - 1):
+            return None
+        plan.append(Output(tuple(r.shape), _runs(o[:, 0].contiguous(), bounds)))
+    return tuple(plan)
+
+
+def _runs(rows: torch.Tensor, bounds: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+    """Global row numbers -> maximal (input, first, end) runs of consecutive rows of one input."""
+    if rows.numel() == 0:
+        return ()
+    src = torch.zeros_like(rows)
+    for bound in bounds.tolist()[1:]:  # few inputs: a comparison each (bucketize costs ~10 ms a call on a busy CPU)
+        src += rows >= bound
+    local = rows - bounds[src]
+    cut = torch.ones(rows.numel(), dtype=torch.bool)
+    cut[1:] = (rows[1:] != rows[:-1] + 1) | (src[1:] != src[:-1])
+    firsts = cut.nonzero().flatten().tolist() + [rows.numel()]
+    src_l, local_l = src.tolist(), local.tolist()
+    return tuple((src_l[a], local_l[a], local_l[a] + b - a) for a, b in zip(firsts, firsts[1:]))

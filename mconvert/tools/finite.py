@@ -1,0 +1,69 @@
+"""Counting NaN and infinite values, for `mconvert inspect`.
+
+A tensor whose bytes lie unchanged in a file (`LazyTensor.file_bytes`, a safetensors entry) is counted from the
+file with numpy, by bit pattern, without importing torch; any other is loaded and counted by torch. IEEE formats
+(and bfloat16, float32's upper half) mark both by an exponent of all ones; the mantissa then says which:
+
+    bits without the sign  >  exponent mask  ->  NaN      (mantissa not zero)
+    bits without the sign  == exponent mask  ->  Inf      (mantissa zero)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from mconvert.errors import ConvertError
+from mconvert.ir.blocks import FileBytes
+from mconvert.lazy import np, torch
+
+if TYPE_CHECKING:
+    from mconvert.ir.tensors import LazyTensor
+
+# dtype name -> (unsigned little-endian integer of its width, exponent mask, mantissa mask)
+BIT_PATTERNS = {
+    "float64": ("<u8", 0x7FF0_0000_0000_0000, 0x000F_FFFF_FFFF_FFFF),
+    "float32": ("<u4", 0x7F80_0000, 0x007F_FFFF),
+    "float16": ("<u2", 0x7C00, 0x03FF),
+    "bfloat16": ("<u2", 0x7F80, 0x007F),
+}
+_CHUNK = 1 << 24  # elements counted at a time: temporaries stay at a few tens of MB whatever the tensor's size
+
+
+def count(t: LazyTensor) -> tuple[int, int] | None:
+    """(NaN, Inf) in `t`, or None when it is not floating point."""
+    if t.file_bytes is not None and t.dtype_name in BIT_PATTERNS:
+        return count_file(t.file_bytes, t.dtype_name, t.numel)
+    return count_tensor(t.load())
+
+
+def count_tensor(t: torch.Tensor) -> tuple[int, int] | None:
+    if not t.is_floating_point():
+        return None
+    return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+
+
+def count_file(where: FileBytes, dtype: str, numel: int) -> tuple[int, int]:
+    """(NaN, Inf) among `numel` elements of `dtype` at `where`, read from the file with numpy."""
+    code, exponent, mantissa = BIT_PATTERNS[dtype]
+    if FileBytes.identity_of(os.stat(where.path)) != where.identity:
+        raise ConvertError(f"{where.path}: the file changed since its header was read")
+    if numel == 0:
+        return 0, 0
+    values = np.memmap(where.path, dtype=code, mode="r", offset=where.offset, shape=(numel,))
+    magnitude_mask = np.array(exponent | mantissa, dtype=code)
+    nan = inf = 0
+    for start in range(0, numel, _CHUNK):
+        bits = values[start:start + _CHUNK] & magnitude_mask
+        nan += int(np.count_nonzero(bits > exponent))
+        inf += int(np.count_nonzero(bits == exponent))
+    return nan, inf
+
+
+def describe(counts: tuple[int, int] | None) -> str | None:
+    """`3 NaN, 1 Inf` when there are any, else None."""
+    if counts is None:
+        return None
+    nan, inf = counts
+    parts = [f"{nan} NaN" if nan else "", f"{inf} Inf" if inf else ""]
+    return ", ".join(p for p in parts if p) or None

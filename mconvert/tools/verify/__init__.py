@@ -1,0 +1,16 @@
+"""`mconvert verify A B`: prove numerically that two checkpoints (any formats, layouts, families) are one model.
+
+    run.py        load both, run them stage by stage on the same tokens, compare, judge
+    stages.py     one checkpoint through mtrain's model, one layer's weights in memory at a time
+    reference.py  one side through transformers instead (`--reference transformers`)
+    metrics.py    max |logit difference|, mean KL divergence, top-1 agreement; hidden-state distances
+    tolerance.py  exact for same dtypes; bounds measured from a cast reference for casts; transformers' slack
+    fields.py     which config fields change the outputs
+    report.py     text, one summary line, JSON
+
+Importing this package imports torch and mtrain; the command line imports it only when verifying.
+"""
+
+from mconvert.tools.verify.run import Report, VerifySettings, verify
+
+__all__ = ["Report", "VerifySettings", "verify"]

@@ -1,0 +1,85 @@
+"""Run a checkpoint through mtrain's model one stage at a time, holding one layer's weights at once.
+
+    stage     "embed"          "layer 0" … "layer L-1"       "logits"
+    module    Transformer(     Transformer(                  Transformer(
+                layers=[],       layers=[L],                   layers=[], last=True)
+                first=True)      first=False)                  final norm, head
+    output    (B, T, h)        (B, T, h)                     (B, T, V)
+
+Each stage is an mtrain pipeline stage built from the IR config on the meta device, given its weights from
+the IR's lazy tensors (read now, not before) and freed before the next stage is built, so the peak memory is
+one layer whatever the model size. Because the stages are mtrain's own `Transformer` (the same code that
+trains and generates), a family added to mtrain's model is verified without any change here. Weights are
+upcast to fp32: the computation is fp32 whatever the checkpoint's dtype.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from mconvert.errors import ConvertError
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.names import embedding_shapes, head_shapes, layer_shapes
+from mconvert.ir.tensors import ModelIR
+from mtrain import weights
+from mtrain.errors import TrainError
+from mtrain.models.model import Transformer
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    name: str
+    value: torch.Tensor  # hidden states (B, T, h), or logits (B, T, V) for the last stage
+    read_seconds: float  # reading the stage's weights into its module
+    run_seconds: float  # the forward pass of the stage
+
+
+def stage_names(num_layers: int) -> list[str]:
+    return ["embed", *(f"layer {i}" for i in range(num_layers)), "logits"]
+
+
+def stage_tensors(c: ModelConfig, stage: str) -> list[str]:
+    """The IR tensors a stage reads."""
+    if stage == "embed":
+        return list(embedding_shapes(c))
+    if stage == "logits":
+        return list(head_shapes(c)) + (["embed.weight"] if c.tie_embeddings else [])
+    return list(layer_shapes(int(stage.removeprefix("layer ")), c))
+
+
+def run_stages(ir: ModelIR, tokens: torch.Tensor, device: torch.device,
+               on_read: Callable[[int], None] = lambda n: None) -> Iterator[StageOutput]:
+    """The output of every stage of `ir`'s model on `tokens` (B, T), in order; `on_read(bytes)` after each read."""
+    c = ir.config
+    specs = [dict(layers=[], first=True, last=False),
+             *(dict(layers=[i], first=False, last=False) for i in range(c.num_layers)),
+             dict(layers=[], first=False, last=True)]
+    h = tokens.to(device)
+    for name, spec in zip(stage_names(c.num_layers), specs):
+        start = time.perf_counter()
+        try:
+            stage = _build(ir, spec, device)
+        except TrainError as e:
+            raise ConvertError(f"{ir.source.path}: mtrain cannot run this model: {e}") from None
+        on_read(sum(ir[n].nbytes for n in stage_tensors(c, name)))
+        loaded = time.perf_counter()
+        with torch.no_grad():
+            h = stage(h)
+        del stage  # free this stage's weights before the next stage is built
+        yield StageOutput(name, h, loaded - start, time.perf_counter() - loaded)
+
+
+def _build(ir: ModelIR, spec: dict, device: torch.device) -> Transformer:
+    with torch.device("meta"):
+        stage = Transformer(ir.config, **spec)
+    stage.to_empty(device=device)  # the buffers; parameters are replaced by the tensors read below
+    stage.init_buffers()
+    # Assigned, not copied: one pass over each tensor (the fp32 cast), none for fp32 tensors already in memory.
+    state = {name: t.to(device=device, dtype=torch.float32)
+             for name, t in weights.ir_weights(ir, weights.local_names(stage))}
+    stage.load_state_dict(state, strict=True, assign=True)
+    return stage.eval()

@@ -1,0 +1,82 @@
+"""Loader `mtrain`: checkpoints written by mtrain (torch.distributed.checkpoint + mtrain.json).
+
+Accepts a step directory (`run/step_0000200`) or the checkpoint directory (`run`, whose `latest` names the
+newest complete step). Tensors are read lazily, one parameter at a time, without a process group, and
+whatever layout wrote them (any data, tensor, pipeline, expert or context parallel sizes: DCP stores whole
+tensors). The stacked expert weights of a MoE model are split into the IR's per-expert tensors (mtrain's
+state_dict_adapter, the same table the trainer uses).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mconvert.errors import ConvertError, format_names, mismatch
+from mconvert.io import hf_dir
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.dtypes import dtype_name
+from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
+from mconvert.options import Options
+from mconvert.registry import register_loader
+
+META_FILE, LATEST_FILE = "mtrain.json", "latest"  # mtrain.checkpoint's names (checked by a test)
+
+
+def _step_dir(path: Path) -> Path | None:
+    path = Path(path)
+    if (path / META_FILE).is_file():
+        return path
+    if path.is_dir() and ((path / LATEST_FILE).is_file() or any(path.glob("step_*"))):
+        from mtrain import checkpoint  # the trainer (and torch.distributed) only when it is an mtrain run
+
+        return checkpoint.find_latest(path)
+    return None
+
+
+@register_loader("mtrain", detect=lambda p: _step_dir(p) is not None, options=("tokenizer",))
+def load(path: Path, options: Options) -> ModelIR:
+    """mtrain checkpoints (DCP): a step directory, or a run's checkpoint directory (its latest step)."""
+    from mconvert.io.dcp import DcpReader
+    from mtrain import checkpoint
+    from mtrain.models import state_dict_adapter
+
+    step_dir = _step_dir(path)
+    if step_dir is None:
+        raise ConvertError(f"{path}: no complete mtrain checkpoint (expected {checkpoint.META_FILE} in a step "
+                           "directory, or a `latest` file naming one)")
+    meta = checkpoint.read_meta(step_dir)
+    try:
+        config = ModelConfig.from_dict(meta["model_config"])
+    except ConvertError as e:
+        raise ConvertError(f"{step_dir / checkpoint.META_FILE}: model_config: {e}") from None
+    reader = DcpReader(step_dir)  # its allow-listed unpickler: torch's own reader would unpickle anything
+    prefix = checkpoint.MODEL_PREFIX
+    stored = {key[len(prefix):]: (entry.shape, entry.dtype) for key, entry in reader.tensors.items()
+              if key.startswith(prefix)}
+    wanted = {model_name for model_name, _ in state_dict_adapter.ir_sources(config).values()}
+    missing, extra = sorted(wanted - set(stored)), sorted(set(stored) - wanted)
+    if missing or extra:
+        raise ConvertError(f"{step_dir}: the tensors do not match the model config in {checkpoint.META_FILE}. "
+                           + mismatch(missing, extra))
+    integer = [f"{prefix}{name} ({str(stored[name][1]).removeprefix('torch.')})" for name in sorted(wanted)
+               if not stored[name][1].is_floating_point]
+    if integer:  # carried as is, they would make a model that cannot compute
+        raise ConvertError(f"{step_dir}: weights must be floating-point tensors, and {format_names(integer)} "
+                           f"{'is' if len(integer) == 1 else 'are'} not")
+    config = config.replace(dtype=dtype_name(stored["embed.weight"][1]))
+    cache = LoadCache(max_items=2)
+
+    def lazy(name: str) -> LazyTensor:
+        shape, dtype = stored[name]
+        return LazyTensor(shape, dtype, lambda: cache.get(name, lambda: reader.read(prefix + name)),
+                          f"{step_dir.name}:{prefix}{name}")
+
+    tensors = state_dict_adapter.to_ir(
+        config, {name: lazy(name) for name in wanted},
+        take=lambda t, e: t.map(lambda x, e=e: x[e].clone(), shape=t.shape[1:], origin=f"{t.origin}[{e}]"))
+    tokenizer = options.tokenizer or step_dir / "tokenizer"
+    assets = hf_dir.tokenizer_files(tokenizer) if tokenizer.is_dir() else {}
+    parallel = meta.get("parallel") or {}  # the layout the trainer ran (format version 2)
+    layout = {"data_parallel": parallel.get("dp", meta["world_size"])}
+    layout |= {key: parallel[key] for key in ("tp", "pp", "vpp", "ep", "cp") if parallel.get(key, 1) > 1}
+    return ModelIR(config, tensors, SourceInfo("mtrain", step_dir, layout, iteration=meta["step"]), assets)
