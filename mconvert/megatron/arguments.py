@@ -9,6 +9,8 @@ saved checkpoint needs for Megatron-LM to load it (and for mconvert to read it b
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from mconvert.errors import ConvertError
@@ -61,6 +63,53 @@ _SETTINGS = (
 )
 
 
+@dataclass(frozen=True)
+class Arg:
+    """A Megatron argument that is one ModelConfig field. Read: the first of `name` and `fallbacks` that is set,
+    through `kind`, else `default(fields read so far)` (no default: a Megatron GPT checkpoint always has it).
+    Written: `write(value)` under `name` and under the other names Megatron-LM has used (`also`)."""
+
+    name: str
+    field: str
+    kind: Callable[[Any], Any]
+    default: Callable[[dict[str, Any]], Any] | None = None
+    fallbacks: tuple[str, ...] = ()
+    also: tuple[str, ...] = ()
+    write: Callable[[Any], Any] = lambda value: value
+
+
+# The arguments that map one to one, both ways; what is computed from several (family, activation, biases,
+# windows, experts, rope scaling) is in `_config_from_args` and `args_from_config` below.
+ARGS = (
+    Arg("hidden_size", "hidden_size", int),
+    Arg("num_attention_heads", "num_attention_heads", int),
+    Arg("num_layers", "num_layers", int, also=("encoder_num_layers",)),
+    Arg("kv_channels", "head_dim", int, default=lambda f: f["hidden_size"] // f["num_attention_heads"]),
+    Arg("max_position_embeddings", "max_position_embeddings", int, default=lambda f: 2048,
+        fallbacks=("seq_length",), also=("seq_length", "encoder_seq_length")),
+    # `layernorm_epsilon` is megatron-core's config field and the args name since 2024; `norm_epsilon` the older
+    # args name, still read by tools/checkpoint's loaders
+    Arg("layernorm_epsilon", "norm_eps", float, default=lambda f: 1e-5, fallbacks=("norm_epsilon",),
+        also=("norm_epsilon",)),
+    Arg("rotary_base", "rope_theta", float, default=lambda f: 10000.0, write=int),
+)
+
+
+def _fields_from_args(args: Any, where: str) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for arg in ARGS:
+        value = next((v for v in (getattr(args, n, None) for n in (arg.name, *arg.fallbacks)) if v is not None),
+                     None)
+        if value is None and arg.default is None:
+            raise ConvertError(f"{where}: args lack {arg.name!r}; is this a Megatron GPT checkpoint?")
+        fields[arg.field] = arg.default(fields) if value is None else arg.kind(value)
+    return fields
+
+
+def _args_from_fields(c: ModelConfig) -> dict[str, Any]:
+    return {name: arg.write(getattr(c, arg.field)) for arg in ARGS for name in (arg.name, *arg.also)}
+
+
 def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtype: str,
                      where: str) -> ModelConfig:
     """The IR config from a Megatron `args` namespace (names as Megatron stores them); a value ModelConfig refuses
@@ -86,10 +135,8 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
         raise ConvertError(f"{where}: Megatron settings that change what the model computes and that mconvert "
                            f"cannot carry (yet): {', '.join(unsupported)}; refusing rather than converting to a "
                            "different model")
-    try:
-        hidden, heads, layers = int(args.hidden_size), int(args.num_attention_heads), int(args.num_layers)
-    except AttributeError as e:
-        raise ConvertError(f"{where}: args lack {e.name!r}; is this a Megatron GPT checkpoint?") from None
+    plain = _fields_from_args(args, where)
+    hidden, heads, layers = plain["hidden_size"], plain["num_attention_heads"], plain["num_layers"]
     rope = position == "rope"
     experts = get("num_experts")
     window = get("window_size")
@@ -102,27 +149,20 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
         family=_family(moe=bool(experts), mla=mla, sigmoid=get("moe_router_score_function") == "sigmoid",
                        qk_norm=bool(get("qk_layernorm")), qkv_bias_only=qkv_bias_only, window=bool(sliding_window),
                        rope=rope),
-        num_layers=layers,
-        hidden_size=hidden,
         ffn_hidden_size=int(ffn),
         moe_ffn_hidden_size=int(get("moe_ffn_hidden_size", ffn)) if experts else None,
         dense_layers=dense,
         # Megatron's default takes the top-k of the logits, then softmax over them (the weights sum to 1);
         # pre-softmax routing keeps the softmax over all experts
         moe_norm_topk=not get("moe_router_pre_softmax", False),
-        num_attention_heads=heads,
         num_query_groups=int(get("num_query_groups", heads)) if get("group_query_attention") else heads,
-        head_dim=int(get("kv_channels", hidden // heads)),
         vocab_size=vocab_size,
         padded_vocab_size=padded_vocab_size,
-        max_position_embeddings=int(get("max_position_embeddings", get("seq_length", 2048))),
         norm="rmsnorm" if get("normalization", "LayerNorm") == "RMSNorm" else "layernorm",
-        norm_eps=float(get("layernorm_epsilon", get("norm_epsilon", 1e-5))),
         # Megatron's fused bias-GELU (bias_gelu_fusion, on by default with biases) computes the tanh approximation
         activation="swiglu" if get("swiglu") else "gelu_tanh" if get("openai_gelu") or (
             get("bias_gelu_fusion") and get("add_bias_linear", True)) else "gelu",
         position_embedding="rope" if rope else "learned",
-        rope_theta=float(get("rotary_base", 10000)),
         rope_scaling=LLAMA3_SCALING | {"factor": float(get("rope_scaling_factor", 8.0))}
         if get("use_rope_scaling") else None,
         qkv_bias=bool(get("add_bias_linear", True) or get("add_qkv_bias", False)),
@@ -141,7 +181,7 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
         **token_ids_from_args(args),
     )
     deepseek = mla_keys.config_fields(get, heads=heads, top_k=fields["moe_top_k"], where=where)
-    return ModelConfig(**(fields | deepseek))
+    return ModelConfig(**(plain | fields | deepseek))
 
 
 # Megatron's args have no special token ids; mconvert keeps the IR's in one extra attribute so that a round trip
@@ -217,9 +257,8 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     With --use-checkpoint-args Megatron-LM takes tokenizer_type and tokenizer_model from here: `tokenizer_model`
     is the tokenizer directory the checkpoint carries (a HuggingFaceTokenizer); without one, tokenizer_type is
     left unset (None) so that the run's own --tokenizer-type applies, except GPT-2's GPT2BPETokenizer, Megatron's
-    own tokenizer for that family (it then needs --vocab-file/--merge-file). The norm epsilon goes under both
-    names Megatron-LM has used: `layernorm_epsilon` (megatron-core's config field, the args name since 2024) and
-    `norm_epsilon` (the older args name, still read by tools/checkpoint's loaders).
+    own tokenizer for that family (it then needs --vocab-file/--merge-file). The one-to-one arguments come from
+    `ARGS` (the norm epsilon under both names Megatron-LM has used).
     """
     if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3" and not c.is_mla:
         raise ConvertError(f"Megatron supports only Llama 3 rope scaling; this model has {c.rope_scaling}")
@@ -236,18 +275,14 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     vpp = layout.vpp if layout.vpp > 1 else None
     dtype = c.torch_dtype
     values = dict(
-        num_layers=c.num_layers, encoder_num_layers=c.num_layers, hidden_size=c.hidden_size,
-        ffn_hidden_size=c.ffn_hidden_size, num_attention_heads=c.num_attention_heads,
+        **_args_from_fields(c), ffn_hidden_size=c.ffn_hidden_size,
         group_query_attention=c.num_query_groups != c.num_attention_heads, num_query_groups=c.num_query_groups,
-        kv_channels=c.head_dim, seq_length=c.max_position_embeddings, encoder_seq_length=c.max_position_embeddings,
-        max_position_embeddings=c.max_position_embeddings,
         # Megatron's defaults for the next two whatever the position embedding (resuming compares them)
         position_embedding_type="rope" if rope else "learned_absolute", add_position_embedding=True,
-        use_rotary_position_embeddings=False, rotary_base=int(c.rope_theta), rotary_percent=1.0,
+        use_rotary_position_embeddings=False, rotary_percent=1.0,
         rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling),
         rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling else 8.0,
-        normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=c.norm_eps,
-        norm_epsilon=c.norm_eps,
+        normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm",
         apply_layernorm_1p=False, layernorm_zero_centered_gamma=False, qk_layernorm=c.qk_norm,
         swiglu=c.gated, openai_gelu=c.activation == "gelu_tanh", squared_relu=False, bias_gelu_fusion=False,
         add_bias_linear=c.proj_bias, add_qkv_bias=c.qkv_bias,
