@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mconvert.errors import ConvertError
+from mconvert.ir import features
+from mconvert.ir.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class Plugin:
     detect: Callable[[Path], bool] | None = None  # loaders: does this path look like my format?
     options: frozenset[str] = field(default_factory=frozenset)  # command-line options the plugin uses
     help: str = ""
+    supports: frozenset[str] | None = None  # savers: the IR features (ir.features.FEATURES) it holds
 
 
 _LOADERS: dict[str, Plugin] = {}
@@ -36,10 +39,11 @@ _loaded: set[str] = set()  # the kinds ("loader", "saver") whose plugins are imp
 BUILTIN = ("mconvert.hf", "mconvert.megatron")  # packages each of whose modules may register plugins
 
 
-def _register(table: dict[str, Plugin], kind: str, name: str, aliases, detect, options):
+def _register(table: dict[str, Plugin], kind: str, name: str, aliases, detect, options, supports=None):
     def decorator(func: Callable) -> Callable:
         first_paragraph = (func.__doc__ or "").strip().split("\n\n")[0]
-        plugin = Plugin(name, func, tuple(aliases), detect, frozenset(options), " ".join(first_paragraph.split()))
+        plugin = Plugin(name, func, tuple(aliases), detect, frozenset(options), " ".join(first_paragraph.split()),
+                        None if supports is None else frozenset(supports))
         for key in (name, *aliases):
             if key in table and table[key].func is not func:
                 raise ValueError(f"{kind} name {key!r} is registered twice")
@@ -54,9 +58,10 @@ def register_loader(name: str, *, aliases=(), detect: Callable[[Path], bool] | N
     return _register(_LOADERS, "loader", name, aliases, detect, options)
 
 
-def register_saver(name: str, *, aliases=(), options=()):
-    """Register a saver `func(ir, out_dir, options, progress)` under `name`."""
-    return _register(_SAVERS, "saver", name, aliases, None, options)
+def register_saver(name: str, *, aliases=(), options=(), supports=None):
+    """Register a saver `func(ir, out_dir, options, progress)` under `name`; `supports` declares which of the IR's
+    features (`mconvert.ir.features.FEATURES`) its format holds (see `missing_features`)."""
+    return _register(_SAVERS, "saver", name, aliases, None, options, supports)
 
 
 def _load_plugins(kind: str) -> None:
@@ -127,3 +132,15 @@ def detect_loader(path: Path) -> Plugin:
                                      for message, names in broken.items()))
     tried = ", ".join(p.name for p in loaders() if p.detect is not None)
     raise ConvertError(f"{path}: cannot tell the checkpoint format (tried: {tried}); pass --loader NAME")
+
+
+def missing_features(c: ModelConfig, supports: frozenset[str]) -> list[str]:
+    """How an error names each feature of `c` outside `supports`, grouped by the savers that declare they hold
+    them: ["multi-latent attention, shared experts (core or deepseek_hf can hold these)"]."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name, what in features.features(c).items():
+        if name not in supports:
+            holders = tuple(p.name for p in savers() if p.supports is not None and name in p.supports)
+            groups.setdefault(holders, []).append(what)
+    return [", ".join(whats) + (f" ({' or '.join(holders)} can hold {'it' if len(whats) == 1 else 'these'})"
+                                if holders else "") for holders, whats in groups.items()]

@@ -200,7 +200,22 @@ def test_a_format_without_mtp_refuses_rather_than_dropping(ds_dir, tmp_path):
     out = run_cli("--saver", "mixtral_hf", "--load-dir", ds_dir, "--save-dir", tmp_path / "hf", expect_error=True)
     assert "(Mixtral has experts in every layer), multi-latent attention, shared experts, sigmoid router scores, a " \
            "router expert bias, group-limited routing, routed weights scaled by 2.5, 1 multi-token-prediction " \
-           "module(s) (--skip-mtp leaves them out) (deepseek_hf can hold these)" in out
+           "module(s) (--skip-mtp leaves them out) (core or deepseek_hf can hold these)" in out
+
+
+def test_formats_declare_the_features_they_hold(ds_dir):
+    """One function refuses what a format does not declare, naming the savers that declare it."""
+    from mconvert import engine, registry
+    from mconvert.ir.features import FEATURES
+    from mconvert.options import Options
+
+    c = engine.load(ds_dir, Options()).config
+    holders = {p.name: p.supports for p in registry.savers() if p.supports is not None}
+    assert holders["core"] == holders["deepseek_hf"] == frozenset(FEATURES)
+    assert holders["legacy"] == holders["llama_mistral"] == holders["mixtral_hf"] == frozenset()
+    assert registry.missing_features(c, frozenset(FEATURES)) == []
+    assert registry.missing_features(c, frozenset(FEATURES) - {"mtp"}) == [
+        "1 multi-token-prediction module(s) (--skip-mtp leaves them out) (core or deepseek_hf can hold it)"]
 
 
 def test_megatron_args_describe_the_model(ds_dir, tmp_path):

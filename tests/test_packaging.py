@@ -37,7 +37,7 @@ ALLOWED = {
     "engine": {"ir", "rules", "io"} | SUPPORT,
     "tools": {"ir", "rules", "io", "engine", "mtrain"} | SUPPORT,
     "cli": {"ir", "rules", "io", "engine", "tools"} | SUPPORT,
-    "errors": set(), "lazy": set(), "progress": set(), "registry": {"errors"}, "staging": {"errors"},
+    "errors": set(), "lazy": set(), "progress": set(), "registry": {"errors", "ir"}, "staging": {"errors"},
     "workers": {"errors", "progress", "staging"}, "options": {"ir", "rules", "errors"},
     "__main__": {"cli"},
     # mtrain/export.py is a plugin (the `mtrain` loader): it registers itself

@@ -25,7 +25,6 @@ from mconvert.errors import ConvertError
 from mconvert.hf.config import generation_config
 from mconvert.io import hf_dir
 from mconvert.io.safetensors import Entry
-from mconvert.ir import features
 from mconvert.ir.blocks import Blocks
 from mconvert.ir.checks import HF_INTEGERS, check_integers, with_where
 from mconvert.ir.config import ModelConfig
@@ -190,20 +189,9 @@ def register_family(family: HFFamily) -> HFFamily:
     FAMILIES[family.name] = family
     register_loader(family.name, aliases=family.aliases, detect=family.detect or family.is_mine,
                     options=family.load_options)(family.load)
-    register_saver(family.name, aliases=family.aliases, options=family.save_options)(family.save)
+    register_saver(family.name, aliases=family.aliases, options=family.save_options,
+                   supports=family.supports)(family.save)
     return family
-
-
-def missing_features(c: ModelConfig, supports: frozenset[str]) -> list[str]:
-    """How an error names each feature of `c` outside `supports`, grouped by the families that do hold them:
-    ["multi-latent attention, shared experts (deepseek_hf can hold these)"]."""
-    groups: dict[tuple[str, ...], list[str]] = {}
-    for name, what in features.features(c).items():
-        if name not in supports:
-            holders = tuple(f.name for f in FAMILIES.values() if name in f.supports)
-            groups.setdefault(holders, []).append(what)
-    return [", ".join(whats) + (f" ({' or '.join(holders)} can hold {'it' if len(whats) == 1 else 'these'})"
-                                if holders else "") for holders, whats in groups.items()]
 
 
 def family_of(model_type: str | None) -> HFFamily | None:

@@ -14,7 +14,7 @@ from typing import Any
 from mconvert.errors import ConvertError
 from mconvert.hf import meta_llama
 from mconvert.hf.config import parse, rope_decoder_config, rope_decoder_fields
-from mconvert.hf.family import HFFamily, load_hf, missing_features, register_family, save_hf
+from mconvert.hf.family import HFFamily, load_hf, register_family, save_hf
 from mconvert.io import hf_dir
 from mconvert.io.torch_pickle import safe_load
 from mconvert.ir.checks import META_INTEGERS, check_integers, with_where
@@ -23,6 +23,7 @@ from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.options import Options
 from mconvert.progress import Progress
+from mconvert.registry import missing_features
 from mconvert.rules.mapping import expand, to_ir
 from mconvert.rules.table import COLUMN, ROW, Ctx, Rule, Table, linear
 

@@ -23,11 +23,12 @@ from typing import Any
 
 from mconvert.errors import ConvertError
 from mconvert.hf.config import parse, rope_decoder_config, rope_decoder_fields
-from mconvert.hf.family import HFFamily, load_hf, missing_features, register_family, save_hf
+from mconvert.hf.family import HFFamily, load_hf, register_family, save_hf
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
 from mconvert.progress import Progress
+from mconvert.registry import missing_features
 from mconvert.rules.experts import STACK, STACK_GATE_UP
 from mconvert.rules.table import Rule, Table
 

@@ -122,7 +122,7 @@ def yarn_params(scaling: dict[str, Any] | None) -> dict[str, float] | None:
 
 # The features a format may or may not hold, by the name a family or format declares in its SUPPORTS:
 # name -> (how an error says it, does the model have it). A model has the features whose test is true; a format
-# that does not declare one refuses the model, naming it (see mconvert.hf.family.missing_features).
+# that does not declare one refuses the model, naming it (see mconvert.registry.missing_features).
 FEATURES: dict[str, tuple[Callable[[ModelConfig], str], Callable[[ModelConfig], bool]]] = {
     "mla": (lambda c: "multi-latent attention", lambda c: c.is_mla),
     "shared_experts": (lambda c: "shared experts", lambda c: bool(c.moe_shared_expert_ffn_hidden_size)),

@@ -62,7 +62,7 @@ from mconvert.megatron.rank_files import (
 from mconvert.megatron.rank_files import config as megatron_config
 from mconvert.options import Options
 from mconvert.progress import Progress
-from mconvert.registry import register_loader, register_saver
+from mconvert.registry import missing_features, register_loader, register_saver
 from mconvert.rules import transforms
 from mconvert.rules.layout import ParallelLayout
 from mconvert.rules.mapping import to_ir, verify_copies
@@ -283,9 +283,15 @@ def _canonical_tensors(files: RankFiles, tp: int, pp: int, name: str) -> dict[st
     return out
 
 
+# The IR features (mconvert.ir.features.FEATURES) the legacy model holds: none of DeepSeek's (its MoE is refused
+# above them anyway)
+SUPPORTS: frozenset[str] = frozenset()
+
+
 @register_saver("legacy", aliases=("megatron_legacy",),
                 options=("tp", "pp", "vpp", "first_stage_layers", "last_stage_layers", "make_vocab_size_divisible_by",
-                         "iteration"))
+                         "iteration"),
+                supports=SUPPORTS)
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-LM legacy GPT, `torch` format, checkpoint_version 3.0 (mp_rank_TT[_PPP]/model_optim_rng.pt)."""
     c, layout = ir.config, options.layout
@@ -295,6 +301,8 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if c.qk_norm:
         raise ConvertError("Megatron's legacy model has no per-head q/k norms (qk_layernorm); save this model with "
                            "--saver core")
+    if missing := missing_features(c, SUPPORTS):
+        raise ConvertError(f"Megatron's legacy model cannot hold this model: {', '.join(missing)}")
     layout.check_model(c)
     padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
     args = args_from_config(c, layout, padded_vocab_size=padded,

@@ -19,6 +19,7 @@ from pathlib import Path
 from mconvert.errors import ConvertError
 from mconvert.ir.blocks import Blocks
 from mconvert.ir.dtypes import dtype_name
+from mconvert.ir.features import FEATURES
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.lazy import torch
 from mconvert.megatron import core, mla, rank_files, rank_plan
@@ -140,7 +141,8 @@ def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> t
 
 @register_saver("core", aliases=("megatron", "mcore"),
                 options=(*LAYOUT_OPTIONS, "transformer_impl", "expert_layout", "ckpt_format",
-                         "make_vocab_size_divisible_by", "iteration", "mtp_layer_name"))
+                         "make_vocab_size_divisible_by", "iteration", "mtp_layer_name"),
+                supports=frozenset(FEATURES))  # torch_dcp and fsdp_dtensor refuse MTP modules themselves
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`,
     `zarr`, `torch_dcp` or `fsdp_dtensor` (--ckpt-format)."""
