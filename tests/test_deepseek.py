@@ -18,8 +18,10 @@ from mconvert.io.dcp import DcpReader
 from mconvert.io.torch_pickle import safe_load
 from mconvert.ir.config import ModelConfig
 from mconvert.options import Options
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, run_cli
-from tests.deepseek_models import LAYERS, make_deepseek, make_deepseek_v2
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.models import DEEPSEEK_LAYERS as LAYERS
+from tests.support.models import make_deepseek, make_deepseek_v2
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, megatron_core_logits, run_cli
-from tests.deepseek_models import hf_logits_with_mtp, make_deepseek, make_deepseek_v2
+from tests.support.cli import megatron_core_logits, run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, hf_logits_with_mtp, ir_tensors
+from tests.support.models import make_deepseek, make_deepseek_v2
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed (pip install megatron-core)")

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FIXTURES, assert_same_tensors, hf_logits, ir_tensors, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.paths import FIXTURES
 
 LLAMA = FIXTURES / "llama_gqa"
 needs_fixtures = pytest.mark.skipif(not LLAMA.is_dir(), reason=f"Megatron fixtures not found at {FIXTURES}")

@@ -16,7 +16,9 @@ from mconvert.io.torch_pickle import safe_load
 from mconvert.ir.config import ModelConfig
 from mconvert.megatron import arguments
 from mconvert.rules.table import Ctx
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.models import make_hf_model
 
 H = 64  # the gpt2 test model: 4 layers, 4 heads of 16, n_inner null (256), vocab 300, 128 positions
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
 
 LAYOUTS = {
     "tp1": ["--tp", "1"],

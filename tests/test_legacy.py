@@ -22,7 +22,10 @@ from mconvert.options import Options
 from mconvert.progress import QUIET
 from mconvert.rules import transforms
 from mconvert.rules.table import Ctx
-from tests.conftest import FIXTURES, assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.models import make_hf_model
+from tests.support.paths import FIXTURES
 
 needs_fixtures = pytest.mark.skipif(not (FIXTURES / "llama_gqa").is_dir(), reason=f"fixtures not found at {FIXTURES}")
 RANK_FILE = "model_optim_rng.pt"

@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 
 from mconvert.io.torch_pickle import safe_load
 from mconvert.megatron import legacy as schema
-from tests.conftest import FIXTURES, assert_same_tensors, hf_logits, ir_tensors, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.paths import FIXTURES
 from tests.test_legacy import RANK_FILE, rank_file, to_legacy
 
 GPT2 = FIXTURES / "gpt2"

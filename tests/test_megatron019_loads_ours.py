@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import hf_logits, run_cli, run_megatron
+from tests.support.cli import run_cli, run_megatron
+from tests.support.compare import hf_logits
 
 # (family, format, Megatron flags a resuming run must give itself: args Megatron does not take from a checkpoint)
 CASES = {

@@ -6,7 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from tests.conftest import make_hf_model, run_cli
+from tests.support.cli import run_cli
+from tests.support.models import make_hf_model
 
 
 def test_megatron_core_runs_our_moe_checkpoints(mixtral_dir, tmp_path, mcore_python):

@@ -9,7 +9,10 @@ import torch
 from safetensors.torch import save_file
 
 from mconvert.io.torch_pickle import safe_load
-from tests.conftest import FIXTURES, assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.models import make_hf_model
+from tests.support.paths import FIXTURES
 
 LAYOUTS = {"tp1ep1pp1": (1, 1, 1), "tp2ep2pp1": (2, 2, 1), "tp1ep4pp2": (1, 4, 2), "tp2ep1pp2": (2, 1, 2)}
 EXPERT_LAYOUTS = {

@@ -17,7 +17,8 @@ from mconvert.ir.config import ModelConfig
 from mconvert.ir.names import expected_shapes
 from mconvert.ir.tensors import LazyTensor, ModelIR, SourceInfo
 from mconvert.options import Options
-from tests.conftest import assert_same_tensors, ir_tensors, megatron_core_logits, run_cli
+from tests.support.cli import megatron_core_logits, run_cli
+from tests.support.compare import assert_same_tensors, ir_tensors
 
 CONFIG = ModelConfig(family="mixtral", num_layers=4, hidden_size=32, ffn_hidden_size=96, num_attention_heads=4,
                      num_query_groups=2, head_dim=8, vocab_size=200, max_position_embeddings=64, num_experts=4,

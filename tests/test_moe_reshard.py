@@ -8,7 +8,8 @@ import torch
 
 from mconvert.io.torch_pickle import safe_load
 from mconvert.io.torch_zip import TorchFileWriter
-from tests.conftest import assert_same_tensors, ir_tensors, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, ir_tensors
 
 # Each step reshards the previous one; every result must equal a direct conversion from HF, file by file.
 CHAIN = {

@@ -20,15 +20,9 @@ from mconvert import engine
 from mconvert.io.dcp import DcpReader
 from mconvert.io.torch_pickle import safe_load
 from mconvert.options import Options
-from tests.conftest import (
-    assert_same_tensors,
-    hf_logits,
-    ir_tensors,
-    make_hf_model,
-    megatron_core_logits,
-    run_cli,
-    write_tokenizer,
-)
+from tests.support.cli import megatron_core_logits, run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.models import make_hf_model, write_tokenizer
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
 needs_zarr = pytest.mark.skipif(importlib.util.find_spec("tensorstore") is None, reason="zarr needs tensorstore")

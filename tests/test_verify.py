@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import FIXTURES, run_cli
+from tests.support.cli import run_cli
+from tests.support.paths import FIXTURES
 
 
 def verify_json(*args) -> dict:
@@ -184,7 +185,7 @@ def test_a_cast_passes_within_the_cast_noise_either_way_round(llama_dir, tmp_pat
                                                   (torch.float16, "bf16")])
 def test_casts_between_half_precisions(tmp_path, source_dtype, target):
     """float16 and bfloat16 hold neither each other's values: A is taken as the source of the cast."""
-    from tests.conftest import make_hf_model
+    from tests.support.models import make_hf_model
 
     src = make_hf_model(tmp_path / "src", "llama", dtype=source_dtype)
     run_cli("--saver", "core", "--dtype", target, "--load-dir", src, "--save-dir", tmp_path / "out", "-q")

@@ -13,7 +13,7 @@ import pytest
 
 from mconvert.io import block_writer, hf_dir
 from mconvert.workers import assign
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {
