@@ -75,10 +75,10 @@ def mcore_python():
 
 @pytest.fixture(scope="session")
 def megatron019_written(tmp_path_factory, mcore_python) -> Path:
-    """Checkpoints written by Megatron-LM 0.19's own save_checkpoint (tests/megatron_lm/specs.py), with
+    """Checkpoints written by Megatron-LM 0.19's own save_checkpoint (tests/support/megatron_lm/specs.py), with
     Megatron's logits beside each (`<name>.pt`)."""
-    from tests.megatron_lm.specs import VOCAB as SPEC_VOCAB
-    from tests.megatron_lm.specs import specs
+    from tests.support.megatron_lm.specs import VOCAB as SPEC_VOCAB
+    from tests.support.megatron_lm.specs import specs
 
     python = mcore_python("0.19")
     root = tmp_path_factory.mktemp("megatron019")

@@ -2,10 +2,10 @@
 YaRN, sigmoid group-limited routing with the expert bias, shared experts and MTP modules loads our checkpoint
 strictly, and its logits, the MTP modules' too, equal transformers' (DeepseekV3ForCausalLM and its MtpModel).
 
-What Megatron needs a stand-in for on CPU (see tests/helpers_mcore_logits.py): its local DotProductAttention takes
-no separate key and value head sizes (MLA needs Transformer Engine's), so MLA layers get plain causal attention with
-MLA's softmax scale; everything else (projections, latent norms, rotary de-interleaving, YaRN and its mscale,
-router, experts, shared experts, MTP) is Megatron's own code.
+What Megatron needs a stand-in for on CPU (see tests/support/scripts/mcore_logits.py): its local DotProductAttention
+takes no separate key and value head sizes (MLA needs Transformer Engine's), so MLA layers get plain causal
+attention with MLA's softmax scale; everything else (projections, latent norms, rotary de-interleaving, YaRN and its
+mscale, router, experts, shared experts, MTP) is Megatron's own code.
 """
 
 from __future__ import annotations

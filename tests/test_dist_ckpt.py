@@ -7,14 +7,13 @@ import json
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.support.cli import run_cli
 from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
-from tests.support.paths import FIXTURES
+from tests.support.paths import FIXTURES, REPO, SCRIPTS
 
 LLAMA = FIXTURES / "llama_gqa"
 needs_fixtures = pytest.mark.skipif(not LLAMA.is_dir(), reason=f"Megatron fixtures not found at {FIXTURES}")
@@ -124,8 +123,8 @@ def test_torch_dist_layout_is_megatrons(tmp_path):
 def test_megatron_core_loads_our_torch_dist(tp, reference, tmp_path, mcore_python):
     run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--tp", str(tp), "--load-dir", LLAMA / "hf",
             "--save-dir", tmp_path / "d")
-    helper = Path(__file__).with_name("helpers_mcore_load.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    helper = SCRIPTS / "mcore_load.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([mcore_python("0.16"), "-m", "torch.distributed.run", "--standalone",
                              "--nproc-per-node", str(tp), str(helper), str(tmp_path / "d" / "iter_0000001"),
                              str(LLAMA / reference)], capture_output=True, text=True, env=env, timeout=600)

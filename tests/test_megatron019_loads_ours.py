@@ -1,6 +1,6 @@
 """Megatron-LM 0.19 resumes from what we write: `--use-checkpoint-args` rebuilds the model from our args (shape,
 tokenizer), its own loaders read the weights (load_checkpoint; dist_checkpointing.load too; --verify-integrity
-checks our manifest), and its forward pass gives transformers' logits. See tests/megatron_lm/load.py."""
+checks our manifest), and its forward pass gives transformers' logits. See tests/support/megatron_lm/load.py."""
 
 from __future__ import annotations
 

@@ -27,10 +27,10 @@ from mtrain.inference import load_model
 from mtrain.models.moe import MoE
 from mtrain.parallelize import build_model
 from mtrain.train import Trainer
-from tests.mtrain.launch import launch, with_sections
 from tests.mtrain.recording import RecordingTrainer, merge
 from tests.support.cli import run_cli
 from tests.support.compare import hf_logits_with_mtp
+from tests.support.launch import launch, with_sections
 from tests.support.models import TINY_DEEPSEEK, make_deepseek, with_mtp
 from tests.support.training import tiny_config
 

@@ -28,9 +28,9 @@ from mconvert.options import Options
 from mtrain import checkpoint
 from mtrain.config import from_dict
 from mtrain.models import state_dict_adapter
-from tests.mtrain.launch import launch, losses, with_sections
 from tests.mtrain.recording import RecordingTrainer, merge
 from tests.support.cli import run_cli
+from tests.support.launch import launch, losses, with_sections
 from tests.support.models import TINY_LLAMA, TINY_MIXTRAL
 from tests.support.training import STEPS, config_raw, worst
 from tests.support.training import losses_and_valid as _losses_and_valid

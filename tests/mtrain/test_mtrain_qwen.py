@@ -17,9 +17,9 @@ from mtrain.config import from_dict
 from mtrain.generation import generate
 from mtrain.inference import load_model
 from mtrain.parallelize import build_model
-from tests.mtrain.launch import launch, with_sections
 from tests.mtrain.recording import RecordingTrainer, merge
 from tests.support.cli import mtrain, run_cli
+from tests.support.launch import launch, with_sections
 from tests.support.models import TINY_LLAMA, make_hf, save_hf
 from tests.support.reference import hf_ir
 from tests.support.training import RUN, STEPS, config_raw, first_batch_loss_by_transformers, worst

@@ -159,7 +159,7 @@ def test_bf16_slowdown_is_measured():
 def test_whole_model_compile_under_fsdp_and_ddp_trains_like_one_process(corpus, tmp_path):  # noqa: F811
     """Two data-parallel ranks with train.compile model (FSDP: the graph breaks at the layers' FSDP hooks; DDP)
     give the one-process eager losses."""
-    from tests.mtrain.launch import launch, losses
+    from tests.support.launch import launch, losses
 
     raw = tiny_config(corpus, train={"steps": 3, "compile": "model"}).to_dict()
     specs = [{"config": raw | {"parallel": raw["parallel"] | {"dp_mode": mode}}, "out": str(tmp_path / f"{mode}.json"),

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from click.testing import CliRunner
 
-from tests.support.paths import MEGATRON_LM, REPO
+from tests.support.paths import MEGATRON_LM, REPO, SCRIPTS
 
 
 def run_cli(*args: str, expect_error: bool = False) -> str:
@@ -39,7 +39,7 @@ def mtrain(*args: str, expect_error: bool = False) -> str:
 
 
 def run_megatron(python: Path, script: str, *args: str, timeout: int = 1200) -> str:
-    """Run tests/megatron_lm/<script> with `python` (a megatron-core environment); returns its stdout."""
+    """Run tests/support/megatron_lm/<script> with `python` (a megatron-core environment); returns its stdout."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env |= {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     result = subprocess.run([str(python), str(MEGATRON_LM / script), *map(str, args)], capture_output=True,
@@ -50,11 +50,11 @@ def run_megatron(python: Path, script: str, *args: str, timeout: int = 1200) -> 
 
 def run_mcore_logits_helper(core: Path, tokens: torch.Tensor, tmp: Path, *extra: str, python: Path | None = None,
                             timeout: int = 900) -> str:
-    """tests/helpers_mcore_logits.py run by `python` (default: this environment's, megatron-core 0.16.1) on the
+    """tests/support/scripts/mcore_logits.py run by `python` (default: this environment's, megatron-core 0.16.1) on the
     core checkpoint and `tokens`, writing tmp/logits.pt (and its siblings); returns its stdout."""
     torch.save(tokens, tmp / "tokens.pt")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([str(python or sys.executable), str(REPO / "tests" / "helpers_mcore_logits.py"), str(core),
+    result = subprocess.run([str(python or sys.executable), str(SCRIPTS / "mcore_logits.py"), str(core),
                              str(tmp / "tokens.pt"), str(tmp / "logits.pt"), *extra],
                             capture_output=True, text=True, env=env, timeout=timeout)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -64,7 +64,7 @@ def run_mcore_logits_helper(core: Path, tokens: torch.Tensor, tmp: Path, *extra:
 def megatron_core_logits(core: Path, tokens: torch.Tensor, tmp: Path,
                          timeout: int = 900) -> tuple[str, torch.Tensor, torch.Tensor | None]:
     """megatron-core's own GPTModel (this environment's, 0.16.1) built from the core checkpoint's args, run on
-    `tokens` by tests/helpers_mcore_logits.py: (its stdout, logits, MTP modules' logits or None)."""
+    `tokens` by tests/support/scripts/mcore_logits.py: (its stdout, logits, MTP modules' logits or None)."""
     out = run_mcore_logits_helper(core, tokens, tmp, timeout=timeout)
     mtp = tmp / "logits_mtp.pt"
     return (out, torch.load(tmp / "logits.pt", weights_only=True),

@@ -9,4 +9,5 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO.parent / "shared" / "fixtures"
 if not FIXTURES.is_dir():
     FIXTURES = Path(os.environ.get("MCONVERT_FIXTURES", "/work/shared/fixtures"))
-MEGATRON_LM = REPO / "tests" / "megatron_lm"  # scripts run inside megatron-core environments
+SCRIPTS = REPO / "tests" / "support" / "scripts"  # run in subprocesses, some inside megatron-core environments
+MEGATRON_LM = REPO / "tests" / "support" / "megatron_lm"  # run inside Megatron-LM 0.19's environment
