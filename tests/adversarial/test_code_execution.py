@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.adversarial.conftest import convert_refused, fresh, mtrain_cli, refused, resume_refused
 from tests.adversarial.crafting import (
     PAYLOAD_NAMES,
     SHOWN,
@@ -25,6 +24,7 @@ from tests.adversarial.crafting import (
     torch_bytes,
     write_metadata,
 )
+from tests.support.refusals import convert_refused, fresh, mtrain_cli, refused, resume_refused
 
 ALL = PAYLOAD_NAMES
 TWO = ("os.system", "builtins.exec")
