@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from tests.support.cli import run_megatron
+from tests.support.megatron_lm.specs import VOCAB as SPEC_VOCAB
+from tests.support.megatron_lm.specs import specs
 from tests.support.models import FAMILIES, VOCAB, write_tokenizer
 from tests.support.paths import REPO
 
@@ -77,9 +79,6 @@ def mcore_python():
 def megatron019_written(tmp_path_factory, mcore_python) -> Path:
     """Checkpoints written by Megatron-LM 0.19's own save_checkpoint (tests/support/megatron_lm/specs.py), with
     Megatron's logits beside each (`<name>.pt`)."""
-    from tests.support.megatron_lm.specs import VOCAB as SPEC_VOCAB
-    from tests.support.megatron_lm.specs import specs
-
     python = mcore_python("0.19")
     root = tmp_path_factory.mktemp("megatron019")
     write_tokenizer(root / "tokenizer", SPEC_VOCAB)

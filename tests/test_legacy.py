@@ -22,23 +22,13 @@ from mconvert.options import Options
 from mconvert.progress import QUIET
 from mconvert.rules import transforms
 from mconvert.rules.table import Ctx
-from tests.support.cli import run_cli
+from tests.support.cli import run_cli, to_legacy
 from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.layouts import RANK_FILE, rank_file
 from tests.support.models import make_hf_model
 from tests.support.paths import FIXTURES
 
 needs_fixtures = pytest.mark.skipif(not (FIXTURES / "llama_gqa").is_dir(), reason=f"fixtures not found at {FIXTURES}")
-RANK_FILE = "model_optim_rng.pt"
-
-
-def to_legacy(src, dst, *layout):
-    return run_cli("--saver", "legacy", *layout, "--load-dir", src, "--save-dir", dst)
-
-
-def rank_file(root, name):
-    return root / "iter_0000001" / name / RANK_FILE
-
-
 def rewrite(path, edit):
     """Load a rank file we wrote, let `edit` change it in place, save it back with plain torch."""
     state = safe_load(path, mmap=False)

@@ -15,45 +15,31 @@ from mconvert.errors import ConvertError
 from mconvert.io.torch_pickle import safe_load
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.names import expected_shapes
-from mconvert.ir.tensors import LazyTensor, ModelIR, SourceInfo
 from mconvert.options import Options
 from tests.support.cli import megatron_core_logits, run_cli
 from tests.support.compare import assert_same_tensors, ir_tensors
-
-CONFIG = ModelConfig(family="mixtral", num_layers=4, hidden_size=32, ffn_hidden_size=96, num_attention_heads=4,
-                     num_query_groups=2, head_dim=8, vocab_size=200, max_position_embeddings=64, num_experts=4,
-                     moe_top_k=2, moe_ffn_hidden_size=24, dense_layers=(0, 2), moe_norm_topk=False,
-                     moe_aux_loss_coeff=0.01)
-
-
-def random_ir(config: ModelConfig, path: Path, seed: int = 0) -> ModelIR:
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, shape in expected_shapes(config).items():
-        value = 1.0 + 0.1 * torch.randn(shape, generator=g) if "norm" in name else 0.1 * torch.randn(shape, generator=g)
-        tensors[name] = LazyTensor.of(value, name)
-    return ModelIR(config, tensors, SourceInfo("test", path))
+from tests.support.models import MIXED_MOE, random_ir
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     """The model as a TP1 core checkpoint (the mconvert loaders read it like any other)."""
     out = tmp_path_factory.mktemp("moe_layers") / "core"
-    engine.save(random_ir(CONFIG, out), out, Options(), "core")
+    engine.save(random_ir(MIXED_MOE, out), out, Options(), "core")
     return out
 
 
 def test_the_config_says_which_layers_hold_experts():
-    assert [CONFIG.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
-    assert CONFIG.expert_ffn_hidden_size == 24 and CONFIG.num_moe_layers == 2
-    names = expected_shapes(CONFIG)
+    assert [MIXED_MOE.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert MIXED_MOE.expert_ffn_hidden_size == 24 and MIXED_MOE.num_moe_layers == 2
+    names = expected_shapes(MIXED_MOE)
     assert names["layers.0.mlp.gate.weight"] == (96, 32) and "layers.0.moe.router.weight" not in names
     assert names["layers.1.moe.experts.3.down.weight"] == (32, 24) and "layers.1.mlp.up.weight" not in names
-    assert ModelConfig.from_json(CONFIG.to_json()) == CONFIG
+    assert ModelConfig.from_json(MIXED_MOE.to_json()) == MIXED_MOE
     # a dense size no layer uses is kept (configs round-trip); equal sizes are spelled once
-    every = CONFIG.replace(dense_layers=())
+    every = MIXED_MOE.replace(dense_layers=())
     assert (every.ffn_hidden_size, every.moe_ffn_hidden_size, every.expert_ffn_hidden_size) == (96, 24, 24)
-    assert CONFIG.replace(moe_ffn_hidden_size=96).moe_ffn_hidden_size is None
+    assert MIXED_MOE.replace(moe_ffn_hidden_size=96).moe_ffn_hidden_size is None
 
 
 @pytest.mark.parametrize("change, message", [
@@ -65,14 +51,14 @@ def test_the_config_says_which_layers_hold_experts():
 ])
 def test_inconsistent_moe_layers_are_refused(change, message):
     with pytest.raises(ConvertError, match=message):
-        CONFIG.replace(**change)
+        MIXED_MOE.replace(**change)
 
 
 def test_megatron_args_carry_the_layer_pattern_and_routing(source):
     args = safe_load(source / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")["args"]
     assert args.moe_layer_freq == [0, 1, 0, 1]
     assert (args.ffn_hidden_size, args.moe_ffn_hidden_size, args.moe_router_pre_softmax) == (96, 24, True)
-    assert engine.load(source, Options()).config == CONFIG.replace(padded_vocab_size=256)
+    assert engine.load(source, Options()).config == MIXED_MOE.replace(padded_vocab_size=256)
 
 
 LAYOUTS = {
@@ -107,7 +93,7 @@ def test_megatron_core_computes_what_mtrain_computes(source, tmp_path):
     of the same IR (dense_layers, moe_norm_topk=False) gives the same logits."""
     from mtrain.inference import load_model
 
-    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, MIXED_MOE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     out, theirs, _ = megatron_core_logits(source, tokens, tmp_path, timeout=600)
     assert "layers ['dense', 'moe', 'dense', 'moe'], strict load: <All keys matched successfully>" in out
     model, _ = load_model(source)

@@ -13,6 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from tests.support import refusals
 from tests.support.cli import run_cli
+from tests.support.corpus import build_corpus
+from tests.support.models import make_deepseek, make_hf_model
+from tests.support.training import tiny_config
 
 # -- what a payload or a link would reach -------------------------------------------------------------------
 
@@ -64,8 +67,6 @@ def sources(tmp_path_factory, llama_dir, gpt2_dir, mixtral_dir) -> dict[str, Pat
 @pytest.fixture(scope="session")
 def deepseek_sources(tmp_path_factory) -> dict[str, Path]:
     """A tiny DeepSeek-V3 (MLA, grouped sigmoid routing, shared experts, one MTP module) as HF and as Megatron core."""
-    from tests.support.models import make_deepseek
-
     root = tmp_path_factory.mktemp("deepseek_sources")
     hf = make_deepseek(root / "deepseek_hf", mtp=1)
     run_cli("--saver", "core", "--load-dir", hf, "--save-dir", root / "deepseek_core", "-q")
@@ -77,8 +78,6 @@ def newer_sources(tmp_path_factory, llama_dir, mixtral_dir, deepseek_sources) ->
     """The formats and families that came after the first adversarial suite: DeepSeek FP8 (HF) and torch_dist,
     Qwen3-MoE, megatron-core 0.19's torch_dcp / fsdp_dtensor / single grouped expert weight, torch_dist with its
     integrity.json, and a Mixtral torch_dist to rewrite as singleton_local_shards."""
-    from tests.support.models import make_hf_model
-
     root = tmp_path_factory.mktemp("newer_sources")
 
     def convert(src, name, *extra):
@@ -113,8 +112,6 @@ def _as_bin(hf: Path, dst: Path) -> Path:
 def mtrain_run(tmp_path_factory) -> dict:
     """A finished two-step mtrain run (checkpoints at steps 1 and 2) and the config that made it."""
     from mtrain.train import Trainer
-    from tests.support.corpus import build_corpus
-    from tests.support.training import tiny_config
 
     root = tmp_path_factory.mktemp("mtrain")
     prefix = build_corpus(root / "data", documents=60)

@@ -26,6 +26,11 @@ def run_cli(*args: str, expect_error: bool = False) -> str:
     return output
 
 
+def to_legacy(src: Path, dst: Path, *layout: str) -> str:
+    """Convert `src` to a Megatron-LM legacy checkpoint at `dst` (`layout`: saver options such as --tp 2)."""
+    return run_cli("--saver", "legacy", *layout, "--load-dir", src, "--save-dir", dst)
+
+
 def mtrain(*args: str, expect_error: bool = False) -> str:
     """Run the `mtrain` command in-process; returns its output."""
     from mtrain.cli import main

@@ -7,6 +7,7 @@
     make_deepseek_v2 DeepSeek-V2 (greedy softmax routing, MLA without a query LoRA)
     CONFIGS          the smaller transformers models mtrain's tests compare with (2 layers): make_hf, save_hf
     TINY_*           mtrain `model` sections on the training corpus's vocabulary
+    random_ir        an IR of random tensors for any config (MIXED_MOE: one no HF family can hold)
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.names import expected_shapes
+from mconvert.ir.tensors import LazyTensor, ModelIR, SourceInfo
 from tests.support.corpus import VOCAB as CORPUS_VOCAB
 
 VOCAB = 300  # the HF models' vocabulary: tokens t0 … t298 and <unk>
@@ -296,3 +300,23 @@ TINY_DEEPSEEK = dict(
 def with_mtp(model: dict, layers: int = 1) -> dict:
     """An mtrain model section with `layers` multi-token-prediction modules."""
     return model | {"mtp_layers": layers}
+
+
+# -- IR models of random tensors, for configs no HF family holds ---------------------------------------------------
+
+# dense layers among expert layers (Qwen-MoE and DeepSeek style), a separate expert FFN size, unnormalized top-k
+# weights (which HF Mixtral cannot hold)
+MIXED_MOE = ModelConfig(family="mixtral", num_layers=4, hidden_size=32, ffn_hidden_size=96, num_attention_heads=4,
+                        num_query_groups=2, head_dim=8, vocab_size=200, max_position_embeddings=64, num_experts=4,
+                        moe_top_k=2, moe_ffn_hidden_size=24, dense_layers=(0, 2), moe_norm_topk=False,
+                        moe_aux_loss_coeff=0.01)
+
+
+def random_ir(config: ModelConfig, path: Path, seed: int = 0) -> ModelIR:
+    """Every IR tensor of `config`, random (norm weights near 1), as if read from `path`."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in expected_shapes(config).items():
+        value = 1.0 + 0.1 * torch.randn(shape, generator=g) if "norm" in name else 0.1 * torch.randn(shape, generator=g)
+        tensors[name] = LazyTensor.of(value, name)
+    return ModelIR(config, tensors, SourceInfo("test", path))
