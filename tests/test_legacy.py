@@ -43,18 +43,6 @@ def gpt2_legacy(gpt2_dir, tmp_path_factory):
     return out
 
 
-# --- HF GPT-2 -> legacy -> HF ------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("pp", [1, 2])
-def test_hf_gpt2_to_legacy_to_hf(tp, pp, gpt2_dir, tmp_path, tokens):
-    to_legacy(gpt2_dir, tmp_path / "legacy", "--tp", str(tp), "--pp", str(pp))
-    run_cli("--loader", "legacy", "--saver", "gpt2_hf", "--load-dir", tmp_path / "legacy",
-            "--save-dir", tmp_path / "hf")
-    assert_same_tensors(ir_tensors(gpt2_dir), ir_tensors(tmp_path / "hf"))
-    assert torch.equal(hf_logits(gpt2_dir, tokens), hf_logits(tmp_path / "hf", tokens))
-
-
 # --- legacy <-> core, both directions ----------------------------------------------------------------------------
 
 CHAIN = [  # (saver, layout): every step reads the previous one's output

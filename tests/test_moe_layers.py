@@ -18,6 +18,7 @@ from mconvert.ir.names import expected_shapes
 from mconvert.options import Options
 from tests.support.cli import megatron_core_logits, run_cli
 from tests.support.compare import assert_same_tensors, ir_tensors
+from tests.support.layouts import LAYOUTS
 from tests.support.models import MIXED_MOE, random_ir
 
 
@@ -61,23 +62,17 @@ def test_megatron_args_carry_the_layer_pattern_and_routing(source):
     assert engine.load(source, Options()).config == MIXED_MOE.replace(padded_vocab_size=256)
 
 
-LAYOUTS = {
-    "tp2_ep2_pp2_te_grouped": ["--tp", "2", "--ep", "2", "--pp", "2", "--transformer-impl", "te",
-                               "--expert-layout", "grouped"],
-    "tp2_etp1_vpp_legacy_grouped": ["--tp", "2", "--etp", "1", "--pp", "2", "--vpp", "2",
-                                    "--expert-layout", "legacy_grouped"],
-    "ep4_uneven": ["--ep", "4", "--pp", "2", "--first-stage-layers", "1"],
-    "torch_dist_local": ["--ckpt-format", "torch_dist"],
-    "torch_dist_te": ["--ckpt-format", "torch_dist", "--transformer-impl", "te", "--tp", "2"],
-}
+# (format, layout): every expert layout, parallel dimension and spec over dense and expert layers
+WRITTEN_AS = [("torch", "tp2_ep2_pp2_te_grouped"), ("torch", "tp2_etp1_pp2_vpp2_legacy_grouped"),
+              ("torch", "tp1_ep4_pp2_first1"), ("torch_dist", "tp1"), ("torch_dist", "tp2_te")]
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_every_layout_round_trips_exactly(source, tmp_path, name):
-    run_cli("--saver", "core", *LAYOUTS[name], "--load-dir", source, "--save-dir", tmp_path / name)
-    assert engine.load(tmp_path / name, Options()).config.replace(padded_vocab_size=None) == \
+@pytest.mark.parametrize("fmt, name", WRITTEN_AS, ids=[f"{fmt}-{name}" for fmt, name in WRITTEN_AS])
+def test_every_layout_round_trips_exactly(source, tmp_path, fmt, name):
+    run_cli(*LAYOUTS[name].saver_args(fmt), "--load-dir", source, "--save-dir", tmp_path / "out")
+    assert engine.load(tmp_path / "out", Options()).config.replace(padded_vocab_size=None) == \
         engine.load(source, Options()).config.replace(padded_vocab_size=None)
-    assert_same_tensors(ir_tensors(source), ir_tensors(tmp_path / name))
+    assert_same_tensors(ir_tensors(source), ir_tensors(tmp_path / "out"))
 
 
 def test_the_hf_mixtral_saver_refuses_what_mixtral_cannot_hold(source, tmp_path):

@@ -19,13 +19,16 @@ parallel layout only, and legacy (Megatron-LM's pre-core checkpoints) has neithe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
 RANK_FILE = "model_optim_rng.pt"  # in each rank folder of the torch and legacy formats
 FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor", "legacy")
 DISTRIBUTED = ("torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")
+# a layout's sizes in the order its name gives them, with the saver option that sets each
+_SIZES = (("tp", "--tp"), ("ep", "--ep"), ("etp", "--etp"), ("pp", "--pp"), ("vpp", "--vpp"),
+          ("first", "--first-stage-layers"), ("last", "--last-stage-layers"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,25 +47,22 @@ class Layout:
 
     @property
     def name(self) -> str:
-        sizes = [("tp", self.tp, True), ("ep", self.ep, self.ep > 1), ("etp", self.etp, self.etp is not None),
-                 ("pp", self.pp, self.pp > 1), ("vpp", self.vpp, self.vpp > 1),
-                 ("first", self.first, self.first is not None), ("last", self.last, self.last is not None)]
-        parts = [f"{key}{value}" for key, value, named in sizes if named]
-        parts += ["te"] * (self.impl == "te") + [self.experts] * (self.experts != "sequential")
-        return "_".join(parts)
+        return "_".join([f"{key}{value}" for key, _, value in self._sizes()] + self._spec())
 
     @property
     def args(self) -> list[str]:
         """The saver options that write this layout."""
-        out = ["--tp", str(self.tp)]
-        for option, value, given in (("--ep", self.ep, self.ep > 1), ("--etp", self.etp, self.etp is not None),
-                                     ("--pp", self.pp, self.pp > 1), ("--vpp", self.vpp, self.vpp > 1),
-                                     ("--first-stage-layers", self.first, self.first is not None),
-                                     ("--last-stage-layers", self.last, self.last is not None)):
-            out += [option, str(value)] * given
-        out += ["--transformer-impl", "te"] * (self.impl == "te")
-        out += ["--expert-layout", self.experts] * (self.experts != "sequential")
-        return out
+        sizes = [arg for _, option, value in self._sizes() for arg in (option, str(value))]
+        return sizes + ["--transformer-impl", "te"] * (self.impl == "te") + \
+            ["--expert-layout", self.experts] * (self.experts != "sequential")
+
+    def _sizes(self) -> list[tuple[str, str, int]]:
+        """(name part, saver option, value) of each size other than its default; the tensor parallel size always."""
+        return [(key, option, getattr(self, key)) for key, option in _SIZES
+                if key == "tp" or getattr(self, key) != _DEFAULTS[key]]
+
+    def _spec(self) -> list[str]:
+        return ["te"] * (self.impl == "te") + [self.experts] * (self.experts != "sequential")
 
     @property
     def rank_dirs(self) -> list[str]:
@@ -76,8 +76,9 @@ class Layout:
         return saver + ["--ckpt-format", fmt] * (fmt in DISTRIBUTED) + self.args
 
 
+_DEFAULTS = {f.name: f.default for f in fields(Layout)}
 LAYOUTS = {layout.name: layout for layout in (
-    # dense
+    # one file per rank, dense or not
     Layout(),
     Layout(tp=2),
     Layout(tp=4),
@@ -90,25 +91,25 @@ LAYOUTS = {layout.name: layout for layout in (
     Layout(tp=2, impl="te"),
     Layout(tp=2, pp=2, impl="te"),
     Layout(tp=2, pp=2, vpp=2, impl="te"),
-    # experts
+    # experts: EP, ETP, the expert layouts
     Layout(experts="legacy_grouped"),
     Layout(tp=2, impl="te", experts="grouped"),
-    Layout(tp=2, ep=2),
     Layout(tp=2, ep=2, impl="te"),
     Layout(tp=2, ep=2, impl="te", experts="grouped"),
     Layout(tp=2, ep=2, pp=2),
+    Layout(tp=2, ep=2, pp=2, impl="te"),
     Layout(tp=2, ep=2, pp=2, impl="te", experts="grouped"),
-    Layout(tp=2, ep=2, pp=2, vpp=2, impl="te"),
+    Layout(tp=2, ep=2, pp=2, experts="legacy_grouped"),
     Layout(tp=2, ep=2, pp=3, impl="te"),
     Layout(tp=2, ep=2, etp=1, pp=3),
     Layout(tp=2, etp=1, pp=2, vpp=2, experts="legacy_grouped"),
     Layout(tp=2, pp=2, first=1, experts="legacy_grouped"),
     Layout(ep=2, pp=2, last=1, impl="te"),
     Layout(ep=4, impl="te", experts="grouped"),
-    Layout(ep=4, pp=2, experts="legacy_grouped"),
-    Layout(ep=4, pp=2, impl="te", experts="grouped"),
     Layout(ep=4, pp=2, first=1),
     Layout(ep=4, pp=2, first=1, impl="te"),
+    Layout(ep=4, pp=2, impl="te", experts="grouped"),
+    Layout(ep=4, pp=2, experts="legacy_grouped"),
 )}
 
 
@@ -116,7 +117,3 @@ def rank_file(root: Path, name: str) -> Path:
     """Rank folder `name`'s file in the checkpoint at `root` (iteration 1, as mconvert writes)."""
     return root / "iter_0000001" / name / RANK_FILE
 
-
-def layouts(*names: str) -> list[Layout]:
-    """The catalogue's layouts by name (a KeyError names an unknown one)."""
-    return [LAYOUTS[name] for name in names]
