@@ -24,7 +24,7 @@ from mconvert.rules import transforms
 from mconvert.rules.table import Ctx
 from tests.support.cli import run_cli, to_legacy
 from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
-from tests.support.layouts import RANK_FILE, rank_file
+from tests.support.layouts import LAYOUTS, RANK_FILE, rank_file
 from tests.support.models import make_hf_model
 from tests.support.paths import FIXTURES
 
@@ -45,13 +45,12 @@ def gpt2_legacy(gpt2_dir, tmp_path_factory):
 
 # --- legacy <-> core, both directions ----------------------------------------------------------------------------
 
-CHAIN = [  # (saver, layout): every step reads the previous one's output
-    ("legacy", ["--tp", "2", "--pp", "2"]),
-    ("core", ["--tp", "1", "--pp", "2"]),      # modernise: --loader legacy --saver core
-    ("legacy", ["--pp", "2", "--vpp", "2"]),   # and back: --loader core --saver legacy
-    ("core", ["--tp", "2", "--transformer-impl", "te"]),
-    ("legacy", ["--tp", "4"]),
-    ("hf", []),
+CHAIN = [  # (format, layout): every step reads the previous one's output, and HF reads the last
+    ("legacy", "tp2_pp2"),
+    ("torch", "tp1_pp2"),  # modernise: --loader legacy --saver core
+    ("legacy", "tp1_pp2_vpp2"),  # and back: --loader core --saver legacy
+    ("torch", "tp2_te"),
+    ("legacy", "tp4"),
 ]
 
 
@@ -60,12 +59,14 @@ def test_legacy_core_chain_is_bit_exact(family, gpt2_dir, llama_dir, tmp_path, t
     src = {"gpt2": gpt2_dir, "llama": llama_dir}[family]
     reference = ir_tensors(src)
     previous = src
-    for step, (saver, layout) in enumerate(CHAIN):
-        out = tmp_path / f"{step}-{saver}"
-        run_cli("--saver", saver, *layout, "--load-dir", previous, "--save-dir", out)
+    for step, (fmt, name) in enumerate(CHAIN):
+        out = tmp_path / f"{step}-{fmt}"
+        run_cli(*LAYOUTS[name].saver_args(fmt), "--load-dir", previous, "--save-dir", out)
         assert_same_tensors(reference, ir_tensors(out))
         previous = out
-    assert torch.equal(hf_logits(src, tokens), hf_logits(previous, tokens))
+    run_cli("--saver", "hf", "--load-dir", previous, "--save-dir", tmp_path / "hf")
+    assert_same_tensors(reference, ir_tensors(tmp_path / "hf"))
+    assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "hf", tokens))
 
 
 def test_legacy_llama_style_layout(llama_dir, tmp_path):
