@@ -28,8 +28,8 @@ from tests.support.models import FAMILIES
 # family -> format -> layouts. Every family goes through every format that can hold it; the torch format, which
 # holds every layout, through the layouts that family's features meet (GQA groups split by TP, uneven and virtual
 # pipeline stages, experts split by EP and ETP in each expert layout, Transformer Engine names). Legacy holds
-# neither experts nor per-head q/k norms, the DCP formats no MTP modules (tests/test_deepseek.py checks both
-# refusals).
+# neither experts nor per-head q/k norms, the DCP formats no MTP modules (test_legacy.py, test_qwen.py and
+# test_deepseek.py check those refusals).
 MATRIX = {
     "llama": {"torch": ("tp1", "tp2", "tp4", "tp1_pp2", "tp2_pp2", "tp1_pp3_first1_last1", "tp2_pp2_vpp2",
                         "tp2_pp2_te"),
