@@ -6,7 +6,8 @@ import subprocess
 import sys
 import textwrap
 
-from tests.conftest import FIXTURES, run_cli
+from tests.support.cli import run_cli
+from tests.support.paths import FIXTURES
 
 
 def test_help_explains_the_conversion():

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from mconvert.io.torch_pickle import safe_load
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 
 def test_compare_fails_when_one_side_lacks_a_field(llama_dir, tmp_path):

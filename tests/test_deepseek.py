@@ -1,7 +1,8 @@
-"""DeepSeek-V3 through mconvert: tiny models from transformers' DeepseekV3Config (MLA with and without a query
-LoRA, one dense layer then MoE layers with shared experts, sigmoid group-limited routing with a score bias, YaRN,
-MTP layers) go HF -> Megatron core (every TP/PP/EP layout, expert layout, spec, torch and torch_dist) -> HF bit
-for bit, with identical logits in transformers."""
+"""DeepSeek-V3 and V2 through mconvert: tiny models from transformers' configs (MLA with and without a query LoRA,
+one dense layer then MoE layers with shared experts, sigmoid group-limited routing with a score bias, YaRN, MTP
+layers): the config read, MTP modules on the last stage and under megatron-core 0.19's name, the torch_dist layout,
+bf16 without a query LoRA, V2's greedy routing, and what HF, Megatron and the DCP formats refuse (the round trips
+through every layout and format are tests/conversion/test_roundtrip.py)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ from mconvert.io.dcp import DcpReader
 from mconvert.io.torch_pickle import safe_load
 from mconvert.ir.config import ModelConfig
 from mconvert.options import Options
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, run_cli
-from tests.deepseek_models import LAYERS, make_deepseek, make_deepseek_v2
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_files, assert_same_tensors, hf_logits, ir_tensors
+from tests.support.models import DEEPSEEK_LAYERS, make_deepseek, make_deepseek_v2
 
 
 @pytest.fixture(scope="module")
-def ds_dir(tmp_path_factory) -> Path:
-    """Query LoRA, one MTP layer, float32."""
-    return make_deepseek(tmp_path_factory.mktemp("deepseek") / "hf", mtp=1)
+def ds_dir(hf_model) -> Path:
+    """The catalogue's DeepSeek-V3: query LoRA, one MTP layer, float32."""
+    return hf_model("deepseek_v3")
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +37,10 @@ def noq_dir(tmp_path_factory) -> Path:
                          dtype=torch.bfloat16)
 
 
-@pytest.fixture(scope="session")
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
-
-
-def assert_same_files(a: Path, b: Path) -> None:
-    """Every tensor of the two HF directories: same names, dtypes and bytes."""
-    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    assert sorted(x) == sorted(y), set(x) ^ set(y)
-    bad = [k for k in x if x[k].dtype != y[k].dtype or not torch.equal(x[k], y[k])]
-    assert not bad, bad[:5]
-
-
 def test_the_config_read_from_hf(ds_dir):
     c = engine.load(ds_dir, Options()).config
     assert (c.family, c.num_layers, c.head_dim, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim, c.v_head_dim) == \
-        ("deepseek_v3", LAYERS, 24, 48, 32, 8, 16)
+        ("deepseek_v3", DEEPSEEK_LAYERS, 24, 48, 32, 8, 16)
     assert (c.dense_layers, c.ffn_hidden_size, c.moe_ffn_hidden_size, c.moe_shared_expert_ffn_hidden_size) == \
         ((0,), 96, 32, 64)
     assert (c.moe_router_score, c.moe_router_expert_bias, c.moe_router_groups, c.moe_router_group_topk,
@@ -59,31 +48,6 @@ def test_the_config_read_from_hf(ds_dir):
     assert c.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                               "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7}
     assert c.mtp_layers == 1 and ModelConfig.from_json(c.to_json()) == c
-
-
-LAYOUTS = {
-    "tp2_local": ["--tp", "2"],
-    "tp2_te": ["--tp", "2", "--transformer-impl", "te"],
-    "tp2_ep2_etp1_pp3": ["--tp", "2", "--ep", "2", "--etp", "1", "--pp", "3"],
-    "ep4_te_grouped": ["--ep", "4", "--transformer-impl", "te", "--expert-layout", "grouped"],
-    "tp2_legacy_grouped_pp2_uneven": ["--tp", "2", "--expert-layout", "legacy_grouped", "--pp", "2",
-                                      "--first-stage-layers", "1"],
-    "pp2_uneven_te_ep2": ["--pp", "2", "--last-stage-layers", "1", "--transformer-impl", "te", "--ep", "2"],
-    "torch_dist_local": ["--ckpt-format", "torch_dist"],
-    "torch_dist_te": ["--ckpt-format", "torch_dist", "--transformer-impl", "te", "--tp", "2"],
-    "zarr_te": ["--ckpt-format", "zarr", "--transformer-impl", "te"],
-}
-
-
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_hf_to_core_to_hf_is_bit_exact(ds_dir, tmp_path, name):
-    run_cli("--saver", "core", *LAYOUTS[name], "--load-dir", ds_dir, "--save-dir", tmp_path / "core")
-    unrecorded = dict(bos_token_id=None, eos_token_id=None, moe_aux_loss_coeff=None)  # not in Megatron's args
-    assert engine.load(tmp_path / "core", Options()).config.replace(padded_vocab_size=None, **unrecorded) == \
-        engine.load(ds_dir, Options()).config.replace(**unrecorded)
-    assert_same_tensors(ir_tensors(ds_dir), ir_tensors(tmp_path / "core"))
-    run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf")
-    assert_same_files(ds_dir, tmp_path / "hf")
 
 
 def test_no_query_lora_bf16_round_trips(noq_dir, tmp_path, tokens):
@@ -97,13 +61,6 @@ def test_no_query_lora_bf16_round_trips(noq_dir, tmp_path, tokens):
     assert load_file(tmp_path / "hf" / "model.safetensors")["model.layers.4.mlp.gate.e_score_correction_bias"] \
         .dtype == torch.float32
     assert torch.equal(hf_logits(noq_dir, tokens), hf_logits(tmp_path / "hf", tokens))
-
-
-def test_logits_are_identical_in_transformers(ds_dir, tmp_path, tokens):
-    run_cli("--saver", "core", "--tp", "2", "--ep", "2", "--pp", "3", "--transformer-impl", "te",
-            "--load-dir", ds_dir, "--save-dir", tmp_path / "core")
-    run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf")
-    assert torch.equal(hf_logits(ds_dir, tokens), hf_logits(tmp_path / "hf", tokens))
 
 
 def test_rotary_rows_are_half_split_in_the_ir(tmp_path, tokens):
@@ -192,7 +149,7 @@ def test_skip_mtp_leaves_them_out_with_a_note(ds_dir, tmp_path):
     assert state["args"].mtp_num_layers is None and not any(k.startswith("mtp.") for k in state["model"])
     run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf")
     weights = load_file(tmp_path / "hf" / "model.safetensors")
-    assert not any(k.startswith(f"model.layers.{LAYERS}.") for k in weights)
+    assert not any(k.startswith(f"model.layers.{DEEPSEEK_LAYERS}.") for k in weights)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0
 
 
@@ -245,7 +202,7 @@ def test_the_hf_checkpoint_may_hold_fused_experts(ds_dir, tmp_path, tokens):
     for k, v in weights.items():
         if ".mlp.experts." not in k:
             fused[k] = v
-    for layer in range(1, LAYERS + 1):
+    for layer in range(1, DEEPSEEK_LAYERS + 1):
         p = f"model.layers.{layer}.mlp.experts"
         fused[f"{p}.gate_up_proj"] = torch.stack([torch.cat([weights[f"{p}.{e}.gate_proj.weight"],
                                                              weights[f"{p}.{e}.up_proj.weight"]]) for e in range(8)])
@@ -350,7 +307,7 @@ def test_megatron_dcp_formats_hold_mla_and_refuse_mtp(ds_dir, tmp_path, tokens, 
     assert not (tmp_path / "x").exists()
     run_cli("--saver", "core", "--ckpt-format", fmt, "--skip-mtp", "--load-dir", ds_dir, "--save-dir", tmp_path / "c")
     run_cli("--saver", "deepseek_hf", "--load-dir", tmp_path / "c", "--save-dir", tmp_path / "hf")
-    expected = {n: t for n, t in ir_tensors(ds_dir).items() if not n.startswith(("mtp.", f"layers.{LAYERS}."))}
+    expected = {n: t for n, t in ir_tensors(ds_dir).items() if not n.startswith(("mtp.", f"layers.{DEEPSEEK_LAYERS}."))}
     assert_same_tensors(expected, ir_tensors(tmp_path / "hf"))
 
 

@@ -2,10 +2,10 @@
 YaRN, sigmoid group-limited routing with the expert bias, shared experts and MTP modules loads our checkpoint
 strictly, and its logits, the MTP modules' too, equal transformers' (DeepseekV3ForCausalLM and its MtpModel).
 
-What Megatron needs a stand-in for on CPU (see tests/helpers_mcore_logits.py): its local DotProductAttention takes
-no separate key and value head sizes (MLA needs Transformer Engine's), so MLA layers get plain causal attention with
-MLA's softmax scale; everything else (projections, latent norms, rotary de-interleaving, YaRN and its mscale,
-router, experts, shared experts, MTP) is Megatron's own code.
+What Megatron needs a stand-in for on CPU (see tests/support/scripts/mcore_logits.py): its local DotProductAttention
+takes no separate key and value head sizes (MLA needs Transformer Engine's), so MLA layers get plain causal
+attention with MLA's softmax scale; everything else (projections, latent norms, rotary de-interleaving, YaRN and its
+mscale, router, experts, shared experts, MTP) is Megatron's own code.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, megatron_core_logits, run_cli
-from tests.deepseek_models import hf_logits_with_mtp, make_deepseek, make_deepseek_v2
+from tests.support.cli import megatron_core_logits, run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, hf_logits_with_mtp, ir_tensors
+from tests.support.models import make_deepseek, make_deepseek_v2
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed (pip install megatron-core)")

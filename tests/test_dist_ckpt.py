@@ -7,12 +7,13 @@ import json
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import FIXTURES, assert_same_tensors, hf_logits, ir_tensors, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, ir_tensors
+from tests.support.paths import FIXTURES, REPO, SCRIPTS
 
 LLAMA = FIXTURES / "llama_gqa"
 needs_fixtures = pytest.mark.skipif(not LLAMA.is_dir(), reason=f"Megatron fixtures not found at {FIXTURES}")
@@ -32,18 +33,6 @@ def test_head_fixture_vocab_comes_from_its_tokenizer():
     out = run_cli("inspect", LLAMA / "torch_dist_head", "--no-tensors")
     assert "format:      core (Megatron torch_dist)" in out and "common=common_state/shard_0_1" in out
     assert "note: vocabulary size 850 taken from the checkpoint's tokenizer" in out
-
-
-@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2"])
-@pytest.mark.parametrize("fmt", ["torch_dist", pytest.param("zarr", marks=needs_zarr)])
-def test_hf_to_dist_to_hf(fmt, family, llama_dir, mixtral_dir, gpt2_dir, tokens, tmp_path):
-    src = {"llama": llama_dir, "mixtral": mixtral_dir, "gpt2": gpt2_dir}[family]
-    run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", src, "--save-dir", tmp_path / "dist")
-    meta = json.loads((tmp_path / "dist" / "iter_0000001" / "metadata.json").read_text())
-    assert meta["sharded_backend"] == fmt
-    run_cli("--saver", "hf", "--load-dir", tmp_path / "dist", "--save-dir", tmp_path / "hf")
-    assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "hf"))
-    assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "hf", tokens))
 
 
 @pytest.mark.parametrize("impl", ["local", "te"])
@@ -122,8 +111,8 @@ def test_torch_dist_layout_is_megatrons(tmp_path):
 def test_megatron_core_loads_our_torch_dist(tp, reference, tmp_path, mcore_python):
     run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--tp", str(tp), "--load-dir", LLAMA / "hf",
             "--save-dir", tmp_path / "d")
-    helper = Path(__file__).with_name("helpers_mcore_load.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    helper = SCRIPTS / "mcore_load.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([mcore_python("0.16"), "-m", "torch.distributed.run", "--standalone",
                              "--nproc-per-node", str(tp), str(helper), str(tmp_path / "d" / "iter_0000001"),
                              str(LLAMA / reference)], capture_output=True, text=True, env=env, timeout=600)

@@ -12,7 +12,8 @@ import torch
 
 from mconvert.io.torch_pickle import safe_load
 from mconvert.io.torch_zip import TorchFileWriter
-from tests.conftest import make_hf_model, run_cli
+from tests.support.cli import run_cli
+from tests.support.models import make_hf_model
 
 
 def convert(src, dst, *extra, expect_error=False):

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from mconvert.io.torch_pickle import safe_load
-from tests.conftest import FIXTURES, assert_same_tensors, ir_tensors, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, ir_tensors
+from tests.support.paths import FIXTURES
 
 LLAMA = FIXTURES / "llama_gqa"
 pytestmark = pytest.mark.skipif(not LLAMA.is_dir(), reason=f"Megatron fixtures not found at {FIXTURES}")

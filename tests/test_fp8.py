@@ -16,8 +16,9 @@ from mconvert.hf.deepseek import is_fp8_weight
 from mconvert.options import Options
 from mconvert.rules import fp8
 from mconvert.tools.verify.run import verify
-from tests.conftest import hf_logits, ir_tensors, run_cli
-from tests.deepseek_models import make_deepseek
+from tests.support.cli import run_cli
+from tests.support.compare import hf_logits, ir_tensors
+from tests.support.models import make_deepseek
 
 BLOCK = (16, 16)  # DeepSeek uses 128 x 128; small blocks give the tiny model several per weight
 

@@ -1,5 +1,6 @@
-"""Hugging Face GPT-2: Conv1D layouts read exactly, written so transformers loads and generates, and GPT-2-style
-models through Megatron core; the `hf` dispatcher."""
+"""Hugging Face GPT-2: Conv1D layouts read exactly, written so transformers loads and generates, GPT-2-style models
+in Megatron core (learned positions, LayerNorm and linear biases, tanh GELU, tied output: their keys and args; the
+round trips are tests/conversion/test_roundtrip.py); the `hf` dispatcher."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from mconvert.io.torch_pickle import safe_load
 from mconvert.ir.config import ModelConfig
 from mconvert.megatron import arguments
 from mconvert.rules.table import Ctx
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.models import make_hf_model
 
 H = 64  # the gpt2 test model: 4 layers, 4 heads of 16, n_inner null (256), vocab 300, 128 positions
 
@@ -132,23 +135,6 @@ def test_untied_gpt2(tmp_path, tokens):
     assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "hf"))
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
     assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "hf", tokens))
-
-
-CORE_LAYOUTS = {
-    "tp2pp2": ["--tp", "2", "--pp", "2"],
-    "tp4": ["--tp", "4"],
-    "pp2vpp2": ["--pp", "2", "--vpp", "2"],
-    "te-tp2": ["--tp", "2", "--transformer-impl", "te"],
-}
-
-
-@pytest.mark.parametrize("layout", list(CORE_LAYOUTS))
-def test_gpt2_through_megatron_core(layout, gpt2_dir, tmp_path, tokens):
-    """Core takes GPT-2-style models: learned positions, LayerNorm and linear biases, tanh GELU, tied output."""
-    run_cli("--saver", "core", *CORE_LAYOUTS[layout], "--load-dir", gpt2_dir, "--save-dir", tmp_path / "core")
-    run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf")
-    assert_same_tensors(ir_tensors(gpt2_dir), ir_tensors(tmp_path / "hf"))
-    assert torch.equal(hf_logits(gpt2_dir, tokens), hf_logits(tmp_path / "hf", tokens))
 
 
 def test_gpt2_core_keys_and_args(gpt2_dir, tmp_path):

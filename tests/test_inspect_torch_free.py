@@ -19,7 +19,8 @@ from mconvert.io import hf_dir
 from mconvert.options import Options
 from mconvert.tools import finite
 from mconvert.tools.inspect import describe
-from tests.conftest import make_hf_model, run_cli
+from tests.support.cli import run_cli
+from tests.support.models import make_hf_model
 
 # One tensor per floating dtype inspect reads without torch, with NaN (of either sign, quiet and signalling) and
 # Inf of either sign written as bit patterns: (key, dtype, {flat index: bits})

@@ -22,20 +22,13 @@ from mconvert.options import Options
 from mconvert.progress import QUIET
 from mconvert.rules import transforms
 from mconvert.rules.table import Ctx
-from tests.conftest import FIXTURES, assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
+from tests.support.cli import run_cli, to_legacy
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.layouts import LAYOUTS, RANK_FILE, rank_file
+from tests.support.models import make_hf_model
+from tests.support.paths import FIXTURES
 
 needs_fixtures = pytest.mark.skipif(not (FIXTURES / "llama_gqa").is_dir(), reason=f"fixtures not found at {FIXTURES}")
-RANK_FILE = "model_optim_rng.pt"
-
-
-def to_legacy(src, dst, *layout):
-    return run_cli("--saver", "legacy", *layout, "--load-dir", src, "--save-dir", dst)
-
-
-def rank_file(root, name):
-    return root / "iter_0000001" / name / RANK_FILE
-
-
 def rewrite(path, edit):
     """Load a rank file we wrote, let `edit` change it in place, save it back with plain torch."""
     state = safe_load(path, mmap=False)
@@ -50,27 +43,14 @@ def gpt2_legacy(gpt2_dir, tmp_path_factory):
     return out
 
 
-# --- HF GPT-2 -> legacy -> HF ------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("pp", [1, 2])
-def test_hf_gpt2_to_legacy_to_hf(tp, pp, gpt2_dir, tmp_path, tokens):
-    to_legacy(gpt2_dir, tmp_path / "legacy", "--tp", str(tp), "--pp", str(pp))
-    run_cli("--loader", "legacy", "--saver", "gpt2_hf", "--load-dir", tmp_path / "legacy",
-            "--save-dir", tmp_path / "hf")
-    assert_same_tensors(ir_tensors(gpt2_dir), ir_tensors(tmp_path / "hf"))
-    assert torch.equal(hf_logits(gpt2_dir, tokens), hf_logits(tmp_path / "hf", tokens))
-
-
 # --- legacy <-> core, both directions ----------------------------------------------------------------------------
 
-CHAIN = [  # (saver, layout): every step reads the previous one's output
-    ("legacy", ["--tp", "2", "--pp", "2"]),
-    ("core", ["--tp", "1", "--pp", "2"]),      # modernise: --loader legacy --saver core
-    ("legacy", ["--pp", "2", "--vpp", "2"]),   # and back: --loader core --saver legacy
-    ("core", ["--tp", "2", "--transformer-impl", "te"]),
-    ("legacy", ["--tp", "4"]),
-    ("hf", []),
+CHAIN = [  # (format, layout): every step reads the previous one's output, and HF reads the last
+    ("legacy", "tp2_pp2"),
+    ("torch", "tp1_pp2"),  # modernise: --loader legacy --saver core
+    ("legacy", "tp1_pp2_vpp2"),  # and back: --loader core --saver legacy
+    ("torch", "tp2_te"),
+    ("legacy", "tp4"),
 ]
 
 
@@ -79,12 +59,14 @@ def test_legacy_core_chain_is_bit_exact(family, gpt2_dir, llama_dir, tmp_path, t
     src = {"gpt2": gpt2_dir, "llama": llama_dir}[family]
     reference = ir_tensors(src)
     previous = src
-    for step, (saver, layout) in enumerate(CHAIN):
-        out = tmp_path / f"{step}-{saver}"
-        run_cli("--saver", saver, *layout, "--load-dir", previous, "--save-dir", out)
+    for step, (fmt, name) in enumerate(CHAIN):
+        out = tmp_path / f"{step}-{fmt}"
+        run_cli(*LAYOUTS[name].saver_args(fmt), "--load-dir", previous, "--save-dir", out)
         assert_same_tensors(reference, ir_tensors(out))
         previous = out
-    assert torch.equal(hf_logits(src, tokens), hf_logits(previous, tokens))
+    run_cli("--saver", "hf", "--load-dir", previous, "--save-dir", tmp_path / "hf")
+    assert_same_tensors(reference, ir_tensors(tmp_path / "hf"))
+    assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "hf", tokens))
 
 
 def test_legacy_llama_style_layout(llama_dir, tmp_path):

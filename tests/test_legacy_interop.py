@@ -12,8 +12,10 @@ from safetensors.torch import load_file
 
 from mconvert.io.torch_pickle import safe_load
 from mconvert.megatron import legacy as schema
-from tests.conftest import FIXTURES, assert_same_tensors, hf_logits, ir_tensors, run_cli
-from tests.test_legacy import RANK_FILE, rank_file, to_legacy
+from tests.support.cli import run_cli, to_legacy
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.layouts import RANK_FILE, rank_file
+from tests.support.paths import FIXTURES
 
 GPT2 = FIXTURES / "gpt2"
 needs_fixtures = pytest.mark.skipif(not GPT2.is_dir(), reason=f"gpt2 fixtures not found at {FIXTURES}")

@@ -1,6 +1,6 @@
 """Megatron-LM 0.19 resumes from what we write: `--use-checkpoint-args` rebuilds the model from our args (shape,
 tokenizer), its own loaders read the weights (load_checkpoint; dist_checkpointing.load too; --verify-integrity
-checks our manifest), and its forward pass gives transformers' logits. See tests/megatron_lm/load.py."""
+checks our manifest), and its forward pass gives transformers' logits. See tests/support/megatron_lm/load.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import hf_logits, run_cli, run_megatron
+from tests.support.cli import run_cli, run_megatron
+from tests.support.compare import hf_logits
 
 # (family, format, Megatron flags a resuming run must give itself: args Megatron does not take from a checkpoint)
 CASES = {

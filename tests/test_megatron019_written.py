@@ -13,8 +13,9 @@ import torch
 from mconvert import engine
 from mconvert.io.dcp import DcpReader
 from mconvert.options import Options
-from tests.conftest import hf_logits, run_cli
-from tests.megatron_lm.specs import VOCAB, specs
+from tests.support.cli import run_cli
+from tests.support.compare import hf_logits
+from tests.support.megatron_lm.specs import VOCAB, specs
 
 NAMES = [spec["name"] for spec in specs("")]
 IT = "iter_0000003"

@@ -1,5 +1,6 @@
-"""The formats current Megatron-LM writes, without Megatron: fsdp_dtensor and torch_dcp round trips and layout,
-the single grouped expert weight, integrity.json on our output, the pickle allow-list for newer megatron-core."""
+"""The formats current Megatron-LM writes, without Megatron: the fsdp_dtensor and torch_dcp layouts (their round
+trips are tests/conversion/test_roundtrip.py), the single grouped expert weight, integrity.json on our output, the
+pickle allow-list for newer megatron-core."""
 
 from __future__ import annotations
 
@@ -12,34 +13,10 @@ import torch
 
 from mconvert.io.dcp import DcpReader, read_metadata
 from mconvert.io.torch_pickle import safe_load
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, ir_tensors
 
 IT = "iter_0000001"
-
-
-@pytest.mark.parametrize("fmt", ["fsdp_dtensor", "torch_dcp"])
-@pytest.mark.parametrize("family,impl", [("llama", "local"), ("llama", "te"), ("mixtral", "local"),
-                                         ("mixtral", "te"), ("gpt2", "local")])
-def test_dcp_formats_round_trip(fmt, family, impl, llama_dir, mixtral_dir, gpt2_dir, tokens, tmp_path):
-    src = {"llama": llama_dir, "mixtral": mixtral_dir, "gpt2": gpt2_dir}[family]
-    layout = ["--expert-layout", "grouped"] if family == "mixtral" and impl == "te" else []
-    run_cli("--saver", "core", "--ckpt-format", fmt, "--transformer-impl", impl, *layout, "--tp", "2",
-            "--load-dir", src, "--save-dir", tmp_path / "d")
-    assert not (tmp_path / "d" / IT / "metadata.json").exists()
-    out = run_cli("inspect", tmp_path / "d", "--no-tensors")
-    assert f"format:      core (Megatron {fmt})" in out and f"transformer_impl={impl}" in out
-    run_cli("--saver", "hf", "--load-dir", tmp_path / "d", "--save-dir", tmp_path / "hf")
-    assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "hf"))
-    assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "hf", tokens))
-
-
-@pytest.mark.parametrize("fmt", ["fsdp_dtensor", "torch_dcp"])
-def test_dcp_formats_take_qk_norms_and_dense_layers_among_experts(fmt, tmp_path, tokens):
-    src = make_hf_model(tmp_path / "hf", "qwen3_moe")  # q/k norms; experts on every other layer
-    run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", src, "--save-dir", tmp_path / "d")
-    run_cli("--saver", "hf", "--load-dir", tmp_path / "d", "--save-dir", tmp_path / "back")
-    assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "back"))
-    assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "back", tokens))
 
 
 def test_fsdp_dtensor_layout(mixtral_dir, tmp_path):

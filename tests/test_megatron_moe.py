@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 
-from tests.conftest import make_hf_model, run_cli
+from tests.support.cli import run_cli
+from tests.support.models import make_hf_model
+from tests.support.paths import REPO, SCRIPTS
 
 
 def test_megatron_core_runs_our_moe_checkpoints(mixtral_dir, tmp_path, mcore_python):
@@ -19,8 +20,8 @@ def test_megatron_core_runs_our_moe_checkpoints(mixtral_dir, tmp_path, mcore_pyt
                 "--save-dir", tmp_path / layout)
     run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", tmp_path / "sharded",
             "--save-dir", tmp_path / "torch_dist")
-    helper = Path(__file__).with_name("helpers_mcore_moe.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    helper = SCRIPTS / "mcore_moe.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([mcore_python("0.16"), str(helper), str(mixtral_dir), str(tmp_path / "sequential"),
                              str(tmp_path / "legacy_grouped"), str(tmp_path / "torch_dist")],
                             capture_output=True, text=True, env=env, timeout=600)
@@ -36,8 +37,8 @@ def test_megatron_core_agrees_on_the_sliding_window(tmp_path, mcore_python):
     makes an off-by-one show in Megatron's own logits."""
     src = make_hf_model(tmp_path / "hf", "mixtral", seed=7, sliding_window=8)
     run_cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "core")
-    helper = Path(__file__).with_name("helpers_mcore_moe.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    helper = SCRIPTS / "mcore_moe.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([mcore_python("0.16"), str(helper), str(src), str(tmp_path / "core")], capture_output=True,
                             text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

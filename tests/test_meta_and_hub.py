@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
 
 
 def hf_to_meta_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

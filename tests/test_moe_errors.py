@@ -12,7 +12,7 @@ from mconvert.io.torch_pickle import safe_load
 from mconvert.io.torch_zip import TorchFileWriter
 from mconvert.rules.mapping import Row, check_plan
 from mconvert.rules.table import Rule
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 EXPERT = "decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1.weight"
 

@@ -15,44 +15,32 @@ from mconvert.errors import ConvertError
 from mconvert.io.torch_pickle import safe_load
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.names import expected_shapes
-from mconvert.ir.tensors import LazyTensor, ModelIR, SourceInfo
 from mconvert.options import Options
-from tests.conftest import assert_same_tensors, ir_tensors, megatron_core_logits, run_cli
-
-CONFIG = ModelConfig(family="mixtral", num_layers=4, hidden_size=32, ffn_hidden_size=96, num_attention_heads=4,
-                     num_query_groups=2, head_dim=8, vocab_size=200, max_position_embeddings=64, num_experts=4,
-                     moe_top_k=2, moe_ffn_hidden_size=24, dense_layers=(0, 2), moe_norm_topk=False,
-                     moe_aux_loss_coeff=0.01)
-
-
-def random_ir(config: ModelConfig, path: Path, seed: int = 0) -> ModelIR:
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, shape in expected_shapes(config).items():
-        value = 1.0 + 0.1 * torch.randn(shape, generator=g) if "norm" in name else 0.1 * torch.randn(shape, generator=g)
-        tensors[name] = LazyTensor.of(value, name)
-    return ModelIR(config, tensors, SourceInfo("test", path))
+from tests.support.cli import megatron_core_logits, run_cli
+from tests.support.compare import assert_same_tensors, ir_tensors
+from tests.support.layouts import LAYOUTS
+from tests.support.models import MIXED_MOE, random_ir
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     """The model as a TP1 core checkpoint (the mconvert loaders read it like any other)."""
     out = tmp_path_factory.mktemp("moe_layers") / "core"
-    engine.save(random_ir(CONFIG, out), out, Options(), "core")
+    engine.save(random_ir(MIXED_MOE, out), out, Options(), "core")
     return out
 
 
 def test_the_config_says_which_layers_hold_experts():
-    assert [CONFIG.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
-    assert CONFIG.expert_ffn_hidden_size == 24 and CONFIG.num_moe_layers == 2
-    names = expected_shapes(CONFIG)
+    assert [MIXED_MOE.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert MIXED_MOE.expert_ffn_hidden_size == 24 and MIXED_MOE.num_moe_layers == 2
+    names = expected_shapes(MIXED_MOE)
     assert names["layers.0.mlp.gate.weight"] == (96, 32) and "layers.0.moe.router.weight" not in names
     assert names["layers.1.moe.experts.3.down.weight"] == (32, 24) and "layers.1.mlp.up.weight" not in names
-    assert ModelConfig.from_json(CONFIG.to_json()) == CONFIG
+    assert ModelConfig.from_json(MIXED_MOE.to_json()) == MIXED_MOE
     # a dense size no layer uses is kept (configs round-trip); equal sizes are spelled once
-    every = CONFIG.replace(dense_layers=())
+    every = MIXED_MOE.replace(dense_layers=())
     assert (every.ffn_hidden_size, every.moe_ffn_hidden_size, every.expert_ffn_hidden_size) == (96, 24, 24)
-    assert CONFIG.replace(moe_ffn_hidden_size=96).moe_ffn_hidden_size is None
+    assert MIXED_MOE.replace(moe_ffn_hidden_size=96).moe_ffn_hidden_size is None
 
 
 @pytest.mark.parametrize("change, message", [
@@ -64,33 +52,27 @@ def test_the_config_says_which_layers_hold_experts():
 ])
 def test_inconsistent_moe_layers_are_refused(change, message):
     with pytest.raises(ConvertError, match=message):
-        CONFIG.replace(**change)
+        MIXED_MOE.replace(**change)
 
 
 def test_megatron_args_carry_the_layer_pattern_and_routing(source):
     args = safe_load(source / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")["args"]
     assert args.moe_layer_freq == [0, 1, 0, 1]
     assert (args.ffn_hidden_size, args.moe_ffn_hidden_size, args.moe_router_pre_softmax) == (96, 24, True)
-    assert engine.load(source, Options()).config == CONFIG.replace(padded_vocab_size=256)
+    assert engine.load(source, Options()).config == MIXED_MOE.replace(padded_vocab_size=256)
 
 
-LAYOUTS = {
-    "tp2_ep2_pp2_te_grouped": ["--tp", "2", "--ep", "2", "--pp", "2", "--transformer-impl", "te",
-                               "--expert-layout", "grouped"],
-    "tp2_etp1_vpp_legacy_grouped": ["--tp", "2", "--etp", "1", "--pp", "2", "--vpp", "2",
-                                    "--expert-layout", "legacy_grouped"],
-    "ep4_uneven": ["--ep", "4", "--pp", "2", "--first-stage-layers", "1"],
-    "torch_dist_local": ["--ckpt-format", "torch_dist"],
-    "torch_dist_te": ["--ckpt-format", "torch_dist", "--transformer-impl", "te", "--tp", "2"],
-}
+# (format, layout): every expert layout, parallel dimension and spec over dense and expert layers
+WRITTEN_AS = [("torch", "tp2_ep2_pp2_te_grouped"), ("torch", "tp2_etp1_pp2_vpp2_legacy_grouped"),
+              ("torch", "tp1_ep4_pp2_first1"), ("torch_dist", "tp1"), ("torch_dist", "tp2_te")]
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_every_layout_round_trips_exactly(source, tmp_path, name):
-    run_cli("--saver", "core", *LAYOUTS[name], "--load-dir", source, "--save-dir", tmp_path / name)
-    assert engine.load(tmp_path / name, Options()).config.replace(padded_vocab_size=None) == \
+@pytest.mark.parametrize("fmt, name", WRITTEN_AS, ids=[f"{fmt}-{name}" for fmt, name in WRITTEN_AS])
+def test_every_layout_round_trips_exactly(source, tmp_path, fmt, name):
+    run_cli(*LAYOUTS[name].saver_args(fmt), "--load-dir", source, "--save-dir", tmp_path / "out")
+    assert engine.load(tmp_path / "out", Options()).config.replace(padded_vocab_size=None) == \
         engine.load(source, Options()).config.replace(padded_vocab_size=None)
-    assert_same_tensors(ir_tensors(source), ir_tensors(tmp_path / name))
+    assert_same_tensors(ir_tensors(source), ir_tensors(tmp_path / "out"))
 
 
 def test_the_hf_mixtral_saver_refuses_what_mixtral_cannot_hold(source, tmp_path):
@@ -106,7 +88,7 @@ def test_megatron_core_computes_what_mtrain_computes(source, tmp_path):
     of the same IR (dense_layers, moe_norm_topk=False) gives the same logits."""
     from mtrain.inference import load_model
 
-    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, MIXED_MOE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     out, theirs, _ = megatron_core_logits(source, tokens, tmp_path, timeout=600)
     assert "layers ['dense', 'moe', 'dense', 'moe'], strict load: <All keys matched successfully>" in out
     model, _ = load_model(source)

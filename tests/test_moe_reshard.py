@@ -8,17 +8,14 @@ import torch
 
 from mconvert.io.torch_pickle import safe_load
 from mconvert.io.torch_zip import TorchFileWriter
-from tests.conftest import assert_same_tensors, ir_tensors, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, ir_tensors
+from tests.support.layouts import LAYOUTS
 
-# Each step reshards the previous one; every result must equal a direct conversion from HF, file by file.
-CHAIN = {
-    "a": ["--tp", "2", "--ep", "2"],
-    "b": ["--tp", "1", "--ep", "4", "--pp", "2", "--transformer-impl", "te", "--expert-layout", "grouped"],
-    "c": ["--tp", "2", "--etp", "1", "--pp", "2", "--expert-layout", "legacy_grouped"],
-    "d": [],
-    "e": ["--tp", "2", "--ep", "2", "--pp", "2", "--vpp", "2", "--transformer-impl", "te"],
-    "f": ["--tp", "2", "--ep", "4", "--expert-layout", "legacy_grouped", "--transformer-impl", "te"],
-}
+# Each step reshards the previous one (tests/support/layouts.py names them); every result must equal a direct
+# conversion from HF, file by file.
+CHAIN = ["tp2_ep2", "tp1_ep4_pp2_te_grouped", "tp2_etp1_pp2_legacy_grouped", "tp1", "tp2_ep2_pp2_vpp2_te",
+         "tp2_ep4_te_legacy_grouped"]
 
 
 def rewrite(path, change) -> None:
@@ -53,7 +50,8 @@ def assert_same_checkpoint(ours, theirs):
 def test_reshards_equal_direct_conversions(mixtral_dir, tmp_path):
     previous = mixtral_dir
     reference = ir_tensors(mixtral_dir)
-    for name, layout in CHAIN.items():
+    for name in CHAIN:
+        layout = LAYOUTS[name].args
         run_cli("--saver", "core", *layout, "--load-dir", previous, "--save-dir", tmp_path / name)
         run_cli("--saver", "core", *layout, "--load-dir", mixtral_dir, "--save-dir", tmp_path / f"{name}-direct")
         assert_same_checkpoint(tmp_path / name, tmp_path / f"{name}-direct")

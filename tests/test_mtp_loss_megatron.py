@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import megatron_core_losses, run_cli
-from tests.deepseek_models import make_deepseek
+from tests.support.cli import megatron_core_losses, run_cli
+from tests.support.models import make_deepseek
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed (pip install megatron-core)")

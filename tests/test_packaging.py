@@ -130,3 +130,18 @@ def test_the_wheel_installs_only_mconvert_and_mtrain(tmp_path):
     assert {"mconvert/megatron/torch_format.py", "mconvert/hf/qwen.py", "mconvert/io/dcp.py"} <= names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "mtrain = mtrain.export" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_no_test_module_imports_another():
+    """Tests share code through tests/support (and helper modules such as tests/adversarial/crafting.py), never by
+    importing a test module or a conftest: pytest has loaded those under other names, so the import makes a second
+    copy whose module state the fixtures never see."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        rel, tree = path.relative_to(ROOT), ast.parse(path.read_text())
+        offenders += [f"{rel}:{node.lineno} relative import" for node in ast.walk(tree)
+                      if isinstance(node, ast.ImportFrom) and node.level]
+        offenders += [f"{rel}:{node.lineno} imports {name}" for node, name in _imports(tree)
+                      if name.split(".")[0] == "tests"
+                      and any(part == "conftest" or part.startswith("test_") for part in name.split(".")[1:])]
+    assert offenders == []

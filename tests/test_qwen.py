@@ -1,7 +1,8 @@
-"""HF Qwen2 / Qwen2.5, Qwen3 and Qwen3-MoE -> Megatron core (TP, PP uneven and virtual, EP, expert TP, every
-expert layout; torch, torch_dist, zarr; local and TE names) -> HF: bit-identical weights and logits, config.json
-kept, transformers loading the export without a warning; megatron-core's own model computing transformers' logits
-from our core checkpoints; what a format cannot hold refused by name."""
+"""HF Qwen2 / Qwen2.5, Qwen3 and Qwen3-MoE: config.json kept on export and loaded by transformers without a warning,
+hub-style configs, Megatron's args as Megatron's Qwen recipes set them, Transformer Engine's q/k norm names, layers
+keyed one by one in torch_dist, megatron-core's own model computing transformers' logits from our core checkpoints;
+what a format cannot hold refused by name (the round trips through every layout and format are
+tests/conversion/test_roundtrip.py)."""
 
 from __future__ import annotations
 
@@ -16,75 +17,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mconvert import engine
 from mconvert.io.dcp import DcpReader
 from mconvert.io.torch_pickle import safe_load
-from mconvert.options import Options
-from tests.conftest import (
-    assert_same_tensors,
-    hf_logits,
-    ir_tensors,
-    make_hf_model,
-    megatron_core_logits,
-    run_cli,
-    write_tokenizer,
-)
+from tests.support.cli import megatron_core_logits, run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.models import make_hf_model, write_tokenizer
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
-needs_zarr = pytest.mark.skipif(importlib.util.find_spec("tensorstore") is None, reason="zarr needs tensorstore")
-LAYOUTS = {
-    "qwen2": {
-        "tp2pp2": ["--tp", "2", "--pp", "2"],
-        "pp3-uneven": ["--pp", "3", "--first-stage-layers", "1", "--last-stage-layers", "1"],
-        "te-tp2": ["--tp", "2", "--transformer-impl", "te"],
-        "torch_dist": ["--ckpt-format", "torch_dist"],
-    },
-    "qwen3": {
-        "tp2pp2vpp2-te": ["--tp", "2", "--pp", "2", "--vpp", "2", "--transformer-impl", "te"],
-        "tp4": ["--tp", "4"],
-        "torch_dist-te-tp2": ["--ckpt-format", "torch_dist", "--transformer-impl", "te", "--tp", "2"],
-        "zarr": pytest.param(["--ckpt-format", "zarr"], marks=needs_zarr),
-    },
-    "qwen3_moe": {
-        "tp2ep2pp2": ["--tp", "2", "--ep", "2", "--pp", "2"],
-        "tp2ep2-te-grouped": ["--tp", "2", "--ep", "2", "--transformer-impl", "te", "--moe-grouped-gemm"],
-        "tp2etp1vpp2-legacy_grouped": ["--tp", "2", "--etp", "1", "--pp", "2", "--vpp", "2",
-                                       "--expert-layout", "legacy_grouped"],
-        "ep4pp2-uneven-te": ["--ep", "4", "--pp", "2", "--first-stage-layers", "1", "--transformer-impl", "te"],
-        "torch_dist": ["--ckpt-format", "torch_dist"],
-        "zarr-te": pytest.param(["--ckpt-format", "zarr", "--transformer-impl", "te"], marks=needs_zarr),
-    },
-}
-
-
-def cases() -> list:
-    return [pytest.param(family, args, id=f"{family}-{name}") if isinstance(args, list)
-            else pytest.param(family, args.values[0], id=f"{family}-{name}", marks=args.marks)
-            for family, layouts in LAYOUTS.items() for name, args in layouts.items()]
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("qwen")
-    return {family: make_hf_model(root / family, family, seed=i) for i, family in enumerate(FAMILIES)}
-
-
-@pytest.fixture(scope="module")
-def tokens() -> torch.Tensor:  # longer than the Qwen2 window (8)
-    return torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
-
-
-@pytest.mark.parametrize("family, args", cases())
-def test_hf_to_core_to_hf(family, args, sources, tokens, tmp_path):
-    src = sources[family]
-    run_cli("--saver", "core", *args, "--load-dir", src, "--save-dir", tmp_path / "core")
-    run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf")
-    assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "hf"))
-    assert torch.equal(hf_logits(src, tokens), hf_logits(tmp_path / "hf", tokens))
-    # the Megatron args alone say everything: family, q/k norms, biases, window, dense and expert layers
-    neutral = dict(padded_vocab_size=None, bos_token_id=None, eos_token_id=None)
-    assert engine.load(tmp_path / "core", Options()).config.replace(**neutral) == \
-        engine.load(src, Options()).config.replace(**neutral)
+def sources(hf_model) -> dict[str, Path]:
+    return {family: hf_model(family) for family in FAMILIES}
 
 
 def test_small_qwen3_with_tied_embeddings_in_bf16(tmp_path, tokens):

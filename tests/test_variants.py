@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from mconvert.io.torch_pickle import safe_load
-from tests.conftest import assert_same_tensors, hf_logits, ir_tensors, make_hf_model, run_cli
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_tensors, hf_logits, ir_tensors
+from tests.support.models import make_hf_model
 
 VARIANTS = {
     "tied": dict(tie_word_embeddings=True),

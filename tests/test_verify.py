@@ -17,7 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import FIXTURES, run_cli
+from tests.support.cli import run_cli
+from tests.support.models import MIXED_MOE, make_hf_model, random_ir
+from tests.support.paths import FIXTURES
 
 
 def verify_json(*args) -> dict:
@@ -184,8 +186,6 @@ def test_a_cast_passes_within_the_cast_noise_either_way_round(llama_dir, tmp_pat
                                                   (torch.float16, "bf16")])
 def test_casts_between_half_precisions(tmp_path, source_dtype, target):
     """float16 and bfloat16 hold neither each other's values: A is taken as the source of the cast."""
-    from tests.conftest import make_hf_model
-
     src = make_hf_model(tmp_path / "src", "llama", dtype=source_dtype)
     run_cli("--saver", "core", "--dtype", target, "--load-dir", src, "--save-dir", tmp_path / "out", "-q")
     report = verify_json(src, tmp_path / "out")
@@ -339,9 +339,8 @@ def test_moe_with_dense_layers_and_router_settings(tmp_path):
     among dense ones, a separate expert size, unnormalized top-k weights (moe_norm_topk)."""
     from mconvert import engine
     from mconvert.options import Options
-    from tests.test_moe_layers import CONFIG, random_ir
 
-    for name, config in (("a", CONFIG), ("b", CONFIG.replace(moe_norm_topk=True))):
+    for name, config in (("a", MIXED_MOE), ("b", MIXED_MOE.replace(moe_norm_topk=True))):
         engine.save(random_ir(config, tmp_path / name), tmp_path / name, Options(), "core")
     run_cli("--saver", "core", "--tp", "2", "--ep", "2", "--load-dir", tmp_path / "a", "--save-dir",
             tmp_path / "a2", "-q")

@@ -13,9 +13,9 @@ import pytest
 
 from mconvert.io import block_writer, hf_dir
 from mconvert.workers import assign
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
+from tests.support.paths import REPO, SCRIPTS
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {
     "core TP2 PP2": ["--saver", "core", "--tp", "2", "--pp", "2"],
     "core TP2 VPP2 te": ["--saver", "core", "--tp", "2", "--pp", "2", "--vpp", "2", "--transformer-impl", "te"],
@@ -96,10 +96,10 @@ def test_torchrun_ranks_write_the_same_bytes(llama_dir, tmp_path):
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     (tmp_path / "failed").mkdir()  # made here, it stays: failures must leave it empty
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(ROOT / "tests" / "helpers_mconvert_ranks.py"), str(tmp_path / "spec.json")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                           str(SCRIPTS / "mconvert_ranks.py"), str(tmp_path / "spec.json")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     for t in shared:
         by_ranks = taken(tmp_path / "ranks" / t)

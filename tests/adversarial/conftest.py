@@ -1,38 +1,23 @@
-"""The adversarial suite's ground: pristine checkpoints of every format (built once), the marker file payloads
-would create, a watch on every file opened outside the checkpoint, and the checks every refusal must pass:
-non-zero exit, one `Error:` line naming the culprit, no traceback, no output left behind."""
+"""The adversarial suite's ground: pristine checkpoints of every format (built once), the directory of files an
+attacker would like read, the marker file payloads would create. The checks every refusal must pass are in
+tests/support/refusals.py."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import run_cli
+from tests.support import refusals
+from tests.support.cli import run_cli
+from tests.support.corpus import build_corpus
+from tests.support.models import make_deepseek, make_hf_model
+from tests.support.training import tiny_config
 
-# -- files opened outside the checkpoint -----------------------------------------------------------------------
-
-_OPENED: list[str] | None = None
-_OUTSIDE: list[Path] = []
-
-
-def _audit(event: str, args: tuple) -> None:
-    """While a command runs under `watch`, records (resolved at that moment) every path opened: Python's open,
-    os.open, torch.load of a path. A checkpoint's own files resolve inside it."""
-    if _OPENED is not None and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
-        _OPENED.append(os.path.realpath(os.fsdecode(args[0])))
-
-
-sys.addaudithook(_audit)  # hooks cannot be removed; it records nothing unless a command is being watched
-
+# -- what a payload or a link would reach -------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def outside(tmp_path_factory) -> Path:
@@ -41,30 +26,8 @@ def outside(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("outside")
     save_file({"model.embed_tokens.weight": torch.zeros(300, 64)}, root / "secret.safetensors")
     (root / "secret.txt").write_text("the secret\n")
-    _OUTSIDE.append(root.resolve())
+    refusals.OUTSIDE.append(root.resolve())
     return root
-
-
-@contextlib.contextmanager
-def watch():
-    """Fail if the command run in the block opens any file under the `outside` directory."""
-    global _OPENED
-    if _OPENED is not None:  # already watched by an enclosing block
-        yield _OPENED
-        return
-    _OPENED = []
-    try:
-        yield _OPENED  # the resolved paths opened so far, for tests that check what was read
-        touched = sorted({p for p in _OPENED for root in _OUTSIDE if Path(p).is_relative_to(root)})
-        assert not touched, f"read outside the checkpoint: {touched}"
-    finally:
-        _OPENED = None
-
-
-def cli(*args, expect_error: bool = False) -> str:
-    """`mconvert ...` in-process, watched."""
-    with watch():
-        return run_cli(*args, expect_error=expect_error)
 
 
 # -- payload marker ---------------------------------------------------------------------------------------------
@@ -75,57 +38,6 @@ def marker(tmp_path) -> Path:
     path = tmp_path / "PAYLOAD_RAN"
     yield path
     assert not path.exists(), "a payload from a checkpoint was executed"
-
-
-# -- the checks of a refusal -------------------------------------------------------------------------------------
-
-def refused(output: str, *culprits: str) -> str:
-    """A clean refusal: an `Error:` line, no traceback, and every culprit (file, tensor, field, option) named."""
-    if os.environ.get("SHOW_REFUSALS"):  # to read the messages: SHOW_REFUSALS=1 pytest -s tests/adversarial
-        print(f"\n{output.strip()}")
-    assert "Traceback" not in output, output
-    assert "Error" in output, output
-    for name in culprits:
-        assert name in output, f"{name!r} not named in:\n{output}"
-    return output
-
-
-def convert_refused(src: Path, tmp_path: Path, *extra: str, culprits: tuple[str, ...] = (),
-                    saver: str = "core") -> str:
-    """Run a conversion of `src` that must fail; nothing may be left where its output would go."""
-    parent = tmp_path / "dst"
-    parent.mkdir(exist_ok=True)
-    out = cli("--saver", saver, *extra, "--load-dir", src, "--save-dir", parent / "out", "-q", expect_error=True)
-    assert sorted(os.listdir(parent)) == [], f"left behind: {os.listdir(parent)}"
-    return refused(out, *culprits)
-
-
-def mtrain_cli(*args: str) -> tuple[int, str]:
-    from mtrain.cli import main
-
-    with watch():
-        result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    return result.exit_code, result.output
-
-
-def resume_refused(mtrain_run, run: Path, tmp_path: Path, *culprits: str) -> str:
-    """`mtrain pretrain` resuming from `run` must refuse: non-zero exit, the culprit named, no checkpoint written."""
-    config = mtrain_run["config"].to_dict()
-    config["checkpoint"]["dir"] = str(run)
-    config["train"]["steps"] = 3
-    (tmp_path / "run.json").write_text(json.dumps(config))
-    before = sorted(p.name for p in run.iterdir())
-    code, out = mtrain_cli("pretrain", "--config", tmp_path / "run.json")
-    assert code != 0, out
-    assert sorted(p.name for p in run.iterdir()) == before, "the refused resume wrote into the run"
-    return refused(out, *culprits)
-
-
-def fresh(source: Path, tmp_path: Path, name: str = "src") -> Path:
-    """A private copy of a pristine checkpoint, to damage."""
-    dst = tmp_path / name
-    shutil.copytree(source, dst, symlinks=True)
-    return dst
 
 
 # -- pristine checkpoints of every format ---------------------------------------------------------------------------
@@ -155,8 +67,6 @@ def sources(tmp_path_factory, llama_dir, gpt2_dir, mixtral_dir) -> dict[str, Pat
 @pytest.fixture(scope="session")
 def deepseek_sources(tmp_path_factory) -> dict[str, Path]:
     """A tiny DeepSeek-V3 (MLA, grouped sigmoid routing, shared experts, one MTP module) as HF and as Megatron core."""
-    from tests.deepseek_models import make_deepseek
-
     root = tmp_path_factory.mktemp("deepseek_sources")
     hf = make_deepseek(root / "deepseek_hf", mtp=1)
     run_cli("--saver", "core", "--load-dir", hf, "--save-dir", root / "deepseek_core", "-q")
@@ -168,8 +78,6 @@ def newer_sources(tmp_path_factory, llama_dir, mixtral_dir, deepseek_sources) ->
     """The formats and families that came after the first adversarial suite: DeepSeek FP8 (HF) and torch_dist,
     Qwen3-MoE, megatron-core 0.19's torch_dcp / fsdp_dtensor / single grouped expert weight, torch_dist with its
     integrity.json, and a Mixtral torch_dist to rewrite as singleton_local_shards."""
-    from tests.conftest import make_hf_model
-
     root = tmp_path_factory.mktemp("newer_sources")
 
     def convert(src, name, *extra):
@@ -204,7 +112,6 @@ def _as_bin(hf: Path, dst: Path) -> Path:
 def mtrain_run(tmp_path_factory) -> dict:
     """A finished two-step mtrain run (checkpoints at steps 1 and 2) and the config that made it."""
     from mtrain.train import Trainer
-    from tests.mtrain.corpus import build_corpus, tiny_config
 
     root = tmp_path_factory.mktemp("mtrain")
     prefix = build_corpus(root / "data", documents=60)

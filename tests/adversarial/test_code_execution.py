@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.adversarial.conftest import convert_refused, fresh, mtrain_cli, refused, resume_refused
 from tests.adversarial.crafting import (
     PAYLOAD_NAMES,
     SHOWN,
@@ -22,9 +21,11 @@ from tests.adversarial.crafting import (
     plant_bytes_item,
     plant_in_torch_file,
     plant_tensor_chunk,
+    read_metadata_trusted,
     torch_bytes,
     write_metadata,
 )
+from tests.support.refusals import convert_refused, fresh, mtrain_cli, refused, resume_refused
 
 ALL = PAYLOAD_NAMES
 TWO = ("os.system", "builtins.exec")
@@ -188,8 +189,6 @@ def test_mtrain_commands_reading_any_checkpoint(sources, mtrain_run, tmp_path, m
 def add_bytes_item(root: Path, fqn: str, data: bytes) -> None:
     """Add a bytes item `fqn` holding `data` to a DCP directory (appended to one of its files)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
-    from tests.adversarial.crafting import read_metadata_trusted
 
     md = read_metadata_trusted(root)
     info = next(iter(md.storage_data.values()))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.adversarial.conftest import cli, convert_refused, fresh, refused, resume_refused
 from tests.adversarial.crafting import read_metadata_trusted, repoint_storage, write_metadata
+from tests.support.refusals import cli, convert_refused, fresh, refused, resume_refused
 
 INDEX = "model.safetensors.index.json"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.adversarial.conftest import convert_refused, fresh
+from tests.support.refusals import cli, convert_refused, fresh
 
 SCALED = "model.layers.0.self_attn.q_a_proj.weight"  # an FP8 weight of the tiny model ([48, 64], one block)
 
@@ -137,8 +137,6 @@ def test_bad_yarn_args(deepseek_sources, tmp_path, field, value, named):
 def test_tied_embeddings_with_a_stored_lm_head(deepseek_sources, newer_sources, tmp_path, family, head):
     """DeepSeek dropped a distinct stored head when config.json said tied (exit 0, the head replaced by the
     embedding); a copy equal to the embedding is fine."""
-    from tests.adversarial.conftest import cli
-
     src = fresh({**deepseek_sources, **newer_sources}[family], tmp_path)
     config = json.loads((src / "config.json").read_text())
     config |= {"tie_word_embeddings": True, "num_nextn_predict_layers": 0}

@@ -8,8 +8,8 @@ import pickle
 import pytest
 import torch
 
-from tests.adversarial.conftest import cli, convert_refused, fresh, refused
 from tests.adversarial.crafting import payloads
+from tests.support.refusals import cli, convert_refused, fresh, refused
 
 
 @pytest.mark.parametrize("family", ["llama_mistral", "gpt2_hf", "mixtral_hf"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.adversarial.conftest import cli, convert_refused, refused, watch
+from tests.support.refusals import cli, convert_refused, mtrain_cli, refused, watch
 
 SAVERS = [("llama_mistral", ()), ("core", ("--tp", "2", "--pp", "2")), ("core", ("--ckpt-format", "torch_dist")),
           ("core", ("--ckpt-format", "zarr")), ("legacy", ()), ("gpt2_hf", ())]
@@ -167,8 +167,6 @@ def test_reading_error_of_the_source(sources, tmp_path, monkeypatch):
 def test_disk_full_while_mtrain_saves(mtrain_run, tmp_path, monkeypatch):
     """A checkpoint that cannot be written: one line naming the step, no partial directory, exit non-zero."""
     import json
-
-    from tests.adversarial.conftest import mtrain_cli
 
     run = tmp_path / "run"
     real_open, budget = builtins.open, [10_000]

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mconvert.io.torch_pickle import safe_load
-from tests.adversarial.conftest import cli, convert_refused, fresh, refused
+from tests.support.refusals import cli, convert_refused, fresh, refused
 
 # -- rank files from different saves -------------------------------------------------------------------------------
 

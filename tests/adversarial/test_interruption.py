@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.adversarial.conftest import cli
+from tests.support.refusals import cli
 
 # mconvert with every tensor write slowed down, announcing on stderr when it starts writing.
 DRIVER = """

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.adversarial.conftest import convert_refused, fresh
 from tests.adversarial.crafting import edit_dcp
+from tests.support.refusals import cli, convert_refused, fresh
 
 IT = "iter_0000001"
 
@@ -163,8 +163,6 @@ def test_singleton_local_shards(newer_sources, tmp_path, what, edit, culprits):
     edit_dcp(src / IT, rewrite)
     if what == "control":  # the crafted layout is one the loader reads: the damage is what gets refused
         out = tmp_path / "ok"
-        from tests.adversarial.conftest import cli
-
         assert "singleton_local_shards=True" in cli("inspect", src, "--no-tensors")
         cli("--saver", "mixtral_hf", "--load-dir", src, "--save-dir", out, "-q")
         return

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mtrain.train import check_finetune_source
-from tests.adversarial.conftest import convert_refused, fresh, mtrain_cli, refused, resume_refused
+from tests.support.refusals import convert_refused, fresh, mtrain_cli, refused, resume_refused
 
 
 def _config_file(mtrain_run, tmp_path: Path, run: Path, steps: int = 3) -> Path:

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mconvert.io.torch_pickle import safe_load
-from tests.adversarial.conftest import convert_refused, fresh
 from tests.adversarial.crafting import edit_dcp
+from tests.support.refusals import cli, convert_refused, fresh
 
 
 def _edit_hf(src: Path, edit) -> None:
@@ -181,8 +181,6 @@ def test_qwen3_moe_mlp_only_layers_not_a_list_of_layers(newer_sources, tmp_path,
 @pytest.mark.parametrize("head", ["distinct", "equal"])
 def test_torch_dist_tied_model_with_a_stored_output_layer(sources, tmp_path, head):
     """A tied model's output_layer.weight in a torch_dist checkpoint was ignored whatever it held (exit 0)."""
-    from tests.adversarial.conftest import cli
-
     src = tmp_path / "src"
     cli("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", sources["gpt2_hf"], "--save-dir", src, "-q")
     (src / "iter_0000001" / "integrity.json").unlink()  # the attacker rewrites it, or there is none

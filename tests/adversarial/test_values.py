@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.adversarial.conftest import cli, fresh
+from tests.support.refusals import cli, fresh
 
 
 @pytest.fixture

@@ -9,37 +9,22 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
 from mtrain import checkpoint
-from mtrain.cli import main
 from mtrain.config import from_dict
 from mtrain.data.indexed import IndexedDataset
-from mtrain.data.loader import RankBatches, build_splits
 from mtrain.generation import filter_probs, generate
 from mtrain.inference import load_model
 from mtrain.train import Trainer
-from tests.conftest import FIXTURES, run_cli
-from tests.mtrain.corpus import TINY_LLAMA, corpus, one_thread, tiny_config, write_corpus, write_tokenizer  # noqa: F401
-from tests.mtrain.hf_reference import make_hf, save_hf
-
-ROOT = Path(__file__).resolve().parents[2]
-RUN = ["--data.seq_len", "32", "--data.split", "90,10,0", "--train.micro_batch_size", "2",
-       "--train.global_batch_size", "8", "--optim.lr", "1e-3", "--optim.warmup_steps", "1", "--logging.interval", "1"]
-
-
-def mtrain(*args: str, expect_error: bool = False) -> str:
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    if expect_error:
-        assert result.exit_code != 0, result.output
-    else:
-        assert result.exit_code == 0, result.output
-    return result.output
+from tests.support.cli import mtrain, run_cli
+from tests.support.corpus import write_corpus, write_tokenizer
+from tests.support.models import TINY_LLAMA, make_hf, save_hf
+from tests.support.paths import FIXTURES, REPO
+from tests.support.training import RUN, first_batch_loss_by_transformers, tiny_config
 
 
 def test_preprocess_command(tmp_path):
@@ -52,16 +37,6 @@ def test_preprocess_command(tmp_path):
     assert len(IndexedDataset(tmp_path / "data" / "c_text_document")) == 30
     assert "input file" in mtrain("preprocess", "--input", tmp_path / "nope.jsonl", "--output-prefix", tmp_path / "x",
                                   "--tokenizer", tmp_path / "tok", expect_error=True)
-
-
-def first_batch_loss_by_transformers(model, config) -> float:
-    """transformers' loss on the first global batch mtrain trains on (same data code, reference forward)."""
-    splits = build_splits(config.data, {"train": config.train.steps * config.train.global_batch_size})
-    batches = RankBatches(splits["train"], global_batch=8, micro_batch=2, rank=0, world=1, vocab_size=300)
-    with torch.no_grad():
-        losses = [torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
-                  for x, y in batches.next()]
-    return float(torch.stack(losses).mean())
 
 
 def test_finetune_hf_then_export_to_hf(corpus, tmp_path):  # noqa: F811
@@ -152,7 +127,7 @@ def test_killed_run_resumes_with_the_same_losses(corpus, tmp_path):  # noqa: F81
     model = [f"--model.{k}={v}" for k, v in TINY_LLAMA.items()]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "mtrain", "pretrain", *model, *args, "--checkpoint.dir",
-                             str(tmp_path / "run")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             str(tmp_path / "run")], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 120

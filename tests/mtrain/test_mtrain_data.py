@@ -15,7 +15,7 @@ from mtrain.data.gpt_dataset import BlendedDataset, GPTDataset, blending_indices
 from mtrain.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
 from mtrain.data.preprocess import PreprocessConfig, preprocess
 from mtrain.errors import TrainError
-from tests.mtrain.corpus import VOCAB, one_thread, write_corpus, write_tokenizer  # noqa: F401
+from tests.support.corpus import VOCAB, write_corpus, write_tokenizer
 
 
 @pytest.fixture(scope="module")

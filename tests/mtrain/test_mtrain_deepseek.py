@@ -10,8 +10,8 @@ import torch
 from mtrain.config import ParallelConfig
 from mtrain.inference import load_model
 from mtrain.parallel.dims import ParallelDims
-from tests.deepseek_models import hf_logits_with_mtp, make_deepseek
-from tests.mtrain.corpus import one_thread  # noqa: F401
+from tests.support.compare import hf_logits_with_mtp
+from tests.support.models import make_deepseek
 
 
 @pytest.fixture(scope="module")

@@ -27,12 +27,12 @@ from mtrain.inference import load_model
 from mtrain.models.moe import MoE
 from mtrain.parallelize import build_model
 from mtrain.train import Trainer
-from tests.conftest import run_cli
-from tests.deepseek_models import hf_logits_with_mtp, make_deepseek
-from tests.mtrain.corpus import corpus, one_thread, tiny_config  # noqa: F401
-from tests.mtrain.deepseek_tiny import TINY_DEEPSEEK, with_mtp
-from tests.mtrain.launch import launch, with_sections
 from tests.mtrain.recording import RecordingTrainer, merge
+from tests.support.cli import run_cli
+from tests.support.compare import hf_logits_with_mtp
+from tests.support.launch import launch, with_sections
+from tests.support.models import TINY_DEEPSEEK, make_deepseek, with_mtp
+from tests.support.training import tiny_config
 
 STEPS = 4
 BIASES = ("layers.1.moe.router.expert_bias", "layers.2.moe.router.expert_bias")

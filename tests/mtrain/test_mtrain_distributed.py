@@ -16,10 +16,10 @@ from mconvert.options import Options
 from mtrain import checkpoint
 from mtrain.config import from_dict
 from mtrain.train import Trainer
-from tests.mtrain.corpus import corpus, one_thread, tiny_config  # noqa: F401
-from tests.mtrain.launch import launch
-from tests.mtrain.launch import losses as _losses
-from tests.mtrain.launch import with_sections as _with
+from tests.support.launch import launch
+from tests.support.launch import losses as _losses
+from tests.support.launch import with_sections as _with
+from tests.support.training import tiny_config
 
 STEPS = 6
 

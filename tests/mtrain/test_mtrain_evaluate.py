@@ -19,8 +19,9 @@ from mtrain.generation import generate
 from mtrain.inference import eval_windows, load_model
 from mtrain.tasks import last_word_accuracy, read_passages
 from mtrain.train import Trainer
-from tests.mtrain.corpus import corpus, one_thread, tiny_config, write_tokenizer  # noqa: F401
-from tests.mtrain.hf_reference import make_hf, save_hf
+from tests.support.corpus import write_tokenizer
+from tests.support.models import make_hf, save_hf
+from tests.support.training import tiny_config
 
 
 def mtrain(*args, ok=True):

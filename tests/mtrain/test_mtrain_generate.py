@@ -13,8 +13,7 @@ from mtrain.errors import TrainError
 from mtrain.generation import Sampling, generate, generate_batch
 from mtrain.inference import load_model
 from mtrain.models.kv_cache import KVCache
-from tests.mtrain.corpus import one_thread  # noqa: F401
-from tests.mtrain.hf_reference import make_hf, save_hf
+from tests.support.models import make_deepseek, make_hf, save_hf
 
 # mistral: window 8, so it bites within these sequences; gpt2: learned positions; llama3: scaled rope, tied;
 # qwen2: qkv biases, a layer exempt from the window; qwen3: q/k norms before rotary
@@ -146,8 +145,6 @@ DEEPSEEK = {"query_lora_mtp1": dict(mtp=1), "no_query_lora": dict(q_lora_rank=No
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    from tests.deepseek_models import make_deepseek
-
     out = {}
     for name, overrides in DEEPSEEK.items():
         path = make_deepseek(tmp_path_factory.mktemp(name) / "hf", seed=11, **overrides)

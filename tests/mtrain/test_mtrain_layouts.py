@@ -16,7 +16,8 @@ from mtrain.parallel.context_parallel import split_sequence
 from mtrain.parallel.dims import ParallelDims
 from mtrain.parallel.pipeline import build_stages
 from mtrain.train import Trainer
-from tests.mtrain.corpus import TINY_LLAMA, TINY_MIXTRAL, corpus, one_thread, tiny_config  # noqa: F401
+from tests.support.models import TINY_LLAMA, TINY_MIXTRAL
+from tests.support.training import tiny_config
 
 LLAMA = ModelConfig(**TINY_LLAMA)
 MIXTRAL = ModelConfig(**TINY_MIXTRAL)

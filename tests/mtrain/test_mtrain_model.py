@@ -15,8 +15,8 @@ from mtrain.models import state_dict_adapter
 from mtrain.models.model import Transformer
 from mtrain.models.moe import set_aux_loss_scale
 from mtrain.parallelize import build_model
-from tests.mtrain.corpus import one_thread  # noqa: F401
-from tests.mtrain.hf_reference import CONFIGS, hf_ir, ir_from_model, make_hf, save_hf
+from tests.support.models import CONFIGS, make_hf, save_hf
+from tests.support.reference import hf_ir, ir_from_model
 
 
 def mtrain_model(ir):

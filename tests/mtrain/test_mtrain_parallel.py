@@ -15,7 +15,6 @@ converts with mconvert to Hugging Face and to Megatron-core TP2 PP2 holding the 
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -29,12 +28,13 @@ from mconvert.options import Options
 from mtrain import checkpoint
 from mtrain.config import from_dict
 from mtrain.models import state_dict_adapter
-from tests.conftest import run_cli
-from tests.mtrain.corpus import TINY_LLAMA, TINY_MIXTRAL, corpus, one_thread, tiny_config  # noqa: F401
-from tests.mtrain.launch import launch, losses, with_sections
 from tests.mtrain.recording import RecordingTrainer, merge
+from tests.support.cli import run_cli
+from tests.support.launch import launch, losses, with_sections
+from tests.support.models import TINY_LLAMA, TINY_MIXTRAL
+from tests.support.training import STEPS, config_raw, worst
+from tests.support.training import losses_and_valid as _losses_and_valid
 
-STEPS = 4
 LLAMA = TINY_LLAMA
 LLAMA4 = TINY_LLAMA | {"num_layers": 4}  # pipeline stages and virtual stages need layers
 TIED4 = LLAMA4 | {"tie_embeddings": True}  # the last stage keeps a copy of the embedding for the head
@@ -67,11 +67,6 @@ LAYOUTS = {
 # bf16 compute (fp32 master weights): FSDP's mixed precision with TP, autocast through a pipeline schedule
 BF16 = {"dp2_tp2_bf16": (LLAMA, {"tp": 2}, 4), "pp2_bf16": (LLAMA4, {"pp": 2}, 2)}
 SAVER = "pp2_tp2_tied"  # saves at steps 2 and 4; step 2 is resumed under DP2 and in one process
-
-
-def config_raw(corpus_prefix: str, model: dict, **sections) -> dict:  # noqa: F811
-    sections = {"train": {"steps": STEPS}, "eval": {"interval": 2, "steps": 1}} | sections
-    return tiny_config(corpus_prefix, model=model, **sections).to_dict()
 
 
 @pytest.fixture(scope="module")
@@ -115,28 +110,10 @@ def runs(corpus, tmp_path_factory):  # noqa: F811
     return tmp, out, corpus
 
 
-def _losses_and_valid(path: Path) -> tuple[dict[int, float], dict[int, float]]:
-    raw = json.loads(path.read_text())
-    return ({int(k): v for k, v in raw["losses"].items()}, {int(k): v for k, v in raw["valid"].items()})
-
-
 def _checkpoint_at_step_2(saved: Path, dest: Path) -> None:
     shutil.copytree(saved, dest)
     shutil.rmtree(dest / "step_0000004")
     (dest / "latest").write_text("step_0000002\n")
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor, floor: float) -> float:
-    """max |got - want| over the tensor's own scale (at least `floor`: some gradients are zero in exact
-    arithmetic, e.g. of a key bias, and only rounding noise remains)."""
-    return float((got - want).abs().max() / max(float(want.abs().max()), floor))
-
-
-def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], skip: tuple[str, ...] = ()
-          ) -> tuple[float, str]:
-    assert sorted(got) == sorted(want)
-    floor = 1e-3 * max(float(t.abs().max()) for t in want.values())
-    return max((relative_error(got[n], want[n], floor), n) for n in want if not n.endswith(skip))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

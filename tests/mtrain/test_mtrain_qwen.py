@@ -17,13 +17,13 @@ from mtrain.config import from_dict
 from mtrain.generation import generate
 from mtrain.inference import load_model
 from mtrain.parallelize import build_model
-from tests.conftest import run_cli
-from tests.mtrain.corpus import TINY_LLAMA, corpus, one_thread, tiny_config  # noqa: F401
-from tests.mtrain.hf_reference import hf_ir, make_hf, save_hf
-from tests.mtrain.launch import launch, with_sections
 from tests.mtrain.recording import RecordingTrainer, merge
-from tests.mtrain.test_mtrain_cli import RUN, first_batch_loss_by_transformers, mtrain
-from tests.mtrain.test_mtrain_parallel import STEPS, _losses_and_valid, config_raw, worst
+from tests.support.cli import mtrain, run_cli
+from tests.support.launch import launch, with_sections
+from tests.support.models import TINY_LLAMA, make_hf, save_hf
+from tests.support.reference import hf_ir
+from tests.support.training import RUN, STEPS, config_raw, first_batch_loss_by_transformers, worst
+from tests.support.training import losses_and_valid as _losses_and_valid
 
 # seq_len 32 > the window of 8; layer 0 attends fully (Qwen2's max_window_layers = 1)
 QWEN2 = TINY_LLAMA | dict(family="qwen2", qkv_bias=True, sliding_window=8, full_attention_layers=[0],

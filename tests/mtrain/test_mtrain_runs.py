@@ -17,7 +17,8 @@ from mtrain.errors import TrainError
 from mtrain.metrics import Metrics
 from mtrain.optim import lr_at
 from mtrain.train import NO_CHECKPOINT_WARNING, Trainer
-from tests.mtrain.corpus import TINY_LLAMA, corpus, one_thread, tiny_config  # noqa: F401
+from tests.support.models import TINY_LLAMA
+from tests.support.training import tiny_config
 
 
 def run(config):

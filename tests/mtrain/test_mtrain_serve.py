@@ -18,7 +18,7 @@ from mtrain.data.tokenizer import load_tokenizer
 from mtrain.generation import Sampling, generate_batch
 from mtrain.inference import load_model
 from mtrain.server import BadRequest, Limits, parse_request
-from tests.mtrain.hf_reference import save_hf
+from tests.support.models import save_hf
 
 pytest.importorskip("flask")
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,8 @@ from mtrain.config import OptimConfig
 from mtrain.errors import TrainError
 from mtrain.optim import build_optimizer, implementation
 from mtrain.train import Trainer
-from tests.mtrain.corpus import TINY_LLAMA, TINY_MIXTRAL, corpus, one_thread, tiny_config  # noqa: F401
+from tests.support.models import TINY_LLAMA, TINY_MIXTRAL
+from tests.support.training import tiny_config
 
 
 def test_fused_adamw_matches_foreach():
@@ -158,7 +159,7 @@ def test_bf16_slowdown_is_measured():
 def test_whole_model_compile_under_fsdp_and_ddp_trains_like_one_process(corpus, tmp_path):  # noqa: F811
     """Two data-parallel ranks with train.compile model (FSDP: the graph breaks at the layers' FSDP hooks; DDP)
     give the one-process eager losses."""
-    from tests.mtrain.launch import launch, losses
+    from tests.support.launch import launch, losses
 
     raw = tiny_config(corpus, train={"steps": 3, "compile": "model"}).to_dict()
     specs = [{"config": raw | {"parallel": raw["parallel"] | {"dp_mode": mode}}, "out": str(tmp_path / f"{mode}.json"),
@@ -174,7 +175,7 @@ def test_flops_of_deepseek_count_latent_attention_and_shared_experts(tmp_path):
     modules: every attention matrix, a dense layer's MLP, and per MoE layer the router, top-k of the routed experts
     and the shared ones."""
     from mtrain.inference import load_model
-    from tests.deepseek_models import make_deepseek
+    from tests.support.models import make_deepseek
 
     for name, overrides in {"query_lora": {}, "no_query_lora": {"q_lora_rank": None}}.items():
         model, ir = load_model(make_deepseek(tmp_path / name, seed=1, **overrides))

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from mtrain import checkpoint
-from tests.mtrain.corpus import TINY_LLAMA, corpus  # noqa: F401
+from tests.support.models import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ["--data.seq_len", "32", "--data.split", "90,10,0", "--train.micro_batch_size", "2", "--train.global_batch_size",

@@ -15,7 +15,8 @@ from mtrain import checkpoint
 from mtrain.config import from_dict
 from mtrain.errors import TrainError
 from mtrain.train import Trainer
-from tests.mtrain.corpus import TINY_LLAMA, TINY_MIXTRAL, corpus, one_thread, tiny_config  # noqa: F401
+from tests.support.models import TINY_LLAMA, TINY_MIXTRAL
+from tests.support.training import tiny_config
 
 TINY_GPT2 = dict(family="gpt2", num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4,
                  num_query_groups=4, head_dim=8, vocab_size=64, max_position_embeddings=64, norm="layernorm",

@@ -2,7 +2,7 @@
 GPTModel's sharded state dict at TP = world size, and compare every tensor with a Megatron-written `torch`
 checkpoint of the same model (the fixtures), rank by rank. Prints one line `OK <n>` or raises.
 
-    torchrun --nproc-per-node TP tests/helpers_mcore_load.py CKPT_ITER_DIR REFERENCE_DIR
+    torchrun --nproc-per-node TP tests/support/scripts/mcore_load.py CKPT_ITER_DIR REFERENCE_DIR
 
 Runs in a megatron-core environment (scripts/megatron_envs.sh); needs nothing from this repository.
 """

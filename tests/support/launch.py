@@ -1,4 +1,4 @@
-"""Launch dist_driver.py under torchrun with a list of scenarios (one launch: start-up costs 6-10 s)."""
+"""Launch scripts/dist_driver.py under torchrun with a list of scenarios (one launch: start-up costs 6-10 s)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def launch(spec: list[dict], tmp_path: Path, nproc: int = 2, name: str = "spec")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     env["OMP_NUM_THREADS"] = "1"  # tiny models: one thread per rank (the machine has few cores)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(ROOT / "tests/mtrain/dist_driver.py"), str(spec_file)],
+                           str(nproc), str(ROOT / "tests/support/scripts/dist_driver.py"), str(spec_file)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
 

@@ -1,7 +1,7 @@
 """Independent check: megatron-core builds its GPTModel from the args of a `core` checkpoint we wrote, loads the
 weights strictly and computes logits, which a test compares with another implementation's.
 
-    python tests/helpers_mcore_logits.py CORE_DIR TOKENS_PT OUT_PT [LOSS_PT]
+    python tests/support/scripts/mcore_logits.py CORE_DIR TOKENS_PT OUT_PT [LOSS_PT]
 
 CORE_DIR: a TP1 PP1 EP1 `torch`-format checkpoint with the local spec (sequential or legacy grouped experts), or
 a `torch_dist` checkpoint, which megatron-core's own dist_checkpointing reads into the model's sharded state dict
@@ -21,7 +21,7 @@ loss mask, and OUT_PT's `_loss` sibling holds {"lm": the per-token cross entropy
 the per-module losses in MTPLossLoggingHelper's tracker [M], "mtp_scaled": the sum of each tensor GPTModel hands
 to MTPLossAutoScaler [M] (what enters backward: f / M x module m's loss)}.
 
-CPU stand-ins beyond helpers_mcore_moe's: megatron-core's local DotProductAttention takes no separate key and
+CPU stand-ins beyond mcore_moe.py's: megatron-core's local DotProductAttention takes no separate key and
 value head sizes, so MLA layers get the plain definition of causal attention with MLA's softmax scale (what TE's
 fused kernel computes); MLA's TE-only fp8 branch is switched off.
 """
@@ -43,7 +43,7 @@ def use_repository_packages() -> None:
     `mconvert`, and its `formats` subpackage is the repository's formats/, as pyproject.toml's package-dir maps it."""
     import mconvert
 
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[3])
     if importlib.util.find_spec("mconvert.formats") is None and root not in mconvert.__path__:
         mconvert.__path__.append(root)
 
@@ -52,7 +52,7 @@ use_repository_packages()
 from mconvert.io.torch_pickle import safe_load  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers_mcore_moe import megatron_on_cpu  # noqa: E402
+from mcore_moe import megatron_on_cpu  # noqa: E402
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
               "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",

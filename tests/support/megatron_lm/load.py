@@ -1,6 +1,6 @@
 """Load checkpoints with Megatron-LM 0.19's own code, as a user resuming from them would, and run them.
 
-    python tests/megatron_lm/load.py SPEC_JSON
+    python tests/support/megatron_lm/load.py SPEC_JSON
 
 SPEC_JSON is a list of {"load": CHECKPOINT_DIR, "flags": [...], "out": FILE, "fsdp": bool}. For each, Megatron
 parses its arguments with `--use-checkpoint-args` (parse_and_validate_args: the model shape, tokenizer_type and

@@ -1,6 +1,6 @@
 """Write checkpoints with Megatron-LM 0.19's own `save_checkpoint`, and Megatron's logits for each.
 
-    python tests/megatron_lm/save.py OUT_DIR SPEC_JSON
+    python tests/support/megatron_lm/save.py OUT_DIR SPEC_JSON
 
 SPEC_JSON is a list of {"name", "flags"}: Megatron command-line flags for one tiny model (save format, shape,
 tokenizer...), plus optional "singleton": true to save with the `singleton_local_shards` metadata Megatron-LM

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 VOCAB = 300  # true vocabulary; Megatron pads it to 384 (a multiple of 128)
 _SHAPE = ["--seq-length", "64", "--max-position-embeddings", "64", "--no-save-optim"]
-# the shape of tests/conftest.py's Llama, so that our conversions of it compare key for key
+# the shape of the Llama of tests/support/models.py, so that our conversions of it compare key for key
 LLAMA = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
          "--num-query-groups", "4", "--ffn-hidden-size", "128", "--position-embedding-type", "rope",
          "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -12,7 +12,7 @@ LLAMA = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8
 # LayerNorm, exact GELU, learned positions, biases everywhere, tied output layer: Megatron's GPT defaults
 GPT2 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--position-embedding-type", "learned_absolute", "--normalization", "LayerNorm", *_SHAPE]
-# the shape of tests/conftest.py's Mixtral (2 key/value groups, 4 experts of width 96, top 2)
+# the shape of the Mixtral of tests/support/models.py (2 key/value groups, 4 experts of width 96, top 2)
 MOE = [*LLAMA[:LLAMA.index("--num-query-groups")], "--num-query-groups", "2",
        *LLAMA[LLAMA.index("--num-query-groups") + 2:], "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-ffn-hidden-size", "96", "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0"]

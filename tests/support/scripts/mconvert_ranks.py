@@ -1,6 +1,6 @@
 """Run under torchrun (gloo): conversions shared by the ranks, several in one launch (start-up is the slow part).
 
-    torchrun --standalone --nproc-per-node 2 tests/helpers_mconvert_ranks.py SPEC.json
+    torchrun --standalone --nproc-per-node 2 tests/support/scripts/mconvert_ranks.py SPEC.json
 
 SPEC is a list of {"args": [mconvert arguments], "fail_rank": null or a rank, "fail_in": "write" or "plan"}. With a
 fail_rank, that rank fails, writing torch-format files (as on a full disk) or planning them (before any collective
@@ -20,7 +20,7 @@ from mconvert.errors import ConvertError
 from mconvert.io.torch_zip import TorchFileWriter
 from mconvert.megatron import rank_files
 from mconvert.workers import init_process_group
-from tests.gloo_threads import gloo_threads
+from tests.support.gloo_threads import gloo_threads
 
 
 def failing_add(self, tensor):

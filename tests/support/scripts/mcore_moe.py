@@ -1,6 +1,6 @@
 """Independent check: Megatron-core's own MoE GPTModel loads what `mconvert` writes and matches transformers.
 
-    python tests/helpers_mcore_moe.py HF_MIXTRAL_DIR CORE_DIR [CORE_DIR ...]
+    python tests/support/scripts/mcore_moe.py HF_MIXTRAL_DIR CORE_DIR [CORE_DIR ...]
 
 Each CORE_DIR must be a TP1 PP1 EP1 `core` checkpoint of HF_MIXTRAL_DIR's model with the local spec, in the
 sequential or legacy_grouped expert layout, or a torch_dist checkpoint (read by dist_checkpointing). Needs

@@ -1,12 +1,13 @@
 """Run several mtrain scenarios in one `torchrun` launch (start-up costs 6-10 s, so tests group their checks).
 
-    torchrun --standalone --nproc-per-node 2 tests/mtrain/dist_driver.py SPEC.json
+    torchrun --standalone --nproc-per-node 2 tests/support/scripts/dist_driver.py SPEC.json
 
 SPEC.json is a list of scenarios: {"cli": [args of the `mtrain` command]} runs the command line in-process;
 {"config": {raw config}, "out": "result.json"} runs the Trainer and has rank 0 write its losses and the lines it
 printed; with "record": "prefix" every rank also saves its gradients at the steps in "grads_at" and its final
-weights to prefix.rank{R}.pt (see recording.py). A scenario that should fail gives "error": "result.json": rank 0
-writes the message of the TrainError it raised. "compile_backend": "aot_eager" makes train.compile use that backend.
+weights to prefix.rank{R}.pt (see tests/mtrain/recording.py). A scenario that should fail gives "error":
+"result.json": rank 0 writes the message of the TrainError it raised. "compile_backend": "aot_eager" makes
+train.compile use that backend.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from mconvert.workers import end_process_group, init_process_group  # noqa: E402
 from mtrain.cli import main  # noqa: E402
 from mtrain.config import from_dict  # noqa: E402
 from mtrain.errors import TrainError  # noqa: E402
 from mtrain.train import Trainer  # noqa: E402
-from tests.gloo_threads import gloo_threads  # noqa: E402
 from tests.mtrain.recording import RecordingTrainer  # noqa: E402
+from tests.support.gloo_threads import gloo_threads  # noqa: E402
 
 
 def run(spec: dict) -> None:
