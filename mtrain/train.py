@@ -270,7 +270,9 @@ class Trainer:
 
     @staticmethod
     def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        # in fp32 at least (bf16 logits upcast; a float64 model, as the parity tests' reference, stays float64)
+        return F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                               labels.flatten())
 
     def _mean_loss(self, loss: float, has_loss: bool) -> float:
         """The mean over the data- and context-parallel ranks (tensor-parallel ranks hold copies; only the last

@@ -19,6 +19,13 @@ from tests.support.paths import REPO
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# PyTorch's inductor keys its on-disk kernel cache without ATEN_CPU_CAPABILITY: kernels generated for AVX-512 are
+# reused under another capability (NaN logits from megatron-core's compiled MoE activation under avx2, compile errors
+# under default). Runs that choose the kernels (`ATEN_CPU_CAPABILITY=avx2 pytest -m parity`) get a cache of their own,
+# which the subprocesses the tests start inherit.
+if os.environ.get("ATEN_CPU_CAPABILITY"):
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        os.environ.get("TMPDIR", "/tmp"), f"torchinductor_{os.getuid()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 
 
 @pytest.fixture(scope="session")

@@ -123,6 +123,7 @@ def test_fp8_export_reproduces_the_fp8_bytes(fp8_dir, tmp_path):
         fp8.QUANTIZATION_CONFIG
 
 
+@pytest.mark.parity
 def test_fp8_export_verifies_against_its_source_rounded_the_same_way(tmp_path):
     """`--fp8-weights --verify`: the FP8 output is judged against the source rounded to the same 128x128 blocks
     (a correct export *is* that reference, so its distance is exactly the rounding noise), either way round; a

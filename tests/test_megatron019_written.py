@@ -39,6 +39,7 @@ def test_every_written_checkpoint_is_covered():
     assert sorted(FORMATS) == sorted(NAMES)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", NAMES)
 def test_converts_to_hf_with_megatrons_logits(name, megatron019_written, tmp_path):
     fmt, layout = FORMATS[name]
@@ -56,6 +57,9 @@ def test_converts_to_hf_with_megatrons_logits(name, megatron019_written, tmp_pat
     run_cli("--saver", "hf", *tokenizer, "--load-dir", megatron019_written / name, "--save-dir", tmp_path / "hf")
     record = torch.load(megatron019_written / f"{name}.pt")
     assert record["logits"].shape[-1] == 384  # the padded vocabulary, which the conversion strips
+    # Megatron's float32 against transformers', the same sums in other orders: logits of these tiny models are below 1
+    # and each implementation within ~4e-7 of float64's (measured for transformers), so they agree to ~1e-6; 1e-5
+    # leaves a factor 10, where a wrong tensor or setting moves logits by > 1e-3 (test_a_flipped_byte_...)
     torch.testing.assert_close(hf_logits(tmp_path / "hf", record["tokens"]), record["logits"][..., :VOCAB],
                                atol=1e-5, rtol=0)
 
@@ -74,6 +78,7 @@ def _offset_of(it_dir, key: str, file: str) -> int:
     return offset
 
 
+@pytest.mark.parity
 def test_a_flipped_byte_is_refused_by_the_manifest(megatron019_written, tmp_path):
     """One flipped bit in a .distcp: refused with the file named, nothing written; the same damage without the
     manifest converts into a different model, which is what the manifest is there to catch."""

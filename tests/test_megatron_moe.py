@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 
+import pytest
+
 from tests.support.cli import run_cli
 from tests.support.models import make_hf_model
 from tests.support.paths import REPO, SCRIPTS
 
 
+@pytest.mark.parity
 def test_megatron_core_runs_our_moe_checkpoints(mixtral_dir, tmp_path, mcore_python):
     """SequentialMLP and the legacy GroupedMLP (torch format) and a torch_dist checkpoint (loaded by Megatron's
     dist_checkpointing), each reached through a TP2/EP2 reshard, in one Megatron process."""
@@ -32,6 +35,7 @@ def test_megatron_core_runs_our_moe_checkpoints(mixtral_dir, tmp_path, mcore_pyt
     assert sum(line.startswith("OK ") for line in result.stdout.splitlines()) == 3  # logits within 1e-5
 
 
+@pytest.mark.parity
 def test_megatron_core_agrees_on_the_sliding_window(tmp_path, mcore_python):
     """HF's sliding_window counts the query itself, Megatron's window_size does not: a window of 8 on 24 tokens
     makes an off-by-one show in Megatron's own logits."""

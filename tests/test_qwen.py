@@ -226,6 +226,7 @@ def test_transformers5_fused_experts_are_read(sources, tmp_path):
     assert "experts=fused (transformers 5 in-memory names)" in run_cli("inspect", tmp_path / "fused", "--no-tensors")
 
 
+@pytest.mark.parity
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                     reason="megatron-core is not installed (pip install megatron-core)")
 @pytest.mark.parametrize("family, fmt", [("qwen2", "torch"), ("qwen3", "torch"), ("qwen3_moe", "torch"),
@@ -237,6 +238,9 @@ def test_megatron_core_computes_transformers_logits(family, fmt, sources, tokens
     to 1e-5."""
     run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", sources[family], "--save-dir", tmp_path / "core")
     theirs = megatron_logits(tmp_path / "core", tokens, tmp_path)
+    # float32 against another implementation's float32, the same sums in other orders: logits of these tiny models
+    # are below 1 and each implementation within ~4e-7 of float64's (measured for transformers), so they agree to
+    # ~1e-6; 1e-5 leaves a factor 10, where a wrong tensor or setting moves logits by > 1e-3
     assert (theirs - hf_logits(sources[family], tokens)).abs().max().item() < 1e-5
     if family == "qwen2":  # and Megatron does read the layers exempt from the window: without them it differs
         target = tmp_path / "core/iter_0000001/mp_rank_00/model_optim_rng.pt"

@@ -21,6 +21,10 @@ from tests.support.cli import run_cli
 from tests.support.models import MIXED_MOE, make_hf_model, random_ir
 from tests.support.paths import FIXTURES
 
+# Every verdict here is `verify`'s comparison of two forward passes within its bounds (mconvert/verify/tolerance.py:
+# exact for the same dtypes, twice the measured cast noise for casts, 1e-4 of the logits' size against transformers).
+pytestmark = pytest.mark.parity
+
 
 def verify_json(*args) -> dict:
     """Run `mconvert verify ... --json` in-process; the parsed report (whatever the exit status)."""

@@ -40,7 +40,7 @@ from mtrain.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 and cast back as in HF Llama."""
+    """x / rms(x) * weight, computed in fp32 (fp64 stays fp64) and cast back as in HF Llama."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype == torch.float32 and not isinstance(self.weight, DTensor):
             return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)  # one kernel, the same bits
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        y = F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
 
 

@@ -155,7 +155,8 @@ class MoE(nn.Module):
         if self.sigmoid:
             probs, top_w, top_idx = self.route_sigmoid(x)
         else:
-            probs = F.softmax(self.router(x).float(), dim=-1)  # (N, E)
+            logits = self.router(x)
+            probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # (N, E)
             top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
             if self.norm_topk:  # HF's norm_topk_prob (Mixtral always); otherwise the weights of the full softmax
                 top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -190,13 +191,15 @@ class MoE(nn.Module):
             self.routed = counts.detach() if self.routed is None else self.routed + counts.detach()
 
     def route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """DeepSeek-V3's routing in float32: (scores normalized per token, for the auxiliary-loss statistics; top-k
-        weights; top-k experts). Experts are chosen by score + expert bias, among the `group_topk` groups whose two
-        best choice scores sum highest; weighed by their score, renormalized (+1e-20) and scaled."""
+        """DeepSeek-V3's routing in float32 (a float64 model's in float64): (scores normalized per token, for the
+        auxiliary-loss statistics; top-k weights; top-k experts). Experts are chosen by score + expert bias, among the
+        `group_topk` groups whose two best choice scores sum highest; weighed by their score, renormalized (+1e-20)
+        and scaled."""
         # the local weight: a replicated DTensor under tensor parallel (its gradient is the same on every tp rank)
-        scores = torch.sigmoid(F.linear(x.float(), _local(self.router.weight).float()))  # (N, E)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        scores = torch.sigmoid(F.linear(x.to(dtype), _local(self.router.weight).to(dtype)))  # (N, E)
         bias = getattr(self.router, "expert_bias", None)
-        choice = scores + _local(bias).float() if bias is not None else scores
+        choice = scores + _local(bias).to(dtype) if bias is not None else scores
         if self.groups:
             N = choice.shape[0]
             group_scores = choice.view(N, self.groups, -1).topk(2, dim=-1)[0].sum(dim=-1)  # (N, groups)

@@ -63,7 +63,8 @@ def losses(model: nn.Module, h: torch.Tensor, labels: torch.Tensor, positions: t
     batch, length, cp = labels.shape[0], labels.shape[1], model.sequence.cp
     for m, (hidden, target) in enumerate(hidden_states(model, h, labels, positions, ctx), start=1):
         logits = model.head(hidden)  # vocab-sharded under tensor parallel (loss_parallel)
-        total = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE, reduction="sum")
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least (fp64 stays fp64)
+        total = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
         out.append(total * (cp / (batch * (length - m))))
     return out
 

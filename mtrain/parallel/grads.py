@@ -41,7 +41,7 @@ def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None = N
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        total = total + norm.float().cpu() ** 2
+        total = total + norm.to(torch.promote_types(norm.dtype, torch.float32)).cpu() ** 2  # fp64 stays fp64
     if pp_group is not None:
         total = total.to(params[0].device if params else total.device)
         dist.all_reduce(total, group=pp_group)

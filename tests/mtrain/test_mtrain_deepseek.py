@@ -19,6 +19,7 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(7))
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("variant", [dict(mtp=2), dict(mtp=1, q_lora_rank=None, dtype=torch.bfloat16)],
                          ids=["query_lora_mtp2", "no_query_lora_bf16"])
 def test_logits_and_mtp_logits_match_transformers(variant, tmp_path, tokens):
@@ -28,6 +29,9 @@ def test_logits_and_mtp_logits_match_transformers(variant, tmp_path, tokens):
         logits = model(tokens)
         main, mtp = model.mtp_logits(tokens)
     want, want_mtp = hf_logits_with_mtp(src, tokens)
+    # mtrain against transformers in float32, the same sums in other orders: logits below 1, each implementation
+    # within ~4e-7 of float64's (measured for transformers), so 1e-5 leaves a factor > 10; each DeepSeek feature
+    # left out moves them by > 1e-3 (test_each_deepseek_feature_changes_the_logits)
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
     assert torch.equal(main, logits) and len(mtp) == len(want_mtp) == variant["mtp"]
     for got, ref in zip(mtp, want_mtp):

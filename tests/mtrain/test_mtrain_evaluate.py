@@ -62,6 +62,7 @@ def test_splits_limits_and_progress(hf, corpus):  # noqa: F811
     assert "the test split of" in out and "is empty: split weights 100,0,0 over 300 documents" in out
 
 
+@pytest.mark.parity
 def test_loss_equals_transformers(hf, corpus):  # noqa: F811
     out = mtrain("evaluate", "--load", hf, "--data", corpus, "--seq-len", "32", "--max-samples", "6").stdout
     windows = eval_windows([corpus], seq_len=32)[0]
@@ -69,7 +70,9 @@ def test_loss_equals_transformers(hf, corpus):  # noqa: F811
     with torch.no_grad():
         logits = make_hf("llama", seed=6)(batch[:, :-1]).logits
     want = float(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
-    assert out.startswith(f"loss {want:.4f} | ")
+    # printed to 4 decimals (half a unit: 5e-5), from float32 logits agreeing with transformers' to ~1e-6: comparing
+    # the printed digits alone would fail whenever the loss sits that close to a rounding boundary
+    assert out.startswith("loss ") and abs(float(out.split()[1]) - want) <= 5e-5 + 1e-5, (out, want)
 
 
 def test_sequence_length_from_the_checkpoint_and_refused_beyond_its_positions(hf, corpus, tmp_path):  # noqa: F811

@@ -3,7 +3,8 @@ hidden / heads) and Qwen3-MoE (dense and expert layers, renormalized top-k routi
 kind of parallel layout, finetunes them from Hugging Face and generates what transformers generates.
 
 Two torchrun launches (4 and 2 ranks) hold the multi-process runs; the same config in one process is the reference
-(gradients at the first and last step, final weights, losses), as in test_mtrain_parallel.py.
+(gradients at the first and last step, final weights, losses), run in float32 and float64, with the bounds of
+test_mtrain_parallel.py (tests/mtrain/parity.py).
 """
 
 from __future__ import annotations
@@ -63,41 +64,39 @@ def runs(corpus, tmp_path_factory):  # noqa: F811
     references, out = {}, {}
     for name, (model, _, _) in LAYOUTS.items():
         if repr(model) not in references:
-            trainer = RecordingTrainer(from_dict(config_raw(corpus, model)), grads_at=(1, STEPS))
-            references[repr(model)] = trainer.run_and_record()
-        result, record = references[repr(model)]
+            references[repr(model)] = RecordingTrainer.reference(from_dict(config_raw(corpus, model)),
+                                                                 grads_at=(1, STEPS))
         out[name] = (_losses_and_valid(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))),
-                     (result.losses, result.valid_losses), record)
+                     references[repr(model)])
     return out
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_trains_like_one_process(runs, name):
-    (got, got_valid), record, (want, want_valid), reference = runs[name]
-    for step in want:
-        assert got[step] == pytest.approx(want[step], rel=1e-6), (name, step)
-    for step in want_valid:
-        assert got_valid[step] == pytest.approx(want_valid[step], rel=1e-6), (name, step)
+    """Losses, gradients (first and last step) and final weights within the bounds of parity.Reference, as in
+    test_mtrain_parallel.py (Qwen2's key biases, whose exact gradient is 0, are noise-determined)."""
+    (got, got_valid), record, reference = runs[name]
+    reference.check_losses(got)
+    reference.check_losses(got_valid, "valid")
     assert got[STEPS] < got[1]
-    first, name_1 = worst(record["grads"][1], reference["grads"][1])
-    last, name_n = worst(record["grads"][STEPS], reference["grads"][STEPS])
-    final, name_w = worst(record["weights"], reference["weights"], skip=("attn.k.bias",))
-    assert first < 1e-6, (name, name_1, first)
-    assert last < 2e-5, (name, name_n, last)
-    assert final < 1e-4, (name, name_w, final)
+    for where in (("grads", 1), ("grads", STEPS), ("weights",)):
+        ratio, tensor = worst(record, reference, where)
+        assert ratio <= 1, (name, where, tensor, ratio)
 
 
 def test_qk_norms_are_replicated_and_trained_under_tp(runs):
     """Each TP rank holds the whole per-head norm (its heads share it); its gradient sums over every head."""
-    _, record, _, reference = runs["qwen3_moe_tp2_sp"]
+    _, record, reference = runs["qwen3_moe_tp2_sp"]
     rank0 = record["ranks"][0]
     assert rank0["layers.0.attn.q_norm.weight"] == ([16], "(Replicate(),)")
     assert rank0["layers.0.attn.q.weight"] == ([32, 32], "(Shard(dim=0),)")  # 2 of 4 heads of 16
     # FSDP shards the replicated norm again over the data-parallel ranks
     assert runs["qwen3_dp2_tp2"][1]["ranks"][0]["layers.0.attn.k_norm.weight"] == ([8], "(Shard(dim=0), Replicate())")
-    assert reference["grads"][1]["layers.1.attn.k_norm.weight"].abs().max() > 0
+    assert reference.record["grads"][1]["layers.1.attn.k_norm.weight"].abs().max() > 0
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
 def test_finetune_from_hf_then_export(family, corpus, tmp_path):  # noqa: F811
     """The first step's loss is transformers' on the same batch; the export loads in transformers with the
@@ -119,6 +118,8 @@ def test_finetune_from_hf_then_export(family, corpus, tmp_path):  # noqa: F811
     tokens = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want, before = trained(tokens), exported(tokens).logits, reference(tokens).logits
+    # mtrain against transformers in float32: logits below ~1, each implementation within ~4e-7 of float64's
+    # (measured for transformers), so 1e-5 (+ 1e-5 relative) leaves a factor > 10; training moved them by > 1e-3
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert (got - before).abs().max() > 1e-3  # it did train
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -126,9 +127,11 @@ def test_finetune_from_hf_then_export(family, corpus, tmp_path):  # noqa: F811
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     first = next(e.value for e in events.Scalars("train/loss") if e.step == 1)
+    # float32 in other orders (logits agree to ~1e-6, the loss moves by twice that) and TensorBoard's float32
     assert first == pytest.approx(first_batch_loss_by_transformers(reference, config), rel=1e-5)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
 def test_generate_greedy_matches_transformers(family, tmp_path):
     """16 tokens from a 4-token prompt: past the Qwen2 window of 8, through the MoE routing."""

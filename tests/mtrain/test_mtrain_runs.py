@@ -150,7 +150,7 @@ def test_tensorboard_has_one_point_per_step_after_a_resume(corpus, tmp_path):  #
     events.Reload()
     points = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert [s for s, _ in points] == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert dict(points)[7] == pytest.approx(second.losses[7])
+    assert dict(points)[7] == pytest.approx(second.losses[7])  # TensorBoard stores float32: 6e-8 relative
 
 
 class FakeWandb(types.ModuleType):

@@ -19,9 +19,13 @@ from tests.support.models import TINY_LLAMA, TINY_MIXTRAL
 from tests.support.training import tiny_config
 
 
+@pytest.mark.parity
 def test_fused_adamw_matches_foreach():
     """The same gradients through fused and foreach AdamW (weight decay on matrices only, LR changing every step)
-    give the same weights and moments to float32 rounding."""
+    give the same weights and moments to float32 rounding: each step the two kernels compute the same update with
+    the operations in another order, a few ulps of the moments (rtol 1e-6 = 8 ulps) and of an update of at most
+    5e-3 (~1e-9 a step, so ~1e-8 after 20 steps, within atol 1e-7 + 8 ulps of the weight); a wrong step (bias
+    correction, decay on the wrong tensors) moves a weight by ~1e-3."""
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
               for _ in range(2)]
@@ -42,15 +46,26 @@ def test_fused_adamw_matches_foreach():
             torch.testing.assert_close(opts[0].state[p][key], opts[1].state[q][key], rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parity
 def test_trainer_runs_fused_adamw_on_cpu_and_matches_foreach(corpus):  # noqa: F811
-    fused = Trainer(tiny_config(corpus, train={"steps": 4}), out=lambda _: None)
-    foreach = Trainer(tiny_config(corpus, train={"steps": 4}, optim={"fused": False}), out=lambda _: None)
+    """4 training steps: the updates differ by a few ulps, which Adam amplifies in near-zero gradient entries as a
+    parallel layout's rounding is, so the losses and final weights are held to the bounds of the layout tests
+    (tests/mtrain/parity.py: 8 x float32's own error, from a float64 run of the same steps; fused AdamW is the
+    reference's, foreach the one compared)."""
+    from tests.mtrain.recording import RecordingTrainer
+
+    config = tiny_config(corpus, train={"steps": 4})
+    fused = Trainer(config, out=lambda _: None)
     assert fused.optimizer.optimizers[0].defaults["fused"] is True
+    fused.close()
+    reference = RecordingTrainer.reference(config)
+    foreach = RecordingTrainer(tiny_config(corpus, train={"steps": 4}, optim={"fused": False}))
     assert foreach.optimizer.optimizers[0].defaults["foreach"] is True
-    a, b = fused.run(), foreach.run()
-    assert a.losses == pytest.approx(b.losses, rel=1e-5)
-    for p, q in zip(fused.model.parameters(), foreach.model.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    result, record = foreach.run_and_record()
+    assert result.losses != reference.result.losses  # not the same kernel
+    reference.check_losses(result.losses)
+    ratio, name = reference.worst(record, ("weights",))
+    assert ratio <= 1, (name, ratio)
 
 
 def test_fused_adamw_refused_where_pytorch_has_none():
@@ -61,6 +76,7 @@ def test_fused_adamw_refused_where_pytorch_has_none():
         implementation(params, True)
 
 
+@pytest.mark.parity
 def test_whole_model_compile_is_exact(corpus, monkeypatch):  # noqa: F811
     """train.compile model compiles the whole model in place (names unchanged). The aot_eager backend stands in for
     inductor (whose cold CPU compile takes ~20 s): Dynamo capture and AOT autograd's forward and backward graphs
@@ -105,7 +121,7 @@ def test_flops_of_moe_count_the_active_experts():
 
 def test_throughput_reports_mfu_with_a_peak_and_flops_without():
     t = flops.Throughput(flops_per_token=1e9, devices=2, peak_tflops=100.0)
-    assert t.mfu(50_000) == pytest.approx(0.25)  # 5e13 FLOP/s over 2 x 1e14
+    assert t.mfu(50_000) == pytest.approx(0.25)  # 5e13 FLOP/s over 2 x 1e14 (approx: float64 divisions)
     assert t.describe(50_000) == "MFU 25.0%"
     assert t.scalars(50_000) == pytest.approx({"tflops": 50.0, "mfu": 0.25})
     cpu = flops.Throughput(flops_per_token=1e8, devices=1, peak_tflops=None)
@@ -156,18 +172,20 @@ def test_bf16_slowdown_is_measured():
     assert 0 < ratio < float("inf")
 
 
+@pytest.mark.parity
 def test_whole_model_compile_under_fsdp_and_ddp_trains_like_one_process(corpus, tmp_path):  # noqa: F811
     """Two data-parallel ranks with train.compile model (FSDP: the graph breaks at the layers' FSDP hooks; DDP)
-    give the one-process eager losses."""
+    give the one-process eager losses, within the loss bounds of the layout tests (tests/mtrain/parity.py)."""
+    from tests.mtrain.recording import RecordingTrainer
     from tests.support.launch import launch, losses
 
     raw = tiny_config(corpus, train={"steps": 3, "compile": "model"}).to_dict()
     specs = [{"config": raw | {"parallel": raw["parallel"] | {"dp_mode": mode}}, "out": str(tmp_path / f"{mode}.json"),
               "compile_backend": "aot_eager"} for mode in ("fsdp", "ddp")]
     launch(specs, tmp_path, nproc=2)
-    reference = Trainer(tiny_config(corpus, train={"steps": 3}), out=lambda _: None).run().losses
+    reference = RecordingTrainer.reference(tiny_config(corpus, train={"steps": 3}))
     for mode in ("fsdp", "ddp"):
-        assert losses(tmp_path / f"{mode}.json") == pytest.approx(reference, rel=1e-5), mode
+        reference.check_losses(losses(tmp_path / f"{mode}.json"))
 
 
 def test_flops_of_deepseek_count_latent_attention_and_shared_experts(tmp_path):

@@ -55,11 +55,14 @@ def test_other_families_train(corpus, model):  # noqa: F811
         assert " | aux loss " in [line for line in lines if line.startswith("step 40/40")][0]
 
 
+@pytest.mark.parity
 def test_recomputation_and_bf16(corpus):  # noqa: F811
+    """Full recomputation runs the same kernels on the same inputs again: the same losses to the bit. bf16
+    compute rounds to 8 significant bits (2^-8 = 0.4% relative): logits below ~1 here move by ~0.01, the loss by at
+    most twice that; 0.05 admits it and still catches a model that does not train (the loss falls by 0.35)."""
     plain, _ = run(tiny_config(corpus))
     recomputed, _ = run(tiny_config(corpus, train={"recompute": "full"}))
-    for step in plain.losses:
-        assert recomputed.losses[step] == pytest.approx(plain.losses[step], rel=1e-6)
+    assert recomputed.losses == plain.losses
     bf16, _ = run(tiny_config(corpus, train={"precision": "bf16"}))
     assert all(abs(bf16.losses[s] - plain.losses[s]) < 0.05 for s in plain.losses)
     assert bf16.losses[6] < bf16.losses[1]
@@ -191,7 +194,7 @@ def test_learning_rate_schedule():
     cosine = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay_style="cosine")
     assert [lr_at(s, cosine, 110) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]  # linear warmup to lr
     assert lr_at(10, cosine, 110) == 1.0
-    assert lr_at(60, cosine, 110) == pytest.approx(0.55)  # half way: (lr + min_lr) / 2
+    assert lr_at(60, cosine, 110) == pytest.approx(0.55)  # half way: (lr + min_lr) / 2 (float64: cos(pi/2) = 6e-17)
     assert lr_at(110, cosine, 110) == pytest.approx(0.1) and lr_at(500, cosine, 110) == pytest.approx(0.1)
     linear = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, decay_style="linear", decay_steps=100)
     assert [lr_at(s, linear, 1000) for s in (0, 25, 100, 200)] == [1.0, 0.75, 0.0, 0.0]
@@ -199,6 +202,7 @@ def test_learning_rate_schedule():
     assert lr_at(999, constant, 10) == 0.3
 
 
+@pytest.mark.parity
 def test_gradient_clipping_and_weight_decay_groups(corpus):  # noqa: F811
     trainer = Trainer(tiny_config(corpus, optim={"grad_clip": 1e-3}), out=lambda _: None)
     groups = trainer.optimizer.param_groups
@@ -209,6 +213,9 @@ def test_gradient_clipping_and_weight_decay_groups(corpus):  # noqa: F811
     before = torch.sqrt(sum((p.grad ** 2).sum() for p in trainer.model.parameters()))
     reported = trainer._clip_gradients()
     after = torch.sqrt(sum((p.grad ** 2).sum() for p in trainer.model.parameters()))
-    assert reported == pytest.approx(float(before), rel=1e-6) and float(before) > 1e-2
+    # two float32 sums of the ~10^4 squares in other orders (pairwise, then over the tensors): each within about
+    # log2(n) x 2^-24 = 9e-7 relative, so they differ by < 1.8e-6 and their square roots by half that; 2e-6 leaves 2x
+    assert reported == pytest.approx(float(before), rel=2e-6) and float(before) > 1e-2
+    # clipping scales by 1e-3 / (norm + 1e-6): 1e-6 / norm < 1e-4 relative below 1e-3, plus float32 rounding
     assert float(after) == pytest.approx(1e-3, rel=1e-4)
     trainer.close()

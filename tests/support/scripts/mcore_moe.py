@@ -141,8 +141,11 @@ def main(hf_dir: str, *core_dirs: str) -> int:
     failed = 0
     for core_dir in core_dirs:
         diff = check(hf_dir, core_dir)
-        print(f"{'OK' if diff < 1e-5 else 'MISMATCH'} {core_dir} {diff:.3g}", flush=True)
-        failed += diff >= 1e-5
+        # Megatron's float32 against transformers': the same sums in other orders, logits below 1 within ~4e-7 of
+        # float64's each, so ~1e-6 apart; 1e-5 leaves a factor 10, a wrong tensor or setting moves them by > 1e-3
+        ok = diff < 1e-5  # NaN is not
+        print(f"{'OK' if ok else 'MISMATCH'} {core_dir} {diff:.3g}", flush=True)
+        failed += not ok
     return 1 if failed else 0
 
 
