@@ -171,8 +171,9 @@ def test_formats_declare_the_features_they_hold(ds_dir):
 
     c = engine.load(ds_dir, Options()).config
     holders = {p.name: p.supports for p in registry.savers() if p.supports is not None}
-    assert holders["core"] == holders["deepseek_hf"] == frozenset(FEATURES)
-    assert holders["legacy"] == holders["llama_mistral"] == holders["mixtral_hf"] == frozenset()
+    assert holders["core"] == frozenset(FEATURES) and holders["deepseek_hf"] == frozenset(FEATURES) - {"qk_norm"}
+    assert holders["qwen_hf"] == {"qk_norm"}
+    assert holders["legacy"] == holders["llama_mistral"] == holders["mixtral_hf"] == holders["gpt2_hf"] == frozenset()
     assert registry.missing_features(c, frozenset(FEATURES)) == []
     assert registry.missing_features(c, frozenset(FEATURES) - {"mtp"}) == [
         "1 multi-token-prediction module(s) (--skip-mtp leaves them out) (core or deepseek_hf can hold it)"]

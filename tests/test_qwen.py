@@ -351,3 +351,16 @@ def test_ir_names_and_window_fields():
     with pytest.raises(ConvertError, match=r"full_attention_layers must be distinct layer numbers in \[0, 4\) in "
                                            r"increasing order, got \[1, 0\]"):
         config.replace(full_attention_layers=(1, 0))
+
+
+def test_a_family_without_q_k_norms_names_those_that_hold_them():
+    """Llama declares no per-head q/k norms (SUPPORTS); the refusal names the savers that declare them."""
+    from mconvert import registry
+    from mconvert.errors import ConvertError
+    from mconvert.hf import llama as hf_llama
+    from mconvert.ir.config import ModelConfig
+
+    registry.savers()  # every saver registered, as in a conversion
+    with pytest.raises(ConvertError, match=r"^HF Llama cannot hold this model: per-head q/k norms \(core or qwen_hf "
+                                           r"can hold it\)$"):
+        hf_llama.config_to_hf(ModelConfig(**QWEN, family="llama", qk_norm=True))

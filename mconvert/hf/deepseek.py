@@ -55,7 +55,7 @@ ARCHITECTURE = "DeepseekV3ForCausalLM"
 # top-2 group scores cannot express: refused).
 V2 = "deepseek_v2"
 ARCHITECTURES = {MODEL_TYPE: ARCHITECTURE, V2: "DeepseekV2ForCausalLM"}
-# The IR features (mconvert.ir.features.FEATURES) this family holds: all of them
+# The IR features (mconvert.ir.features.FEATURES) this family holds: DeepSeek's (per-head q/k norms it has not)
 SUPPORTS = frozenset({"mla", "shared_experts", "router_score", "router_expert_bias", "group_routing",
                       "router_scaling", "mtp"})
 

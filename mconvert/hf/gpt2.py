@@ -34,7 +34,7 @@ from mconvert.rules.table import TRANSPOSE, Join, Rule, Table, norm
 
 MODEL_TYPE = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
-# The IR features (mconvert.ir.features.FEATURES) this family holds: none of DeepSeek's
+# The IR features (mconvert.ir.features.FEATURES) this family holds: none
 SUPPORTS: frozenset[str] = frozenset()
 
 
@@ -159,7 +159,6 @@ def check_expressible(c: ModelConfig) -> None:
          c.head_dim * c.num_attention_heads != c.hidden_size),
         ("mixture of experts", c.is_moe),
         (f"sliding window {c.sliding_window}", c.sliding_window is not None),
-        ("per-head q/k norms", c.qk_norm),
     ) if bad] + missing_features(c, SUPPORTS)
     if problems:
         raise ConvertError("the model cannot be written as Hugging Face GPT-2: " + "; ".join(problems)

@@ -28,7 +28,7 @@ from mconvert.rules.mapping import expand, to_ir
 from mconvert.rules.table import COLUMN, ROW, Ctx, Rule, Table, linear
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
-# The IR features (mconvert.ir.features.FEATURES) this family holds: none of DeepSeek's
+# The IR features (mconvert.ir.features.FEATURES) this family holds: none
 SUPPORTS: frozenset[str] = frozenset()
 
 TABLE = Table(
@@ -81,7 +81,6 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         (f"{c.norm} (they use RMSNorm)", c.norm != "rmsnorm"),
         ("learned position embeddings (they use rotary)", c.position_embedding != "rope"),
         ("experts (save it as mixtral)", c.is_moe),
-        ("per-head q/k norms (save it as qwen3)", c.qk_norm),
         (f"no sliding window in layers {list(c.full_attention_layers)} (Mistral's applies to every layer)",
          c.sliding_window is not None and bool(c.full_attention_layers)),
     ) if bad] + missing_features(c, SUPPORTS)

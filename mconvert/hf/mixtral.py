@@ -34,7 +34,7 @@ from mconvert.rules.table import Rule, Table
 
 MODEL_TYPE = "mixtral"
 ARCHITECTURE = "MixtralForCausalLM"
-# The IR features (mconvert.ir.features.FEATURES) this family holds: none of DeepSeek's
+# The IR features (mconvert.ir.features.FEATURES) this family holds: none
 SUPPORTS: frozenset[str] = frozenset()
 
 
@@ -111,7 +111,6 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         ("learned position embeddings (Mixtral uses rotary)", c.position_embedding != "rope"),
         (f"no sliding window in layers {list(c.full_attention_layers)} (Mixtral's applies to every layer)",
          c.sliding_window is not None and bool(c.full_attention_layers)),
-        ("per-head q/k norms (save it as qwen3_moe)", c.qk_norm),
     ) if bad] + missing_features(c, SUPPORTS)
     if unsupported:
         raise ConvertError(f"HF Mixtral cannot hold this model: {', '.join(unsupported)}")

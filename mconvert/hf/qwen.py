@@ -37,8 +37,9 @@ from mconvert.rules.experts import STACK, STACK_GATE_UP
 from mconvert.rules.table import Rule, Table, linear
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-# The IR features (mconvert.ir.features.FEATURES) this family holds: none of DeepSeek's
-SUPPORTS: frozenset[str] = frozenset()
+# The IR features (mconvert.ir.features.FEATURES) this family holds: Qwen3's per-head q/k norms (which model type
+# holds what is config_to_hf's to say)
+SUPPORTS = frozenset({"qk_norm"})
 
 TABLE = Table(
     embedding=(Rule("model.embed_tokens.weight", ("embed.weight",)),),

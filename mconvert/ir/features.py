@@ -124,6 +124,7 @@ def yarn_params(scaling: dict[str, Any] | None) -> dict[str, float] | None:
 # name -> (how an error says it, does the model have it). A model has the features whose test is true; a format
 # that does not declare one refuses the model, naming it (see mconvert.registry.missing_features).
 FEATURES: dict[str, tuple[Callable[[ModelConfig], str], Callable[[ModelConfig], bool]]] = {
+    "qk_norm": (lambda c: "per-head q/k norms", lambda c: c.qk_norm),
     "mla": (lambda c: "multi-latent attention", lambda c: c.is_mla),
     "shared_experts": (lambda c: "shared experts", lambda c: bool(c.moe_shared_expert_ffn_hidden_size)),
     "router_score": (lambda c: f"{c.moe_router_score} router scores", lambda c: c.moe_router_score != "softmax"),

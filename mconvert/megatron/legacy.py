@@ -283,8 +283,8 @@ def _canonical_tensors(files: RankFiles, tp: int, pp: int, name: str) -> dict[st
     return out
 
 
-# The IR features (mconvert.ir.features.FEATURES) the legacy model holds: none of DeepSeek's (its MoE is refused
-# above them anyway)
+# The IR features (mconvert.ir.features.FEATURES) the legacy model holds: none (its MoE and q/k norms are refused
+# above with their own advice)
 SUPPORTS: frozenset[str] = frozenset()
 
 
