@@ -62,13 +62,6 @@ build() {
 
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=(0.16.1 0.19.2)
-# The environments are independent: built side by side (pip mostly waits on unpacking and the disk), each build's
-# failure still fails the script.
-pids=()
 for v in "${versions[@]}"; do
-    build "$v" &
-    pids+=($!)
-done
-for pid in "${pids[@]}"; do
-    wait "$pid"
+    build "$v"
 done
