@@ -8,7 +8,7 @@ directory, so the destination either holds a complete checkpoint or is left as i
 from __future__ import annotations
 
 import dataclasses
-import os
+import functools
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -33,9 +33,10 @@ class Summary:
     ir: ModelIR
 
 
-def check_destination(src: Path, dst: Path, force: bool) -> None:
+def check_destination(src: Path, dst: Path, force: bool) -> staging.Replace:
     """Refuse to touch an existing output without --force, never write into the source or replace the current
-    directory, and fail now (before reading the source) when the output cannot be created."""
+    directory, and fail now (before reading the source) when the output cannot be created. Returns what the
+    final rename may replace (what was checked here: see `staging.move_into_place`)."""
     src_r, dst_r = src.resolve(), dst.resolve()
     if dst_r == src_r or src_r in dst_r.parents or dst_r in src_r.parents:
         raise ConvertError(f"--save-dir {dst} overlaps --load-dir {src}; choose a separate directory")
@@ -48,29 +49,27 @@ def check_destination(src: Path, dst: Path, force: bool) -> None:
     if dst.is_dir() and any(dst.iterdir()) and not force:
         raise ConvertError(f"--save-dir {dst} already exists and is not empty; pass --force to replace it")
     staging.check_writable(dst_r)
+    return "anything" if force else "empty" if dst.is_dir() else "nothing"
 
 
 @contextmanager
-def staged_output(dst: Path) -> Iterator[Path]:
-    """A staging directory that becomes `dst` only if the block succeeds (replacing an old `dst`); on any failure
-    or interruption (SIGINT, SIGTERM) nothing is left behind, not even the parent directories it created."""
+def staged_output(dst: Path, replace: staging.Replace = "nothing") -> Iterator[Path]:
+    """A staging directory that becomes `dst` only if the block succeeds, replacing only what `replace` allows;
+    on any failure or interruption (SIGINT, SIGTERM) nothing is left behind, not even the parent directories it
+    created."""
     dst = dst.absolute()
     created = staging.make_parents(dst.parent)
     staging.remove_stale(dst.parent)
+    made: list[Path] = []  # the staging directory, listed before it exists (see staging.make_dir)
     with staging.terminating_raises():
-        work = staging.make_dir(dst.parent, dst.name)
         try:
+            work = staging.make_dir(dst.parent, dst.name, into=made)
             yield work
             _sync_tree(work)
-            if dst.exists():
-                old = staging.make_dir(dst.parent, dst.name, "old")
-                os.replace(dst, old / dst.name)
-                os.replace(work, dst)
-                staging.remove(old)
-            else:
-                os.replace(work, dst)
+            staging.move_into_place(work, dst, replace)
         except BaseException:
-            staging.remove(work)
+            for path in made:
+                staging.remove(path)
             staging.remove_empty(created)
             raise
 
@@ -116,13 +115,15 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
 
 
 def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progress = QUIET,
-         check: Callable[[Path], None] | None = None) -> None:
-    """Write `ir` with `saver` into `dst`, all or nothing (the caller has checked the destination). `check` runs
-    on the complete output before it is moved into place (e.g. `--verify`); if it raises, nothing is left."""
+         check: Callable[[Path], None] | None = None, replace: staging.Replace = "nothing") -> None:
+    """Write `ir` with `saver` into `dst`, all or nothing (the caller has checked the destination: `replace` is
+    what it found there, see `check_destination`). `check` runs on the complete output before it is moved into
+    place (e.g. `--verify`); if it raises, nothing is left."""
     plugin = get_saver(saver)
     options = options if options.final_dir else dataclasses.replace(options, final_dir=Path(dst).resolve())
     try:
-        with workers.shared_staging(dst, staged_output) as work:  # under torchrun, one directory for every rank
+        staged = functools.partial(staged_output, replace=replace)
+        with workers.shared_staging(dst, staged) as work:  # under torchrun, one directory for every rank
             plugin.func(ir, work, options, progress)
             if check is not None and workers.team().leader:  # a failure here fails every rank
                 check(work)
@@ -136,8 +137,8 @@ def convert(src: Path, dst: Path, *, loader: str | None, saver: str, options: Op
     """Convert the checkpoint at `src` into `saver`'s format at `dst` (`check`: see `save`)."""
     start = time.perf_counter()
     get_saver(saver)  # an unknown saver fails before any reading
-    check_destination(src, dst, force)
+    replace = check_destination(src, dst, force)
     ir = load(src, options, loader)
-    save(ir, dst, options, saver, progress, check)
+    save(ir, dst, options, saver, progress, check, replace)
     written, files = tree_size(dst)
     return Summary(time.perf_counter() - start, written, files, ir)

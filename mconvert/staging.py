@@ -10,12 +10,19 @@
 - `kill -9` leaves it behind; the names say whose it is, so a later run into the same parent removes those of
   processes on this host that no longer exist (`remove_stale`), and nothing else.
 - Staging directories are made with `os.mkdir`, so they get the user's umask like any directory (tempfile's
-  0700 would follow them into place).
+  0700 would follow them into place). Their name is registered for cleanup before they exist
+  (`make_dir(..., into=)`), so a signal arriving just after the `mkdir` cannot strand one.
+- The final rename replaces only what the caller checked (`move_into_place`): a --save-dir that did not exist
+  must still not exist (`rename_noreplace`), an empty one must still be empty (rename(2) replaces nothing else),
+  and only --force replaces whatever is there. Two conversions into one new --save-dir: one wins, the other fails
+  and leaves the winner's output alone; a directory somebody creates meanwhile is never deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import re
 import secrets
@@ -25,6 +32,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 from mconvert.errors import ConvertError
 
@@ -48,14 +56,20 @@ def _host() -> str:
     return re.sub(r"[^\w.]", "_", socket.gethostname()) or "host"
 
 
-def make_dir(parent: Path, name: str, kind: str = "partial") -> Path:
-    """A new, uniquely named `.{name}.{kind}-mconvert-<host>-<pid>-<random>` directory in `parent`."""
+def make_dir(parent: Path, name: str, kind: str = "partial", into: list[Path] | None = None) -> Path:
+    """A new, uniquely named `.{name}.{kind}-mconvert-<host>-<pid>-<random>` directory in `parent`. `into`
+    receives its path before it is created: a cleanup that removes what `into` lists misses nothing, whenever
+    an interruption lands."""
     while True:
         path = parent / f".{name}.{kind}-{_TAG}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+        if into is not None:
+            into.append(path)
         try:
             path.mkdir()  # mode 0o777 minus the umask, as any directory the user creates
             return path
         except FileExistsError:
+            if into is not None:
+                into.remove(path)
             continue
 
 
@@ -125,11 +139,87 @@ def check_writable(dst: Path) -> None:
     ancestor = next((p for p in dst.parents if p.exists()), None)
     if ancestor is None or not ancestor.is_dir():
         raise ConvertError(f"--save-dir {dst}: {ancestor} is not a directory")
+    made: list[Path] = []
     try:
-        probe = make_dir(ancestor, dst.name or "out", "probe")
-        probe.rmdir()
+        make_dir(ancestor, dst.name or "out", "probe", into=made)
     except OSError as e:
         raise ConvertError(f"--save-dir {dst}: cannot write in {ancestor}: {e.strerror}") from None
+    finally:
+        for probe in made:
+            with contextlib.suppress(OSError):
+                probe.rmdir()
+
+
+# What the final rename may replace at --save-dir: what was checked before the conversion started.
+Replace = Literal["nothing", "empty", "anything"]
+
+
+def move_into_place(work: Path, dst: Path, replace: Replace) -> None:
+    """Rename the finished `work` to `dst`, replacing only what `replace` allows: "nothing" (dst did not exist
+    when checked), "empty" (an empty directory, as checked), "anything" (--force). Anything else found at `dst`
+    is left alone and refused."""
+    try:
+        if replace == "anything" and os.path.lexists(dst):
+            _swap(work, dst)
+        elif replace == "empty":
+            os.rename(work, dst)  # replaces an empty directory only: ENOTEMPTY, ENOTDIR for anything else
+        else:
+            rename_noreplace(work, dst)
+    except OSError as e:
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            raise
+        raise ConvertError(f"--save-dir {dst} was created by someone else while converting (another conversion?); "
+                           "it was left as it is and this conversion's output removed; pass --force to replace "
+                           "it") from None
+
+
+def _swap(work: Path, dst: Path) -> None:
+    """--force: move the old `dst` aside, `work` into its place, then delete the old one. Interrupted halfway, the
+    old `dst` goes back to its place (unless something has taken it meanwhile)."""
+    made: list[Path] = []
+    try:
+        old = make_dir(dst.parent, dst.name, "old", into=made) / dst.name
+        os.replace(dst, old)
+        rename_noreplace(work, dst)
+    except BaseException:
+        for aside in made:
+            with contextlib.suppress(OSError):
+                if (aside / dst.name).exists():
+                    rename_noreplace(aside / dst.name, dst)
+                aside.rmdir()
+        raise
+    remove(old.parent)
+
+
+_RENAME_NOREPLACE = 1  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst`, failing with FileExistsError if anything exists at `dst`: Linux's
+    renameat2(RENAME_NOREPLACE). Where that is missing (another OS, an old C library, a file system without
+    it), `dst` is claimed by an exclusive mkdir and `src` renamed onto that empty directory."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise OSError(code, os.strerror(code), str(dst))
+    os.mkdir(dst)  # FileExistsError if anything is there
+    try:
+        os.rename(src, dst)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rmdir(dst)
+        raise
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 @contextlib.contextmanager
