@@ -57,6 +57,7 @@ class SafeReader(FileSystemReader):
             metadata = _RealClasses(f, path).load()
         if not isinstance(metadata, Metadata):
             raise ConvertError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
+        dcp_format.check_records(metadata, path)  # the same checks as DcpReader's, on the records DCP plans with
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -127,14 +127,15 @@ def read_metadata(root: Path, manifest: Manifest | None = None) -> Record:
     if type(md).__name__ != "Metadata" or not hasattr(md, "state_dict_metadata"):
         raise ConvertError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
     try:
-        _check_records(md, path)
+        check_records(md, path)
     except (AttributeError, TypeError, IndexError, KeyError, ValueError) as e:
         raise ConvertError(f"{path}: corrupt distributed-checkpoint metadata: {type(e).__name__}: {e}") from None
     return md
 
 
-def _check_records(md: Record, path: Path) -> None:
-    """The fields readers use have the types DCP writes (a crafted file could put anything there)."""
+def check_records(md, path: Path) -> None:
+    """The fields readers use have the types DCP writes (a crafted file could put anything there), and each
+    tensor's chunks tile it. `md`: a `Record` or DCP's own `Metadata` (mtrain's resume reads with the real classes)."""
     def ints(value) -> bool:
         return isinstance(value, (tuple, list)) and all(isinstance(x, int) and x >= 0 for x in value)
 
@@ -155,6 +156,42 @@ def _check_records(md: Record, path: Path) -> None:
         if not (ints(getattr(meta, "size", None)) and isinstance(dtype, torch.dtype) and isinstance(chunks, list)
                 and all(ints(getattr(c, "offsets", None)) and ints(getattr(c, "sizes", None)) for c in chunks)):
             raise ConvertError(f"{path}: corrupt tensor record for {fqn!r}")
+        check_tiling(path, fqn, tuple(meta.size), [(tuple(c.offsets), tuple(c.sizes)) for c in chunks])
+
+
+def check_tiling(path: Path, fqn: str, shape: tuple[int, ...],
+                 chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+    """The chunks (offsets, sizes) of tensor `fqn` lie inside its `shape`, overlap nowhere, and together hold
+    every element: they tile it. Element counts alone are not enough: two chunks overlapping by as many rows as
+    they leave uncovered add up right, and the uncovered rows would be read from uninitialized memory."""
+    total = 1
+    for n in shape:
+        total *= n
+    held = 0
+    for offsets, sizes in chunks:
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or \
+                any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
+            raise ConvertError(f"{path}: a chunk of {fqn} (offsets {list(offsets)}, sizes {list(sizes)}) does not "
+                               f"fit in its shape {list(shape)}")
+        count = 1
+        for s in sizes:
+            count *= s
+        held += count
+    # Overlaps: a sweep along the dimension where the offsets differ most (where the tensor was split).
+    dim = max(range(len(shape)), key=lambda d: len({o[d] for o, _ in chunks}), default=None)
+    if dim is not None:
+        boxes = sorted((c for c in chunks if all(c[1])), key=lambda c: c[0][dim])
+        for i, (a_off, a_size) in enumerate(boxes):
+            for b_off, b_size in boxes[i + 1:]:
+                if b_off[dim] >= a_off[dim] + a_size[dim]:
+                    break
+                if all(bo < ao + asz and ao < bo + bsz for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size)):
+                    raise ConvertError(f"{path}: the chunks of {fqn} overlap (offsets {list(a_off)} sizes "
+                                       f"{list(a_size)}, and offsets {list(b_off)} sizes {list(b_size)}): some "
+                                       "elements are stored twice; refusing a tensor that is not whole")
+    if held != total:
+        raise ConvertError(f"{path}: the chunks of {fqn} hold {held} of its {total} elements (shape {list(shape)}): "
+                           "the checkpoint is incomplete")
 
 
 @dataclass(frozen=True)
