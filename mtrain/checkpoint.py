@@ -69,16 +69,41 @@ def step_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
+def step_number(path: Path) -> int:
+    """The step of a `step_NNNNNNN` directory: steps compare by number (`step_10000000` is newer than
+    `step_9999999`, which sorts after it as text)."""
+    return int(Path(path).name[len("step_"):])
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """The step directories of `root`, complete or not, oldest first."""
+    return sorted((p for p in Path(root).glob("step_*") if STEP_NAME.fullmatch(p.name) and p.is_dir()),
+                  key=step_number)
+
+
+def missing_files(path: Path) -> list[str]:
+    """What a step directory lacks to be a checkpoint (empty when complete)."""
+    return [name for name in (".metadata", META_FILE) if not (path / name).is_file()]
+
+
 def is_complete(path: Path) -> bool:
-    return (path / META_FILE).is_file() and (path / ".metadata").is_file()
+    return not missing_files(path)
 
 
 def find_latest(root: Path) -> Path | None:
-    """The newest complete checkpoint in `root` (per `latest`, else the highest complete step directory).
+    """The checkpoint to resume from: the step `latest` names, else the newest step directory; None for a run
+    directory without step directories (a new run).
 
+    Never a silent fallback (mtrain never falls back by itself): `latest` naming a step that is missing or
+    incomplete, or a newest step directory lacking its files (copied by a tool that skips dot-files, say), is
+    refused, naming what is missing; resuming from an older step, or from scratch, would overwrite it.
     `latest` may only name a step directory of `root` (it is read from disk like any checkpoint file)."""
     root = Path(root)
     latest = root / LATEST_FILE
+    steps = step_dirs(root)
+    complete = [p for p in steps if is_complete(p)]
+    instead = (f"; to resume from {complete[-1].name}, the newest complete checkpoint, write {complete[-1].name} "
+               f"into {latest}") if complete else ""
     if latest.is_file():
         try:
             name = latest.read_text().strip()
@@ -89,11 +114,24 @@ def find_latest(root: Path) -> Path | None:
             raise TrainError(f"{latest} names {name[:60]!r}, not a step directory (step_NNNNNNN) of {root}; remove "
                              "it to resume from the newest complete step directory")
         candidate = inside(root, name, f"the step named by {LATEST_FILE}")
-        if is_complete(candidate):
-            return candidate
-    steps = sorted((p for p in root.glob("step_*") if STEP_NAME.fullmatch(p.name) and is_complete(p)),
-                   key=lambda p: p.name)
-    return steps[-1] if steps else None
+        if not candidate.is_dir():
+            raise TrainError(f"{latest} names {name}, which is not in {root}: restore it (mtrain does not fall back "
+                             f"to an older checkpoint by itself){instead}")
+        missing = missing_files(candidate)
+        if missing:
+            raise TrainError(f"{candidate} (named by {latest}) is not a complete checkpoint: it has no "
+                             f"{' and no '.join(missing)}; restore them (mtrain does not fall back to an older "
+                             f"checkpoint by itself){instead}")
+        return candidate
+    if not steps:
+        return None
+    missing = missing_files(steps[-1])
+    if missing:
+        what = "no step directory is complete" if not complete else "the newest step directory is incomplete"
+        raise TrainError(f"{root}: {what}: {steps[-1].name} has no {' and no '.join(missing)} (copied without its "
+                         "dot-files?); resuming from an older step or from scratch would overwrite it, so mtrain "
+                         f"does neither by itself: restore the files{instead}, or give another checkpoint.dir")
+    return steps[-1]
 
 
 def read_meta(path: Path) -> dict:
@@ -198,7 +236,7 @@ class Checkpointer:
         os.replace(partial, final)
         _write_synced(self.root / LATEST_FILE, final.name + "\n")
         fsync_path(self.root)
-        complete = sorted(p for p in self.root.glob("step_*") if is_complete(p))
+        complete = [p for p in step_dirs(self.root) if is_complete(p)]
         for old in complete[:-self.keep_last] if self.keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -295,8 +333,8 @@ def unreadable(path: Path, error: Exception) -> TrainError:
     path = Path(path)
     root = path.parent
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    earlier = sorted(p for p in root.glob("step_*") if STEP_NAME.fullmatch(p.name) and p.name < path.name
-                     and is_complete(p))
+    earlier = [p for p in step_dirs(root) if step_number(p) < step_number(path) and is_complete(p)] \
+        if STEP_NAME.fullmatch(path.name) else []
     if earlier:
         hint = (f"To resume from {earlier[-1].name}, the newest complete checkpoint before it, move {path.name} out "
                 f"of the way (e.g. mv {path} {root / ('broken-' + path.name)}) and run again")

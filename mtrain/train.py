@@ -36,7 +36,7 @@ from mconvert.errors import ConvertError
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
-from mtrain import checkpoint, cpu_memory, distributed, flops, precision, weights
+from mtrain import checkpoint, cpu_memory, distributed, flops, precision, run_lock, weights
 from mtrain.config import Config, check_positions, dump
 from mtrain.data.loader import RankBatches, build_splits, describe_data
 from mtrain.errors import TrainError
@@ -74,6 +74,7 @@ class Trainer:
         self.stop = stop
         self.metrics = None
         self.finished_message: str | None = None
+        self.run_lock: run_lock.RunLock | None = None
         self.env = distributed.init()
         self.out = out if self.env.is_main else (lambda _: None)
         if config.train.cpu_malloc == "keep" and self.env.device.type == "cpu":
@@ -92,6 +93,8 @@ class Trainer:
         t = config.train
         if not config.checkpoint.dir:
             self.out(NO_CHECKPOINT_WARNING)
+        if config.checkpoint.dir:
+            self._lock_run_dir(Path(config.checkpoint.dir))  # before reading it: another run may be writing there
         self.checkpointer = checkpoint.Checkpointer(config.checkpoint.dir, config.checkpoint.keep_last) \
             if config.checkpoint.dir else None
         resume = checkpoint.find_latest(Path(config.checkpoint.dir)) if config.checkpoint.dir else None
@@ -170,6 +173,25 @@ class Trainer:
                                tokens_per_step=t.global_batch_size * config.data.seq_len,
                                start_step=self.state.step, out=self.out, sinks=sinks, throughput=self.throughput)
         self.out(f"logging every {log.interval} steps: the loss shown is the mean over those steps")
+
+    def _lock_run_dir(self, root: Path) -> None:
+        """Rank 0 locks checkpoint.dir for this run (run_lock.py); every rank fails if it cannot."""
+        error = None
+        if self.env.is_main:
+            try:
+                self.run_lock = run_lock.acquire(root)
+            except TrainError as e:
+                error = str(e)
+            else:
+                if not self.run_lock.held:
+                    self.out(f"WARNING: the file system of {root} cannot lock {run_lock.LOCK_FILE}: nothing keeps a "
+                             "second run from training into the same checkpoint.dir")
+        if self.env.world > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error:
+            raise TrainError(error)
 
     def _model_source(self, resume: Path | None) -> tuple[ModelConfig, ModelIR | None]:
         """The model config, and the IR to finetune from (None when resuming or pretraining)."""
@@ -408,6 +430,8 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         self._deterministic.__exit__(None, None, None)
+        if self.run_lock is not None:
+            self.run_lock.release()
         distributed.shutdown(self.env)
 
 
