@@ -16,14 +16,20 @@ repository's blob store,
     models--org--name/snapshots/<revision>/config.json -> ../../blobs/<sha256>
 
 so a root that is such a snapshot may reach anything inside its `models--org--name` folder, and nothing else.
+
+Checks and reads are apart in time: a link planted after `check_tree` looked would be followed by a later plain
+`open`. Files copied verbatim (tokenizer files, the last thing a conversion writes) are therefore opened by
+`open_inside`, which checks the file actually opened, not the path it looked at before.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from mconvert.errors import ConvertError
 
@@ -79,3 +85,40 @@ def check_tree(root: Path | str) -> None:
             elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 raise ConvertError(f"{root}: {path.relative_to(top)} is not a regular file or directory (a FIFO, "
                                    "socket or device); refusing to read the checkpoint")
+
+
+def open_inside(path: Path | str, root: Path | str | None = None) -> BinaryIO:
+    """`path` opened for reading, provided what is opened is a regular file inside `root`'s scope (default: the
+    directory holding `path`), checked at the moment of opening: a link at its name is not followed (O_NOFOLLOW)
+    unless it leads inside the scope (a HF cache snapshot's links), and on Linux the real path of the opened file
+    is checked too, so a directory swapped in between is caught as well."""
+    path = Path(path)
+    root = Path(root) if root is not None else path.parent
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # NONBLOCK: a FIFO fails
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        target = inside(root, os.path.relpath(path, root), "file").resolve()  # the link, checked now
+        fd = os.open(target, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConvertError(f"{path}: not a regular file; refusing to copy it")
+        opened = _opened_path(fd)
+        if opened is not None and not _within(opened, scope(root)):
+            raise ConvertError(f"{root}: {path.name} opened {opened}, outside the checkpoint directory "
+                               f"{scope(root)} (a link planted after the checkpoint was checked?); refusing it")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _opened_path(fd: int) -> Path | None:
+    """The real path of an open file (Linux's /proc/self/fd), or None where it cannot be told."""
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mconvert.errors import ConvertError
 from mconvert.io import safetensors as safetensors_io
-from mconvert.io.contained import inside
+from mconvert.io.contained import inside, open_inside
 from mconvert.io.torch_pickle import safe_load
 from mconvert.ir.blocks import Blocks, FileBytes
 from mconvert.ir.tensors import LazyTensor
@@ -164,8 +164,11 @@ def tokenizer_vocab_size(assets: dict[str, Path]) -> int | None:
 
 
 def copy_assets(assets: dict[str, Path], out: Path) -> None:
+    """Copy tokenizer files verbatim; each is opened by `open_inside`, so a link planted after the
+    source was checked is not followed out of it."""
     for name, src in assets.items():
-        shutil.copyfile(src, out / name)
+        with open_inside(src) as f, open(out / name, "wb") as g:
+            shutil.copyfileobj(f, g)
 
 
 def write_json(path: Path, data: dict) -> None:

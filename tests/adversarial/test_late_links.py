@@ -1,0 +1,72 @@
+"""Links planted after the source was checked: tokenizer files are checked when the source is opened and copied
+verbatim at the very end, so a file swapped for a link in between must not be followed out of the checkpoint.
+The swap is staged deterministically, right after the source is loaded (before any output is written)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from mconvert import engine
+from mconvert.errors import ConvertError
+from mconvert.io.contained import open_inside
+from tests.support.cli import run_cli
+from tests.support.refusals import fresh, refused
+
+
+def _after_loading(monkeypatch, act) -> None:
+    original = engine.load
+
+    def hooked(*args, **kwargs):
+        ir = original(*args, **kwargs)
+        act()
+        return ir
+
+    monkeypatch.setattr(engine, "load", hooked)
+
+
+@pytest.mark.parametrize("saver", ["llama_mistral", "core"])
+def test_a_tokenizer_file_swapped_for_a_link_is_not_followed(sources, outside, tmp_path, monkeypatch, saver):
+    src = fresh(sources["llama_mistral"], tmp_path)
+    victim = src / "tokenizer_config.json"
+    assert victim.is_file()
+
+    def plant():
+        victim.unlink()
+        victim.symlink_to(outside / "secret.txt")
+
+    _after_loading(monkeypatch, plant)
+    out = run_cli("--saver", saver, "--load-dir", src, "--save-dir", tmp_path / "dst" / "out", "-q",
+                  expect_error=True)
+    refused(out, "tokenizer_config.json", "outside the checkpoint")
+    assert "the secret" not in out
+    assert not (tmp_path / "dst").exists() or os.listdir(tmp_path / "dst") == []
+
+
+def test_open_inside_follows_links_within_and_refuses_others(tmp_path, outside):
+    root = tmp_path / "ckpt"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "real.json").write_text("{}")
+    (root / "within.json").symlink_to(root / "sub" / "real.json")
+    with open_inside(root / "within.json") as f:
+        assert f.read() == b"{}"
+    (root / "outward.json").symlink_to(outside / "secret.txt")
+    with pytest.raises(ConvertError, match="outward.json"):
+        open_inside(root / "outward.json")
+    os.mkfifo(root / "fifo.json")  # would block a plain open forever
+    with pytest.raises(ConvertError, match="not a regular file"):
+        open_inside(root / "fifo.json")
+
+
+def test_a_swapped_parent_directory_is_caught_by_the_opened_path(tmp_path, outside):
+    """The file's own name is not a link, but the directory above was swapped for one after the check: the
+    path of the file actually opened shows it (Linux)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd")
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "tok").symlink_to(outside)
+    with pytest.raises(ConvertError, match="outside the checkpoint"):
+        open_inside(root / "tok" / "secret.txt", root)
