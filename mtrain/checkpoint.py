@@ -337,7 +337,8 @@ def unreadable(path: Path, error: Exception) -> TrainError:
         if STEP_NAME.fullmatch(path.name) else []
     if earlier:
         hint = (f"To resume from {earlier[-1].name}, the newest complete checkpoint before it, move {path.name} out "
-                f"of the way (e.g. mv {path} {root / ('broken-' + path.name)}) and run again")
+                f"of the way and name {earlier[-1].name} in {LATEST_FILE} (e.g. mv {path} "
+                f"{root / ('broken-' + path.name)} && echo {earlier[-1].name} > {root / LATEST_FILE}) and run again")
     else:
         hint = f"There is no earlier complete checkpoint in {root}: remove {path.name} to start the run over"
     return TrainError(f"cannot resume from checkpoint {path.name} in {root}: {reason}. {hint}")
@@ -353,6 +354,7 @@ def _write_synced(path: Path, text: str) -> None:
 
 
 def _copy_tokenizer(source: Path, dest: Path) -> None:
-    """The tokenizer files only (a tokenizer directory may be a whole model directory), as mconvert carries them."""
+    """The tokenizer files only (a tokenizer directory may be a whole model directory), as mconvert carries them.
+    A file named by the config itself is the user's choice: its links are followed (resolved) here."""
     dest.mkdir(parents=True, exist_ok=True)
-    hf_dir.copy_assets({source.name: source} if source.is_file() else hf_dir.tokenizer_files(source), dest)
+    hf_dir.copy_assets({source.name: source.resolve()} if source.is_file() else hf_dir.tokenizer_files(source), dest)

@@ -32,10 +32,11 @@ def test_truncated_latest_checkpoint_names_the_step_and_the_way_back(mtrain_run,
         f.truncate(distcp.stat().st_size // 2)
     out = resume_refused(mtrain_run, run, tmp_path, "cannot resume from checkpoint step_0000002", "truncated",
                          distcp.name, "To resume from step_0000001")
-    assert f"mv {run / 'step_0000002'} {run / 'broken-step_0000002'}" in out
+    assert f"mv {run / 'step_0000002'} {run / 'broken-step_0000002'} && echo step_0000001 > {run / 'latest'}" in out
     convert_refused(run, tmp_path, saver="llama_mistral", culprits=(distcp.name, "truncated"))
     # Following the advice resumes from the step before and trains on.
     shutil.move(run / "step_0000002", run / "broken-step_0000002")
+    (run / "latest").write_text("step_0000001\n")
     code, out = mtrain_cli("pretrain", "--config", _config_file(mtrain_run, tmp_path, run))
     assert code == 0, out
     assert f"resumed from {run / 'step_0000001'} at step 1" in out
