@@ -4,14 +4,21 @@
     {"text": "second document"}               one sequence per document, tokens as uint16 (vocab < 65500)
                                               or int32, optionally followed by the end-of-document token
 
-Tokenization runs in `workers` processes (in input order); the output files appear only when complete.
+Tokenization runs in `workers` processes (in input order); the output files appear only when complete. A worker
+that dies (the out-of-memory killer's SIGKILL) fails the run with an error, leaving no output: a process pool
+notices the death (concurrent.futures' BrokenProcessPool), where multiprocessing.Pool would wait forever for the
+chunk it was tokenizing.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import itertools
 import json
 import multiprocessing
 from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +75,10 @@ def _encode(item: tuple[int, str]) -> dict[str, list[int]]:
     return out
 
 
+def _encode_chunk(items: list[tuple[int, str]]) -> list[dict[str, list[int]]]:
+    return [_encode(item) for item in items]
+
+
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -116,5 +127,20 @@ def _encoded(cfg: PreprocessConfig, init_args: tuple) -> Iterator[dict[str, list
         return
     # spawn, not fork: the parent may hold threads (torch, tokenizers) that a fork would copy mid-flight.
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(cfg.workers, initializer=_init_worker, initargs=init_args) as pool:
-        yield from pool.imap(_encode, _lines(cfg.input), chunksize=cfg.chunk_size)
+    lines = _lines(cfg.input)
+    chunks = iter(lambda: list(itertools.islice(lines, cfg.chunk_size)), [])
+    with concurrent.futures.ProcessPoolExecutor(cfg.workers, mp_context=ctx, initializer=_init_worker,
+                                                initargs=init_args) as pool:
+        try:
+            # In input order, with a bounded number of chunks in flight (memory stays flat for any input size).
+            window = itertools.islice(chunks, 2 * cfg.workers)
+            pending = collections.deque(pool.submit(_encode_chunk, c) for c in window)
+            while pending:
+                done = pending.popleft().result()
+                pending.extend(pool.submit(_encode_chunk, c) for c in itertools.islice(chunks, 1))
+                yield from done
+        except BrokenProcessPool:
+            raise TrainError(f"tokenizing {cfg.input}: a worker process died (killed, by the out-of-memory killer?); "
+                             "nothing was written. Run again with fewer --workers, or more memory") from None
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
