@@ -8,7 +8,8 @@
 - A failure, Ctrl-C (SIGINT) or SIGTERM (what `timeout` and schedulers send) removes the staging directory:
   `terminating_raises` turns SIGTERM into an `Interrupted` exception, so the same cleanup runs as for an error.
 - `kill -9` leaves it behind; the names say whose it is, so a later run into the same parent removes those of
-  processes on this host that no longer exist (`remove_stale`), and nothing else.
+  processes on this host that no longer exist (`remove_stale`), and nothing else. An `.old` directory of such a
+  process whose output never took its place is moved back to its place first (kill -9 in a --force swap).
 - Staging directories are made with `os.mkdir`, so they get the user's umask like any directory (tempfile's
   0700 would follow them into place). Their name is registered for cleanup before they exist
   (`make_dir(..., into=)`), so a signal arriving just after the `mkdir` cannot strand one.
@@ -37,7 +38,7 @@ from typing import Literal
 from mconvert.errors import ConvertError
 
 _TAG = "mconvert"
-_OURS = re.compile(rf"\..*\.(partial|old|probe)-{_TAG}-(?P<host>[\w.]+)-(?P<pid>\d+)-[0-9a-f]+")
+_OURS = re.compile(rf"\..*\.(?P<kind>partial|old|probe)-{_TAG}-(?P<host>[\w.]+)-(?P<pid>\d+)-[0-9a-f]+")
 
 
 class Interrupted(BaseException):
@@ -93,9 +94,20 @@ def remove_stale(parent: Path) -> list[Path]:
         m = _OURS.fullmatch(entry.name)
         if m and m["host"] == host and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])) \
                 and entry.is_dir() and not entry.is_symlink():
+            if m["kind"] == "old":
+                _restore(entry, parent)
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
+
+
+def _restore(aside: Path, parent: Path) -> None:
+    """A `.NAME.old-...` directory of a process killed (kill -9) during a --force swap holds the previous NAME. If
+    NAME is gone (the new output never arrived), put the old one back rather than delete the only copy."""
+    inner = list(aside.iterdir())
+    if len(inner) == 1 and aside.name.startswith(f".{inner[0].name}.old-"):
+        with contextlib.suppress(OSError):  # FileExistsError: the swap had finished; the old copy can go
+            rename_noreplace(inner[0], parent / inner[0].name)
 
 
 def fsync_path(path: Path) -> None:

@@ -118,6 +118,24 @@ def test_force_puts_the_old_output_back_when_the_swap_fails(sources, tmp_path, m
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
+@pytest.mark.parametrize("swap_done", [False, True], ids=["killed before the new output arrived", "killed after"])
+def test_a_force_swap_killed_halfway_gets_its_old_output_back(sources, tmp_path, swap_done):
+    """kill -9 between moving the old output aside and renaming the new one in leaves the only copy of the old
+    output in `.out.old-mconvert-<host>-<pid>-...`: the next run into the same parent puts it back instead of
+    deleting it as stale (and deletes it only when the new output did arrive)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process of this host that has ended
+    aside = tmp_path / f".out.old-mconvert-{staging._host()}-{pid}-00ff00ff"
+    (aside / "out").mkdir(parents=True)
+    (aside / "out" / "old.txt").write_text("previous output")
+    if swap_done:
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "new.txt").write_text("new output")
+    _convert(sources["llama_mistral"], tmp_path / "next")
+    assert sorted(os.listdir(tmp_path)) == ["next", "out"]
+    assert os.listdir(tmp_path / "out") == (["new.txt"] if swap_done else ["old.txt"])
+
+
 @pytest.mark.parametrize("how", ["renameat2", "mkdir claim"])
 def test_rename_noreplace_refuses_anything_in_the_way(tmp_path, monkeypatch, how):
     if how == "mkdir claim":  # where renameat2 is missing (another OS, an old C library)
