@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from mtrain import checkpoint, run_lock
+from tests.support.launch import launch
 from tests.support.refusals import fresh, mtrain_cli, refused, resume_refused
 
 
@@ -59,6 +60,23 @@ def test_a_second_run_into_a_locked_checkpoint_dir_is_refused_naming_the_holder(
     assert code == 0, out
     assert f"resumed from {run / 'step_0000002'} at step 2" in out and (run / "step_0000003").is_dir()
     assert not (run / run_lock.LOCK_FILE).exists(), "a finished run leaves its lock file behind"
+
+
+def test_every_rank_of_a_second_run_is_refused(mtrain_run, tmp_path):
+    """Under torchrun rank 0 takes the lock and tells the other ranks: all of them fail (none waits forever in a
+    collective for a rank 0 that has gone)."""
+    run = fresh(mtrain_run["run"], tmp_path, "run")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "LOCKED"
+        config = json.loads(_config_file(mtrain_run, tmp_path, run).read_text())
+        launch([{"config": config, "error": str(tmp_path / "error.json")}], tmp_path)
+        message = json.loads((tmp_path / "error.json").read_text())["error"]
+        assert f"in use by another run (pid {holder.pid} on host" in message
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_lock_is_one_holder_at_a_time_and_released(tmp_path):
