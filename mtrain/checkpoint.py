@@ -355,6 +355,8 @@ def _write_synced(path: Path, text: str) -> None:
 
 def _copy_tokenizer(source: Path, dest: Path) -> None:
     """The tokenizer files only (a tokenizer directory may be a whole model directory), as mconvert carries them.
-    A file named by the config itself is the user's choice: its links are followed (resolved) here."""
+    The tokenizer named by the config is the user's choice, not a checkpoint's: its links are followed (resolved
+    here), not held to the directory as `copy_assets` holds a checkpoint's files."""
     dest.mkdir(parents=True, exist_ok=True)
-    hf_dir.copy_assets({source.name: source.resolve()} if source.is_file() else hf_dir.tokenizer_files(source), dest)
+    files = {source.name: source} if source.is_file() else hf_dir.tokenizer_files(source)
+    hf_dir.copy_assets({name: path.resolve() for name, path in files.items()}, dest)

@@ -70,3 +70,18 @@ def test_a_swapped_parent_directory_is_caught_by_the_opened_path(tmp_path, outsi
     (root / "tok").symlink_to(outside)
     with pytest.raises(ConvertError, match="outside the checkpoint"):
         open_inside(root / "tok" / "secret.txt", root)
+
+
+def test_mtrain_follows_the_links_of_the_tokenizer_its_config_names(tmp_path):
+    """The tokenizer of an mtrain config is the user's own choice, not a checkpoint's content: a link in it to
+    elsewhere (a shared copy) is followed when a checkpoint carries it, as before."""
+    from mtrain.checkpoint import _copy_tokenizer
+
+    shared = tmp_path / "shared" / "tokenizer.json"
+    shared.parent.mkdir()
+    shared.write_text('{"shared": true}')
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tokenizer.json").symlink_to(shared)
+    _copy_tokenizer(mine, tmp_path / "step" / "tokenizer")
+    assert (tmp_path / "step" / "tokenizer" / "tokenizer.json").read_text() == '{"shared": true}'
