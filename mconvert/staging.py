@@ -180,9 +180,9 @@ def move_into_place(work: Path, dst: Path, replace: Replace) -> None:
     except OSError as e:
         if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
             raise
-        raise ConvertError(f"--save-dir {dst} was created by someone else while converting (another conversion?); "
-                           "it was left as it is and this conversion's output removed; pass --force to replace "
-                           "it") from None
+        raise ConvertError(f"--save-dir {dst} was created (or filled) by someone else while converting (another "
+                           "conversion?); it was left as it is, and this conversion's output removed; pass --force "
+                           "to replace it") from None
 
 
 def _swap(work: Path, dst: Path) -> None:
@@ -196,7 +196,7 @@ def _swap(work: Path, dst: Path) -> None:
     except BaseException:
         for aside in made:
             with contextlib.suppress(OSError):
-                if (aside / dst.name).exists():
+                if os.path.lexists(aside / dst.name):
                     rename_noreplace(aside / dst.name, dst)
                 aside.rmdir()
         raise

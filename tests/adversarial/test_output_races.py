@@ -46,7 +46,7 @@ def test_a_save_dir_created_meanwhile_is_left_alone(sources, tmp_path, monkeypat
             (dst / "theirs.txt").write_text("somebody else's work")
 
     _during_conversion(monkeypatch, someone_creates_it)
-    refused(_convert(sources["llama_mistral"], dst, expect_error=True), str(dst), "created by someone else",
+    refused(_convert(sources["llama_mistral"], dst, expect_error=True), str(dst), "by someone else while converting",
             "--force")
     assert sorted(os.listdir(dst)) == (["theirs.txt"] if planted == "a file in it" else [])
     assert _leftovers(tmp_path) == []
@@ -56,7 +56,7 @@ def test_an_empty_save_dir_filled_meanwhile_is_left_alone(sources, tmp_path, mon
     dst = tmp_path / "out"
     dst.mkdir()  # an empty --save-dir is allowed without --force: it may be replaced only while still empty
     _during_conversion(monkeypatch, lambda: (dst / "theirs.txt").write_text("somebody else's work"))
-    refused(_convert(sources["llama_mistral"], dst, expect_error=True), str(dst), "created by someone else")
+    refused(_convert(sources["llama_mistral"], dst, expect_error=True), str(dst), "by someone else while converting")
     assert sorted(os.listdir(dst)) == ["theirs.txt"]
     assert _leftovers(tmp_path) == []
 
@@ -82,7 +82,7 @@ def test_two_conversions_into_one_new_save_dir_cannot_both_win(sources, tmp_path
         other["files"] = _snapshot(dst)
 
     _during_conversion(monkeypatch, another_conversion)
-    refused(_convert(sources["llama_mistral"], dst, expect_error=True), str(dst), "created by someone else")
+    refused(_convert(sources["llama_mistral"], dst, expect_error=True), str(dst), "by someone else while converting")
     assert other["run"].returncode == 0, other["run"].stderr
     assert _snapshot(dst) == other["files"] and any("mp_rank_01" in name for name in other["files"])
     assert _leftovers(tmp_path) == []
