@@ -340,7 +340,8 @@ def unreadable(path: Path, error: Exception) -> TrainError:
                 f"of the way and name {earlier[-1].name} in {LATEST_FILE} (e.g. mv {path} "
                 f"{root / ('broken-' + path.name)} && echo {earlier[-1].name} > {root / LATEST_FILE}) and run again")
     else:
-        hint = f"There is no earlier complete checkpoint in {root}: remove {path.name} to start the run over"
+        hint = (f"There is no earlier complete checkpoint in {root}: remove {path.name} and {LATEST_FILE} to start "
+                "the run over")
     return TrainError(f"cannot resume from checkpoint {path.name} in {root}: {reason}. {hint}")
 
 

@@ -160,3 +160,20 @@ def test_keep_last_deletes_the_oldest_steps_by_number(tmp_path):
     (tmp_path / "latest").unlink()
     assert checkpoint.find_latest(tmp_path) == tmp_path / "step_10000000"
     assert "step_9999999" in str(checkpoint.unreadable(tmp_path / "step_10000000", ValueError("damaged")))
+
+
+def test_following_the_advice_for_the_only_checkpoint_starts_over(mtrain_run, tmp_path):
+    """A broken only checkpoint: the message says to remove it and `latest`; doing so starts the run over (and
+    removing the step alone is refused: `latest` would name a missing step)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(mtrain_run["run"] / "step_0000001", run / "step_0000001")
+    (run / "latest").write_text("step_0000001\n")
+    (run / "step_0000001" / "mtrain.json").write_text("[]")
+    resume_refused(mtrain_run, run, tmp_path, "remove step_0000001 and latest to start the run over")
+    shutil.rmtree(run / "step_0000001")
+    resume_refused(mtrain_run, run, tmp_path, "latest names step_0000001, which is not in")
+    (run / "latest").unlink()
+    code, out = mtrain_cli("pretrain", "--config", _config_file(mtrain_run, tmp_path, run, steps=1))
+    assert code == 0, out
+    assert (run / "step_0000001").is_dir() and "resumed" not in out
