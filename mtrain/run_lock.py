@@ -60,7 +60,10 @@ def acquire(root: Path) -> RunLock:
     """Lock `root` (created if missing) for this run, or raise naming the run that holds it. A lock that the file
     system cannot give returns an unheld RunLock (the caller warns)."""
     made_dir = not root.exists()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name, no permission, a read-only file system
+        raise TrainError(f"checkpoint.dir {root}: cannot create it or write there: {e.strerror}") from None
     path = root / LOCK_FILE
     while True:
         fd = _lock(path, root)

@@ -91,6 +91,12 @@ def test_a_lock_is_one_holder_at_a_time_and_released(tmp_path):
     second.release()
 
 
+def test_a_checkpoint_dir_that_is_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / "run").write_text("not a directory")
+    with pytest.raises(run_lock.TrainError, match="checkpoint.dir .*run: cannot create it"):
+        run_lock.acquire(tmp_path / "run")
+
+
 def test_a_link_planted_at_the_lock_file_is_not_followed(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
