@@ -18,6 +18,7 @@ Preprocessing writes one sequence per document, so the document indices are 0, 1
 from __future__ import annotations
 
 import os
+import secrets
 import struct
 from pathlib import Path
 
@@ -45,13 +46,16 @@ def paths(prefix: str | Path) -> tuple[Path, Path]:
 
 
 class IndexedDatasetWriter:
-    """Append documents (token arrays); `finalize()` writes the `.idx`. Files appear atomically at the end."""
+    """Append documents (token arrays); `finalize()` writes the `.idx`. Files appear atomically at the end.
+
+    The files are written under names of their own (`.NAME.partial-<pid>-<random>`, created exclusively): two
+    writers of one prefix never write into the same file; the last to finish replaces the other's pair."""
 
     def __init__(self, prefix: str | Path, dtype: type[np.number]):
         self.bin_path, self.idx_path = paths(prefix)
         self.dtype = np.dtype(dtype)
-        self._tmp_bin = self.bin_path.with_name(self.bin_path.name + ".partial")
-        self._bin = open(self._tmp_bin, "wb")
+        self._tmp_bin = _private_name(self.bin_path)
+        self._bin = open(self._tmp_bin, "xb")
         self.lengths: list[int] = []
 
     def add_document(self, tokens) -> None:
@@ -65,22 +69,29 @@ class IndexedDatasetWriter:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         documents = np.arange(len(lengths) + 1, dtype=np.int64)
-        tmp_idx = self.idx_path.with_name(self.idx_path.name + ".partial")
-        with open(tmp_idx, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<Q", VERSION))
-            f.write(struct.pack("<B", CODE_OF[self.dtype]))
-            f.write(struct.pack("<Q", len(lengths)))
-            f.write(struct.pack("<Q", len(documents)))
-            f.write(lengths.tobytes(order="C"))
-            f.write(pointers.tobytes(order="C"))
-            f.write(documents.tobytes(order="C"))
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(tmp_idx, self.idx_path)
+        tmp_idx = _private_name(self.idx_path)
+        try:
+            with open(tmp_idx, "xb") as f:
+                f.write(MAGIC)
+                f.write(struct.pack("<Q", VERSION))
+                f.write(struct.pack("<B", CODE_OF[self.dtype]))
+                f.write(struct.pack("<Q", len(lengths)))
+                f.write(struct.pack("<Q", len(documents)))
+                f.write(lengths.tobytes(order="C"))
+                f.write(pointers.tobytes(order="C"))
+                f.write(documents.tobytes(order="C"))
+            os.replace(self._tmp_bin, self.bin_path)
+            os.replace(tmp_idx, self.idx_path)
+        finally:
+            tmp_idx.unlink(missing_ok=True)
 
     def abort(self) -> None:
         self._bin.close()
         self._tmp_bin.unlink(missing_ok=True)
+
+
+def _private_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 class IndexedDataset:
