@@ -59,7 +59,11 @@ def _fail_cleanly(func):
             raise click.ClickException(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}") from None
         except (KeyboardInterrupt, Interrupted) as e:
             name = e.name if isinstance(e, Interrupted) else "SIGINT"
-            click.echo(f"Error: interrupted by {name}; no output was left behind", err=True)
+            if isinstance(e, Interrupted) and e.complete is not None:
+                click.echo(f"Error: interrupted by {name} just after the output was complete: {e.complete} is in "
+                           "place, whole", err=True)
+            else:
+                click.echo(f"Error: interrupted by {name}; no output was left behind", err=True)
             raise SystemExit(128 + (e.signum if isinstance(e, Interrupted) else 2)) from None
 
     return wrapper

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,17 +63,29 @@ def staged_output(dst: Path, replace: staging.Replace = "nothing") -> Iterator[P
     created = staging.make_parents(dst.parent)
     staging.remove_stale(dst.parent)
     made: list[Path] = []  # the staging directory, listed before it exists (see staging.make_dir)
+    committing = False
     with staging.terminating_raises():
         try:
             work = staging.make_dir(dst.parent, dst.name, into=made)
             yield work
             _sync_tree(work)
+            committing = True
             staging.move_into_place(work, dst, replace)
-        except BaseException:
-            for path in made:
-                staging.remove(path)
-            staging.remove_empty(created)
+        except (KeyboardInterrupt, staging.Interrupted) as e:
+            if committing and not os.path.lexists(work):  # the signal came just after the rename: say so
+                signum = e.signum if isinstance(e, staging.Interrupted) else signal.SIGINT
+                raise staging.Interrupted(signum, complete=dst) from None
+            _discard(made, created)
             raise
+        except BaseException:
+            _discard(made, created)
+            raise
+
+
+def _discard(made: list[Path], created: list[Path]) -> None:
+    for path in made:
+        staging.remove(path)
+    staging.remove_empty(created)
 
 
 def _sync_tree(root: Path) -> None:

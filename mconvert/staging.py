@@ -7,6 +7,7 @@
 
 - A failure, Ctrl-C (SIGINT) or SIGTERM (what `timeout` and schedulers send) removes the staging directory:
   `terminating_raises` turns SIGTERM into an `Interrupted` exception, so the same cleanup runs as for an error.
+  A signal that lands just after the final rename says so instead (`Interrupted.complete`): the output is whole.
 - `kill -9` leaves it behind; the names say whose it is, so a later run into the same parent removes those of
   processes on this host that no longer exist (`remove_stale`), and nothing else. An `.old` directory of such a
   process whose output never took its place is moved back to its place first (kill -9 in a --force swap).
@@ -42,11 +43,12 @@ _OURS = re.compile(rf"\..*\.(?P<kind>partial|old|probe)-{_TAG}-(?P<host>[\w.]+)-
 
 
 class Interrupted(BaseException):
-    """A termination signal arrived: unwinds like KeyboardInterrupt (cleanup runs), not caught as an error."""
+    """A termination signal arrived: unwinds like KeyboardInterrupt (cleanup runs), not caught as an error.
+    `complete`: the output, when the signal came after it was moved into place (it is there, whole)."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, complete: Path | None = None) -> None:
         super().__init__(signum)
-        self.signum = signum
+        self.signum, self.complete = signum, complete
 
     @property
     def name(self) -> str:

@@ -193,5 +193,25 @@ def test_a_signal_as_the_staging_directory_appears_leaves_nothing(sources, tmp_p
     assert os.listdir(parent) == []
 
 
+@pytest.mark.parametrize("interrupt", [staging.Interrupted(signal.SIGTERM), KeyboardInterrupt()],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_signal_just_after_the_final_rename_says_the_output_is_there(sources, tmp_path, monkeypatch, interrupt):
+    """A signal handled right after the rename (Python runs handlers when the call returns) must not print "no
+    output was left behind" over a complete output in place."""
+    original = staging.rename_noreplace
+
+    def renamed_then_interrupted(src: Path, dst: Path) -> None:
+        original(src, dst)
+        raise interrupt
+
+    monkeypatch.setattr(staging, "rename_noreplace", renamed_then_interrupted)
+    dst = tmp_path / "out"
+    out = _convert(sources["llama_mistral"], dst, expect_error=True)
+    name = "SIGTERM" if isinstance(interrupt, staging.Interrupted) else "SIGINT"
+    assert f"Error: interrupted by {name} just after the output was complete: {dst} is in place" in out, out
+    assert "no output was left behind" not in out
+    assert (dst / "latest_checkpointed_iteration.txt").is_file() and _leftovers(tmp_path) == []
+
+
 def _snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
