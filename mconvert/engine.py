@@ -152,6 +152,8 @@ def convert(src: Path, dst: Path, *, loader: str | None, saver: str, options: Op
     start = time.perf_counter()
     get_saver(saver)  # an unknown saver fails before any reading
     replace = check_destination(src, dst, force)
+    if options.tokenizer:  # its files are copied verbatim, held to its directory as a checkpoint's: say so now
+        contained.check_tree(options.tokenizer)
     ir = load(src, options, loader)
     save(ir, dst, options, saver, progress, check, replace)
     written, files = tree_size(dst)

@@ -45,6 +45,18 @@ def test_a_tokenizer_file_swapped_for_a_link_is_not_followed(sources, outside, t
     assert not (tmp_path / "dst").exists() or os.listdir(tmp_path / "dst") == []
 
 
+def test_a_tokenizer_dir_linking_out_is_refused_before_converting(sources, outside, tmp_path):
+    """--tokenizer DIR is copied verbatim like a checkpoint's own tokenizer files, so it is held to the same rule,
+    and checked before the conversion starts rather than failing at its end."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").symlink_to(outside / "secret.txt")
+    out = run_cli("--saver", "llama_mistral", "--tokenizer", tok, "--load-dir", sources["llama_mistral"],
+                  "--save-dir", tmp_path / "dst" / "out", "-q", expect_error=True)
+    refused(out, "tokenizer.json", "outside the checkpoint")
+    assert not (tmp_path / "dst").exists()
+
+
 def test_open_inside_follows_links_within_and_refuses_others(tmp_path, outside):
     root = tmp_path / "ckpt"
     (root / "sub").mkdir(parents=True)
