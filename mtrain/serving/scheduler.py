@@ -1,0 +1,158 @@
+"""The one thread that runs the model. HTTP threads submit Jobs and read their results as they come.
+
+    loop:  take every job that arrived since the last step -> one new batch (a BatchGeneration) of their rows
+           run one step (one position) of the next batch in turn, hand each row's token to its job
+
+Requests that arrive together are batched (their rows run as one forward pass per step, each request sampled
+with its own settings and seed); a request arriving while others generate starts its own batch at the next step,
+and the batches then advance one token each in turn, so a long generation slows the others down but never holds
+them back until it ends. This is not continuous batching: a batch does not take in rows after it starts.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import traceback
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from mtrain.generation import BatchGeneration, Emitted, RowGroup, Sampling, prompt_logprobs
+from mtrain.models.model import Transformer
+
+
+@dataclass
+class Job:
+    """One request: its rows (token ids of each prompt, one row per choice) and how to sample them."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    sampling: Sampling
+    seed: int
+    eos_ids: frozenset[int] = frozenset()
+    top_logprobs: int | None = None  # see RowGroup
+    with_prompt_logprobs: bool = False  # Megatron's logprobs: those of the prompt tokens too
+    events: queue.Queue = field(default_factory=queue.Queue)
+    ended: set[int] = field(default_factory=set)  # rows the reader needs no more of (a stop string came)
+    cancelled: bool = False  # the client went away
+
+    def end_row(self, row: int) -> None:
+        self.ended.add(row)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def results(self) -> Iterator[tuple[str, object]]:
+        """("prompt_logprobs", {row: [...]}), then ("tokens", [Emitted, ...]) per step, ending with ("done",
+        outputs) or ("error", message)."""
+        while True:
+            kind, value = self.events.get()
+            yield kind, value
+            if kind in ("done", "error"):
+                return
+
+
+class Scheduler:
+    def __init__(self, model: Transformer, max_batch_rows: int = 64):
+        self.model, self.max_batch_rows = model, max_batch_rows
+        self.pending: queue.Queue[Job] = queue.Queue()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="mtrain-generation", daemon=True)
+        self.device = next(model.parameters()).device
+
+    def start(self) -> Scheduler:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=30)
+
+    def submit(self, job: Job) -> Job:
+        self.pending.put(job)
+        return job
+
+    def _run(self) -> None:
+        batches: deque[tuple[BatchGeneration, list[tuple[Job, int]]]] = deque()
+        while not self.stopping.is_set():
+            jobs = self._take(wait=not batches)
+            while jobs:  # at most max_batch_rows rows per batch (a single bigger request runs alone)
+                take, rows = [], 0
+                while jobs and (not take or rows + len(jobs[0].prompts) <= self.max_batch_rows):
+                    rows += len(jobs[0].prompts)
+                    take.append(jobs.pop(0))
+                started = self._start(take)
+                if started is not None:
+                    batches.append(started)
+            if not batches:
+                continue
+            batch = batches.popleft()
+            if self._step(*batch):
+                batches.append(batch)
+        for _, members in batches:
+            for job, _ in members:
+                job.events.put(("error", "the server is shutting down"))
+
+    def _take(self, wait: bool) -> list[Job]:
+        jobs = []
+        try:
+            jobs.append(self.pending.get(timeout=0.2) if wait else self.pending.get_nowait())
+            while True:
+                jobs.append(self.pending.get_nowait())
+        except queue.Empty:
+            pass
+        return [job for job in jobs if not job.cancelled]
+
+    def _start(self, jobs: list[Job]) -> tuple[BatchGeneration, list[tuple[Job, int]]] | None:
+        prompts, groups, limits, members = [], [], [], []
+        for job in jobs:
+            first = len(prompts)
+            prompts += job.prompts
+            limits += [job.max_new_tokens] * len(job.prompts)
+            generator = torch.Generator(device=self.device).manual_seed(job.seed)
+            groups.append(RowGroup(tuple(range(first, len(prompts))), job.sampling, generator, job.eos_ids,
+                                   job.top_logprobs))
+            members.append((job, first))
+        try:
+            for job in jobs:
+                if job.with_prompt_logprobs:
+                    job.events.put(("prompt_logprobs", [prompt_logprobs(self.model, p) for p in job.prompts]))
+            batch = BatchGeneration(self.model, prompts, max_new_tokens=limits, groups=groups)
+        except Exception as e:  # noqa: BLE001 - the jobs were checked; anything here is a bug, told to the client
+            self._fail(members, e)
+            return None
+        return batch, members
+
+    def _step(self, batch: BatchGeneration, members: list[tuple[Job, int]]) -> bool:
+        """One step of `batch`; False once it is finished (its jobs are told)."""
+        for job, first in members:
+            for row in range(len(job.prompts)):
+                if job.cancelled or row in job.ended:
+                    batch.finish(first + row)
+        try:
+            emitted = batch.step() if not batch.done else []
+        except Exception as e:  # noqa: BLE001
+            self._fail(members, e)
+            return False
+        owners = sorted(members, key=lambda m: m[1])
+        for job, first in owners:
+            mine = [Emitted(e.row - first, e.token, e.logprob, e.top) for e in emitted
+                    if first <= e.row < first + len(job.prompts)]
+            if mine:
+                job.events.put(("tokens", mine))
+        if not batch.done:
+            return True
+        outputs = batch.outputs()
+        for job, first in members:
+            job.events.put(("done", outputs[first:first + len(job.prompts)]))
+        return False
+
+    @staticmethod
+    def _fail(members: list[tuple[Job, int]], error: Exception) -> None:
+        traceback.print_exception(error, file=sys.stderr)
+        for job, _ in members:
+            job.events.put(("error", f"generation failed: {type(error).__name__}: {error}"))
