@@ -290,7 +290,7 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=5000, show_default=True, help="0: any free port.")
 @click.option("--max-prompts", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Prompts per request.")
+              help="Sequences per request: prompts (times n for OpenAI requests).")
 @click.option("--max-tokens-to-generate", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--max-request-bytes", type=click.IntRange(min=64), default=1 << 20, show_default=True)
 @click.option("--model-name", help="The model id of the OpenAI endpoints (default: the --load directory's name).")
@@ -316,8 +316,12 @@ def serve(load, loader, tokenizer, host, port, max_prompts, max_tokens_to_genera
     limits = Limits(max_prompts=max_prompts, max_tokens_to_generate=max_tokens_to_generate,
                     max_request_bytes=max_request_bytes)
     check_installed()
-    model, ir = inference.load_model(load, loader)
-    tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="prompts are text")
+    try:  # Ctrl-C while loading stops as quietly as Ctrl-C while serving (no "Aborted!")
+        model, ir = inference.load_model(load, loader)
+        tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="prompts are text")
+    except KeyboardInterrupt:
+        click.echo("stopped", err=True)
+        return
     try:
         template = find_chat_template(tok)
     except ConvertError as e:

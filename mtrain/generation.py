@@ -11,6 +11,9 @@ token instead of the sampled one. Every row then shares the same positions, so n
 
 With the cache (kv_cache.py) each step runs one new position through the model; without it the whole sequence
 is run again every step (kept as the reference the cache is tested and benchmarked against).
+
+BatchGeneration runs that loop one step at a time (the server's scheduler interleaves several), with rows in
+RowGroups that each sample with their own settings and generator; generate_batch is one group run to the end.
 """
 
 from __future__ import annotations
