@@ -49,14 +49,18 @@ def running_server(load: Path, *args: str) -> Iterator[Server]:
                              "--port", "0", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     server = None
+    watchdog = threading.Timer(START_TIMEOUT, proc.kill)  # a server that never starts fails the test, not hangs it
+    watchdog.start()
     try:
         line = proc.stderr.readline()  # "serving … at http://127.0.0.1:PORT/api (PUT) and …"
+        watchdog.cancel()
         if " at http://127.0.0.1:" not in line:
             proc.kill()
-            raise AssertionError(line + proc.communicate(timeout=START_TIMEOUT)[1][-3000:])
+            raise AssertionError(line + proc.communicate(timeout=60)[1][-3000:])
         server = Server(line.split(" at ")[1].split()[0].removesuffix("/api"), proc)
         yield server
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             (server.stop() if server else proc.kill())
 
