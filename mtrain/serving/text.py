@@ -22,7 +22,8 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], stops: Sequence[str] = (),
                  keep_stop: bool = False):
         self.tokenizer, self.context = tokenizer, list(prompt[-CONTEXT:])
-        self.prefix = tokenizer.decode(self.context) if self.context else ""
+        # a character the prompt's last bytes begin is the new tokens' once they complete it
+        self.prefix = tokenizer.decode(self.context).rstrip("\ufffd") if self.context else ""
         self.stops, self.keep_stop = [s for s in stops if s], keep_stop
         self.ids: list[int] = []
         self.text = ""  # the text so far, cut at a stop string
