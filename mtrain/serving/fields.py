@@ -3,6 +3,7 @@ the protocol layers turn it into their error shape (Megatron's {"error": ...}, O
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -76,5 +77,9 @@ def unknown(body: dict, known: set[str], where: str) -> None:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    """The value as JSON writes it (null, false, "name"), cut to 60 characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -61,7 +61,7 @@ def openai_refused(server, body: bytes, *needles: str, status: int = 400, **kw) 
 @pytest.mark.parametrize("value, needle", [
     (b"NaN", "holds NaN, which is not a JSON number"),
     (b"-Infinity", "holds -Infinity, which is not a JSON number"),
-    (b"1e400", '"temperature" must be a number from 0.0 to 2.0, got inf'),
+    (b"1e400", '"temperature" must be a number from 0.0 to 2.0, got Infinity'),
     (b"5e-324", '"temperature" must be 0 (greedy) or at least 1e-05, got 5e-324'),
     (b"2.2250738585072014e-308", "must be 0 (greedy) or at least 1e-05"),
     (b"1" * 5000, "the body is not JSON this server reads"),  # more digits than Python converts

@@ -110,13 +110,13 @@ def test_megatron_api_takes_megatrons_fields_and_post(server, reference):
     served = torch.tensor(answer["logprobs"][0], dtype=torch.float64)
     assert served.shape == exact.shape and (served - exact).abs().max() <= bound
     status, answer = request(server.url + "/api", {"prompts": ["t5"], "beam_width": 2}, method="PUT")
-    assert status == 400 and answer["error"].startswith('"beam_width" is not supported; this server takes only None')
+    assert status == 400 and answer["error"].startswith('"beam_width" is not supported; this server takes only null')
 
 
 @pytest.mark.parametrize("body, status, message", [
     (b"not json", 400, "the body is not JSON: Expecting value at line 1 column 1"),
     ([1], 400, "the body must be a JSON object"),
-    ({"prompt": ["t5"]}, 400, "unknown field(s) 'prompt' in the request; fields: "),
+    ({"prompt": ["t5"]}, 400, "unknown field(s) \"prompt\" in the request; fields: "),
     ({"prompts": "t5"}, 400, '"prompts" must be a non-empty list of strings'),
     ({"prompts": ["t5"] * 5}, 400, '"prompts" has 5 entries; this server takes at most 4'),
     ({"prompts": ["t5"], "tokens_to_generate": -1}, 400, '"tokens_to_generate" must be an integer from 0 to 1024'),
@@ -218,8 +218,8 @@ def test_chat_plain_and_streamed(client, reference):
     (dict(prompt="t5", max_tokens=300), "max_tokens", "prompt 0: a prompt of 1 tokens plus 300 new tokens needs"),
     (dict(prompt=[5, 300]), "prompt", "prompt holds token id 300, outside the model's vocabulary of 300"),
     (dict(prompt="t5", stop=["a", "b", "c", "d", "e"]), "stop", '"stop" must be a string or a list of at most 4'),
-    (dict(prompt="t5", echo=True), "echo", '"echo" is not supported; this server takes only False or None'),
-    (dict(prompt="t5", extra_body={"best_of_all": 1}), "best_of_all", "unknown field(s) 'best_of_all'"),
+    (dict(prompt="t5", echo=True), "echo", '"echo" is not supported; this server takes only false or null'),
+    (dict(prompt="t5", extra_body={"best_of_all": 1}), "best_of_all", 'unknown field(s) "best_of_all"'),
 ])
 def test_completion_bad_requests_get_openai_errors(client, call, param, message):
     with pytest.raises(openai.BadRequestError) as caught:
