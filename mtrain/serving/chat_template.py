@@ -3,12 +3,14 @@ untrusted checkpoint: it can reach no attribute or function beyond the variables
 
 Where Hugging Face keeps it, first found wins: chat_template.jinja, tokenizer_config.json's "chat_template" (a
 string, or a list of {"name", "template"} where "default" is used), chat_template.json's "chat_template".
-Variables: messages, add_generation_prompt (true), bos_token, eos_token, and raise_exception(message).
+Variables: messages, add_generation_prompt (true), bos_token, eos_token, and as in transformers the functions
+raise_exception(message) and strftime_now(format) (today's date, which Llama 3.1's template prints).
 """
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ class ChatTemplate:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(str(fmt))
         try:
             self.template = env.from_string(source)
         except TemplateError as e:

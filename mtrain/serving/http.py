@@ -3,7 +3,7 @@ a clean stop on Ctrl-C or SIGTERM (exit 0).
 
     GET  /health                 {"status": "ok"}
     PUT  /api  (POST as well)    Megatron-LM's text generation request (megatron_api.py)
-    GET  /v1/models              POST /v1/completions, /v1/chat/completions: OpenAI's protocol (openai_api.py)
+    GET  /v1/models[/NAME]       POST /v1/completions, /v1/chat/completions: OpenAI's protocol (openai_api.py)
 
 Errors: {"error": "message"} on /api and /health, OpenAI's {"error": {"message", "type", "param", "code"}} on
 /v1/*; 400 for a bad request (body.py, fields.py), 404 for an unknown path or model, 405 for a wrong method, 413
@@ -72,6 +72,13 @@ def create_app(service: Service):
     @app.get("/v1/models")
     def models():
         return jsonify(openai_api.models(service))
+
+    @app.get("/v1/models/<path:name>")
+    def one_model(name: str):
+        try:
+            return jsonify(openai_api.model(name, service))
+        except BadRequest as e:
+            return openai_error(str(e), e.status, "not_found_error", e.param, e.code)
 
     def openai(make_plan: Callable):
         try:

@@ -57,8 +57,15 @@ class Plan:
 
 
 def models(service: Service) -> dict:
-    return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0,
-                                        "owned_by": "mtrain"}]}
+    return {"object": "list", "data": [model(service.model_name, service)]}
+
+
+def model(name: str, service: Service) -> dict:
+    """GET /v1/models/NAME: the served model, or a 404."""
+    if name != service.model_name:
+        raise BadRequest(f'the model "{name}" does not exist: this server serves "{service.model_name}"', "model",
+                         status=404, code="model_not_found")
+    return {"id": name, "object": "model", "created": 0, "owned_by": "mtrain"}
 
 
 def completion_plan(body: Any, service: Service) -> Plan:
@@ -143,12 +150,12 @@ def _object(body: Any, known: set[str], what: str) -> dict:
 
 
 def check_model(body: Any, service: Service) -> None:
-    model = body.get("model") if isinstance(body, dict) else None
-    if not isinstance(model, str):
+    if not isinstance(body, dict):
+        raise BadRequest('the body must be a JSON object such as {"model": "...", "prompt": "Hello"}')
+    name = body.get("model")
+    if not isinstance(name, str):
         raise BadRequest(f'"model" must be a string: this server serves "{service.model_name}"', "model")
-    if model != service.model_name:
-        raise BadRequest(f'the model "{model}" does not exist: this server serves "{service.model_name}"', "model",
-                         status=404, code="model_not_found")
+    model(name, service)
 
 
 def _message(message: Any, i: int) -> dict[str, str]:

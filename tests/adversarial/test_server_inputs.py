@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+from datetime import datetime
 from urllib.parse import urlsplit
 
 import pytest
@@ -156,6 +157,8 @@ def test_a_chat_template_is_sandboxed(tmp_path, marker):
                "{{ ''.__class__.__mro__[1].__subclasses__() }}")
     with pytest.raises(BadRequest, match="the model's chat template .* failed on these messages: SecurityError"):
         ChatTemplate(payload, tmp_path / "tokenizer_config.json", {}).render([{"role": "user", "content": "x"}])
+    dated = ChatTemplate("{{ bos_token }}{{ strftime_now('%Y') }}", tmp_path, {"bos_token": "<s>"})
+    assert dated.render([]) == f"<s>{datetime.now().year}"  # the functions transformers offers templates work
     refuse = ChatTemplate("{{ raise_exception('no system role') }}", tmp_path, {})
     with pytest.raises(BadRequest, match="the model's chat template refused these messages: no system role"):
         refuse.render([{"role": "system", "content": "x"}])

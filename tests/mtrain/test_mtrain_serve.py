@@ -143,7 +143,9 @@ def test_health_and_other_methods_and_paths(server):
 # -- OpenAI's /v1 ----------------------------------------------------------------------------------------------
 
 def test_models(client):
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [m.id for m in client.models.list().data] == ["tiny"] and client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="the model \"gpt-4\" does not exist"):
+        client.models.retrieve("gpt-4")
 
 
 def test_completion_plain_and_streamed_match_the_library(client, reference):
