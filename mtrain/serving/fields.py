@@ -51,15 +51,18 @@ def boolean(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def string_list(body: dict, name: str, *, most: int, allow_single: bool = True) -> list[str]:
-    """A list of strings (or one string when allow_single); [] when absent or null."""
+def string_list(body: dict, name: str, *, most: int, longest: int) -> list[str]:
+    """A string or a list of at most `most` strings of at most `longest` characters; [] when absent or null."""
     value = body.get(name)
     if value is None:
         return []
-    if allow_single and isinstance(value, str):
+    if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or len(value) > most:
         raise BadRequest(f'"{name}" must be a string or a list of at most {most} strings', name)
+    if any(len(v) > longest for v in value):
+        raise BadRequest(f'"{name}" holds a string of {max(map(len, value))} characters; at most {longest} are '
+                         "accepted", name)
     return value
 
 

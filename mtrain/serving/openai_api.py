@@ -39,6 +39,7 @@ NEUTRAL = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, Non
            "echo": (False, None), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
            "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
 MAX_STOPS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256  # each token's check for a stop string's beginning costs its length squared
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -133,8 +134,9 @@ def _plan(body: dict, service: Service, ids: list[list[int]], *, chat: bool, def
     include_usage = fields.boolean(options or {}, "include_usage", False)
     sampling = Sampling(greedy=temperature == 0 or top_k == 1, temperature=temperature,
                         top_k=top_k if top_k > 0 else None, top_p=top_p if top_p < 1 else None)
-    return Plan(chat, ids, n, max_tokens, sampling, secrets.randbits(63) if seed is None else seed % 2**64,
-                fields.string_list(body, "stop", most=MAX_STOPS), top_logprobs, stream, include_usage)
+    stops = fields.string_list(body, "stop", most=MAX_STOPS, longest=MAX_STOP_CHARS)
+    return Plan(chat, ids, n, max_tokens, sampling, secrets.randbits(63) if seed is None else seed % 2**64, stops,
+                top_logprobs, stream, include_usage)
 
 
 def _object(body: Any, known: set[str], what: str) -> dict:
