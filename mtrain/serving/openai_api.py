@@ -77,6 +77,7 @@ def completion_plan(body: Any, service: Service) -> Plan:
     if not isinstance(prompt, list) or not prompt:
         raise BadRequest('"prompt" must be a string, a list of strings, a list of token ids or a list of such lists',
                          "prompt")
+    service.check_rows(len(prompt), f"{len(prompt)} prompts", "prompt")
     ids = []
     for i, p in enumerate(prompt):
         where = "prompt" if len(prompt) == 1 else f"prompt[{i}]"

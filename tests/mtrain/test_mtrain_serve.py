@@ -217,6 +217,7 @@ def test_chat_plain_and_streamed(client, reference):
     (dict(prompt="t5", n=5), "n", '"n" must be an integer from 1 to 4, got 5'),
     (dict(prompt=["t5", "t6"], n=3), "n", "2 prompt(s) times n=3 make 6 sequences to generate; this server takes "
                                           "at most 4 per request"),
+    (dict(prompt=["t5"] * 5), "prompt", "5 prompts make 5 sequences to generate; this server takes at most 4"),
     (dict(prompt="t5", max_tokens=300), "max_tokens", "prompt 0: a prompt of 1 tokens plus 300 new tokens needs"),
     (dict(prompt=[5, 300]), "prompt", "prompt holds token id 300, outside the model's vocabulary of 300"),
     (dict(prompt="t5", stop=["a", "b", "c", "d", "e"]), "stop", '"stop" must be a string or a list of at most 4'),
