@@ -114,7 +114,8 @@ class BatchGeneration:
 
     @property
     def done(self) -> bool:
-        return self.pos >= self.total or all(self.pos >= s for s in self.stop)
+        """Every row has produced what it may (a row with nothing to produce is done at once)."""
+        return self.pos >= self.total or all(self.pos >= s or s <= n for s, n in zip(self.stop, self.lengths))
 
     def finish(self, row: int) -> None:
         """Produce nothing more for `row` (what it produced stays in outputs())."""
@@ -173,11 +174,15 @@ def generate_batch(model: Transformer, prompts: list[list[int]], *, max_new_toke
 
 
 @torch.inference_mode()
-def prompt_logprobs(model: Transformer, prompt: list[int]) -> list[float]:
-    """The log-probability of each token of `prompt` after the first, given the tokens before it."""
+def prompt_logprobs(model: Transformer, prompt: list[int], top: int = 0) -> list[Emitted]:
+    """Each token of `prompt` after the first with its log-probability given the tokens before it, and the `top`
+    most likely tokens' there (row 0)."""
     ids = torch.tensor([prompt], dtype=torch.long, device=next(model.parameters()).device)
     logp = torch.log_softmax(model(ids)[0, :-1].float(), dim=-1)
-    return logp.gather(-1, ids[0, 1:, None])[:, 0].tolist()
+    chosen = logp.gather(-1, ids[0, 1:, None])[:, 0].tolist()
+    tops = torch.topk(logp, min(top, logp.shape[-1]), dim=-1) if top else None
+    return [Emitted(0, token, value, tuple(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if tops else ())
+            for i, (token, value) in enumerate(zip(prompt[1:], chosen))]
 
 
 def generate(model: Transformer, prompt: list[int], *, max_new_tokens: int, temperature: float = 1.0,

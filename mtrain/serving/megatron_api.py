@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtrain.generation import Sampling
+from mtrain.generation import Emitted, Sampling
 from mtrain.serving import fields
 from mtrain.serving.chat_template import special_tokens
 from mtrain.serving.fields import BadRequest
@@ -63,7 +63,7 @@ def answer(body: Any, service: Service) -> dict:
     eos = service.eos_ids | ({stop_token} if stop_token is not None else set())
     job = service.scheduler.submit(Job(ids, tokens, sampling, seed, eos, 0 if logprobs else None, logprobs))
     rows = [GeneratedRow(service.tokenizer, p, tokens, (), stops, keep_stop=True) for p in ids]
-    prompt_lp: list[list[float]] = []
+    prompt_lp: list[list[Emitted]] = []
     for kind, value in job.results():
         if kind == "prompt_logprobs":
             prompt_lp = value
@@ -80,7 +80,7 @@ def answer(body: Any, service: Service) -> dict:
     segments = [[tok.decode([t]) for t in p + r.tokens] for p, r in zip(ids, rows)]
     out = {"text": text, "segments": segments, "logprobs": None}
     if logprobs:
-        out["logprobs"] = [lp + [e.logprob for e in r.emitted] for lp, r in zip(prompt_lp, rows)]
+        out["logprobs"] = [[e.logprob for e in lp + r.emitted] for lp, r in zip(prompt_lp, rows)]
     return out
 
 

@@ -8,8 +8,10 @@ runs as one scheduler Job, and is answered whole or, with "stream": true, as ser
     data: {... "choices": [], "usage": {...}}          only with "stream_options": {"include_usage": true}
     data: [DONE]
 
-Log-probabilities are those of the model's own distribution (before temperature, top_p and top_k). Fields this
-server has no use for are taken with their neutral values only (echo false, penalties 0, no logit_bias, no tools);
+Log-probabilities are those of the model's own distribution (before temperature, top_p and top_k). A completion
+with "echo": true puts each prompt before its completion, with its tokens' log-probabilities when asked (the first
+token has none), and takes "max_tokens": 0: how eval harnesses score a text's likelihood. Fields this
+server has no use for are taken with their neutral values only (penalties 0, no logit_bias, no tools);
 any other unknown field is refused, naming it. `top_k` is taken as an extension (0 or -1: no limit).
 """
 
@@ -19,7 +21,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,7 @@ from mtrain.serving import fields
 from mtrain.serving.fields import BadRequest
 from mtrain.serving.scheduler import Job
 from mtrain.serving.service import Service
-from mtrain.serving.text import GeneratedRow
+from mtrain.serving.text import CONTEXT, GeneratedRow
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
           "logprobs", "user", "frequency_penalty", "presence_penalty", "logit_bias"}
@@ -36,7 +38,7 @@ COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                         "tool_choice", "parallel_tool_calls"}
 NEUTRAL = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logit_bias": (None, {}),
-           "echo": (False, None), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+           "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
            "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
 MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # each token's check for a stop string's beginning costs its length squared
@@ -55,6 +57,7 @@ class Plan:
     top_logprobs: int | None
     stream: bool
     include_usage: bool
+    echo: list[str] | None = None  # completions with "echo": the text of each prompt, put before its completion
 
 
 def models(service: Service) -> dict:
@@ -88,7 +91,11 @@ def completion_plan(body: Any, service: Service) -> Plan:
         else:
             raise BadRequest(f'{where} must be a string or a list of token ids (integers)', "prompt")
     logprobs = fields.number(body, "logprobs", None, int, 0, 20)
-    return _plan(body, service, ids, chat=False, default_tokens=16, top_logprobs=logprobs)
+    plan = _plan(body, service, ids, chat=False, default_tokens=16, top_logprobs=logprobs,
+                 fewest_tokens=0 if fields.boolean(body, "echo", False) else 1)
+    if fields.boolean(body, "echo", False):
+        plan.echo = [p if isinstance(p, str) else service.tokenizer.decode(i) for p, i in zip(prompt, ids)]
+    return plan
 
 
 def chat_plan(body: Any, service: Service) -> Plan:
@@ -114,9 +121,9 @@ def chat_plan(body: Any, service: Service) -> Plan:
 
 
 def _plan(body: dict, service: Service, ids: list[list[int]], *, chat: bool, default_tokens: int,
-          top_logprobs: int | None) -> Plan:
+          top_logprobs: int | None, fewest_tokens: int = 1) -> Plan:
     limits = service.limits
-    max_tokens = fields.number(body, "max_tokens", default_tokens, int, 1, limits.max_tokens_to_generate)
+    max_tokens = fields.number(body, "max_tokens", default_tokens, int, fewest_tokens, limits.max_tokens_to_generate)
     temperature = fields.temperature(body, 1.0, 2.0)
     top_p = fields.number(body, "top_p", 1.0, float, 0.0, 1.0)
     if top_p == 0:
@@ -195,15 +202,29 @@ class Run:
         self.created = int(time.time())
         rows = [p for p in plan.prompts for _ in range(plan.n)]
         self.rows = [GeneratedRow(service.tokenizer, p, plan.max_tokens, service.eos_ids, plan.stops) for p in rows]
+        self.echo = [t for t in plan.echo for _ in range(plan.n)] if plan.echo is not None else None
+        self.prompt_tokens: list[list[Emitted]] = [[] for _ in rows]  # with echo and logprobs: the prompt's
+        self.offsets = [0] * len(rows)  # text_offset of each row's next token
+        # the tokens before each row's next one, to decode a token as the text it adds there (" world", not "world")
+        self.context = [list(p[-CONTEXT:]) if self.echo is None else [] for p in rows]
+        with_prompt = self.echo is not None and plan.top_logprobs is not None
         self.job = service.scheduler.submit(Job(rows, plan.max_tokens, plan.sampling, plan.seed, service.eos_ids,
-                                                plan.top_logprobs))
+                                                plan.top_logprobs, with_prompt))
 
     def _steps(self) -> Iterator[tuple[int, str, list[Emitted]]]:
-        """(row, new text, the tokens it came from) as results arrive; each row's last has its finish_reason."""
+        """(row, new text, the tokens it came from) as results arrive; each row's last has its finish_reason. With
+        echo, each row's first is its prompt (and the prompt's tokens, the first without a log-probability)."""
+        if self.echo is not None and not self.job.with_prompt_logprobs:
+            for index, text in enumerate(self.echo):
+                yield index, text, []
         for kind, value in self.job.results():
             if kind == "error":
                 raise RuntimeError(value)
-            if kind == "tokens":
+            if kind == "prompt_logprobs":
+                for index, tokens in enumerate(value):
+                    self.prompt_tokens[index] = [Emitted(index, self.job.prompts[index][0]), *tokens]
+                    yield index, self.echo[index], self.prompt_tokens[index]
+            elif kind == "tokens":
                 taken: dict[int, tuple[str, list[Emitted]]] = {}
                 for e in value:
                     row = self.rows[e.row]
@@ -229,8 +250,8 @@ class Run:
             if self.plan.chat:
                 choice["message"] = {"role": "assistant", "content": row.stream.text}
             else:
-                choice["text"] = row.stream.text
-            choice["logprobs"] = self._logprobs(row.emitted)
+                choice["text"] = (self.echo[index] if self.echo else "") + row.stream.text
+            choice["logprobs"] = self._logprobs(index, self.prompt_tokens[index] + row.emitted)
             choice["finish_reason"] = row.finish_reason
             choices.append(choice)
         return {**self._head(), "choices": choices, "usage": self._usage()}
@@ -245,7 +266,7 @@ class Run:
             try:
                 for index, text, tokens in self._steps():
                     row = self.rows[index]
-                    logprobs = self._logprobs(tokens) if tokens else None
+                    logprobs = self._logprobs(index, tokens) if tokens else None
                     if text or logprobs or row.finish_reason:
                         content = {"delta": {"content": text}} if self.plan.chat else {"text": text}
                         yield self._event([{"index": index, **content, "logprobs": logprobs,
@@ -278,20 +299,38 @@ class Run:
         completion = sum(len(r.emitted) for r in self.rows)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _logprobs(self, tokens: list[Emitted]) -> dict | None:
+    def _logprobs(self, index: int, tokens: list[Emitted]) -> dict | None:
+        """The logprobs of row `index`'s `tokens` (the next ones of its response): OpenAI's chat or completion
+        shape. A token without a log-probability (echo's first) has null for it and its top ones."""
         if self.plan.top_logprobs is None:
             return None
-        decode = self.service.tokenizer.decode
+        texts, tops = [], []
+        for e in tokens:
+            piece = self._decoder(index)
+            texts.append(piece(e.token))
+            tops.append([(piece(t), lp) for t, lp in e.top])
+            self.context[index] = (self.context[index] + [e.token])[-CONTEXT:]
         if self.plan.chat:
-            return {"content": [{**_entry(decode([e.token]), e.logprob),
-                                 "top_logprobs": [_entry(decode([t]), lp) for t, lp in e.top]} for e in tokens]}
-        texts = [decode([e.token]) for e in tokens]
-        offsets, at = [], 0
+            return {"content": [{**_entry(text, e.logprob), "top_logprobs": [_entry(t, lp) for t, lp in top]}
+                                for e, text, top in zip(tokens, texts, tops)]}
+        offsets = []
         for t in texts:
-            offsets.append(at)
-            at += len(t)
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(t)
         return {"tokens": texts, "token_logprobs": [e.logprob for e in tokens],
-                "top_logprobs": [{decode([t]): lp for t, lp in e.top} for e in tokens], "text_offset": offsets}
+                "top_logprobs": [None if e.logprob is None else dict(top) for e, top in zip(tokens, tops)],
+                "text_offset": offsets}
+
+    def _decoder(self, index: int) -> Callable[[int], str]:
+        """token -> the text it adds after row `index`'s context."""
+        decode, context = self.service.tokenizer.decode, self.context[index]
+        before = decode(context) if context else ""
+
+        def piece(token: int) -> str:
+            text = decode(context + [token])
+            return text[len(before):] if text.startswith(before) else decode([token])
+
+        return piece
 
 
 def _entry(text: str, logprob: float | None) -> dict:

@@ -35,7 +35,7 @@ class Job:
     seed: int
     eos_ids: frozenset[int] = frozenset()
     top_logprobs: int | None = None  # see RowGroup
-    with_prompt_logprobs: bool = False  # Megatron's logprobs: those of the prompt tokens too
+    with_prompt_logprobs: bool = False  # those of the prompt's tokens too (Megatron's logprobs, OpenAI's echo)
     events: queue.Queue = field(default_factory=queue.Queue)
     ended: set[int] = field(default_factory=set)  # rows the reader needs no more of (a stop string came)
     cancelled: bool = False  # the client went away
@@ -47,8 +47,8 @@ class Job:
         self.cancelled = True
 
     def results(self) -> Iterator[tuple[str, object]]:
-        """("prompt_logprobs", {row: [...]}), then ("tokens", [Emitted, ...]) per step, ending with ("done",
-        outputs) or ("error", message)."""
+        """("prompt_logprobs", [[Emitted, ...] per row]) when asked for, then ("tokens", [Emitted, ...]) per step,
+        ending with ("done", outputs) or ("error", message)."""
         while True:
             kind, value = self.events.get()
             yield kind, value
@@ -120,7 +120,8 @@ class Scheduler:
         try:
             for job in jobs:
                 if job.with_prompt_logprobs:
-                    job.events.put(("prompt_logprobs", [prompt_logprobs(self.model, p) for p in job.prompts]))
+                    job.events.put(("prompt_logprobs", [prompt_logprobs(self.model, p, job.top_logprobs or 0)
+                                                        for p in job.prompts]))
             batch = BatchGeneration(self.model, prompts, max_new_tokens=limits, groups=groups)
         except Exception as e:  # noqa: BLE001 - the jobs were checked; anything here is a bug, told to the client
             self._fail(members, e)

@@ -61,6 +61,21 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def assert_within_float32_error(served: list[float], model, ids: list[int]) -> None:
+    """`served`: the log-probability of each token of `ids` after the first, computed by the server in float32.
+    The exact values are the same model's in float64; the server's sums run in other orders (another thread count,
+    the key/value cache) than this process's float32 evaluation, so, as in tests/mtrain/parity.py, they must lie
+    within K times this process's own float32 error plus FLOOR_ULPS ulps of the largest value (a wrong token or
+    position moves a log-probability by far more: they differ by ~0.1 between tokens here)."""
+    tokens = torch.tensor(ids)
+    exact = torch.log_softmax(copy.deepcopy(model).double()(tokens[None])[0, :-1], -1).gather(-1, tokens[1:, None])
+    exact = exact[:, 0]
+    local = torch.tensor([e.logprob for e in prompt_logprobs(model, ids)], dtype=torch.float64)
+    bound = K * (local - exact).abs().max() + FLOOR_ULPS * EPS32 * exact.abs().max()
+    served = torch.tensor(served, dtype=torch.float64)
+    assert served.shape == exact.shape and (served - exact).abs().max() <= bound
+
+
 def continuation(tok, prompt, new):
     """The text new tokens add after the prompt, as a client reads it (the eos token left out)."""
     new = [t for t in new if t != EOS]
@@ -87,13 +102,8 @@ def test_megatron_api_generates_like_the_library(server, reference):
 @pytest.mark.parity
 def test_megatron_api_takes_megatrons_fields_and_post(server, reference):
     """logprobs, add_BOS, no_log and the neutral values of Megatron's other fields are accepted (issue 28, item
-    11); POST answers like PUT.
-
-    The log-probabilities (prompt and continuation) are float32 evaluations of one function whose exact value the
-    same model in float64 gives; the server's sums run in other orders (another thread count, the key/value cache)
-    than this process's float32 evaluation, so, as in tests/mtrain/parity.py, they must lie within K times this
-    process's own float32 error plus FLOOR_ULPS ulps of the largest value (a wrong token or position moves a
-    log-probability by far more: they differ by ~0.1 between tokens here)."""
+    11); POST answers like PUT. The log-probabilities (prompt and continuation) are bounded by float32's own
+    error (assert_within_float32_error)."""
     model, tok, _ = reference
     body = {"prompts": ["t5 t6"], "tokens_to_generate": 3, "temperature": 0, "logprobs": True, "add_BOS": True,
             "no_log": True, "top_p_decay": 0.0, "beam_width": None, "stop_on_eol": False}
@@ -102,13 +112,7 @@ def test_megatron_api_takes_megatrons_fields_and_post(server, reference):
     ids = [1] + tok.encode("t5 t6")  # t1 is the test tokenizer's bos
     new = generate_batch(model, [ids], max_new_tokens=3, sampling=Sampling(greedy=True), eos_ids=[EOS])[0]
     assert answer["text"] == [tok.decode(ids + new)]
-    tokens = torch.tensor(ids + new)
-    exact = torch.log_softmax(copy.deepcopy(model).double()(tokens[None])[0, :-1], -1).gather(-1, tokens[1:, None])
-    exact = exact[:, 0]
-    own_error = (torch.tensor(prompt_logprobs(model, ids + new), dtype=torch.float64) - exact).abs().max()
-    bound = K * own_error + FLOOR_ULPS * EPS32 * exact.abs().max()
-    served = torch.tensor(answer["logprobs"][0], dtype=torch.float64)
-    assert served.shape == exact.shape and (served - exact).abs().max() <= bound
+    assert_within_float32_error(answer["logprobs"][0], model, ids + new)
     status, answer = request(server.url + "/api", {"prompts": ["t5"], "beam_width": 2}, method="PUT")
     assert status == 400 and answer["error"].startswith('"beam_width" is not supported; this server takes only null')
 
@@ -187,9 +191,29 @@ def test_completion_sampling_seed_n_stop_and_logprobs(client, reference):
     # logprobs: each chosen token's log-probability, and under greedy it is the largest of the top ones
     answer = client.completions.create(model="tiny", prompt="t9 t3", max_tokens=4, temperature=0, logprobs=3)
     lp = answer.choices[0].logprobs
-    assert lp.tokens == [tok.decode([t]) for t in greedy(ids, 4)]
+    assert "".join(lp.tokens) == answer.choices[0].text == continuation(tok, ids, greedy(ids, 4))
     for chosen, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 3 and top[chosen] == value == max(top.values()) and value < 0
+
+
+@pytest.mark.parity
+def test_completion_echo_scores_a_prompt(client, reference):
+    """echo with max_tokens 0 and logprobs, as eval harnesses score a text's likelihood: the prompt comes back with
+    the log-probability of each token after the first (bounded by float32's own error, see
+    assert_within_float32_error); with max_tokens > 0 the completion follows the prompt."""
+    model, tok, greedy = reference
+    ids = tok.encode("t5 t37 t42 t8")
+    answer = client.completions.create(model="tiny", prompt="t5 t37 t42 t8", max_tokens=0, echo=True, logprobs=2)
+    choice = answer.choices[0]
+    assert choice.text == "t5 t37 t42 t8" and answer.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.tokens == ["t5", " t37", " t42", " t8"] and lp.text_offset == [0, 2, 6, 10]  # offsets into the text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert_within_float32_error(lp.token_logprobs[1:], model, ids)
+    assert all(len(top) == 2 and max(top.values()) >= value for top, value in zip(lp.top_logprobs[1:],
+                                                                                   lp.token_logprobs[1:]))
+    answer = client.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True, temperature=0)
+    assert answer.choices[0].text == tok.decode(ids) + continuation(tok, ids, greedy(ids, 3))
 
 
 def test_chat_plain_and_streamed(client, reference):
@@ -203,7 +227,7 @@ def test_chat_plain_and_streamed(client, reference):
     message = answer.choices[0].message
     assert message.role == "assistant" and message.content == continuation(tok, ids, new)
     assert answer.usage.prompt_tokens == len(ids) and answer.object == "chat.completion"
-    assert [e.token for e in answer.choices[0].logprobs.content] == [tok.decode([t]) for t in new]
+    assert "".join(e.token for e in answer.choices[0].logprobs.content) == continuation(tok, ids, new)
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -213,7 +237,6 @@ def test_chat_plain_and_streamed(client, reference):
 
 @pytest.mark.parametrize("call, param, message", [
     (dict(prompt="t5", temperature=3), "temperature", '"temperature" must be a number from 0.0 to 2.0, got 3'),
-    (dict(prompt="t5", max_tokens=0), "max_tokens", '"max_tokens" must be an integer from 1 to 1024, got 0'),
     (dict(prompt="t5", n=5), "n", '"n" must be an integer from 1 to 4, got 5'),
     (dict(prompt=["t5", "t6"], n=3), "n", "2 prompt(s) times n=3 make 6 sequences to generate; this server takes "
                                           "at most 4 per request"),
@@ -221,7 +244,8 @@ def test_chat_plain_and_streamed(client, reference):
     (dict(prompt="t5", max_tokens=300), "max_tokens", "prompt 0: a prompt of 1 tokens plus 300 new tokens needs"),
     (dict(prompt=[5, 300]), "prompt", "prompt holds token id 300, outside the model's vocabulary of 300"),
     (dict(prompt="t5", stop=["a", "b", "c", "d", "e"]), "stop", '"stop" must be a string or a list of at most 4'),
-    (dict(prompt="t5", echo=True), "echo", '"echo" is not supported; this server takes only false or null'),
+    (dict(prompt="t5", best_of=2), "best_of", '"best_of" is not supported; this server takes only null or 1'),
+    (dict(prompt="t5", max_tokens=0), "max_tokens", '"max_tokens" must be an integer from 1 to 1024, got 0'),
     (dict(prompt="t5", extra_body={"best_of_all": 1}), "best_of_all", 'unknown field(s) "best_of_all"'),
 ])
 def test_completion_bad_requests_get_openai_errors(client, call, param, message):
