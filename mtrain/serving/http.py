@@ -25,6 +25,8 @@ from mtrain.serving.body import parse_json
 from mtrain.serving.fields import BadRequest
 from mtrain.serving.service import Service
 
+SOCKET_TIMEOUT = 120  # seconds a connection may stay silent
+
 
 def check_installed() -> None:
     """Flask is an optional extra: say how to get it before any model is loaded."""
@@ -104,6 +106,8 @@ def create_app(service: Service):
         elif e.code == 405:
             allowed = ", ".join(sorted(e.valid_methods or []))
             message = f"{request.method} is not allowed on {request.path}: use {allowed}"
+        elif e.code == 400:  # from Werkzeug: what it could not read, such as a malformed chunked body
+            message = f"the request could not be read as HTTP (malformed headers or chunked body): {e.description}"
         elif e.code == 404:
             message = f"no such path {request.path}: the server answers /health, /api, /v1/models, " \
                       "/v1/completions and /v1/chat/completions"
@@ -126,9 +130,12 @@ def create_app(service: Service):
 def serve(app, host: str, port: int, announce: Callable[[str], None]) -> None:
     """Serve until Ctrl-C or SIGTERM, then return (no traceback, no "Aborted!"); `announce(url)` is called once the
     socket listens (port 0: a free port)."""
-    from werkzeug.serving import make_server
+    from werkzeug.serving import WSGIRequestHandler, make_server
 
-    server = make_server(host, port, app, threaded=True)
+    class Handler(WSGIRequestHandler):
+        timeout = SOCKET_TIMEOUT  # a client that stops sending (or reading) mid-request frees its thread
+
+    server = make_server(host, port, app, threaded=True, request_handler=Handler)
     stopping = threading.Event()
 
     def stop(signum, frame):

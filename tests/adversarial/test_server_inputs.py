@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 from datetime import datetime
 from urllib.parse import urlsplit
 
@@ -120,6 +121,25 @@ def test_oversized_bodies_get_413_chunked_or_not(server):
     assert (got, answer) == (413, {"error": message})
     # a body within the limit sent chunked is read whole
     assert send(server.url, "/v1/completions", COMPLETIONS % (b'"t5 t6"', b""), chunked=True)[0] == 200
+
+
+@pytest.mark.parametrize("head, body, status, needle", [
+    (b"Content-Length: -5", b"{}", 400, "the body is not JSON"),
+    (b"Content-Length: abc", b"{}", 400, "the body is not JSON"),
+    (b"Transfer-Encoding: chunked", b"zz\r\nabc\r\n0\r\n\r\n", 400, "the request could not be read as HTTP"),
+    (b"Content-Length: 1000000000", b"{}", 413, "larger than this server's limit"),
+])
+def test_malformed_http(server, head, body, status, needle):
+    """Headers that lie or do not parse; the answer comes at once (the connection is closed after it)."""
+    host, port = urlsplit(server.url).netloc.split(":")
+    with socket.create_connection((host, int(port)), timeout=120) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + head + b"\r\n\r\n" + body)
+        answer = b""
+        while piece := conn.recv(1 << 16):
+            answer += piece
+    line, _, rest = answer.partition(b"\r\n")
+    assert line.split()[1] == str(status).encode()
+    assert needle in json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["message"]
 
 
 @pytest.mark.parametrize("extra, needle, param", [
