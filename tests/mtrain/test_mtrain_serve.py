@@ -169,6 +169,12 @@ def test_completion_plain_and_streamed_match_the_library(client, reference):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(new)
+    chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, stream=True,
+                                            n=2, logprobs=1))
+    for index in (0, 1):  # each choice streams on its own, with the logprobs of its tokens
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert "".join(c.text for c in mine) == choice.text
+        assert "".join(t for c in mine if c.logprobs for t in c.logprobs.tokens) == choice.text
 
 
 def test_completion_sampling_seed_n_stop_and_logprobs(client, reference):
@@ -344,6 +350,23 @@ def test_a_long_generation_does_not_hold_back_a_later_request(reference):
         assert _finish(short) == [greedy([7, 8], 3)]
         gated.allow(1000)
         assert _finish(long) == [greedy([5, 6], 200)]
+    finally:
+        scheduler.stop()
+
+
+def test_a_cancelled_request_stops_generating(reference):
+    """A client that goes away (Job.cancel) ends its rows at the next step, and its batch then ends."""
+    model, _, _ = reference
+    gated = GatedModel(model)
+    scheduler = Scheduler(gated).start()
+    try:
+        job = scheduler.submit(Job([[5, 6]], 200, Sampling(greedy=True), 0))
+        gated.allow(1)
+        assert job.events.get(timeout=120)[0] == "tokens"
+        job.cancel()
+        gated.allow(1000)
+        (output,) = _finish(job)
+        assert 1 <= len(output) <= 2  # the first token, and one more if its step had begun
     finally:
         scheduler.stop()
 
