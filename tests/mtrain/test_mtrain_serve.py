@@ -384,3 +384,16 @@ def test_ctrl_c_stops_cleanly_during_a_streamed_request(checkpoint):
             code, err = s.stop()
     assert code == 0 and err.rstrip().endswith("stopped"), err
     assert "Traceback" not in err and "Aborted!" not in err
+
+
+def test_serve_refuses_a_missing_tokenizer(tmp_path):
+    from click.testing import CliRunner
+
+    from mtrain.cli import main
+
+    hf = save_hf("llama", tmp_path / "hf", seed=5)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (hf / name).unlink(missing_ok=True)
+    result = CliRunner().invoke(main, ["serve", "--load", str(hf), "--port", "0"], catch_exceptions=False)
+    assert result.exit_code == 1
+    assert f"Error: {hf} carries no tokenizer files: pass --tokenizer DIR (prompts are text)" in result.output
