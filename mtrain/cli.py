@@ -294,9 +294,11 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--max-tokens-to-generate", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--max-request-bytes", type=click.IntRange(min=64), default=1 << 20, show_default=True)
 @click.option("--model-name", help="The model id of the OpenAI endpoints (default: the --load directory's name).")
+@click.option("--max-concurrent-requests", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Requests waiting or generating at once; more get 503.")
 @_fail_cleanly
 def serve(load, loader, tokenizer, host, port, max_prompts, max_tokens_to_generate, max_request_bytes,
-          model_name) -> None:
+          model_name, max_concurrent_requests) -> None:
     """Serve text generation over HTTP (needs Flask: pip install 'mconvert[serve]').
 
     \b
@@ -328,7 +330,7 @@ def serve(load, loader, tokenizer, host, port, max_prompts, max_tokens_to_genera
         click.echo(f"warning: {e}; chat requests will be refused", err=True)
         template = None
     name = model_name or Path(load).resolve().name
-    scheduler = Scheduler(model).start()
+    scheduler = Scheduler(model, max_jobs=max_concurrent_requests).start()
     service = Service(model, tok, scheduler, frozenset(eos_ids_of(model.config, tok.eod_id)), limits, name,
                       template)
     try:

@@ -7,7 +7,8 @@ a clean stop on Ctrl-C or SIGTERM (exit 0).
 
 Errors: {"error": "message"} on /api and /health, OpenAI's {"error": {"message", "type", "param", "code"}} on
 /v1/*; 400 for a bad request (body.py, fields.py), 404 for an unknown path or model, 405 for a wrong method, 413
-for a body over --max-request-bytes (chunked bodies too: reading stops at the limit), 500 for a failure of ours.
+for a body over --max-request-bytes (chunked bodies too: reading stops at the limit), 503 while
+--max-concurrent-requests are being served, 500 for a failure of ours.
 """
 
 from __future__ import annotations
@@ -87,10 +88,10 @@ def create_app(service: Service):
             data = body()
             openai_api.check_model(data, service)
             plan = make_plan(data, service)
+            run = openai_api.Run(plan, service)  # submits it: 503 when the server is busy
         except BadRequest as e:
-            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+            kind = {404: "not_found_error", 503: "server_error"}.get(e.status, "invalid_request_error")
             return openai_error(str(e), e.status, kind, e.param, e.code)
-        run = openai_api.Run(plan, service)
         if plan.stream:
             return Response(run.events(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
         return jsonify(run.answer())

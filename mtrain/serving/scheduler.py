@@ -23,6 +23,7 @@ import torch
 
 from mtrain.generation import BatchGeneration, Emitted, RowGroup, Sampling, prompt_logprobs
 from mtrain.models.model import Transformer
+from mtrain.serving.fields import BadRequest
 
 
 @dataclass
@@ -57,8 +58,12 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, model: Transformer, max_batch_rows: int = 64):
-        self.model, self.max_batch_rows = model, max_batch_rows
+    """`max_jobs`: requests waiting or generating at once; submit() refuses more (each holds a key/value cache)."""
+
+    def __init__(self, model: Transformer, max_batch_rows: int = 64, max_jobs: int = 256):
+        self.model, self.max_batch_rows, self.max_jobs = model, max_batch_rows, max_jobs
+        self.jobs = 0  # submitted and not yet answered
+        self.count_lock = threading.Lock()
         self.pending: queue.Queue[Job] = queue.Queue()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mtrain-generation", daemon=True)
@@ -73,8 +78,19 @@ class Scheduler:
         self.thread.join(timeout=30)
 
     def submit(self, job: Job) -> Job:
+        with self.count_lock:
+            if self.jobs >= self.max_jobs:
+                raise BadRequest(f"the server is busy: {self.jobs} requests are being served (at most "
+                                 f"{self.max_jobs}); retry later", status=503, code="server_busy")
+            self.jobs += 1
         self.pending.put(job)
         return job
+
+    def _end(self, job: Job, kind: str, value: object) -> None:
+        """The job's last event: "done" or "error"."""
+        with self.count_lock:
+            self.jobs -= 1
+        job.events.put((kind, value))
 
     def _run(self) -> None:
         batches: deque[tuple[BatchGeneration, list[tuple[Job, int]]]] = deque()
@@ -95,7 +111,7 @@ class Scheduler:
                 batches.append(batch)
         for _, members in batches:
             for job, _ in members:
-                job.events.put(("error", "the server is shutting down"))
+                self._end(job, "error", "the server is shutting down")
 
     def _take(self, wait: bool) -> list[Job]:
         jobs = []
@@ -105,6 +121,9 @@ class Scheduler:
                 jobs.append(self.pending.get_nowait())
         except queue.Empty:
             pass
+        for job in jobs:
+            if job.cancelled:
+                self._end(job, "done", [[] for _ in job.prompts])
         return [job for job in jobs if not job.cancelled]
 
     def _start(self, jobs: list[Job]) -> tuple[BatchGeneration, list[tuple[Job, int]]] | None:
@@ -149,11 +168,10 @@ class Scheduler:
             return True
         outputs = batch.outputs()
         for job, first in members:
-            job.events.put(("done", outputs[first:first + len(job.prompts)]))
+            self._end(job, "done", outputs[first:first + len(job.prompts)])
         return False
 
-    @staticmethod
-    def _fail(members: list[tuple[Job, int]], error: Exception) -> None:
+    def _fail(self, members: list[tuple[Job, int]], error: Exception) -> None:
         traceback.print_exception(error, file=sys.stderr)
         for job, _ in members:
-            job.events.put(("error", f"generation failed: {type(error).__name__}: {error}"))
+            self._end(job, "error", f"generation failed: {type(error).__name__}: {error}")

@@ -16,6 +16,7 @@ import torch
 from mtrain.data.tokenizer import load_tokenizer
 from mtrain.generation import Sampling, generate_batch, prompt_logprobs
 from mtrain.inference import load_model
+from mtrain.serving.fields import BadRequest
 from mtrain.serving.scheduler import Job, Scheduler
 from tests.mtrain.parity import EPS32, FLOOR_ULPS, K
 from tests.support.models import save_hf
@@ -275,7 +276,6 @@ def test_chat_and_model_errors(client, server, checkpoint):
 def test_chat_without_a_template_is_refused(tmp_path):
     """A tokenizer without a chat template: a 400 saying so, naming the tokenizer (no model is run)."""
     from mtrain.serving import openai_api
-    from mtrain.serving.fields import BadRequest
     from mtrain.serving.service import Limits, Service
 
     hf = save_hf("llama", tmp_path / "hf", seed=5)
@@ -367,6 +367,23 @@ def test_a_cancelled_request_stops_generating(reference):
         gated.allow(1000)
         (output,) = _finish(job)
         assert 1 <= len(output) <= 2  # the first token, and one more if its step had begun
+    finally:
+        scheduler.stop()
+
+
+def test_requests_beyond_the_limit_are_refused_until_one_ends(reference):
+    model, _, _ = reference
+    gated = GatedModel(model)
+    scheduler = Scheduler(gated, max_jobs=2).start()
+    try:
+        jobs = [scheduler.submit(Job([[5, 6]], 3, Sampling(greedy=True), 0)) for _ in range(2)]
+        with pytest.raises(BadRequest, match=r"the server is busy: 2 requests are being served \(at most 2\)") as e:
+            scheduler.submit(Job([[5, 6]], 3, Sampling(greedy=True), 0))
+        assert e.value.status == 503
+        gated.allow(1000)
+        _finish(jobs[0])
+        _finish(jobs[1])
+        assert _finish(scheduler.submit(Job([[5, 6]], 3, Sampling(greedy=True), 0)))  # room again
     finally:
         scheduler.stop()
 
