@@ -290,29 +290,55 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=5000, show_default=True, help="0: any free port.")
 @click.option("--max-prompts", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Prompts per request.")
+              help="Sequences per request: prompts (times n for OpenAI requests).")
 @click.option("--max-tokens-to-generate", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--max-request-bytes", type=click.IntRange(min=64), default=1 << 20, show_default=True)
+@click.option("--model-name", help="The model id of the OpenAI endpoints (default: the --load directory's name).")
+@click.option("--max-concurrent-requests", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Requests waiting or generating at once; more get 503.")
 @_fail_cleanly
-def serve(load, loader, tokenizer, host, port, max_prompts, max_tokens_to_generate, max_request_bytes) -> None:
-    """Serve text generation over HTTP like Megatron-LM's server (needs Flask: pip install 'mconvert[serve]').
+def serve(load, loader, tokenizer, host, port, max_prompts, max_tokens_to_generate, max_request_bytes,
+          model_name, max_concurrent_requests) -> None:
+    """Serve text generation over HTTP (needs Flask: pip install 'mconvert[serve]').
 
     \b
     PUT /api {"prompts": ["Once upon a time"], "tokens_to_generate": 32, "temperature": 0.8, "top_k": 0,
-              "top_p": 0.9}  ->  {"text": ["Once upon a time ..."]}
+              "top_p": 0.9}  ->  {"text": ["Once upon a time ..."], ...}      (Megatron-LM's server)
+    POST /v1/completions, POST /v1/chat/completions, GET /v1/models          (OpenAI's protocol)
+    GET /health
     """
     from mtrain import inference
     from mtrain.generation import eos_ids_of
-    from mtrain.server import Limits, TextGenerator, check_installed, create_app
-    from mtrain.server import serve as run
+    from mtrain.serving.chat_template import find_chat_template
+    from mtrain.serving.http import check_installed, create_app
+    from mtrain.serving.http import serve as run
+    from mtrain.serving.scheduler import Scheduler
+    from mtrain.serving.service import Limits, Service
 
     limits = Limits(max_prompts=max_prompts, max_tokens_to_generate=max_tokens_to_generate,
                     max_request_bytes=max_request_bytes)
     check_installed()
-    model, ir = inference.load_model(load, loader)
-    tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="prompts are text")
-    app = create_app(TextGenerator(model, tok, eos_ids_of(model.config, tok.eod_id)), limits)
-    run(app, host, port, lambda url: click.echo(f"serving {load} at {url} (PUT; Ctrl-C stops)", err=True))
+    try:  # Ctrl-C while loading stops as quietly as Ctrl-C while serving (no "Aborted!")
+        model, ir = inference.load_model(load, loader)
+        tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="prompts are text")
+    except KeyboardInterrupt:
+        click.echo("stopped", err=True)
+        return
+    try:
+        template = find_chat_template(tok)
+    except ConvertError as e:
+        click.echo(f"warning: {e}; chat requests will be refused", err=True)
+        template = None
+    name = model_name or Path(load).resolve().name
+    scheduler = Scheduler(model, max_jobs=max_concurrent_requests).start()
+    service = Service(model, tok, scheduler, frozenset(eos_ids_of(model.config, tok.eod_id)), limits, name,
+                      template)
+    try:
+        run(create_app(service), host, port, lambda url: click.echo(
+            f"serving {load} as model {name!r} at {url}/api (PUT) and {url}/v1 (OpenAI); Ctrl-C stops", err=True))
+    finally:
+        scheduler.stop()
+    click.echo("stopped", err=True)
 
 
 if __name__ == "__main__":
