@@ -341,6 +341,16 @@ TINY_DEEPSEEK = dict(
     moe_router_score="sigmoid", moe_router_expert_bias=True, moe_router_groups=4, moe_router_group_topk=2,
     moe_router_scaling_factor=2.5)
 
+# GLM-4.5: partial rotary (half of each 8-wide head), q/k norms, q/k/v biases, one dense layer then 3 MoE layers
+# (pipeline stages of 2 layers) with DeepSeek's routing (8 experts in 4 groups, top-2 among 2 groups, expert bias,
+# scaling) and a shared expert, standard attention with 2 key/value groups
+TINY_GLM = dict(
+    family="glm4_moe", num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+    head_dim=8, vocab_size=CORPUS_VOCAB, max_position_embeddings=64, rotary_percent=0.5, qk_norm=True, qkv_bias=True,
+    num_experts=8, moe_top_k=2, moe_ffn_hidden_size=16, dense_layers=(0,), moe_shared_expert_ffn_hidden_size=16,
+    moe_router_score="sigmoid", moe_router_expert_bias=True, moe_router_groups=4, moe_router_group_topk=2,
+    moe_router_scaling_factor=2.5)
+
 
 def with_mtp(model: dict, layers: int = 1) -> dict:
     """An mtrain model section with `layers` multi-token-prediction modules."""
