@@ -85,3 +85,15 @@ def test_generation_with_the_kv_cache_matches_transformers(tmp_path):
         want = reference.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None,
                                   attention_mask=torch.ones(1, 4, dtype=torch.long), pad_token_id=0)[0, 4:].tolist()
     assert cached == want and len(want) == 30
+
+
+def test_every_layout_takes_the_model(tmp_path):
+    """Partial rotary, q/k norms, DeepSeek's MoE with standard attention and an MTP module pass the layout checks of
+    every parallelism (they train alike: tests/mtrain/test_mtrain_glm4_moe_train.py)."""
+    from mtrain.config import ParallelConfig
+    from mtrain.parallel.dims import ParallelDims
+
+    _, ir = load_model(make_glm4_moe(tmp_path / "hf", seed=24, mtp=1))
+    for parallel, world in [(dict(tp=2, ep=2, sequence_parallel=True), 4), (dict(pp=2, tp=2), 4), (dict(cp=2), 2),
+                            (dict(pp=2, first_stage_layers=1, cp=2), 4)]:
+        ParallelDims.from_config(ParallelConfig(**parallel), world=world).check_model(ir.config)
