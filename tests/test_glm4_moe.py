@@ -183,3 +183,23 @@ def test_crafted_inputs_are_refused_by_name(glm_dir, tmp_path, config, weights, 
     out = run_cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "out", expect_error=True)
     refused(out, *culprits)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_hubs_older_config_spellings_read_the_same(glm_dir, tmp_path, tokens):
+    """GLM-4.5's hub config.json has rope_theta and partial_rotary_factor at the top level (no rope_parameters) and
+    several eos ids: read as such (here a quarter of each head rotary), and mtrain computes transformers' logits of
+    it (float32, the bound of tests/mtrain/test_mtrain_glm4_moe.py)."""
+    from mtrain.inference import load_model
+
+    hf = json.loads((glm_dir / "config.json").read_text())
+    params = hf.pop("rope_parameters")
+    hub = hf | {"rope_theta": params["rope_theta"], "partial_rotary_factor": 0.25, "rope_scaling": None,
+                "eos_token_id": [2, 5]}
+    src = _edited(glm_dir, tmp_path)
+    (src / "config.json").write_text(json.dumps(hub))
+    want = engine.load(glm_dir, Options()).config
+    assert engine.load(src, Options()).config == want.replace(eos_token_id=[2, 5], rotary_percent=0.25)
+    model, _ = load_model(src)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf_logits(src, tokens), atol=1e-5, rtol=0)
+    assert not torch.allclose(hf_logits(src, tokens), hf_logits(glm_dir, tokens), atol=1e-4)
