@@ -203,3 +203,18 @@ def test_the_hubs_older_config_spellings_read_the_same(glm_dir, tmp_path, tokens
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf_logits(src, tokens), atol=1e-5, rtol=0)
     assert not torch.allclose(hf_logits(src, tokens), hf_logits(glm_dir, tokens), atol=1e-4)
+
+
+@pytest.mark.parametrize("value, culprit", [
+    ("abc", "args.rotary_percent='abc': expected a number"), (True, "args.rotary_percent=True: expected a number"),
+    (0.0, "rotary_percent=0.0 must be a fraction in (0, 1]"), (0.05, "turns 0 features")])
+def test_crafted_megatron_rotary_percent_is_refused_by_name(glm_dir, tmp_path, value, culprit):
+    run_cli("--saver", "core", "--load-dir", glm_dir, "--save-dir", tmp_path / "core")
+    target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    state = safe_load(target, mmap=False)
+    state["args"].rotary_percent = value
+    torch.save(state, target)
+    out = run_cli("--saver", "glm4_moe_hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "out",
+                  expect_error=True)
+    refused(out, str(tmp_path / "core" / "iter_0000001"), culprit)
+    assert not (tmp_path / "out").exists()

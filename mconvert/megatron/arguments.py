@@ -102,8 +102,18 @@ def _fields_from_args(args: Any, where: str) -> dict[str, Any]:
                      None)
         if value is None and arg.default is None:
             raise ConvertError(f"{where}: args lack {arg.name!r}; is this a Megatron GPT checkpoint?")
-        fields[arg.field] = arg.default(fields) if value is None else arg.kind(value)
+        fields[arg.field] = arg.default(fields) if value is None else _read(arg, value, where)
     return fields
+
+
+def _read(arg: Arg, value: Any, where: str) -> Any:
+    """`value` through the arg's kind; a bool or anything the kind cannot read is refused, naming the arg."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return arg.kind(value)
+    except (TypeError, ValueError):
+        raise ConvertError(f"{where}: args.{arg.name}={value!r}: expected a number") from None
 
 
 def _args_from_fields(c: ModelConfig) -> dict[str, Any]:
