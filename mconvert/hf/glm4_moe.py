@@ -208,4 +208,4 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
 
 
 FAMILY = register_family(HFFamily("glm4_moe_hf", {MODEL_TYPE: ARCHITECTURE}, load, save, SUPPORTS,
-                                  aliases=("glm4_moe", "glm")))
+                                  aliases=("glm4_moe",)))
