@@ -44,3 +44,28 @@ def test_megatron_core_019_computes_transformers_logits(fmt, tmp_path, mcore_pyt
     assert (ours - main).abs().max().item() < 1e-5
     assert len(mtp) == len(ours_mtp) == 1
     assert (ours_mtp[0][:, :mtp[0].shape[1]] - mtp[0]).abs().max().item() < 1e-5
+
+
+def test_we_write_what_megatron_019_writes(megatron019_written, tmp_path):
+    """Megatron-LM 0.19's own save of a GLM-4.5 of the catalogue's shape without the MTP module
+    (tests/support/megatron_lm/specs.py GLM; tests/test_megatron019_written.py converts it to HF with Megatron's
+    logits): ours holds the same tensors (names, shapes, dtypes) and entries, in the torch format (local spec) and in
+    torch_dist."""
+    from mconvert.io.dcp import DcpReader
+    from mconvert.io.torch_pickle import safe_load
+
+    src = make_glm4_moe(tmp_path / "hf", seed=32)
+    for fmt, theirs in (("torch", "glm_torch"), ("torch_dist", "glm_dist")):
+        run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", src, "--save-dir", tmp_path / fmt)
+        ours, reference = tmp_path / fmt / "iter_0000001", megatron019_written / theirs / "iter_0000003"
+        if fmt == "torch":
+            a, b = (safe_load(d / "mp_rank_00" / "model_optim_rng.pt")["model"] for d in (ours, reference))
+            assert {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for k, v in a.items()} == \
+                {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for k, v in b.items()}
+            continue
+        skip = ("rng_state", "common_state", "optimizer")
+        a, b = (DcpReader(d) for d in (ours, reference))
+        assert {k: (v.shape, v.dtype) for k, v in a.tensors.items() if not k.startswith(skip)} == \
+            {k: (v.shape, v.dtype) for k, v in b.tensors.items() if not k.startswith(skip)}
+        assert {k for k in a.bytes_items if not k.startswith(skip)} == {k for k in b.bytes_items
+                                                                         if not k.startswith(skip)}
