@@ -58,7 +58,7 @@ MATRIX = {
                               "tp2_pp2_first1_legacy_grouped", "tp1_ep2_pp2_last1_te"),
                     "torch_dist": ("tp1", "tp2_te"), "zarr": ("tp1_te",)},
     # the DCP formats hold no MTP modules (test_glm4_moe.py: refused, and the rest with --skip-mtp)
-    "glm4_moe": {"torch": ("tp2_ep2_pp2", "tp2_ep2_pp2_te", "tp1_ep4_te_grouped", "tp2_etp1_pp2_legacy_grouped"),
+    "glm4_moe": {"torch": ("tp2_ep2_pp2", "tp2_ep2_pp2_vpp2_te", "tp1_ep4_te_grouped", "tp2_etp1_pp2_legacy_grouped"),
                  "torch_dist": ("tp1", "tp2_te"), "zarr": ("tp1_te",)},
 }
 # IR config fields a Megatron checkpoint does not hold as the HF source has them (besides the padded vocabulary)
