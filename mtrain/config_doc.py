@@ -65,6 +65,7 @@ MODEL_HELP = {
     "moe_router_group_topk": "MoE: groups each token may choose experts from",
     "moe_router_scaling_factor": "MoE: the routed experts' weights are scaled by it",
     "mtp_layers": "multi-token-prediction modules after the last layer",
+    "rotary_percent": "fraction of each query/key head rotary turns (GLM-4.5: 0.5)",
     "dtype": "dtype of stored weights (training: fp32 master)",
     "bos_token_id": "beginning-of-sequence token id",
     "eos_token_id": "end-of-sequence id(s): generation stops there",

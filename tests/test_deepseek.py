@@ -158,9 +158,10 @@ def test_skip_mtp_leaves_them_out_with_a_note(ds_dir, tmp_path):
 
 def test_a_format_without_mtp_refuses_rather_than_dropping(ds_dir, tmp_path):
     out = run_cli("--saver", "mixtral_hf", "--load-dir", ds_dir, "--save-dir", tmp_path / "hf", expect_error=True)
-    assert "(Mixtral has experts in every layer), multi-latent attention, shared experts, sigmoid router scores, a " \
-           "router expert bias, group-limited routing, routed weights scaled by 2.5, 1 multi-token-prediction " \
-           "module(s) (--skip-mtp leaves them out) (core or deepseek_hf can hold these)" in out
+    assert "(Mixtral has experts in every layer), multi-latent attention (core or deepseek_hf can hold it), shared " \
+           "experts, sigmoid router scores, a router expert bias, group-limited routing, routed weights scaled by " \
+           "2.5, 1 multi-token-prediction module(s) (--skip-mtp leaves them out) (core or deepseek_hf or " \
+           "glm4_moe_hf can hold these)" in out
 
 
 def test_formats_declare_the_features_they_hold(ds_dir):
@@ -171,12 +172,15 @@ def test_formats_declare_the_features_they_hold(ds_dir):
 
     c = engine.load(ds_dir, Options()).config
     holders = {p.name: p.supports for p in registry.savers() if p.supports is not None}
-    assert holders["core"] == frozenset(FEATURES) and holders["deepseek_hf"] == frozenset(FEATURES) - {"qk_norm"}
+    assert holders["core"] == frozenset(FEATURES)
+    assert holders["deepseek_hf"] == frozenset(FEATURES) - {"qk_norm", "partial_rotary"}
+    assert holders["glm4_moe_hf"] == frozenset(FEATURES) - {"mla"}
     assert holders["qwen_hf"] == {"qk_norm"}
     assert holders["legacy"] == holders["llama_mistral"] == holders["mixtral_hf"] == holders["gpt2_hf"] == frozenset()
     assert registry.missing_features(c, frozenset(FEATURES)) == []
     assert registry.missing_features(c, frozenset(FEATURES) - {"mtp"}) == [
-        "1 multi-token-prediction module(s) (--skip-mtp leaves them out) (core or deepseek_hf can hold it)"]
+        "1 multi-token-prediction module(s) (--skip-mtp leaves them out) (core or deepseek_hf or glm4_moe_hf can "
+        "hold it)"]
 
 
 def test_megatron_args_describe_the_model(ds_dir, tmp_path):
@@ -254,15 +258,21 @@ def test_megatron_refusals_name_what_it_cannot_express(ds_dir):
 
 
 def test_sigmoid_routing_is_carried_and_refused_by_a_format_without_it(mixtral_dir, tmp_path):
-    """Megatron's sigmoid scores (no longer refused on reading) reach the IR; HF Mixtral cannot hold them."""
+    """Megatron's sigmoid scores (no longer refused on reading) reach the IR; HF Mixtral cannot hold them, and the
+    HF family of sigmoid routing with standard attention (GLM-4.5, which `--saver hf` picks) needs the expert bias
+    and shared experts this model lacks."""
     run_cli("--saver", "core", "--load-dir", mixtral_dir, "--save-dir", tmp_path / "core")
     target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
     state = safe_load(target, mmap=False)
     state["args"].moe_router_score_function = "sigmoid"
     torch.save(state, target)
     assert engine.load(tmp_path / "core", Options()).config.moe_router_score == "sigmoid"
-    out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
+    out = run_cli("--saver", "mixtral_hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf",
+                  expect_error=True)
     assert "HF Mixtral cannot hold this model: sigmoid router scores" in out
+    out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
+    assert "HF GLM-4.5 cannot hold this model: no router expert bias (e_score_correction_bias), no shared experts" \
+        in out
 
 
 @pytest.mark.parity

@@ -32,6 +32,8 @@ FORMATS = {
     "moe_fsdp_dtensor": ("fsdp_dtensor", "prefix=model.module., expert_layout=sequential"),
     "gpt2_fsdp_dtensor": ("fsdp_dtensor", "swiglu_halves=False, prefix=model.module."),
     "llama_torch_dcp": ("torch_dcp", "swiglu_halves=False, prefix=model."),
+    "glm_torch": ("torch", "expert_layout=sequential"),
+    "glm_dist": ("torch_dist", "common=common_state"),
 }
 
 

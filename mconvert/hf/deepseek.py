@@ -317,22 +317,10 @@ def load(path: Path, options: Options) -> ModelIR:
     source, notes = _dequantized(hf, hf_dir.open_weights(root), where)
     if EMBED_KEY in source:
         config = config.replace(dtype=dtype_name(source[EMBED_KEY].dtype_name))
-    config, mtp_notes = _mtp_layers(config, source, where)
+    config, mtp_notes = mtp_layers(config, source, where)
     notes += mtp_notes
     fused = any(k.endswith(FUSED_MARKER) for k in source)
-    table = TABLES[(rope_interleaved(hf), fused)]
-    ctx = Ctx(config, config.vocab_size)
-    pieces = {k: [v] for k, v in source.items()}
-    copies = {name: take_copies(pieces, rf"model\.layers\.\d+\.{re.escape(suffix)}")
-              for name, suffix in (("embed.weight", "embed_tokens.weight"),
-                                   ("lm_head.weight", "shared_head.head.weight"))}
-    # tied: a stored lm_head.weight must be the embedding again, never a distinct matrix silently dropped
-    tied = take_copies(pieces, r"lm_head\.weight") if config.tie_embeddings else []
-    tensors = to_ir(pieces, expand(table, config), ctx, where=str(root), drop=DROP)
-    for name, found in copies.items():
-        verify_copies(tensors, name if name in tensors else "embed.weight", found, MTP_COPIES[0], ctx,
-                      kept_for="the MTP layers")
-    verify_copies(tensors, "embed.weight", tied, MTP_COPIES[0], ctx)
+    tensors = with_mtp_copies(source, TABLES[(rope_interleaved(hf), fused)], config, root, DROP)
     layout = {"experts": "fused (transformers 5 in-memory names)" if fused else "one tensor per expert",
               "rotary rows": "interleaved (rope_interleave)" if rope_interleaved(hf) else "half split"}
     assets = hf_dir.tokenizer_files(options.tokenizer or root)
@@ -361,7 +349,26 @@ def _dequantized(hf: dict, source: dict[str, LazyTensor], where: str) -> tuple[d
                     "read"]
 
 
-def _mtp_layers(config: ModelConfig, source: dict[str, LazyTensor], where: str) -> tuple[ModelConfig, list[str]]:
+def with_mtp_copies(source: dict[str, LazyTensor], table: Table, config: ModelConfig, root: Path,
+                    drop: tuple[str, ...]) -> dict[str, LazyTensor]:
+    """The IR tensors of `source` by `table`; the MTP layers' copies of the embedding and head (when stored) and a
+    tied model's stored lm_head.weight are checked to be copies (when read), never silently dropped."""
+    ctx = Ctx(config, config.vocab_size)
+    pieces = {k: [v] for k, v in source.items()}
+    copies = {name: take_copies(pieces, rf"model\.layers\.\d+\.{re.escape(suffix)}")
+              for name, suffix in (("embed.weight", "embed_tokens.weight"),
+                                   ("lm_head.weight", "shared_head.head.weight"))}
+    # tied: a stored lm_head.weight must be the embedding again, never a distinct matrix silently dropped
+    tied = take_copies(pieces, r"lm_head\.weight") if config.tie_embeddings else []
+    tensors = to_ir(pieces, expand(table, config), ctx, where=str(root), drop=drop)
+    for name, found in copies.items():
+        verify_copies(tensors, name if name in tensors else "embed.weight", found, MTP_COPIES[0], ctx,
+                      kept_for="the MTP layers")
+    verify_copies(tensors, "embed.weight", tied, MTP_COPIES[0], ctx)
+    return tensors
+
+
+def mtp_layers(config: ModelConfig, source: dict[str, LazyTensor], where: str) -> tuple[ModelConfig, list[str]]:
     """The number of MTP modules the tensors hold (layers numbered from num_hidden_layers on, without gaps)."""
     found = sorted({int(m.group(1)) for k in source for m in [re.match(r"model\.layers\.(\d+)\.", k)]
                     if m and int(m.group(1)) >= config.num_layers})

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 from mconvert.ir.dtypes import DType
 
-Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2"]
+Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2",
+                 "glm4_moe"]
 Norm = Literal["rmsnorm", "layernorm"]
 Activation = Literal["swiglu", "gelu_tanh", "gelu"]
 PositionEmbedding = Literal["rope", "learned"]
@@ -53,7 +54,12 @@ class ModelConfig:
     mconvert/ir/features.py for what each means and how it is checked): multi-latent attention when `kv_lora_rank` is
     set (then `head_dim` is a query/key head, its no-position part plus `qk_rope_head_dim`), shared experts beside
     the routed ones, sigmoid router scores with a per-expert choice bias, group-limited top-k and a scaling of the
-    routed output, and `mtp_layers` multi-token-prediction modules after the last layer.
+    routed output, and `mtp_layers` multi-token-prediction modules after the last layer (GLM-4.5 has the same
+    routing, shared experts and MTP modules with standard attention).
+
+    `rotary_percent`: the fraction of each query/key head that rotary positions turn (GLM-4.5's
+    `partial_rotary_factor`, Megatron's `rotary_percent`): its first `rotary_dim` features, in the half-split order;
+    the rest pass unchanged.
     """
 
     family: Family
@@ -101,6 +107,7 @@ class ModelConfig:
     moe_router_group_topk: int | None = None  # ... this many groups (best top-2 sums)
     moe_router_scaling_factor: float = 1.0  # the routed experts' weights are scaled by it
     mtp_layers: int = 0  # multi-token-prediction modules after the last layer
+    rotary_percent: float = 1.0  # the fraction of a query/key head rotary positions turn (its first rotary_dim)
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -185,6 +192,12 @@ class ModelConfig:
     def qk_nope_head_dim(self) -> int:
         """MLA: the part of a query/key head without rotary positions."""
         return self.head_dim - (self.qk_rope_head_dim or 0)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The query/key features rotary positions turn: MLA's rotary part, else the first `rotary_percent` of a head
+        (as transformers and Megatron round it)."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.rotary_percent)
 
     @property
     def torch_dtype(self) -> torch.dtype:

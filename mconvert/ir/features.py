@@ -27,6 +27,10 @@ mscale(f, mscale_all_dim)` when both are non-zero, else `mscale(f, 1)`; and with
 multiplied by `mscale(f, mscale_all_dim)**2` when mscale_all_dim is non-zero; `mscale(f, m) = 0.1 * m * ln(f) + 1`
 (1 when f <= 1).
 
+Partial rotary (`rotary_percent` < 1, GLM-4.5): rotary positions turn the first `rotary_dim = int(head_dim *
+rotary_percent)` features of each query and key head (half-split within them), and the rest pass unchanged, as
+transformers' `partial_rotary_factor` and Megatron's `--rotary-percent` compute it.
+
 Multi-token prediction (MTP) module i (0-based) predicts one token further than module i-1 (the main model for
 i = 0): h = layer(eh_proj([enorm(embed(next tokens)) | hnorm(h_prev)])), logits = lm_head(final_norm(h)), where
 h_prev is module i-1's h (the main model's output after its final norm for i = 0), as Megatron and transformers'
@@ -56,7 +60,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def check_config(c: ModelConfig) -> None:
     """Refuse DeepSeek fields that contradict each other or the rest of the config (one error, every problem).
     Each value is in its own range already (mconvert.ir.checks runs first)."""
-    problems = _mla_problems(c) + _routing_problems(c)
+    problems = _mla_problems(c) + _routing_problems(c) + _rotary_problems(c)
     if problems:
         raise ConvertError("inconsistent config: " + "; ".join(problems))
 
@@ -82,6 +86,21 @@ def _mla_problems(c: ModelConfig) -> list[str]:
         problems.append("qk_norm (per-head q/k norms) with multi-latent attention, which normalizes its latents "
                         "instead (q_norm, kv_norm)")
     return problems
+
+
+def _rotary_problems(c: ModelConfig) -> list[str]:
+    percent = c.rotary_percent
+    if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 < percent <= 1:
+        return [f"rotary_percent={percent!r} must be a fraction in (0, 1] of each head"]
+    if percent == 1:
+        return []
+    if c.is_mla or c.position_embedding != "rope":
+        return [f"rotary_percent={percent} (partial rotary) needs rotary positions and standard attention "
+                "(multi-latent attention sets its rotary part with qk_rope_head_dim)"]
+    if c.rotary_dim < 2 or c.rotary_dim % 2:
+        return [f"rotary_percent={percent} of head_dim={c.head_dim} turns {c.rotary_dim} features; rotary positions "
+                "turn pairs: an even number, at least 2"]
+    return []
 
 
 def _routing_problems(c: ModelConfig) -> list[str]:
@@ -132,6 +151,8 @@ FEATURES: dict[str, tuple[Callable[[ModelConfig], str], Callable[[ModelConfig], 
     "group_routing": (lambda c: "group-limited routing", lambda c: c.moe_router_groups is not None),
     "router_scaling": (lambda c: f"routed weights scaled by {c.moe_router_scaling_factor}",
                        lambda c: c.moe_router_scaling_factor != 1.0),
+    "partial_rotary": (lambda c: f"rotary positions on {c.rotary_percent:g} of each head (partial rotary)",
+                       lambda c: c.rotary_percent != 1.0),
     "mtp": (lambda c: f"{c.mtp_layers} multi-token-prediction module(s) (--skip-mtp leaves them out)",
             lambda c: bool(c.mtp_layers)),
 }

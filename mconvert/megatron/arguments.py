@@ -52,7 +52,6 @@ def true_vocab_size(args: Any, given: int | None, assets: dict, padded: int, whe
 # silently dropped; defaults (and None, "unset") are accepted.
 _SETTINGS = (
     ("rotary_interleaved", False, lambda v: not v),
-    ("rotary_percent", False, lambda v: v is None or float(v) == 1.0),
     ("rotary_seq_len_interpolation_factor", False, lambda v: v in (None, 1, 1.0)),
     ("no_rope_freq", False, lambda v: not v),
     ("layernorm_zero_centered_gamma", False, lambda v: not v),
@@ -92,6 +91,7 @@ ARGS = (
     Arg("layernorm_epsilon", "norm_eps", float, default=lambda f: 1e-5, fallbacks=("norm_epsilon",),
         also=("norm_epsilon",)),
     Arg("rotary_base", "rope_theta", float, default=lambda f: 10000.0, write=int),
+    Arg("rotary_percent", "rotary_percent", float, default=lambda f: 1.0),
 )
 
 
@@ -102,8 +102,18 @@ def _fields_from_args(args: Any, where: str) -> dict[str, Any]:
                      None)
         if value is None and arg.default is None:
             raise ConvertError(f"{where}: args lack {arg.name!r}; is this a Megatron GPT checkpoint?")
-        fields[arg.field] = arg.default(fields) if value is None else arg.kind(value)
+        fields[arg.field] = arg.default(fields) if value is None else _read(arg, value, where)
     return fields
+
+
+def _read(arg: Arg, value: Any, where: str) -> Any:
+    """`value` through the arg's kind; a bool or anything the kind cannot read is refused, naming the arg."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return arg.kind(value)
+    except (TypeError, ValueError):
+        raise ConvertError(f"{where}: args.{arg.name}={value!r}: expected a number") from None
 
 
 def _args_from_fields(c: ModelConfig) -> dict[str, Any]:
@@ -148,7 +158,7 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
     fields = dict(
         family=_family(moe=bool(experts), mla=mla, sigmoid=get("moe_router_score_function") == "sigmoid",
                        qk_norm=bool(get("qk_layernorm")), qkv_bias_only=qkv_bias_only, window=bool(sliding_window),
-                       rope=rope),
+                       rope=rope, glm=_glm(get, plain["rotary_percent"])),
         ffn_hidden_size=int(ffn),
         moe_ffn_hidden_size=int(get("moe_ffn_hidden_size", ffn)) if experts else None,
         dense_layers=dense,
@@ -202,13 +212,25 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 8192}
 
 
+def _glm(get: Callable[..., Any], rotary_percent: float) -> bool:
+    """Standard attention with experts routed and shared as DeepSeek's, MTP modules or partial rotary: GLM-4.5's
+    recipes (`--rotary-percent 0.5`, sigmoid routing with the expert bias, shared experts), which no other HF
+    family with standard attention holds."""
+    return bool(get("num_experts")) and not get("multi_latent_attention") and (
+        get("moe_router_score_function") == "sigmoid" or bool(get("moe_router_enable_expert_bias"))
+        or bool(get("moe_shared_expert_intermediate_size")) or bool(get("mtp_num_layers")) or rotary_percent != 1)
+
+
 def _family(*, moe: bool, mla: bool, sigmoid: bool, qk_norm: bool, qkv_bias_only: bool, window: bool,
-            rope: bool) -> str:
+            rope: bool, glm: bool) -> str:
     """The IR family Megatron args describe (which HF format `--saver hf` writes): Megatron's DeepSeek recipes use
-    `--multi-latent-attention` (V3 routes with sigmoid scores, V2 with softmax), its Qwen recipes `--qk-layernorm`
-    (Qwen3, Qwen3-MoE) or `--add-qkv-bias --disable-bias-linear` (Qwen2 / 2.5)."""
+    `--multi-latent-attention` (V3 routes with sigmoid scores, V2 with softmax), GLM-4.5's standard attention with
+    DeepSeek's routing (see `_glm`), its Qwen recipes `--qk-layernorm` (Qwen3, Qwen3-MoE) or `--add-qkv-bias
+    --disable-bias-linear` (Qwen2 / 2.5)."""
     if mla:
         return "deepseek_v3" if sigmoid else "deepseek_v2"
+    if glm:
+        return "glm4_moe"
     if qk_norm:
         return "qwen3_moe" if moe else "qwen3"
     if moe:
@@ -279,7 +301,7 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         group_query_attention=c.num_query_groups != c.num_attention_heads, num_query_groups=c.num_query_groups,
         # Megatron's defaults for the next two whatever the position embedding (resuming compares them)
         position_embedding_type="rope" if rope else "learned_absolute", add_position_embedding=True,
-        use_rotary_position_embeddings=False, rotary_percent=1.0,
+        use_rotary_position_embeddings=False,
         rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling),
         rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling else 8.0,
         normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm",

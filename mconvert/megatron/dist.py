@@ -70,7 +70,7 @@ from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.rules.mapping import Row, check_plan, expand, to_ir, verify_copies
 from mconvert.rules.row_plan import RowPlanner
-from mconvert.rules.table import GATE_UP, Ctx, Rule, Table, norm
+from mconvert.rules.table import GATE_UP, Ctx, Rule, Table, moved, norm
 from mconvert.workers import Job
 
 COMMON_FILE = "common.pt"
@@ -106,7 +106,10 @@ _LOCAL_LAYER = (
     *norm("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp_norm", fused=True),
     *core.MLP,
 )
-TABLES = {("local", False): dataclasses.replace(core.table("local"), layer=_LOCAL_LAYER),
+# An MTP module's layer (standard attention: GLM-4.5) is stored with the same names as a decoder layer.
+TABLES = {("local", False): dataclasses.replace(core.table("local"), layer=_LOCAL_LAYER,
+                                                mtp_layer=moved(_LOCAL_LAYER, mla_keys.LAYER_PREFIX,
+                                                                mla_keys.MTP_LAYER_PREFIX)),
           ("te", False): core.table("te"), ("local", True): core.table("local", mla=True),
           ("te", True): core.table("te", mla=True)}
 

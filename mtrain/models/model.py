@@ -230,7 +230,7 @@ class Transformer(nn.Module):
         self.final_norm = make_norm(c) if last else None
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if last and not c.tie_embeddings else None
         self.sequence = SequenceShard()
-        self.rotary_dim = c.qk_rope_head_dim if c.is_mla else c.head_dim
+        self.rotary_dim = c.rotary_dim  # MLA's rotary part, or the first rotary_percent of a head
         self.register_buffer("inv_freq", torch.empty(self.rotary_dim // 2), persistent=False)
         self.init_buffers()
 

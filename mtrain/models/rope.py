@@ -1,7 +1,8 @@
 """Rotary position embeddings in Hugging Face's half-split ("rotate_half") order, the IR's order.
 
-A head vector of size hd is split into halves [x1 | x2]; pair i is (x1[i], x2[i]) and turns by angle
-`pos * inv_freq[i]`. This is why the IR keeps q/k rows in HF order: no permutation is needed here.
+A head vector of size hd (with partial rotary, its first `rotary_dim` features) is split into halves [x1 | x2];
+pair i is (x1[i], x2[i]) and turns by angle `pos * inv_freq[i]`. This is why the IR keeps q/k rows in HF order: no
+permutation is needed here.
 """
 
 from __future__ import annotations
@@ -96,7 +97,11 @@ def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
         x * cos + rotate_half(x) * sin  =  [x1 | x2] * cos + [x2 | x1] * [-sin | sin]
 
-    the same bits as the rotate_half form (negation is exact), without its separate negation pass."""
+    the same bits as the rotate_half form (negation is exact), without its separate negation pass. With partial
+    rotary (cos narrower than a head) only the head's first cos.shape[-1] features turn; the rest pass unchanged."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin

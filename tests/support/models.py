@@ -4,6 +4,7 @@
                      3 layers and an MTP module), with the mconvert plugin of its HF format
     make_hf_model    any of them, with other fields, seed or dtype
     make_deepseek    DeepSeek-V3 (MLA, grouped sigmoid routing, shared experts, optional MTP modules)
+    make_glm4_moe    GLM-4.5 (partial rotary, q/k norms, DeepSeek's routing with standard attention, MTP modules)
     make_deepseek_v2 DeepSeek-V2 (greedy softmax routing, MLA without a query LoRA)
     CONFIGS          the smaller transformers models mtrain's tests compare with (2 layers): make_hf, save_hf
     TINY_*           mtrain `model` sections on the training corpus's vocabulary
@@ -142,7 +143,6 @@ def make_deepseek(path: Path, *, seed: int = 0, mtp: int = 0, dtype: torch.dtype
     the last layer, written as DeepSeek ships them: `model.layers.{N+i}` with enorm/hnorm/eh_proj/shared_head and
     copies of the embedding and head."""
     import transformers
-    from safetensors.torch import load_file, save_file
 
     fields = DEEPSEEK_V3_FIELDS | overrides
     cfg = transformers.DeepseekV3Config(**fields)
@@ -160,21 +160,64 @@ def make_deepseek(path: Path, *, seed: int = 0, mtp: int = 0, dtype: torch.dtype
         layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
     model.save_pretrained(path)
     write_tokenizer(path, cfg.vocab_size)
-    if mtp:
-        weights = load_file(path / "model.safetensors")
-        h, n = cfg.hidden_size, cfg.num_hidden_layers
-        for i in range(n, n + mtp):
-            own = {f"model.layers.{i}.enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-                   f"model.layers.{i}.hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-                   f"model.layers.{i}.shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-                   f"model.layers.{i}.eh_proj.weight": 0.05 * torch.randn(h, 2 * h, generator=g)}
-            weights |= {k: v.to(dtype) for k, v in own.items()}
-            weights[f"model.layers.{i}.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
-            weights[f"model.layers.{i}.shared_head.head.weight"] = weights["lm_head.weight"].clone()
-        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-        hf = json.loads((path / "config.json").read_text())
-        hf |= {"num_hidden_layers": n, "num_nextn_predict_layers": mtp}
-        (path / "config.json").write_text(json.dumps(hf, indent=2))
+    _add_mtp_modules(path, cfg.hidden_size, cfg.num_hidden_layers, mtp, g, dtype)
+    return path
+
+
+def _add_mtp_modules(path: Path, h: int, n: int, mtp: int, g: torch.Generator, dtype: torch.dtype) -> None:
+    """Turn the saved model's layers n … n+mtp-1 into MTP modules as DeepSeek and GLM ship them: their own
+    enorm/hnorm/eh_proj/shared_head.norm, copies of the embedding and head, config.json saying n layers."""
+    from safetensors.torch import load_file, save_file
+
+    if not mtp:
+        return
+    weights = load_file(path / "model.safetensors")
+    for i in range(n, n + mtp):
+        own = {f"model.layers.{i}.enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+               f"model.layers.{i}.hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+               f"model.layers.{i}.shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+               f"model.layers.{i}.eh_proj.weight": 0.05 * torch.randn(h, 2 * h, generator=g)}
+        weights |= {k: v.to(dtype) for k, v in own.items()}
+        weights[f"model.layers.{i}.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+        weights[f"model.layers.{i}.shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    hf = json.loads((path / "config.json").read_text())
+    hf |= {"num_hidden_layers": n, "num_nextn_predict_layers": mtp}
+    (path / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+# GLM-4.5: partial rotary (half of each 16-wide head), q/k norms, q/k/v biases, one dense layer then MoE layers
+# (8 routed experts in 4 groups, top-4 among 2 groups, a shared expert, sigmoid scores with a random score-correction
+# bias, routed scaling 2.5); 2 key/value groups (TP 2 keeps whole groups)
+GLM_LAYERS = 4
+GLM4_MOE_FIELDS = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=GLM_LAYERS,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_shared_experts=1, n_routed_experts=8,
+    routed_scaling_factor=2.5, n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1,
+    use_qk_norm=True, attention_bias=True, max_position_embeddings=256, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}, bos_token_id=1,
+    eos_token_id=2, tie_word_embeddings=False, num_nextn_predict_layers=0)
+
+
+def make_glm4_moe(path: Path, *, seed: int = 0, mtp: int = 0, dtype: torch.dtype = torch.float32,
+                  **overrides) -> Path:
+    """Save a tiny random GLM-4.5 model (GLM4_MOE_FIELDS with `overrides`) and a tokenizer at `path`, with `mtp` MTP
+    layers after the last layer as GLM-4.5 ships them (see make_deepseek)."""
+    import transformers
+
+    fields = GLM4_MOE_FIELDS | overrides
+    n = fields["num_hidden_layers"]
+    torch.manual_seed(seed)
+    # the MTP modules' transformer layers are built as extra decoder layers, then moved after the model
+    model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**(fields | {"num_hidden_layers": n + mtp})))
+    perturb_norms(model, seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for layer in model.model.layers[fields["first_k_dense_replace"]:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.05 * torch.randn(fields["n_routed_experts"], generator=g))
+    model.to(dtype).save_pretrained(path)
+    write_tokenizer(path, fields["vocab_size"])
+    _add_mtp_modules(path, fields["hidden_size"], n, mtp, g, dtype)
     return path
 
 
@@ -220,6 +263,8 @@ FAMILIES = {f.name: f for f in (
     Family("qwen3_moe", "qwen_hf", partial(make_hf_model, family="qwen3_moe"), seed=2),
     # query LoRA, one MTP module, float32
     Family("deepseek_v3", "deepseek_hf", partial(make_deepseek, mtp=1), seed=0),
+    # partial rotary, q/k norms and biases, one MTP module, float32
+    Family("glm4_moe", "glm4_moe_hf", partial(make_glm4_moe, mtp=1), seed=0),
 )}
 
 
@@ -293,6 +338,16 @@ TINY_DEEPSEEK = dict(
     num_query_groups=4, head_dim=16, vocab_size=CORPUS_VOCAB, max_position_embeddings=64, norm_eps=1e-6,
     rope_scaling=TINY_YARN, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=16, dense_layers=(0,), q_lora_rank=24,
     kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, moe_shared_expert_ffn_hidden_size=32,
+    moe_router_score="sigmoid", moe_router_expert_bias=True, moe_router_groups=4, moe_router_group_topk=2,
+    moe_router_scaling_factor=2.5)
+
+# GLM-4.5: partial rotary (half of each 8-wide head), q/k norms, q/k/v biases, one dense layer then 3 MoE layers
+# (pipeline stages of 2 layers) with DeepSeek's routing (8 experts in 4 groups, top-2 among 2 groups, expert bias,
+# scaling) and a shared expert, standard attention with 2 key/value groups
+TINY_GLM = dict(
+    family="glm4_moe", num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+    head_dim=8, vocab_size=CORPUS_VOCAB, max_position_embeddings=64, rotary_percent=0.5, qk_norm=True, qkv_bias=True,
+    num_experts=8, moe_top_k=2, moe_ffn_hidden_size=16, dense_layers=(0,), moe_shared_expert_ffn_hidden_size=16,
     moe_router_score="sigmoid", moe_router_expert_bias=True, moe_router_groups=4, moe_router_group_topk=2,
     moe_router_scaling_factor=2.5)
 

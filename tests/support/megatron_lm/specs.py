@@ -16,6 +16,18 @@ GPT2 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 MOE = [*LLAMA[:LLAMA.index("--num-query-groups")], "--num-query-groups", "2",
        *LLAMA[LLAMA.index("--num-query-groups") + 2:], "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-ffn-hidden-size", "96", "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0"]
+# the shape of the GLM-4.5 of tests/support/models.py without its MTP module: partial rotary, q/k norms, q/k/v
+# biases, a dense layer then 3 MoE layers (8 experts of width 32 in 4 groups, top 4 among 2 groups, sigmoid scores
+# with the expert bias, scaled by 2.5, a shared expert of width 32)
+GLM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+       "--num-query-groups", "2", "--kv-channels", "16", "--ffn-hidden-size", "96", "--position-embedding-type", "rope",
+       "--rotary-percent", "0.5", "--rotary-base", "1000000", "--normalization", "RMSNorm", "--swiglu",
+       "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm", "--untie-embeddings-and-output-weights", *_SHAPE,
+       "--num-experts", "8", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0]+[1]*3",
+       "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
+       "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+       "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32",
+       "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0"]
 NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
 
 
@@ -39,4 +51,6 @@ def specs(hf_tokenizer: str) -> list[dict]:
         spec("moe_fsdp_dtensor", "fsdp_dtensor", MOE),
         spec("gpt2_fsdp_dtensor", "fsdp_dtensor", GPT2),
         spec("llama_torch_dcp", "torch_dcp", LLAMA),
+        spec("glm_torch", "torch", GLM),
+        spec("glm_dist", "torch_dist", GLM),
     ]

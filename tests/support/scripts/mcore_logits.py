@@ -8,9 +8,10 @@ a `torch_dist` checkpoint, which megatron-core's own dist_checkpointing reads in
 (after checking that the checkpoint holds exactly the keys the model asks for). Layers follow the args: dense and
 expert layers (moe_layer_freq), router options (pre-softmax; sigmoid scores, expert bias, groups, scaling), shared
 experts, per-head q/k norms (qk_layernorm), biases on q/k/v alone (add_qkv_bias), the sliding window and the
-layers it skips (window_size, window_attn_skip_freq), head_dim (kv_channels), multi-latent attention with YaRN,
-MTP modules. The model is built with megatron-core's own decoder block spec, so what Megatron makes of our args is
-what is checked. Saves the logits (vocabulary padding stripped) to OUT_PT, with MTP modules also OUT_PT's `_mtp`
+layers it skips (window_size, window_attn_skip_freq), head_dim (kv_channels), partial rotary (rotary_percent),
+multi-latent attention with YaRN, MTP modules. The model is built with megatron-core's own decoder block spec, so
+what Megatron makes of our args is what is checked. Saves the logits (vocabulary padding stripped) to OUT_PT,
+with MTP modules also OUT_PT's `_mtp`
 sibling ([modules, batch, seq, vocab]: module i's logits for the tokens i+1 further on), and prints one line about
 the load. Runs in this environment (megatron-core 0.16.1) or in .venv-mcore-0.19 (0.19.2: MTP checkpoints there in
 torch_dist, whose keys 0.19 maps to its renamed MTP layer; its plain state dict calls it `mtp_model_layer`).
@@ -139,7 +140,8 @@ def build(args):
         if config.mtp_num_layers else None
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
-                     rotary_base=args.rotary_base, mtp_block_spec=mtp,
+                     rotary_base=args.rotary_base, rotary_percent=getattr(args, "rotary_percent", 1.0),
+                     mtp_block_spec=mtp,
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
     # an MTP module's layer: `transformer_layer` up to megatron-core 0.16, `mtp_model_layer` in 0.19
     layers = list(model.decoder.layers) + ([getattr(m, "transformer_layer", None) or m.mtp_model_layer
