@@ -16,8 +16,9 @@ from mtrain.models.kv_cache import KVCache
 from tests.support.models import make_deepseek, make_hf, save_hf
 
 # mistral: window 8, so it bites within these sequences; gpt2: learned positions; llama3: scaled rope, tied;
-# qwen2: qkv biases, a layer exempt from the window; qwen3: q/k norms before rotary
-FAMILIES = ("llama", "llama3", "mistral", "gpt2", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+# qwen2: qkv biases, a layer exempt from the window; qwen3: q/k norms before rotary; gemma3_text: a window of 8 in
+# layer 0 with its own rope theta, soft-capped logits
+FAMILIES = ("llama", "llama3", "mistral", "gpt2", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
 
 
 @pytest.fixture(scope="module")
