@@ -165,6 +165,7 @@ def edited(source: Path, dst: Path, **fields) -> Path:
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}), "rope_parameters must map full_attention "
      "and sliding_attention"),
     (dict(query_pre_attn_scalar=-4), "query_pre_attn_scalar=-4.0 (a finite number > 0, or null)"),
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0: transformers' Gemma 3 does not apply it"),
 ])
 def test_crafted_configs_are_refused_by_name(source, tmp_path, fields, message):
     bad = edited(source, tmp_path / "bad", **fields)
@@ -188,8 +189,8 @@ def test_formats_and_families_that_cannot_hold_it_refuse_by_feature(source, tmp_
     with pytest.raises(ConvertError) as e:
         llama.config_to_hf(config)
     assert ("norms of the attention and MLP outputs (sandwich norms), norms scaling by (1 + weight), embeddings "
-            "multiplied by 2.0, a rope theta of 10.0 in the windowed layers, soft-capped attention scores (core or "
-            "gemma3_hf can hold these)") in str(e.value)
+            "multiplied by 2.0, a rope theta of 10.0 in the windowed layers (core or gemma3_hf can hold these), "
+            "attention scores soft-capped at 50.0 (core can hold it)") in str(e.value)
 
 
 def test_a_missing_sandwich_norm_is_refused_by_name(source, tmp_path):
