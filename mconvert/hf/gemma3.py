@@ -12,7 +12,8 @@
 Embeddings are multiplied by sqrt(hidden_size); `layer_types` says which layers slide (`sliding_window`, the rope
 theta of `rope_parameters["sliding_attention"]`, transformers 4's `rope_local_base_freq`) and which attend fully
 (`rope_parameters["full_attention"]`, with its scaling); queries are scaled by `query_pre_attn_scalar`**-0.5;
-attention scores and logits are soft-capped when `attn_logit_softcapping` / `final_logit_softcapping` are set.
+logits are soft-capped when `final_logit_softcapping` is set. `attn_logit_softcapping` is refused: transformers'
+Gemma 3 keeps it in its config but does not apply it (Gemma 2 did).
 
 A `gemma3` directory keeps the language model under `model.language_model.` (transformers 5) or
 `language_model.model.` (transformers 4) and the vision tower and projector beside it: those are left out, and
@@ -46,7 +47,7 @@ MODEL_TYPE = "gemma3_text"
 ARCHITECTURE = "Gemma3ForCausalLM"
 MULTIMODAL = "gemma3"  # read only: its language model
 SUPPORTS = frozenset({"qk_norm", "sandwich_norms", "norm_zero_centered", "embedding_multiplier", "geglu",
-                      "local_rope", "query_pre_attn_scalar", "softcap"})
+                      "local_rope", "query_pre_attn_scalar", "final_softcap"})
 
 TABLE = Table(
     embedding=(Rule("model.embed_tokens.weight", ("embed.weight",)),),
@@ -121,6 +122,10 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     if act not in TANH_GELU:
         raise ConvertError(f"{where}: hidden_activation {act!r} is not supported for Gemma 3 (expected one of "
                            f"{', '.join(TANH_GELU)}, the tanh approximation of GELU)")
+    if text["attn_logit_softcapping"] is not None:
+        raise ConvertError(f"{where}: attn_logit_softcapping={text['attn_logit_softcapping']!r}: transformers' Gemma 3 "
+                           "does not apply it (Gemma 2 did; Gemma 3 replaced it by the q/k norms), so what this "
+                           "checkpoint computes is not settled; refusing")
     if text["use_bidirectional_attention"]:
         raise ConvertError(f"{where}: use_bidirectional_attention=true (EmbeddingGemma's encoder) is not a causal "
                            "language model; mconvert converts decoders only")
@@ -139,7 +144,6 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
             sliding_window=window, full_attention_layers=full, sandwich_norms=True, norm_zero_centered=True,
             embedding_multiplier=hidden ** 0.5, local_rope_theta=local_theta,
             query_pre_attn_scalar=float(text["query_pre_attn_scalar"]),
-            attn_logit_softcap=_cap(text["attn_logit_softcapping"]),
             final_logit_softcap=_cap(text["final_logit_softcapping"]))
 
     return parse(where, build)
@@ -231,7 +235,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         "query_pre_attn_scalar": int(scalar) if scalar == int(scalar) else scalar,
         "sliding_window": c.sliding_window if c.sliding_window is not None else DEFAULTS["sliding_window"],
         "layer_types": kinds, "rope_parameters": {"full_attention": full, "sliding_attention": local},
-        "attn_logit_softcapping": c.attn_logit_softcap, "final_logit_softcapping": c.final_logit_softcap,
+        "attn_logit_softcapping": None, "final_logit_softcapping": c.final_logit_softcap,
         "use_bidirectional_attention": False, "dtype": c.dtype, "torch_dtype": c.dtype,
     }
 

@@ -157,9 +157,10 @@ FEATURES: dict[str, tuple[Callable[[ModelConfig], str], Callable[[ModelConfig], 
                    lambda c: c.local_rope_theta is not None),
     "query_pre_attn_scalar": (lambda c: f"attention scores scaled by {c.query_pre_attn_scalar}**-0.5",
                               lambda c: c.query_pre_attn_scalar is not None),
-    "softcap": (lambda c: "soft-capped " + " and ".join(
-        w for w, v in (("attention scores", c.attn_logit_softcap), ("logits", c.final_logit_softcap)) if v),
-        lambda c: bool(c.attn_logit_softcap or c.final_logit_softcap)),
+    "attn_softcap": (lambda c: f"attention scores soft-capped at {c.attn_logit_softcap}",
+                     lambda c: c.attn_logit_softcap is not None),
+    "final_softcap": (lambda c: f"logits soft-capped at {c.final_logit_softcap}",
+                      lambda c: c.final_logit_softcap is not None),
 }
 
 
