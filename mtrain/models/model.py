@@ -126,7 +126,8 @@ class CoreAttention(nn.Module):
         # explicit mask otherwise (a window that bites, or several new queries after cached keys).
         mask, causal = None, Tq == Tk
         if window_bites or Tq not in (1, Tk):
-            k_pos = ctx.positions if Tq == Tk else torch.arange(Tk, device=q.device)
+            # cached keys are consecutive positions up to the last query's (a windowed cache keeps only the last)
+            k_pos = ctx.positions if Tq == Tk else torch.arange(Tk, device=q.device) + (ctx.positions[-1] + 1 - Tk)
             mask, causal = attention_mask(ctx.positions, k_pos, ctx.window), False
         return attend(q, k, v, mask, causal, self.scale, self.softcap)  # (B, nh, Tq, hd)
 
@@ -305,7 +306,8 @@ class Transformer(nn.Module):
         ctx = self.context(positions)
         for key, layer in self.layers.items():
             if int(key) < self.config.num_layers:  # the MTP modules' layers run in mtp.py
-                h = layer(h, ctx if cache is None else ctx._replace(cache=cache.layer(int(key))))
+                h = layer(h, ctx if cache is None else
+                          ctx._replace(cache=cache.layer(int(key), self.config.layer_window(int(key)))))
         if cache is not None:
             cache.advance(tokens.shape[1])
         if self.final_norm is None:

@@ -56,6 +56,17 @@ def test_cached_logits_equal_a_whole_pass(models, family):
 
 
 @pytest.mark.parity
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_a_windowed_layer_keeps_only_its_window(models, family):
+    """A sliding-window layer (window 8) keeps the last 7 positions between calls, with the same logits as a whole
+    pass; Gemma's full-attention layer 1 keeps all 20."""
+    tokens = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(2))
+    cache = assert_cached_pass_is_whole(models[family][1], tokens, prefill=10)
+    kept = {i: layer.buffers[0].shape[2] for i, layer in cache.layers.items()}
+    assert kept == ({0: 7, 1: 7} if family == "mistral" else {0: 7, 1: 20})
+
+
+@pytest.mark.parity
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_with_the_cache_equals_without_and_transformers(models, family):
     model = models[family][1]
