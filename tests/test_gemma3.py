@@ -201,3 +201,20 @@ def test_a_missing_sandwich_norm_is_refused_by_name(source, tmp_path):
     save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
     out = run_cli("--saver", "core", "--load-dir", bad, "--save-dir", tmp_path / "out", expect_error=True)
     assert out.startswith("Error: ") and "model.layers.1.post_attention_layernorm.weight" in out, out
+
+
+@pytest.mark.parametrize("extras, message", [
+    ({"sandwich_norms": True, "bogus": 1}, "args.mconvert_model_extras must map some of sandwich_norms, "),
+    ("sandwich", "args.mconvert_model_extras must map some of"),
+    ({"embedding_multiplier": -1.0}, "embedding_multiplier=-1.0 (a finite number > 0)"),
+])
+def test_crafted_megatron_extras_are_refused_by_name(core, tmp_path, extras, message):
+    bad = tmp_path / "core"
+    shutil.copytree(core, bad)
+    for target in (bad / "iter_0000001").glob("mp_rank_*/model_optim_rng.pt"):
+        state = safe_load(target, mmap=False)
+        state["args"].mconvert_model_extras = extras
+        torch.save(state, target)
+    out = run_cli("--saver", "hf", "--load-dir", bad, "--save-dir", tmp_path / "hf", expect_error=True)
+    assert out.startswith("Error: ") and message in out and "Traceback" not in out, out
+    assert not (tmp_path / "hf").exists()
