@@ -90,6 +90,16 @@ def test_verify_passes_hf_against_core_and_fails_on_damage(source, core, tmp_pat
     assert "FAIL" in out and "first diverging stage: layer 2" in out and "layers.2.post_mlp_norm.weight" in out
 
 
+@pytest.mark.parity
+def test_verify_names_the_local_rope_theta_when_only_it_differs(source, tmp_path):
+    """A conversion that keeps every tensor but loses the sliding layers' own rope theta computes something else."""
+    bad = edited(source, tmp_path / "bad", rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    out = run_cli("verify", source, bad, expect_error=True)
+    assert "FAIL" in out and "local_rope_theta" in out, out
+
+
 def multimodal(path: Path, legacy_names: bool = False) -> tuple[Path, torch.nn.Module]:
     """A tiny Gemma3ForConditionalGeneration (a one-layer SigLIP tower) with the catalogue's text model; with
     `legacy_names` its tensors renamed as transformers 4 saved them (`language_model.model.`, `vision_tower.`)."""

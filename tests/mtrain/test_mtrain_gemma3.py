@@ -136,3 +136,21 @@ def test_soft_capped_attention_is_transformers_eager_attention():
     torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
     uncapped = attend(q, k, v, mask, False, 0.6, None)
     assert (uncapped - got).abs().max() > 1e-2
+
+
+def test_the_embedding_multiplier_is_rounded_to_the_embedding_dtype_first():
+    """sqrt(48) = 6.928... is 6.9375 in bfloat16: transformers multiplies by that, and so does mtrain (bit for bit)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from mconvert.ir.config import ModelConfig
+    from mtrain.parallelize import build_model
+
+    c = ModelConfig.from_dict(GEMMA3 | dict(hidden_size=48, embedding_multiplier=48 ** 0.5, dtype="bfloat16"))
+    model = build_model(c, device=torch.device("cpu")).to(torch.bfloat16)
+    reference = Gemma3TextScaledWordEmbedding(c.vocab_size, 48, 0, embed_scale=48 ** 0.5).to(torch.bfloat16)
+    with torch.no_grad():
+        reference.weight.copy_(torch.randn(c.vocab_size, 48, generator=torch.Generator().manual_seed(0)))
+        model.embed.weight.copy_(reference.weight)
+        tokens = torch.arange(40).view(2, 20)
+        assert torch.equal(model.embed_tokens(tokens), reference(tokens))
+        assert not torch.equal(model.embed_tokens(tokens), model.embed(tokens) * 48 ** 0.5)  # unrounded differs
