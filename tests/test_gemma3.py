@@ -21,7 +21,7 @@ from mconvert.io.torch_pickle import safe_load
 from mconvert.ir.config import ModelConfig
 from tests.support.cli import run_cli
 from tests.support.compare import assert_same_files, assert_same_tensors, hf_logits, ir_tensors
-from tests.support.models import GEMMA3, VOCAB, perturb_norms, write_tokenizer
+from tests.support.models import GEMMA3, VOCAB, make_hf_model, perturb_norms, write_tokenizer
 
 FAMILY = "gemma3_text"
 
@@ -51,6 +51,17 @@ def test_tp2_pp2_and_back_is_bit_exact_with_the_same_config_json(source, core, t
     assert {k: written.get(k) for k in original} == original
     assert set(written) - set(original) <= {"torch_dtype"}  # the older spelling of dtype, for older readers
     assert torch.equal(hf_logits(tmp_path / "hf", tokens), hf_logits(source, tokens))
+
+
+def test_bf16_through_transformer_engine_names_and_torch_dist(tmp_path, tokens):
+    """bf16 kept throughout (the (1 + w) norm weights too), via TE's fused norm names and torch_dist."""
+    src = make_hf_model(tmp_path / "src", FAMILY, seed=3, dtype=torch.bfloat16)
+    run_cli("--saver", "core", "--tp", "2", "--transformer-impl", "te", "--ckpt-format", "torch_dist", "--load-dir",
+            src, "--save-dir", tmp_path / "core", "-q")
+    run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", "-q")
+    assert_same_files(src, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert torch.equal(hf_logits(tmp_path / "hf", tokens), hf_logits(src, tokens))
 
 
 def test_megatron_args_and_names(core):
