@@ -49,14 +49,14 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def random_init(c: ModelConfig, seed: int, std: float = 0.02, names: Collection[str] | None = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Megatron's scheme: N(0, std) weights, N(0, std/sqrt(2L)) for the projections that feed the residual
-    stream (attention output, MLP down), norms at 1, biases at 0. Only `names` when given."""
+    stream (attention output, MLP down), norms at 1 (zero-centered ones at 0), biases at 0. Only `names` when given."""
     for name, shape in state_dict_adapter.model_shapes(c).items():
         if names is not None and name not in names:
             continue
         if name.endswith("bias"):
             yield name, torch.zeros(shape)
-        elif "norm" in name:
-            yield name, torch.ones(shape)
+        elif "norm" in name:  # a zero-centered norm (1 + w) starts at w = 0
+            yield name, torch.zeros(shape) if c.norm_zero_centered else torch.ones(shape)
         else:
             scaled = name.endswith(("attn.o.weight", "mlp.down.weight", "experts.down"))
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))

@@ -149,10 +149,22 @@ def test_failed_conversion_keeps_the_old_output(llama_dir, tmp_path, monkeypatch
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
+def test_a_megatron_setting_the_target_family_cannot_hold_is_refused_by_name(mixtral_dir, tmp_path):
+    """apply_layernorm_1p is carried (norm_zero_centered, Gemma's (1 + w) norms); HF Mixtral cannot hold it."""
+    convert(mixtral_dir, tmp_path / "core")
+    target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    state = safe_load(target, mmap=False)
+    state["args"].apply_layernorm_1p = True
+    torch.save(state, target)
+    out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
+    assert "HF Mixtral cannot hold this model: norms scaling by (1 + weight) (core or gemma3_hf can hold it)" in out
+    assert not (tmp_path / "hf").exists()
+
+
 def test_unknown_plugin_lists_the_valid_ones(llama_dir, tmp_path):
     out = run_cli("--loader", "nope", "--saver", "core", "--load-dir", llama_dir, "--save-dir", tmp_path / "o",
                   expect_error=True)
-    assert "unknown loader 'nope'; valid loaders: core, deepseek_hf, glm4_moe_hf, gpt2_hf, hf, legacy, " \
+    assert "unknown loader 'nope'; valid loaders: core, deepseek_hf, gemma3_hf, glm4_moe_hf, gpt2_hf, hf, legacy, " \
            "llama_mistral, mixtral_hf" in out
 
 
@@ -201,7 +213,7 @@ def test_mtrain_checkpoint_with_unsafe_metadata(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("setting,value", [("apply_layernorm_1p", True), ("rotary_interleaved", True),
+@pytest.mark.parametrize("setting,value", [("squared_relu", True), ("rotary_interleaved", True),
                                            ("position_embedding_type", "yarn"), ("moe_shared_expert_gate", True)])
 def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_path):
     """A Megatron model that computes something else is refused by name, not converted into a different model."""

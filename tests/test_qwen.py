@@ -361,6 +361,6 @@ def test_a_family_without_q_k_norms_names_those_that_hold_them():
     from mconvert.ir.config import ModelConfig
 
     registry.savers()  # every saver registered, as in a conversion
-    with pytest.raises(ConvertError, match=r"^HF Llama cannot hold this model: per-head q/k norms \(core or qwen_hf "
-                                           r"can hold it\)$"):
+    with pytest.raises(ConvertError, match=r"^HF Llama cannot hold this model: per-head q/k norms \(core or gemma3_hf "
+                                           r"or qwen_hf can hold it\)$"):
         hf_llama.config_to_hf(ModelConfig(**QWEN, family="llama", qk_norm=True))

@@ -70,9 +70,12 @@ def check_model_config(c) -> None:
         if not ok:
             bad.append(f"{name}={getattr(c, name)!r} ({expected})")
 
-    for name in ("norm_eps", "rope_theta"):
+    for name in ("norm_eps", "rope_theta", "embedding_multiplier"):
         v = getattr(c, name)
         need(name, _is_number(v) and math.isfinite(v) and v > 0, "a finite number > 0")
+    for name in ("local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+        v = getattr(c, name)
+        need(name, v is None or (_is_number(v) and math.isfinite(v) and v > 0), "a finite number > 0, or null")
     for name in ("moe_aux_loss_coeff", "moe_jitter_eps"):
         v = getattr(c, name)
         need(name, v is None or (_is_number(v) and math.isfinite(v) and v >= 0), "a finite number >= 0, or null")
@@ -90,7 +93,7 @@ def check_model_config(c) -> None:
     need("padded_vocab_size", v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= c.vocab_size),
          f"an integer >= vocab_size {c.vocab_size}, or null")
     for name in ("qkv_bias", "proj_bias", "mlp_bias", "tie_embeddings", "moe_norm_topk", "qk_norm",
-                 "moe_router_expert_bias"):
+                 "moe_router_expert_bias", "sandwich_norms", "norm_zero_centered"):
         need(name, isinstance(getattr(c, name), bool), "true or false")
     if c.rope_scaling is not None:
         scaling = c.rope_scaling

@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 from mconvert.ir.dtypes import DType
 
 Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2",
-                 "glm4_moe"]
+                 "glm4_moe", "gemma3_text"]
 Norm = Literal["rmsnorm", "layernorm"]
-Activation = Literal["swiglu", "gelu_tanh", "gelu"]
+Activation = Literal["swiglu", "gelu_tanh", "gelu", "geglu_tanh"]  # geglu_tanh: gelu_tanh(gate(x)) * up(x)
 PositionEmbedding = Literal["rope", "learned"]
 RouterScore = Literal["softmax", "sigmoid"]
 
@@ -108,6 +108,14 @@ class ModelConfig:
     moe_router_scaling_factor: float = 1.0  # the routed experts' weights are scaled by it
     mtp_layers: int = 0  # multi-token-prediction modules after the last layer
     rotary_percent: float = 1.0  # the fraction of a query/key head rotary positions turn (its first rotary_dim)
+    # Gemma 3 (see mconvert/ir/features.py for what each means; the defaults describe every other family)
+    sandwich_norms: bool = False  # norms of the attention and MLP outputs, before each residual add
+    norm_zero_centered: bool = False  # every norm scales by (1 + weight): Megatron's apply_layernorm_1p
+    embedding_multiplier: float = 1.0  # token embeddings times this, in the embedding's dtype
+    local_rope_theta: float | None = None  # rope theta of the windowed layers (no scaling); None: rope_theta
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim's
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap), before the mask
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -144,6 +152,18 @@ class ModelConfig:
         """The sliding window of layer `layer` (keys a query sees, itself included), or None for full attention."""
         return None if layer in self.full_attention_layers else self.sliding_window
 
+    def layer_rope_theta(self, layer: int) -> float:
+        """The rope theta of layer `layer`: `local_rope_theta` in windowed layers when set (Gemma 3), else
+        `rope_theta`."""
+        if self.local_rope_theta is not None and self.layer_window(layer) is not None:
+            return self.local_rope_theta
+        return self.rope_theta
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The factor the q.k scores are multiplied by, None for the usual 1/sqrt(head_dim)."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+
     def _check_moe_layers(self) -> None:
         dense = tuple(self.dense_layers)
         if not self.is_moe and (dense or self.moe_ffn_hidden_size is not None):
@@ -164,7 +184,7 @@ class ModelConfig:
 
     @property
     def gated(self) -> bool:
-        return self.activation == "swiglu"
+        return self.activation in ("swiglu", "geglu_tanh")
 
     @property
     def is_moe(self) -> bool:

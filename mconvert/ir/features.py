@@ -36,6 +36,19 @@ i = 0): h = layer(eh_proj([enorm(embed(next tokens)) | hnorm(h_prev)])), logits 
 h_prev is module i-1's h (the main model's output after its final norm for i = 0), as Megatron and transformers'
 MtpModel compute it; its transformer layer is IR layer `num_layers + i` (as Hugging Face numbers it), its own
 tensors are `mtp.{i}.*`.
+
+Gemma 3 (each a declared feature below; transformers' Gemma3ForCausalLM is the meaning):
+
+    h = embed(tokens) * embedding_multiplier       the multiplier cast to the embedding's dtype first (sqrt(h))
+    norm(x) = rms_norm(x) * (1 + w)                 norm_zero_centered, in float32, for every norm of the model
+    layer:  h = h + post_attn_norm(attn(attn_norm(h)))       sandwich_norms: the sublayer's output normalized
+            h = h + post_mlp_norm(mlp(mlp_norm(h)))           before the residual add
+    mlp(x) = down(gelu_tanh(gate(x)) * up(x))       activation geglu_tanh
+    scores = q.k * query_pre_attn_scalar**-0.5      (head_dim**-0.5 when unset), then, with attn_logit_softcap,
+             cap * tanh(scores / cap), then the mask
+    logits = cap * tanh(logits / cap)               final_logit_softcap
+    rope:   a windowed layer (sliding_window, not in full_attention_layers) rotates with local_rope_theta and no
+            scaling when it is set; the other layers with rope_theta and rope_scaling
 """
 
 from __future__ import annotations
@@ -155,6 +168,20 @@ FEATURES: dict[str, tuple[Callable[[ModelConfig], str], Callable[[ModelConfig], 
                        lambda c: c.rotary_percent != 1.0),
     "mtp": (lambda c: f"{c.mtp_layers} multi-token-prediction module(s) (--skip-mtp leaves them out)",
             lambda c: bool(c.mtp_layers)),
+    "sandwich_norms": (lambda c: "norms of the attention and MLP outputs (sandwich norms)",
+                       lambda c: c.sandwich_norms),
+    "norm_zero_centered": (lambda c: "norms scaling by (1 + weight)", lambda c: c.norm_zero_centered),
+    "embedding_multiplier": (lambda c: f"embeddings multiplied by {c.embedding_multiplier}",
+                             lambda c: c.embedding_multiplier != 1.0),
+    "geglu": (lambda c: "a gated GELU (tanh) MLP", lambda c: c.activation == "geglu_tanh"),
+    "local_rope": (lambda c: f"a rope theta of {c.local_rope_theta} in the windowed layers",
+                   lambda c: c.local_rope_theta is not None),
+    "query_pre_attn_scalar": (lambda c: f"attention scores scaled by {c.query_pre_attn_scalar}**-0.5",
+                              lambda c: c.query_pre_attn_scalar is not None),
+    "attn_softcap": (lambda c: f"attention scores soft-capped at {c.attn_logit_softcap}",
+                     lambda c: c.attn_logit_softcap is not None),
+    "final_softcap": (lambda c: f"logits soft-capped at {c.final_logit_softcap}",
+                      lambda c: c.final_logit_softcap is not None),
 }
 
 

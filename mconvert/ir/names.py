@@ -10,6 +10,7 @@ tensors contradict its config is refused), savers iterate it, tests pin it per f
     layers.{L}.attn.o.{weight,bias}       [h, nh*hd] / [h]
     layers.{L}.attn.{q,k}_norm.{weight,bias} [hd]         per-head norm of q and k (qk_norm; bias for LayerNorm)
     layers.{L}.mlp_norm.{weight,bias}     [h]
+    layers.{L}.post_{attn,mlp}_norm.{weight,bias} [h]     sandwich_norms: norms of the attention / MLP outputs
     layers.{L}.mlp.{gate,up}.{weight,bias}  [f, h]        gate only for gated activations
     layers.{L}.mlp.down.{weight,bias}     [h, f]
     layers.{L}.moe.router.weight          [E, h]
@@ -108,7 +109,11 @@ def layer_shapes(layer: int, c: ModelConfig) -> dict[str, Shape]:
     shapes = norm_shapes(f"{p}.attn_norm", c)
     shapes |= attention_shapes(f"{p}.attn", c)
     shapes |= qk_norm_shapes(f"{p}.attn", c)
+    if c.sandwich_norms:
+        shapes |= norm_shapes(f"{p}.post_attn_norm", c)
     shapes |= norm_shapes(f"{p}.mlp_norm", c)
+    if c.sandwich_norms:
+        shapes |= norm_shapes(f"{p}.post_mlp_norm", c)
     if c.is_moe_layer(layer):
         shapes[f"{p}.moe.router.weight"] = (c.num_experts, c.hidden_size)
         if c.moe_router_expert_bias:

@@ -52,10 +52,7 @@ def true_vocab_size(args: Any, given: int | None, assets: dict, padded: int, whe
 # silently dropped; defaults (and None, "unset") are accepted.
 _SETTINGS = (
     ("rotary_interleaved", False, lambda v: not v),
-    ("rotary_seq_len_interpolation_factor", False, lambda v: v in (None, 1, 1.0)),
     ("no_rope_freq", False, lambda v: not v),
-    ("layernorm_zero_centered_gamma", False, lambda v: not v),
-    ("apply_layernorm_1p", False, lambda v: not v),
     ("apply_residual_connection_post_layernorm", False, lambda v: not v),
     ("squared_relu", False, lambda v: not v),
     ("moe_shared_expert_gate", True, lambda v: not v),  # a sigmoid gate on the shared experts' output
@@ -174,7 +171,7 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
             get("bias_gelu_fusion") and get("add_bias_linear", True)) else "gelu",
         position_embedding="rope" if rope else "learned",
         rope_scaling=LLAMA3_SCALING | {"factor": float(get("rope_scaling_factor", 8.0))}
-        if get("use_rope_scaling") else None,
+        if get("use_rope_scaling") else _linear_scaling(get("rotary_seq_len_interpolation_factor")),
         qkv_bias=bool(get("add_bias_linear", True) or get("add_qkv_bias", False)),
         proj_bias=bool(get("add_bias_linear", True)),
         mlp_bias=bool(get("add_bias_linear", True)),
@@ -191,7 +188,38 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
         **token_ids_from_args(args),
     )
     deepseek = mla_keys.config_fields(get, heads=heads, top_k=fields["moe_top_k"], where=where)
-    return ModelConfig(**(plain | fields | deepseek))
+    extras = _extras_from_args(args, where)
+    if extras.get("sandwich_norms"):
+        fields["family"] = "gemma3_text"
+    if fields["activation"] == "gelu_tanh" and get("gated_linear_unit"):
+        fields["activation"] = "geglu_tanh"
+    fields["norm_zero_centered"] = bool(get("apply_layernorm_1p") or get("layernorm_zero_centered_gamma"))
+    if get("softmax_scale") is not None and "query_pre_attn_scalar" not in extras:
+        extras["query_pre_attn_scalar"] = float(get("softmax_scale")) ** -2
+    return ModelConfig(**(plain | fields | deepseek | extras))
+
+
+# What megatron-core's GPT model cannot compute (Gemma 3's sandwich norms, embedding multiplier, rope theta of
+# the windowed layers, soft-capping) and the exact query_pre_attn_scalar (softmax_scale is its -1/2 power) are kept
+# in one extra attribute, so a round trip through Megatron keeps them; megatron-core ignores it (see docs/formats.md).
+EXTRAS_ARG = "mconvert_model_extras"
+EXTRA_FIELDS = ("sandwich_norms", "embedding_multiplier", "local_rope_theta", "query_pre_attn_scalar",
+                "attn_logit_softcap", "final_logit_softcap")
+
+
+def _extras_from_args(args: Any, where: str) -> dict[str, Any]:
+    stored = getattr(args, EXTRAS_ARG, None)
+    if stored is None:
+        return {}
+    if not isinstance(stored, dict) or not set(stored) <= set(EXTRA_FIELDS):
+        raise ConvertError(f"{where}: args.{EXTRAS_ARG} must map some of {', '.join(EXTRA_FIELDS)} to values, got "
+                           f"{stored!r}")
+    return dict(stored)
+
+
+def _extras_to_args(c: ModelConfig) -> dict[str, Any]:
+    default = ModelConfig.__dataclass_fields__
+    return {name: getattr(c, name) for name in EXTRA_FIELDS if getattr(c, name) != default[name].default}
 
 
 # Megatron's args have no special token ids; mconvert keeps the IR's in one extra attribute so that a round trip
@@ -240,6 +268,11 @@ def _family(*, moe: bool, mla: bool, sigmoid: bool, qk_norm: bool, qkv_bias_only
     return "mistral" if window else "llama" if rope else "gpt2"
 
 
+def _linear_scaling(factor: Any) -> dict[str, Any] | None:
+    """HF's linear rope scaling (positions divided by `factor`) is megatron-core's seq_len_interpolation_factor."""
+    return None if factor in (None, 1, 1.0) else {"rope_type": "linear", "factor": float(factor)}
+
+
 def _full_attention_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:
     """The layers without the window, from window_attn_skip_freq: every N-th layer (counting from 1) for an int N,
     or the zeros of a 0/1 pattern with one entry per layer (1 = sliding window); None: every layer slides."""
@@ -282,9 +315,14 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     own tokenizer for that family (it then needs --vocab-file/--merge-file). The one-to-one arguments come from
     `ARGS` (the norm epsilon under both names Megatron-LM has used).
     """
-    if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3" and not c.is_mla:
-        raise ConvertError(f"Megatron supports only Llama 3 rope scaling; this model has {c.rope_scaling}")
-    if c.rope_scaling and not c.is_mla and {k: v for k, v in c.rope_scaling.items() if k != "factor"} != \
+    linear = c.rope_scaling is not None and c.rope_scaling.get("rope_type") == "linear" and not c.is_mla
+    if linear and set(c.rope_scaling) != {"rope_type", "factor"}:
+        raise ConvertError(f"Megatron's linear rope scaling (rotary_seq_len_interpolation_factor) has a factor only; "
+                           f"this model has {c.rope_scaling}")
+    if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3" and not c.is_mla and not linear:
+        raise ConvertError(f"Megatron supports only Llama 3 and linear rope scaling; this model has {c.rope_scaling}")
+    if c.rope_scaling and not c.is_mla and not linear and {k: v for k, v in c.rope_scaling.items()
+                                                           if k != "factor"} != \
             {k: v for k, v in LLAMA3_SCALING.items() if k != "factor"}:
         raise ConvertError(f"Megatron hard-codes the Llama 3 rope scaling parameters {LLAMA3_SCALING} except the "
                            f"factor; this model has {c.rope_scaling}")
@@ -302,11 +340,13 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         # Megatron's defaults for the next two whatever the position embedding (resuming compares them)
         position_embedding_type="rope" if rope else "learned_absolute", add_position_embedding=True,
         use_rotary_position_embeddings=False,
-        rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling),
-        rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling else 8.0,
+        rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling) and not linear,
+        rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling and not linear else 8.0,
+        rotary_seq_len_interpolation_factor=float(c.rope_scaling["factor"]) if linear else None,
         normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm",
-        apply_layernorm_1p=False, layernorm_zero_centered_gamma=False, qk_layernorm=c.qk_norm,
-        swiglu=c.gated, openai_gelu=c.activation == "gelu_tanh", squared_relu=False, bias_gelu_fusion=False,
+        apply_layernorm_1p=c.norm_zero_centered, layernorm_zero_centered_gamma=c.norm_zero_centered,
+        qk_layernorm=c.qk_norm, swiglu=c.activation == "swiglu",
+        openai_gelu=c.activation in ("gelu_tanh", "geglu_tanh"), squared_relu=False, bias_gelu_fusion=False,
         add_bias_linear=c.proj_bias, add_qkv_bias=c.qkv_bias,
         untie_embeddings_and_output_weights=not c.tie_embeddings,
         # Megatron's window (left, right) lets a query see `left` earlier keys and itself; the IR's (and HF's)
@@ -341,6 +381,14 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
     )
     values[TOKEN_IDS_ARG] = {k: getattr(c, k) for k in TOKEN_ID_FIELDS}
+    if extras := _extras_to_args(c):
+        values[EXTRAS_ARG] = extras
+    # TransformerConfig fields that Megatron-LM 0.19 takes from no command-line argument (its argparse skips them;
+    # --swiglu is the SiLU gate only): recorded for what they mean to megatron-core
+    if c.attention_scale is not None:
+        values["softmax_scale"] = c.attention_scale
+    if c.activation == "geglu_tanh":
+        values["gated_linear_unit"] = True
     values |= mla_keys.args_fields(c)
     if c.is_moe and expert_layout == "legacy_grouped":
         # Megatron-LM before March 2026 (the GroupedMLP's last version) picks it under TE only with this flag

@@ -73,12 +73,16 @@ ATTENTION = (
     # qk_layernorm: one norm over head_dim, the same name under both specs (a TENorm under TE)
     *norm("decoder.layers.{l}.self_attention.q_layernorm", "layers.{L}.attn.q_norm"),
     *norm("decoder.layers.{l}.self_attention.k_layernorm", "layers.{L}.attn.k_norm"),
+    # sandwich norms (Gemma 3): megatron-core's TransformerLayer has no norm after a sublayer; these are the names
+    # of Megatron-Bridge's Gemma layers, whose linear_proj / linear_fc2 normalize their own output
+    *norm("decoder.layers.{l}.self_attention.linear_proj.post_layernorm", "layers.{L}.post_attn_norm"),
 )
 MLP = (  # gated fc1 first: it wins when the model has a gate (see rules.active)
     *linear("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp.gate", "layers.{L}.mlp.up", join=GATE_UP,
             shard=GATED_COLUMN),
     *linear("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp.up", shard=COLUMN),
     *linear("decoder.layers.{l}.mlp.linear_fc2", "layers.{L}.mlp.down", shard=ROW, bias_shard=REPLICATE),
+    *norm("decoder.layers.{l}.mlp.linear_fc2.post_layernorm", "layers.{L}.post_mlp_norm"),
     core_moe.ROUTER,
     core_moe.ROUTER_BIAS,
     *core_moe.SHARED_EXPERTS,
@@ -149,6 +153,8 @@ def extra_state_modules(impl: Impl, *, expert_layout: ExpertLayout | None = None
             modules = ("self_attention.core_attention", *modules)
             if config is not None and config.qk_norm:  # TENorm modules, like MoE layers' pre_mlp_layernorm
                 modules += ("self_attention.q_layernorm", "self_attention.k_layernorm")
+            if config is not None and config.sandwich_norms:  # TENorms inside Megatron-Bridge's Gemma linears
+                modules += ("self_attention.linear_proj.post_layernorm", "mlp.linear_fc2.post_layernorm")
     if expert_layout is None:
         modules += ("mlp.linear_fc1", "mlp.linear_fc2")
     shared = config is not None and bool(config.moe_shared_expert_ffn_hidden_size)

@@ -14,6 +14,11 @@ for later positions; what that is belongs to the attention variant:
 
 Buffers are allocated on the first append with room for `max_len` positions, so a step copies only its new
 entries. A cache serves one sequence batch from position 0 onwards; build a new one per generation.
+
+A sliding-window layer (window w: a query sees itself and the w - 1 positions before it) keeps only the last w - 1
+positions between calls: an append returns those and the new ones (a contiguous run of positions ending at the last
+new one, which is how the attention places them), then drops what no later query can see. Its memory is bounded by
+the window, not by `max_len`.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from mtrain.errors import TrainError
 
 
 class LayerCache:
-    """One layer's cached tensors, each growing along its own sequence dimension."""
+    """One layer's cached tensors, each growing along its own sequence dimension (with a `window`: only the last
+    window - 1 positions are kept)."""
 
-    def __init__(self, max_len: int):
-        self.max_len = max_len
-        self.length = 0  # positions stored
+    def __init__(self, max_len: int, window: int | None = None):
+        self.max_len, self.window = max_len, window
+        self.length = 0  # positions seen (the stored ones are the last of them)
         self.buffers: list[torch.Tensor] = []
 
     def append(self, *new: torch.Tensor, dim: int | tuple[int, ...] = 2) -> tuple[torch.Tensor, ...]:
@@ -44,16 +50,29 @@ class LayerCache:
         end = self.length + count
         if end > self.max_len:
             raise TrainError(f"the key/value cache holds {self.max_len} positions; {end} were asked for")
+        if self.buffers and len(new) != len(self.buffers):
+            raise TrainError(f"a layer cache of {len(self.buffers)} tensors was given {len(new)}")
+        if self.window is not None:
+            return self._append_windowed(new, dims, end)
         if not self.buffers:
             self.buffers = [_empty_like_along(t, d, self.max_len) for t, d in zip(new, dims)]
-        elif len(new) != len(self.buffers):
-            raise TrainError(f"a layer cache of {len(self.buffers)} tensors was given {len(new)}")
         out = []
         for buffer, t, d in zip(self.buffers, new, dims):
             buffer.narrow(d, self.length, count).copy_(t)
             out.append(buffer.narrow(d, 0, end))
         self.length = end
         return tuple(out)
+
+
+    def _append_windowed(self, new: tuple[torch.Tensor, ...], dims: tuple[int, ...], end: int
+                         ) -> tuple[torch.Tensor, ...]:
+        out = tuple(torch.cat([b, t], dim=d) if self.buffers else t for b, t, d in
+                    zip(self.buffers or new, new, dims))
+        keep = self.window - 1  # what the next query (at position `end`) still sees besides itself
+        self.buffers = [t.narrow(d, max(t.shape[d] - keep, 0), min(keep, t.shape[d])).clone()
+                        for t, d in zip(out, dims)]
+        self.length = end
+        return out
 
 
 class KVCache:
@@ -64,9 +83,10 @@ class KVCache:
         self.length = 0  # positions the model has been run on
         self.layers: dict[int, LayerCache] = {}
 
-    def layer(self, index: int) -> LayerCache:
+    def layer(self, index: int, window: int | None = None) -> LayerCache:
+        """Layer `index`'s cache; `window`: its sliding window (fixed by the first call)."""
         if index not in self.layers:
-            self.layers[index] = LayerCache(self.max_len)
+            self.layers[index] = LayerCache(self.max_len, window)
         return self.layers[index]
 
     def positions(self, count: int, device: torch.device | None = None) -> torch.Tensor:

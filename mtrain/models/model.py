@@ -2,6 +2,7 @@
 
     tokens (B, T) ─ embed (+ pos_embed) ─ layers["0"] … layers["L-1"] ─ final_norm ─ lm_head ─ logits (B, T, V)
     each layer:  h = h + attn(attn_norm(h));  h = h + mlp(mlp_norm(h))   (a MoE in the expert layers)
+                 with sandwich norms (Gemma 3): h = h + post_attn_norm(attn(...)); h = h + post_mlp_norm(mlp(...))
 
 Parameter names are the IR names (see mconvert/ir/names.py), except the MoE experts, which are stacked in one
 module (state_dict_adapter.py maps them). Build the model on the meta device, apply parallelism from outside
@@ -33,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mconvert.ir.config import ModelConfig
+from mtrain.errors import TrainError
 from mtrain.models import mtp, rope
 from mtrain.models.kv_cache import KVCache, LayerCache
 from mtrain.models.mla import MLAttention
@@ -40,14 +42,18 @@ from mtrain.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 (fp64 stays fp64) and cast back as in HF Llama."""
+    """x / rms(x) * weight, computed in fp32 (fp64 stays fp64) and cast back as in HF Llama; with `zero_centered`
+    x / rms(x) * (1 + weight), all in fp32 and cast back at the end, as HF Gemma 3 computes it."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
+        self.eps, self.zero_centered = eps, zero_centered
+        self.weight = nn.Parameter(torch.zeros(size) if zero_centered else torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered:
+            y = F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), (x.shape[-1],), eps=self.eps)
+            return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)
         if x.dtype == self.weight.dtype == torch.float32 and not isinstance(self.weight, DTensor):
             return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)  # one kernel, the same bits
         y = F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), (x.shape[-1],), eps=self.eps)
@@ -58,8 +64,10 @@ def make_norm(c: ModelConfig, size: int | None = None) -> nn.Module:
     """The model's norm over `size` features (the hidden size unless given)."""
     size = size or c.hidden_size
     if c.norm == "layernorm":
+        if c.norm_zero_centered:
+            raise TrainError("norm_zero_centered (weights applied as 1 + w) is implemented for rmsnorm only")
         return nn.LayerNorm(size, eps=c.norm_eps)
-    return RMSNorm(size, c.norm_eps)
+    return RMSNorm(size, c.norm_eps, c.norm_zero_centered)
 
 
 class LayerContext(NamedTuple):
@@ -70,6 +78,7 @@ class LayerContext(NamedTuple):
     positions: torch.Tensor  # (T,) position of each local token in its sequence
     window: int | None  # sliding-window length
     cache: LayerCache | None = None  # this layer's slot of the KVCache (generation); None in training
+    local_rot: tuple[torch.Tensor, torch.Tensor] | None = None  # the windowed layers' own angles (local_rope_theta)
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -80,14 +89,35 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
     return mask & (j > i - window) if window is not None else mask
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+           scale: float | None, softcap: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale (soft-capped: cap * tanh(. / cap)) + mask) v: (B, nh, Tq, hd). Query head i reads
+    key/value group i // (nh/ng), as HF's repeat_kv does. Soft-capping has no SDPA kernel: it is computed
+    explicitly (the softmax in fp32, as transformers' eager attention)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 class CoreAttention(nn.Module):
     """softmax(q k^T * scale + mask) v (no parameters); the scale is 1/sqrt(hd) unless the attention sets `scale`
-    (MLA with YaRN). Queries and keys are the same positions, or, with a key/value cache, the keys are positions
-    0 … Tk-1 and the queries the last Tq of them."""
+    (MLA with YaRN, Gemma's query_pre_attn_scalar), the scores soft-capped when it sets `softcap`. Queries and keys
+    are the same positions, or, with a key/value cache, the keys are positions 0 … Tk-1 and the queries the last
+    Tq of them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scale: float | None = None
+        self.softcap: float | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         Tq, Tk = q.shape[2], k.shape[2]
@@ -96,11 +126,10 @@ class CoreAttention(nn.Module):
         # explicit mask otherwise (a window that bites, or several new queries after cached keys).
         mask, causal = None, Tq == Tk
         if window_bites or Tq not in (1, Tk):
-            k_pos = ctx.positions if Tq == Tk else torch.arange(Tk, device=q.device)
+            # cached keys are consecutive positions up to the last query's (a windowed cache keeps only the last)
+            k_pos = ctx.positions if Tq == Tk else torch.arange(Tk, device=q.device) + (ctx.positions[-1] + 1 - Tk)
             mask, causal = attention_mask(ctx.positions, k_pos, ctx.window), False
-        # Query head i reads key/value group i // (nh/ng), as HF's repeat_kv does.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, Tq, hd)
+        return attend(q, k, v, mask, causal, self.scale, self.softcap)  # (B, nh, Tq, hd)
 
 
 class Attention(nn.Module):
@@ -118,6 +147,7 @@ class Attention(nn.Module):
             self.q_norm = make_norm(c, c.head_dim)
             self.k_norm = make_norm(c, c.head_dim)
         self.core = CoreAttention()
+        self.core.scale, self.core.softcap = c.attention_scale, c.attn_logit_softcap
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         B, T, _ = x.shape
@@ -137,7 +167,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); otherwise down(act(up(x))) with GELU (tanh approximation for GPT-2)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); GeGLU (Gemma): down(gelu_tanh(gate(x)) * up(x)); otherwise
+    down(act(up(x))) with GELU (tanh approximation for GPT-2)."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -150,6 +181,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
             return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.activation == "geglu_tanh":
+            return self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
         approximate = "tanh" if self.activation == "gelu_tanh" else "none"
         return self.down(F.gelu(self.up(x), approximate=approximate))
 
@@ -163,16 +196,27 @@ class Block(nn.Module):
         self.attn_norm = make_norm(c)
         self.attn = MLAttention(c, RMSNorm, CoreAttention()) if c.is_mla else Attention(c)
         self.full_attention = layer in c.full_attention_layers  # exempt from the sliding window
+        self.local = c.layer_window(layer) is not None  # windowed: rotates by local_rope_theta when set
+        if c.sandwich_norms:
+            self.post_attn_norm = make_norm(c)
         self.mlp_norm = make_norm(c)
+        if c.sandwich_norms:
+            self.post_mlp_norm = make_norm(c)
         if c.is_moe_layer(layer):
             self.moe = MoE(c)
         else:
             self.mlp = MLP(c)
 
     def forward(self, h: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), ctx._replace(window=None) if self.full_attention else ctx)
+        if self.full_attention:
+            ctx = ctx._replace(window=None)
+        elif self.local and ctx.local_rot is not None:
+            ctx = ctx._replace(rot=ctx.local_rot)
+        a = self.attn(self.attn_norm(h), ctx)
+        h = h + (self.post_attn_norm(a) if hasattr(self, "post_attn_norm") else a)
         ffn = self.moe if hasattr(self, "moe") else self.mlp
-        return h + ffn(self.mlp_norm(h))
+        m = ffn(self.mlp_norm(h))
+        return h + (self.post_mlp_norm(m) if hasattr(self, "post_mlp_norm") else m)
 
 
 class MTPModule(nn.Module):
@@ -232,6 +276,8 @@ class Transformer(nn.Module):
         self.sequence = SequenceShard()
         self.rotary_dim = c.rotary_dim  # MLA's rotary part, or the first rotary_percent of a head
         self.register_buffer("inv_freq", torch.empty(self.rotary_dim // 2), persistent=False)
+        if c.local_rope_theta is not None:  # the windowed layers' frequencies (Gemma 3)
+            self.register_buffer("local_inv_freq", torch.empty(self.rotary_dim // 2), persistent=False)
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -240,6 +286,8 @@ class Transformer(nn.Module):
             c = self.config
             with torch.no_grad():
                 self.inv_freq.copy_(rope.inv_freq(self.rotary_dim, c.rope_theta, c.rope_scaling))
+                if c.local_rope_theta is not None:
+                    self.local_inv_freq.copy_(rope.inv_freq(self.rotary_dim, c.local_rope_theta, None))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -252,13 +300,14 @@ class Transformer(nn.Module):
         elif positions is None:
             length = tokens.shape[1] * (1 if self.embeds_tokens else self.sequence.sp)
             positions = self.sequence.positions(length, tokens.device)
-        h = self.embed(tokens) if self.embeds_tokens else tokens  # (B, T, h)
+        h = self.embed_tokens(tokens) if self.embeds_tokens else tokens  # (B, T, h)
         if self.pos_embed is not None:
             h = h + self.pos_embed(positions)
         ctx = self.context(positions)
         for key, layer in self.layers.items():
             if int(key) < self.config.num_layers:  # the MTP modules' layers run in mtp.py
-                h = layer(h, ctx if cache is None else ctx._replace(cache=cache.layer(int(key))))
+                h = layer(h, ctx if cache is None else
+                          ctx._replace(cache=cache.layer(int(key), self.config.layer_window(int(key)))))
         if cache is not None:
             cache.advance(tokens.shape[1])
         if self.final_norm is None:
@@ -272,7 +321,16 @@ class Transformer(nn.Module):
         c = self.config
         scale = rope.attention_factor(c.rope_scaling)
         rot = rope.cos_sin(self.inv_freq, positions, scale) if c.position_embedding == "rope" else None
-        return LayerContext(rot, positions, c.sliding_window)
+        local = rope.cos_sin(self.local_inv_freq, positions) if c.local_rope_theta is not None else None
+        return LayerContext(rot, positions, c.sliding_window, local_rot=local)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The token embeddings, times embedding_multiplier (Gemma: sqrt(hidden)) rounded to their dtype first,
+        as transformers multiplies them."""
+        h = self.embed(tokens)
+        if self.config.embedding_multiplier != 1.0:
+            h = h * float(torch.tensor(self.config.embedding_multiplier, dtype=h.dtype))
+        return h
 
     def mtp_logits(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(logits, [logits of MTP module i]) of a whole model. Module i reads the hidden state of module i-1 (the
@@ -280,7 +338,7 @@ class Transformer(nn.Module):
         on; its logits there predict the token i+2 further on (DeepSeek-V3's multi-token prediction)."""
         T = tokens.shape[1]
         positions = torch.arange(T, device=tokens.device)
-        h, ctx = self.embed(tokens), self.context(positions)
+        h, ctx = self.embed_tokens(tokens), self.context(positions)
         for i in range(self.config.num_layers):
             h = self.layers[str(i)](h, ctx)
         h = self.final_norm(h)
@@ -289,4 +347,6 @@ class Transformer(nn.Module):
         return self.head(h), [self.head(s[:, :T - 1 - i]) for i, (s, _) in enumerate(modules)]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)
+        logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed.nn.functional as dist_fn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from mtrain.models.model import CoreAttention, LayerContext, SequenceShard, Transformer, attention_mask
+from mtrain.models.model import CoreAttention, LayerContext, SequenceShard, Transformer, attend, attention_mask
 from mtrain.models.moe import MoE
 
 
@@ -37,8 +36,7 @@ class AllGatherKVAttention(CoreAttention):
         order = torch.argsort(gathered_pos)
         k_all, v_all = (self._gather(t)[:, :, order] for t in (k, v))  # (B, ng, T, hd)
         mask = attention_mask(ctx.positions, gathered_pos[order], ctx.window)  # (T/cp, T)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=self.scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return attend(q, k_all, v_all, mask, False, self.scale, self.softcap)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """All ranks' (B, n, T/cp, hd) along the sequence; gradients flow back summed (Partial)."""
@@ -51,8 +49,9 @@ def apply_context_parallel(part: Transformer, cp_mesh: DeviceMesh) -> None:
     says which positions this rank holds)."""
     group = cp_mesh.get_group()
     for block in part.layers.values():
-        scale, block.attn.core = block.attn.core.scale, AllGatherKVAttention(cp_mesh)
-        block.attn.core.scale = scale  # the softmax scale the attention chose (MLA with YaRN)
+        core, block.attn.core = block.attn.core, AllGatherKVAttention(cp_mesh)
+        # the softmax scale the attention chose (MLA with YaRN, Gemma) and its soft-capping
+        block.attn.core.scale, block.attn.core.softcap = core.scale, core.softcap
         if isinstance(getattr(block, "moe", None), MoE):
             block.moe.reduce_stats = lambda stats, group=group: dist_fn.all_reduce(stats, group=group)
 

@@ -12,7 +12,8 @@
     embeddings  vocabulary-parallel: rows split, each rank looks up its rows, the sum is the output
     head        column-parallel over the vocabulary; the loss runs on vocab-sharded logits (`loss_parallel`),
                 full logits are never gathered. Tied: the embedding's row-split weight is the head's.
-    norms       replicated weights (DTensors too: foreach optimizers and clipping must see DTensors only);
+    norms       replicated weights (DTensors too: foreach optimizers and clipping must see DTensors only), the
+                sandwich norms of the attention and MLP outputs too;
                 per-head q/k norms run on the rank's heads, their gradients summed over the ranks
 
 Sequence parallel keeps the activations outside those regions (norms, residual adds) split over the sequence,
@@ -102,6 +103,9 @@ def _parallelize_block(block: Block, mesh: DeviceMesh, sequence_parallel: bool) 
     norm = _norm_style(sequence_parallel)
     plan: dict[str, ParallelStyle] = {"attn_norm": norm(), "mlp_norm": norm(),
                                       "attn.o": RowwiseParallel(output_layouts=seq)}
+    for name in ("post_attn_norm", "post_mlp_norm"):  # sandwich norms: on the sublayers' (reduced) outputs
+        if hasattr(block, name):
+            plan[name] = norm()
     if isinstance(block.attn, MLAttention):
         for name in ("q_down", "q_norm", "kv_down", "kv_norm"):
             if hasattr(block.attn, name):  # q_down, q_norm: with a query LoRA only

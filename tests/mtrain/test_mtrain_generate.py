@@ -16,8 +16,9 @@ from mtrain.models.kv_cache import KVCache
 from tests.support.models import make_deepseek, make_hf, save_hf
 
 # mistral: window 8, so it bites within these sequences; gpt2: learned positions; llama3: scaled rope, tied;
-# qwen2: qkv biases, a layer exempt from the window; qwen3: q/k norms before rotary
-FAMILIES = ("llama", "llama3", "mistral", "gpt2", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+# qwen2: qkv biases, a layer exempt from the window; qwen3: q/k norms before rotary; gemma3_text: a window of 8 in
+# layer 0 with its own rope theta, soft-capped logits
+FAMILIES = ("llama", "llama3", "mistral", "gpt2", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,17 @@ def test_cached_logits_equal_a_whole_pass(models, family):
     tokens = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(1))
     cache = assert_cached_pass_is_whole(models[family][1], tokens, prefill=5)
     assert cache.length == 20
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_a_windowed_layer_keeps_only_its_window(models, family):
+    """A sliding-window layer (window 8) keeps the last 7 positions between calls, with the same logits as a whole
+    pass; Gemma's full-attention layer 1 keeps all 20."""
+    tokens = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(2))
+    cache = assert_cached_pass_is_whole(models[family][1], tokens, prefill=10)
+    kept = {i: layer.buffers[0].shape[2] for i, layer in cache.layers.items()}
+    assert kept == ({0: 7, 1: 7} if family == "mistral" else {0: 7, 1: 20})
 
 
 @pytest.mark.parity

@@ -61,6 +61,7 @@ CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 
@@ -72,6 +73,17 @@ def _transformers_model(family: str, fields: dict):
 
 
 # -- the conversion tests' models ------------------------------------------------------------------------------
+
+# Gemma 3: a window of 4 in layers 0, 1, 3 (rope theta 1e4), full attention with linear rope scaling in layer 2,
+# head_dim 24 != hidden / heads, query_pre_attn_scalar 20 != head_dim, soft-capped logits, tied embeddings
+GEMMA3 = dict(
+    num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=24, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=4,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    query_pre_attn_scalar=20, final_logit_softcapping=5.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    tie_word_embeddings=True,
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 
 HF_FIELDS = {
     "llama": dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=8,
@@ -104,6 +116,7 @@ HF_FIELDS = {
                       decoder_sparse_step=2, norm_topk_prob=True, router_aux_loss_coef=0.02, bos_token_id=1,
                       eos_token_id=2, tie_word_embeddings=False,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "gemma3_text": GEMMA3,
     # n_inner None means 4 * n_embd; gelu_new is the tanh approximation; wte and lm_head tied
     "gpt2": dict(n_layer=4, n_embd=64, n_head=4, n_inner=None, n_positions=128, vocab_size=VOCAB,
                  activation_function="gelu_new", layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2,
@@ -261,6 +274,7 @@ FAMILIES = {f.name: f for f in (
     Family("qwen2", "qwen_hf", partial(make_hf_model, family="qwen2"), seed=0),
     Family("qwen3", "qwen_hf", partial(make_hf_model, family="qwen3"), seed=1),
     Family("qwen3_moe", "qwen_hf", partial(make_hf_model, family="qwen3_moe"), seed=2),
+    Family("gemma3_text", "gemma3_hf", partial(make_hf_model, family="gemma3_text"), seed=0),
     # query LoRA, one MTP module, float32
     Family("deepseek_v3", "deepseek_hf", partial(make_deepseek, mtp=1), seed=0),
     # partial rotary, q/k norms and biases, one MTP module, float32
@@ -306,6 +320,9 @@ CONFIGS = {
                       max_position_embeddings=256, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
                       norm_topk_prob=True, mlp_only_layers=[0], router_aux_loss_coef=0.02,
                       tie_word_embeddings=False),
+    # Gemma 3, 2 layers: a window of 8 in layer 0 (its own rope theta), full attention in layer 1
+    "gemma3_text": GEMMA3 | dict(num_hidden_layers=2, intermediate_size=96, sliding_window=8,
+                                 layer_types=["sliding_attention", "full_attention"]),
 }
 
 
