@@ -1,10 +1,15 @@
 """Run a checkpoint through mtrain's model one stage at a time, holding one layer's weights at once.
 
-    stage     "embed"          "layer 0" … "layer L-1"       "logits"
-    module    Transformer(     Transformer(                  Transformer(
-                layers=[],       layers=[L],                   layers=[], last=True)
-                first=True)      first=False)                  final norm, head
-    output    (B, T, h)        (B, T, h)                     (B, T, V)
+    stage     "embed"          "layer 0" … "layer L-1"       "logits"                    "mtp 0" … "mtp M-1"
+    module    Transformer(     Transformer(                  Transformer(                (the same module:
+                layers=[],       layers=[L],                   layers=[], last=True)       embedding, MTP
+                first=True)      first=False)                  final norm, head            modules, head)
+    output    (B, T, h)        (B, T, h)                     (B, T, V)                   (B, T-1-m, V)
+
+The MTP modules (DeepSeek-V3's multi-token prediction) run as the model runs them in training (mtrain's
+`Transformer.mtp_logits`): module m reads the previous module's hidden states (the model's, after its final
+norm, for m = 0) and the embedding of the tokens m+1 further on; its logits at positions 0..T-2-m predict the
+tokens m+2 further on.
 
 Each stage is an mtrain pipeline stage built from the IR config on the meta device, given its weights from
 the IR's lazy tensors (read now, not before) and freed before the next stage is built, so the peak memory is
@@ -23,10 +28,11 @@ import torch
 
 from mconvert.errors import ConvertError
 from mconvert.ir.config import ModelConfig
-from mconvert.ir.names import embedding_shapes, head_shapes, layer_shapes
+from mconvert.ir.names import embedding_shapes, head_shapes, layer_shapes, mtp_shapes
 from mconvert.ir.tensors import ModelIR
 from mtrain import weights
 from mtrain.errors import TrainError
+from mtrain.models import mtp
 from mtrain.models.model import Transformer
 
 
@@ -38,8 +44,13 @@ class StageOutput:
     run_seconds: float  # the forward pass of the stage
 
 
-def stage_names(num_layers: int) -> list[str]:
-    return ["embed", *(f"layer {i}" for i in range(num_layers)), "logits"]
+def stage_names(num_layers: int, mtp_layers: int = 0) -> list[str]:
+    return ["embed", *(f"layer {i}" for i in range(num_layers)), "logits", *(f"mtp {m}" for m in range(mtp_layers))]
+
+
+def is_logits(stage: str) -> bool:
+    """Does the stage output logits (the model's or an MTP module's) rather than hidden states?"""
+    return stage == "logits" or stage.startswith("mtp ")
 
 
 def stage_tensors(c: ModelConfig, stage: str) -> list[str]:
@@ -48,6 +59,8 @@ def stage_tensors(c: ModelConfig, stage: str) -> list[str]:
         return list(embedding_shapes(c))
     if stage == "logits":
         return list(head_shapes(c)) + (["embed.weight"] if c.tie_embeddings else [])
+    if stage.startswith("mtp "):
+        return list(mtp_shapes(int(stage.removeprefix("mtp ")), c))
     return list(layer_shapes(int(stage.removeprefix("layer ")), c))
 
 
@@ -58,19 +71,42 @@ def run_stages(ir: ModelIR, tokens: torch.Tensor, device: torch.device,
     specs = [dict(layers=[], first=True, last=False),
              *(dict(layers=[i], first=False, last=False) for i in range(c.num_layers)),
              dict(layers=[], first=False, last=True)]
-    h = tokens.to(device)
+    tokens = tokens.to(device)
+    h = tokens
     for name, spec in zip(stage_names(c.num_layers), specs):
         start = time.perf_counter()
         try:
             stage = _build(ir, spec, device)
         except TrainError as e:
             raise ConvertError(f"{ir.source.path}: mtrain cannot run this model: {e}") from None
-        on_read(sum(ir[n].nbytes for n in stage_tensors(c, name)))
+        read = stage_tensors(c, name) + [n for m in range(c.mtp_layers if spec["last"] else 0)
+                                         for n in stage_tensors(c, f"mtp {m}")]
+        on_read(sum(ir[n].nbytes for n in read))
         loaded = time.perf_counter()
         with torch.no_grad():
+            outputs = _mtp_outputs(stage, h, tokens) if spec["last"] else []
             h = stage(h)
         del stage  # free this stage's weights before the next stage is built
         yield StageOutput(name, h, loaded - start, time.perf_counter() - loaded)
+        yield from outputs
+
+
+def _mtp_outputs(stage: Transformer, h: torch.Tensor, tokens: torch.Tensor) -> list[StageOutput]:
+    """The logits of each MTP module of the last stage, from the hidden states `h` (B, T, h) of the last layer."""
+    if stage.mtp is None:
+        return []
+    T = tokens.shape[1]
+    positions = torch.arange(T, device=tokens.device)
+    following = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # the labels, but for the unknown last one
+    out, start = [], time.perf_counter()
+    for m, (hidden, _) in enumerate(mtp.hidden_states(stage, stage.final_norm(h), following, positions,
+                                                      stage.context(positions))):
+        if T - 1 - m < 1:
+            break  # no position has a token m+2 further on (verify says so: a stage not run)
+        logits = stage.head(hidden[:, :T - 1 - m])
+        out.append(StageOutput(f"mtp {m}", logits, 0.0, time.perf_counter() - start))
+        start = time.perf_counter()
+    return out
 
 
 def _build(ir: ModelIR, spec: dict, device: torch.device) -> Transformer:

@@ -64,37 +64,27 @@ def cast_reference(a: ModelIR, b: ModelIR) -> tuple[Literal["A", "B"], ModelIR] 
     names = cast_tensors(a, b)
     if not names:
         return None
-    b_sources = sum(_holds(b[n], a[n]) for n in names)
+    b_sources = sum(holds(b[n], a[n]) for n in names)
     side, src, dst = ("B", b, a) if 2 * b_sources > len(names) else ("A", a, b)
     tensors = dict(src.tensors)
     for n in names:
-        tensors[n] = src[n].map(lambda x, t=dst[n]: _rounded(x, t), dtype=dst[n].dtype)
+        tensors[n] = src[n].map(lambda x, t=dst[n]: rounded_like(x, t), dtype=dst[n].dtype)
     return side, dataclasses.replace(src, tensors=tensors)
 
 
-def _holds(x: LazyTensor, y: LazyTensor) -> bool:
+def holds(x: LazyTensor, y: LazyTensor) -> bool:
     """Does x hold y's values: y is FP8 and x is not, or (FP8 on neither side or both) x's dtype holds y's."""
     if (x.fp8_block is None) != (y.fp8_block is None):
         return x.fp8_block is None
     return y.dtype in _HOLDS.get(x.dtype, set())
 
 
-def _rounded(x: torch.Tensor, like: LazyTensor) -> torch.Tensor:
+def rounded_like(x: torch.Tensor, like: LazyTensor) -> torch.Tensor:
     """x as `like` stores it: rounded to its FP8 blocks (when it has them) and its dtype."""
     if like.fp8_block is None:
         return x.to(like.dtype)
     q, scale = fp8.quantize(x, like.fp8_block)
     return fp8.dequantize(q, scale, like.fp8_block, like.dtype)
-
-
-def in_common_dtype(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x and y in one dtype: the one whose dtype holds the other's rounded to the other's (x to y's between
-    float16 and bfloat16), as a correct cast would store it."""
-    if x.dtype == y.dtype:
-        return x, y
-    if x.dtype in _HOLDS.get(y.dtype, set()):
-        return x, y.to(x.dtype)
-    return x.to(y.dtype), y
 
 
 @dataclass(frozen=True)
