@@ -17,25 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.support.cli import run_cli
+from tests.support.cli import run_cli, verify_report
 from tests.support.models import MIXED_MOE, make_hf_model, random_ir
 from tests.support.paths import FIXTURES
 
 # Every verdict here is `verify`'s comparison of two forward passes within its bounds (mconvert/verify/tolerance.py:
 # exact for the same dtypes, twice the measured cast noise for casts, 1e-4 of the logits' size against transformers).
 pytestmark = pytest.mark.parity
-
-
-def verify_json(*args) -> dict:
-    """Run `mconvert verify ... --json` in-process; the parsed report (whatever the exit status)."""
-    from click.testing import CliRunner
-
-    from mconvert.cli import main
-
-    result = CliRunner().invoke(main, ["verify", *map(str, args), "--json"], catch_exceptions=False)
-    report = json.loads(result.stdout)
-    assert result.exit_code == (0 if report["passed"] else 1), result.output
-    return report
 
 
 def edited_copy(src: Path, dst: Path, config=None, tensors=None) -> Path:
@@ -102,7 +90,7 @@ def test_a_config_that_changes_the_outputs_fails_naming_the_field(field, request
     fixture, config, tensors = CONFIG_BUGS[field]
     src = request.getfixturevalue(fixture)
     bad = edited_copy(src, tmp_path / "bad", config, tensors)
-    report = verify_json(src, bad)
+    report = verify_report(src, bad)
     assert not report["passed"] and report["first_config_field"] == field
     assert f"config field {field} (A=" in report["summary"] and "changes the outputs" in report["summary"]
     # and the outputs really differ: through the forward pass, not only in the config
@@ -155,7 +143,7 @@ def scale(name: str, factor: float):
 ])
 def test_a_swapped_or_scaled_tensor_fails_at_its_layer(llama_dir, tmp_path, edit, stage, tensors):
     bad = edited_copy(llama_dir, tmp_path / "bad", tensors=edit)
-    report = verify_json(llama_dir, bad)
+    report = verify_report(llama_dir, bad)
     assert not report["passed"] and report["first_config_field"] is None
     assert report["first_diverging_stage"] == stage
     assert [t.split(" (")[0] for t in report["differing_tensors"]] == tensors
@@ -171,15 +159,15 @@ def test_three_way_chain_passes(llama_dir, tmp_path):
     run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", core, "--save-dir", dist, "-q")
     run_cli("--saver", "llama_mistral", "--load-dir", dist, "--save-dir", hf, "-q")
     for a, b in ((llama_dir, core), (core, dist), (dist, hf), (llama_dir, hf)):
-        report = verify_json(a, b)
+        report = verify_report(a, b)
         assert report["passed"] and report["logits"]["max_abs"] == 0 and report["bound"]["kind"] == "exact"
-    assert verify_json(llama_dir, hf)["config_differences"] == []
+    assert verify_report(llama_dir, hf)["config_differences"] == []
 
 
 def test_a_cast_passes_within_the_cast_noise_either_way_round(llama_dir, tmp_path):
     run_cli("--saver", "core", "--dtype", "bf16", "--load-dir", llama_dir, "--save-dir", tmp_path / "bf16", "-q")
     for a, b in ((llama_dir, tmp_path / "bf16"), (tmp_path / "bf16", llama_dir)):
-        report = verify_json(a, b)
+        report = verify_report(a, b)
         assert report["passed"] and report["bound"]["kind"] == "cast"
         # a correct cast *is* the cast reference: its distance is exactly the noise, and the noise is not 0
         assert report["logits"] == report["cast_noise"] | {"scale": report["logits"]["scale"]}
@@ -192,7 +180,7 @@ def test_casts_between_half_precisions(tmp_path, source_dtype, target):
     """float16 and bfloat16 hold neither each other's values: A is taken as the source of the cast."""
     src = make_hf_model(tmp_path / "src", "llama", dtype=source_dtype)
     run_cli("--saver", "core", "--dtype", target, "--load-dir", src, "--save-dir", tmp_path / "out", "-q")
-    report = verify_json(src, tmp_path / "out")
+    report = verify_report(src, tmp_path / "out")
     assert report["passed"] and report["bound"]["kind"] == "cast"
     assert report["logits"]["max_abs"] == report["cast_noise"]["max_abs"] > 0
 
@@ -202,30 +190,30 @@ def test_checkpoints_written_by_megatron(tmp_path):
     if not FIXTURES.is_dir():
         pytest.skip("no Megatron fixtures")
     llama = FIXTURES / "llama_gqa"
-    assert verify_json(llama / "hf", llama / "core_tp2pp2")["logits"]["max_abs"] == 0
-    report = verify_json(llama / "hf", llama / "core_tp1pp2_bf16")
+    assert verify_report(llama / "hf", llama / "core_tp2pp2")["logits"]["max_abs"] == 0
+    report = verify_report(llama / "hf", llama / "core_tp1pp2_bf16")
     assert report["passed"] and report["logits"]["max_abs"] == report["cast_noise"]["max_abs"] > 0
-    report = verify_json(FIXTURES / "gpt2" / "legacy_tp2pp2", FIXTURES / "gpt2" / "hf", "--reference", "transformers")
+    report = verify_report(FIXTURES / "gpt2" / "legacy_tp2pp2", FIXTURES / "gpt2" / "hf", "--reference", "transformers")
     assert report["passed"] and report["b"]["runner"] == "transformers"
 
 
 def test_a_cast_with_a_wrong_tensor_fails(llama_dir, tmp_path):
     bad = edited_copy(llama_dir, tmp_path / "bad", tensors=scale("model.layers.3.mlp.down_proj.weight", 1.1))
     run_cli("--saver", "core", "--dtype", "bf16", "--load-dir", bad, "--save-dir", tmp_path / "bf16", "-q")
-    report = verify_json(llama_dir, tmp_path / "bf16")
+    report = verify_report(llama_dir, tmp_path / "bf16")
     assert not report["passed"] and report["first_diverging_stage"] == "layer 3"
     assert report["differing_tensors"][0].startswith("layers.3.mlp.down.weight (max |Δ|")
 
 
 def test_reference_transformers(llama_dir, gpt2_dir, tmp_path):
     run_cli("--saver", "core", "--tp", "2", "--load-dir", llama_dir, "--save-dir", tmp_path / "core", "-q")
-    report = verify_json(tmp_path / "core", llama_dir, "--reference", "transformers", "--per-layer")
+    report = verify_report(tmp_path / "core", llama_dir, "--reference", "transformers", "--per-layer")
     assert report["passed"] and report["b"]["runner"] == "transformers" and report["a"]["runner"] == "mtrain"
     assert report["bound"]["kind"] == "reference" and report["logits"]["max_abs"] <= report["bound"]["max_abs"]
-    report = verify_json(gpt2_dir, gpt2_dir, "--reference", "transformers")
+    report = verify_report(gpt2_dir, gpt2_dir, "--reference", "transformers")
     assert report["passed"] and report["a"]["runner"] == "transformers"
     bad = edited_copy(llama_dir, tmp_path / "bad", set_rope(rope_theta=20000.0))
-    report = verify_json(llama_dir, bad, "--reference", "transformers")
+    report = verify_report(llama_dir, bad, "--reference", "transformers")
     assert not report["passed"] and report["first_config_field"] == "rope_theta"
     assert report["logits"]["max_abs"] > report["bound"]["max_abs"]
 
@@ -233,7 +221,7 @@ def test_reference_transformers(llama_dir, gpt2_dir, tmp_path):
 def test_reference_transformers_runs_moe_and_casts(mixtral_dir, tmp_path):
     run_cli("--saver", "core", "--ep", "2", "--dtype", "bf16", "--load-dir", mixtral_dir, "--save-dir",
             tmp_path / "core", "-q")
-    report = verify_json(mixtral_dir, tmp_path / "core", "--reference", "transformers")
+    report = verify_report(mixtral_dir, tmp_path / "core", "--reference", "transformers")
     assert report["passed"] and report["a"]["runner"] == "transformers" and report["cast_noise"]["max_abs"] > 0
 
 
@@ -249,7 +237,7 @@ def test_prompt_uses_the_checkpoint_tokenizer(llama_dir, tmp_path):
 
     ids = load_tokenizer(llama_dir).encode("t5 t9 t33 t99")
     assert ids == [5, 9, 33, 99]
-    report = verify_json(llama_dir, llama_dir, "--prompt", "t5 t9 t33 t99")
+    report = verify_report(llama_dir, llama_dir, "--prompt", "t5 t9 t33 t99")
     assert report["passed"]
     assert report["tokens"] == {"sequences": 1, "length": len(ids), "source": f"prompt ({len(ids)} tokens)"}
     bare = edited_copy(llama_dir, tmp_path / "bare")
@@ -260,7 +248,7 @@ def test_prompt_uses_the_checkpoint_tokenizer(llama_dir, tmp_path):
 
 
 def test_tokens_seq_len_and_seed(llama_dir, gpt2_dir):
-    report = verify_json(llama_dir, llama_dir, "--tokens", "96", "--seq-len", "32", "--seed", "3")
+    report = verify_report(llama_dir, llama_dir, "--tokens", "96", "--seq-len", "32", "--seed", "3")
     assert report["tokens"] == {"sequences": 3, "length": 32, "source": "random (seed 3)"}
     out = run_cli("verify", gpt2_dir, gpt2_dir, "--seq-len", "200", "--tokens", "200", expect_error=True)
     assert "sequences of 200 tokens exceed A's 128 learned positions; pass --seq-len 128 or less" in out
@@ -274,7 +262,7 @@ def test_a_model_with_fewer_layers_fails_on_num_layers(llama_dir, tmp_path):
             del t[name]
 
     bad = edited_copy(llama_dir, tmp_path / "bad", set_field("num_hidden_layers", 3), drop_last_layer)
-    report = verify_json(llama_dir, bad)
+    report = verify_report(llama_dir, bad)
     assert not report["passed"] and report["first_config_field"] == "num_layers"
     assert [s["name"] for s in report["stages"]] == ["embed", "layer 0", "layer 1", "layer 2", "logits"]
 
@@ -348,9 +336,9 @@ def test_moe_with_dense_layers_and_router_settings(tmp_path):
         engine.save(random_ir(config, tmp_path / name), tmp_path / name, Options(), "core")
     run_cli("--saver", "core", "--tp", "2", "--ep", "2", "--load-dir", tmp_path / "a", "--save-dir",
             tmp_path / "a2", "-q")
-    report = verify_json(tmp_path / "a", tmp_path / "a2", "--seq-len", "64")
+    report = verify_report(tmp_path / "a", tmp_path / "a2", "--seq-len", "64")
     assert report["passed"] and report["logits"]["max_abs"] == 0
-    report = verify_json(tmp_path / "a", tmp_path / "b", "--seq-len", "64")
+    report = verify_report(tmp_path / "a", tmp_path / "b", "--seq-len", "64")
     assert not report["passed"] and report["first_config_field"] == "moe_norm_topk"
     # layer 0 is dense (the same), layer 1 the first with experts: routing weights differ there
     assert report["first_diverging_stage"] == "layer 1" and report["differing_tensors"] == []

@@ -15,7 +15,7 @@ def summary_line(r: Report) -> str:
     m = r.logits
     line = (f"{'PASS' if r.passed else 'FAIL'}  max|Δlogit| {_num(m.max_abs)}  mean KL {_num(m.mean_kl)}  "
             f"top-1 {100 * m.top1:.2f}%  ({r.bound.describe()}; {r.tokens[0]}x{r.tokens[1]} tokens, "
-            f"{len(r.stages) - 2} layers, {r.seconds:.1f} s)")
+            f"{_stages(r)}, {r.seconds:.1f} s)")
     reasons = []
     if r.first_field:
         reasons.append(f"config field {r.first_field.describe()} changes the outputs")
@@ -31,6 +31,13 @@ def summary_line(r: Report) -> str:
 
 
 _SHOWN = 4  # differing tensors the summary names (the report lists them all)
+
+
+def _stages(r: Report) -> str:
+    """"4 layers", or "3 layers + 1 MTP module": what ran on both sides."""
+    layers = sum(s.name.startswith("layer ") for s in r.stages)
+    modules = sum(s.name.startswith("mtp ") for s in r.stages)
+    return f"{layers} layers" + (f" + {modules} MTP module{'s' if modules > 1 else ''}" if modules else "")
 
 
 def _divergence(r: Report) -> str:

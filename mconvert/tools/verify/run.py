@@ -142,7 +142,8 @@ def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progre
     stages: list[StageResult] = []
     checked = TensorCheck(ir_a, ir_b)
     left: dict[str, set[str]] = {}
-    with progress.task(f"verify: {ir_a.config.num_layers + 2} stages x {len(p.irs)} models", total) as advance:
+    count = len(stage_names(ir_a.config.num_layers, ir_a.config.mtp_layers))
+    with progress.task(f"verify: {count} stages x {len(p.irs)} models", total) as advance:
         streams = {k: run_transformers(paths[k], tokens, ir.config.num_layers, device)
                    if p.runners[k] == "transformers" else run_stages(ir, tokens, device, advance)
                    for k, ir in p.irs.items()}
