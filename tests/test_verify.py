@@ -264,12 +264,15 @@ def test_a_model_with_fewer_layers_fails_on_num_layers(llama_dir, tmp_path):
     bad = edited_copy(llama_dir, tmp_path / "bad", set_field("num_hidden_layers", 3), drop_last_layer)
     report = verify_report(llama_dir, bad)
     assert not report["passed"] and report["first_config_field"] == "num_layers"
-    assert [s["name"] for s in report["stages"]] == ["embed", "layer 0", "layer 1", "layer 2", "logits"]
+    assert [s["name"] for s in report["stages"]] == ["table 0-299", "embed", "layer 0", "layer 1", "layer 2",
+                                                     "logits"]
+    assert report["skipped"] == ["layer 3: not run on both sides (only A has it); its tensors are compared one by one"]
+    assert "layers.3.attn_norm.weight (only in A)" in [f"{t['name']} ({t['how']})" for t in report["tensors"]]
 
 
 def test_verify_holds_one_stage_at_a_time(llama_dir, tmp_path, monkeypatch):
     """Each stage's weights are freed before the next stage of any stream is built (a model larger than memory
-    verifies), and every tensor is read once per stream."""
+    verifies), and every stage is built once per stream."""
     import weakref
 
     from mconvert.tools.verify import VerifySettings, stages, verify
@@ -287,7 +290,7 @@ def test_verify_holds_one_stage_at_a_time(llama_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(stages, "_build", tracking_build)
     report = verify(llama_dir, tmp_path / "bf16", VerifySettings())
     assert report.passed
-    assert len(built) == 3 * 6  # A, B and the cast reference: embed, 4 layers, logits
+    assert len(built) == 3 * 7  # A, B and the cast reference: the table of 300 ids, embed, 4 layers, logits
     assert max(alive_at_build) == 0
 
 

@@ -4,8 +4,9 @@ Each damaging test changes exactly one thing that a forward pass on a few tokens
 embedding row no token looks up, a row at a TP shard boundary of a padded vocabulary, a learned position beyond
 `--seq-len`, a weight of an MTP module, a bf16 value one unit in the last place off) and checks that verify FAILS
 (exit 1) naming the tensor and the row; the clean conversions beside them PASS with no tensor named. The damage is
-chosen so that the forward pass alone would have passed: the logits of the main model are asserted equal (or
-within their bound), so the verdict comes from the tensor-by-tensor comparison or the MTP stage.
+chosen so that the forward pass on the test tokens alone would have passed: the logits of the main model are
+asserted equal (or within their bound), so the verdict comes from the embedding path run on every token id (the
+"table" stage), the MTP stage, or the tensor-by-tensor comparison.
 """
 
 from __future__ import annotations
@@ -38,17 +39,21 @@ def failed_on(report: dict, tensor: str) -> str:
     return report["tensors"][0]["how"]
 
 
-def forward_blind(report: dict) -> None:
-    """The forward pass on the test tokens saw nothing: every stage, the logits included, bit-identical."""
+def caught_by_the_table(report: dict) -> None:
+    """The forward pass on the test tokens saw nothing (every stage, the logits included, bit-identical), the
+    embedding path run on every token id (the "table" stage) did."""
     assert report["logits"]["max_abs"] == 0 and report["logits"]["mean_kl"] == 0
-    assert all(s["max_abs"] == 0 and not s["diverged"] for s in report["stages"])
+    tables = [s for s in report["stages"] if s["name"].startswith("table ")]
+    assert [s["name"] for s in tables] == ["table 0-299"]
+    assert tables[0]["diverged"] and report["first_diverging_stage"] == "table 0-299"
+    assert all(s["max_abs"] == 0 and not s["diverged"] for s in report["stages"] if s not in tables)
 
 
 def test_an_embedding_row_no_token_looks_up(llama_dir, tmp_path):
     bad = fresh(llama_dir, tmp_path, "bad")
     edit_weights(bad, "model.embed_tokens.weight", lambda w: w[200].mul_(1.5))
     report = verify_report(llama_dir, bad, "--prompt", PROMPT)
-    forward_blind(report)
+    caught_by_the_table(report)
     assert failed_on(report, "embed.weight").endswith("1 of 300 rows differ: 200")
 
 
@@ -66,7 +71,7 @@ def test_a_vocabulary_row_at_a_tp_shard_boundary(sources, llama_dir, tmp_path, r
     state["model"]["embedding.word_embeddings.weight"][row % rows] = 0.0
     torch.save(state, f)
     report = verify_report(llama_dir, bad, "--prompt", PROMPT)
-    forward_blind(report)
+    caught_by_the_table(report)
     assert failed_on(report, "embed.weight").endswith(f"1 of 300 rows differ: {row}")
 
 
@@ -75,7 +80,7 @@ def test_a_position_row_beyond_seq_len(gpt2_dir, tmp_path):
     bad = fresh(gpt2_dir, tmp_path, "bad")
     edit_weights(bad, "transformer.wpe.weight", lambda w: w[100].add_(0.01))
     report = verify_report(gpt2_dir, bad, "--seq-len", "16", "--tokens", "32")
-    forward_blind(report)
+    caught_by_the_table(report)
     assert failed_on(report, "pos_embed.weight").endswith("1 of 128 rows differ: 100")
 
 

@@ -31,7 +31,14 @@ from mconvert.progress import QUIET, Progress
 from mconvert.tools.verify.fields import FieldDiff, config_differences
 from mconvert.tools.verify.metrics import LogitMetrics, hidden_metrics, logit_metrics
 from mconvert.tools.verify.reference import is_hf_dir, run_transformers
-from mconvert.tools.verify.stages import StageOutput, is_logits, run_stages, stage_names, stage_tensors
+from mconvert.tools.verify.stages import (
+    StageOutput,
+    is_logits,
+    run_stages,
+    stage_names,
+    stage_tensors,
+    table_inputs,
+)
 from mconvert.tools.verify.tensors import TensorDiff, all_names, judge
 from mconvert.tools.verify.tolerance import Bound, Kind, cast_reference, logit_bound, stage_bound
 
@@ -142,10 +149,11 @@ def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progre
     stages: list[StageResult] = []
     checked = TensorCheck(ir_a, ir_b)
     left: dict[str, set[str]] = {}
-    count = len(stage_names(ir_a.config.num_layers, ir_a.config.mtp_layers))
+    tables = table_inputs(ir_a.config, ir_b.config)
+    count = len(tables) + len(stage_names(ir_a.config.num_layers, ir_a.config.mtp_layers))
     with progress.task(f"verify: {count} stages x {len(p.irs)} models", total) as advance:
-        streams = {k: run_transformers(paths[k], tokens, ir.config.num_layers, device)
-                   if p.runners[k] == "transformers" else run_stages(ir, tokens, device, advance)
+        streams = {k: run_transformers(paths[k], tokens, ir.config.num_layers, device, tables)
+                   if p.runners[k] == "transformers" else run_stages(ir, tokens, device, advance, tables)
                    for k, ir in p.irs.items()}
         for name, out in lockstep(streams, left):
             if is_logits(name):

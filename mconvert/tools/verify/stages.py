@@ -6,6 +6,11 @@
                 first=True)      first=False)                  final norm, head            modules, head)
     output    (B, T, h)        (B, T, h)                     (B, T, V)                   (B, T-1-m, V)
 
+Before them, the "table" stages run the first stage's embedding path (token embedding plus learned positions)
+on every token id of the vocabulary, in sequences as long as the learned positions, so every row of the embedding
+and position tables is judged through the model's own embedding, not only the rows the test tokens reach
+(`table_inputs`; a few thousand ids per stage, each stage built and freed like the others).
+
 The MTP modules (DeepSeek-V3's multi-token prediction) run as the model runs them in training (mtrain's
 `Transformer.mtp_logits`): module m reads the previous module's hidden states (the model's, after its final
 norm, for m = 0) and the embedding of the tokens m+1 further on; its logits at positions 0..T-2-m predict the
@@ -48,6 +53,26 @@ def stage_names(num_layers: int, mtp_layers: int = 0) -> list[str]:
     return ["embed", *(f"layer {i}" for i in range(num_layers)), "logits", *(f"mtp {m}" for m in range(mtp_layers))]
 
 
+TABLE_IDS = 8192  # token ids per "table" stage: bounds its output, (ids, h) in fp32 per model
+_ROPE_TABLE_LENGTH = 256  # sequence length of the table stages without learned positions (no attention runs)
+
+
+def table_inputs(a: ModelConfig, b: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """("table FIRST-LAST", tokens (n, T)) covering every token id both vocabularies have, in sequences as long
+    as the shorter learned position table (every position row is then added to a token too; the ids wrap)."""
+    vocab = min(a.vocab_size, b.vocab_size)
+    learned = [c.max_position_embeddings for c in (a, b) if c.position_embedding == "learned"]
+    length = min(learned) if learned else min(_ROPE_TABLE_LENGTH, vocab)
+    per = max(1, TABLE_IDS // length)  # sequences per stage
+    total = -(-vocab // length)  # sequences that cover every id
+    out = []
+    for first in range(0, total, per):
+        n = min(per, total - first)
+        ids = torch.arange(first * length, (first + n) * length) % vocab
+        out.append((f"table {first * length}-{min((first + n) * length, vocab) - 1}", ids.view(n, length)))
+    return out
+
+
 def is_logits(stage: str) -> bool:
     """Does the stage output logits (the model's or an MTP module's) rather than hidden states?"""
     return stage == "logits" or stage.startswith("mtp ")
@@ -55,7 +80,7 @@ def is_logits(stage: str) -> bool:
 
 def stage_tensors(c: ModelConfig, stage: str) -> list[str]:
     """The IR tensors a stage reads."""
-    if stage == "embed":
+    if stage == "embed" or stage.startswith("table "):
         return list(embedding_shapes(c))
     if stage == "logits":
         return list(head_shapes(c)) + (["embed.weight"] if c.tie_embeddings else [])
@@ -65,9 +90,19 @@ def stage_tensors(c: ModelConfig, stage: str) -> list[str]:
 
 
 def run_stages(ir: ModelIR, tokens: torch.Tensor, device: torch.device,
-               on_read: Callable[[int], None] = lambda n: None) -> Iterator[StageOutput]:
-    """The output of every stage of `ir`'s model on `tokens` (B, T), in order; `on_read(bytes)` after each read."""
+               on_read: Callable[[int], None] = lambda n: None,
+               tables: list[tuple[str, torch.Tensor]] = ()) -> Iterator[StageOutput]:
+    """The output of every stage of `ir`'s model on `tokens` (B, T), in order, after the embedding path's output
+    on each of the `tables` (table_inputs); `on_read(bytes)` after each read (of the model's stages)."""
     c = ir.config
+    for name, ids in tables:
+        start = time.perf_counter()
+        stage = _build(ir, dict(layers=[], first=True, last=False), device)
+        loaded = time.perf_counter()
+        with torch.no_grad():
+            h = stage(ids.to(device))
+        del stage
+        yield StageOutput(name, h, loaded - start, time.perf_counter() - loaded)
     specs = [dict(layers=[], first=True, last=False),
              *(dict(layers=[i], first=False, last=False) for i in range(c.num_layers)),
              dict(layers=[], first=False, last=True)]
