@@ -345,3 +345,48 @@ def test_moe_with_dense_layers_and_router_settings(tmp_path):
     assert not report["passed"] and report["first_config_field"] == "moe_norm_topk"
     # layer 0 is dense (the same), layer 1 the first with experts: routing weights differ there
     assert report["first_diverging_stage"] == "layer 1" and report["differing_tensors"] == []
+
+
+def test_a_one_token_prompt_gets_a_warning(llama_dir):
+    """One token attends only to itself at position 0 (rotary angle 0): attention mixing and rotary are not run."""
+    report = verify_report(llama_dir, llama_dir, "--prompt", "t5")
+    assert report["passed"] and report["tokens"]["length"] == 1
+    assert report["warnings"] == ["sequences of one token exercise neither attention between tokens nor rotary or "
+                                  "learned positions beyond the first: pass a longer --prompt, or --seq-len 2 or more"]
+    out = run_cli("verify", llama_dir, llama_dir, "--tokens", "4", "--seq-len", "1")
+    assert "warning: sequences of one token exercise neither attention" in out
+    assert "warning" not in run_cli("verify", llama_dir, llama_dir, "--tokens", "4", "--seq-len", "2")
+
+
+def test_a_diverging_stage_fails_the_verdict_whatever_the_logits(llama_dir):
+    """The per-layer table's "diverges" is part of the verdict: a layer beyond its bound fails even when the
+    logits are within theirs (here the stage is marked by hand, the logits being exactly equal)."""
+    import dataclasses
+
+    from mconvert.tools.verify import VerifySettings, verify
+    from mconvert.tools.verify.report import summary_line, text
+
+    report = verify(llama_dir, llama_dir, VerifySettings(tokens=32, seq_len=32))
+    assert report.passed and report.bound.admits(report.logits)
+    stages = [dataclasses.replace(s, diverged=s.name == "layer 2") for s in report.stages]
+    bad = dataclasses.replace(report, stages=stages, stage_tensors=[])
+    assert not bad.passed and bad.first_stage == "layer 2"
+    assert summary_line(bad).endswith(": the logits are within the bound, but a stage diverges; first diverging "
+                                      "stage: layer 2 (its tensors are equal: the difference comes from the config "
+                                      "or the code)")
+    assert "layer 2" in [line.split("  ")[0] for line in text(bad, per_layer=True).splitlines()
+                         if line.endswith("<- diverges")]
+
+
+def test_mtp_modules_run_as_a_stage_or_are_named_as_skipped(hf_model, tmp_path):
+    """DeepSeek-V3 with one MTP module: mtrain runs it after the head on both sides and compares its logits; the
+    transformers reference has no MTP, which the report says instead of passing over it in silence."""
+    src = hf_model("deepseek_v3")
+    run_cli("--saver", "core", "--tp", "2", "--load-dir", src, "--save-dir", tmp_path / "core", "-q")
+    out = run_cli("verify", src, tmp_path / "core", "--seq-len", "16", "--tokens", "32", "--per-layer")
+    assert [line.split()[:3] for line in out.splitlines() if line.startswith("mtp ")] == [["mtp", "0", "0"]]
+    assert out.splitlines()[-1].startswith("PASS") and "3 layers + 1 MTP module" in out.splitlines()[-1]
+    report = verify_report(tmp_path / "core", src, "--seq-len", "16", "--tokens", "32", "--reference", "transformers")
+    assert report["passed"] and "mtp 0" not in [s["name"] for s in report["stages"]]
+    assert report["skipped"] == ["mtp 0: not run on both sides (transformers does not run MTP modules); its tensors "
+                                 "are compared one by one"]
