@@ -9,7 +9,7 @@
 Before them, the "table" stages run the first stage's embedding path (token embedding plus learned positions)
 on every token id of the vocabulary, in sequences as long as the learned positions, so every row of the embedding
 and position tables is judged through the model's own embedding, not only the rows the test tokens reach
-(`table_inputs`; a few thousand ids per stage, each stage built and freed like the others).
+(`table_inputs`; up to 256 MB of output per stage, each stage built and freed like the others).
 
 The MTP modules (DeepSeek-V3's multi-token prediction) run as the model runs them in training (mtrain's
 `Transformer.mtp_logits`): module m reads the previous module's hidden states (the model's, after its final
@@ -53,7 +53,9 @@ def stage_names(num_layers: int, mtp_layers: int = 0) -> list[str]:
     return ["embed", *(f"layer {i}" for i in range(num_layers)), "logits", *(f"mtp {m}" for m in range(mtp_layers))]
 
 
-TABLE_IDS = 8192  # token ids per "table" stage: bounds its output, (ids, h) in fp32 per model
+# Values per "table" stage output, (ids, h) in fp32 per model: 256 MB, less than one layer of a 7B model in fp32.
+# Each table stage builds the embedding again, so fewer, larger stages are faster (32k ids at hidden 2048).
+TABLE_VALUES = 1 << 26
 _ROPE_TABLE_LENGTH = 256  # sequence length of the table stages without learned positions (no attention runs)
 
 
@@ -63,7 +65,7 @@ def table_inputs(a: ModelConfig, b: ModelConfig) -> list[tuple[str, torch.Tensor
     vocab = min(a.vocab_size, b.vocab_size)
     learned = [c.max_position_embeddings for c in (a, b) if c.position_embedding == "learned"]
     length = min(learned) if learned else min(_ROPE_TABLE_LENGTH, vocab)
-    per = max(1, TABLE_IDS // length)  # sequences per stage
+    per = max(1, TABLE_VALUES // max(a.hidden_size, b.hidden_size) // length)  # sequences per stage
     total = -(-vocab // length)  # sequences that cover every id
     out = []
     for first in range(0, total, per):
