@@ -119,6 +119,20 @@ def test_a_bf16_value_one_ulp_off_below_the_outputs_tolerance(llama_dir, tmp_pat
     assert "tensors differ, whatever their effect on the outputs: layers.1.mlp.down.weight" in report["summary"]
 
 
+def test_an_expert_no_token_is_routed_to(mixtral_dir, tmp_path):
+    """Top-2 of 4 experts on a one-token prompt: two experts of layer 0 see no token, so damage there never
+    reaches the outputs; each damaged expert fails all the same, named (and the prompt gets its warning)."""
+    unseen = 0
+    for e in range(4):
+        bad = fresh(mixtral_dir, tmp_path, f"bad{e}")
+        edit_weights(bad, f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight", lambda w: w[3].mul_(1.5))
+        report = verify_report(mixtral_dir, bad, "--prompt", "t5")
+        assert failed_on(report, f"layers.0.moe.experts.{e}.down.weight").endswith("1 of 64 rows differ: 3")
+        assert report["warnings"] and report["warnings"][0].startswith("sequences of one token")
+        unseen += report["logits"]["max_abs"] == 0
+    assert unseen == 2
+
+
 @pytest.fixture(scope="module")
 def bf16_deepseek(deepseek_sources, tmp_path_factory):
     out = tmp_path_factory.mktemp("bf16") / "deepseek_core_bf16"
