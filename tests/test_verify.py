@@ -390,3 +390,22 @@ def test_mtp_modules_run_as_a_stage_or_are_named_as_skipped(hf_model, tmp_path):
     assert report["passed"] and "mtp 0" not in [s["name"] for s in report["stages"]]
     assert report["skipped"] == ["mtp 0: not run on both sides (transformers does not run MTP modules); its tensors "
                                  "are compared one by one"]
+
+
+def test_the_table_stages_cover_every_token_id_and_position():
+    """Every id of the shared vocabulary, in sequences as long as the learned positions (so every position row is
+    added to some token), in stages of at most TABLE_VALUES output values."""
+    from mconvert.tools.verify.stages import TABLE_VALUES, table_inputs
+
+    learned = MIXED_MOE.replace(position_embedding="learned", max_position_embeddings=100, vocab_size=250_000,
+                                hidden_size=4096, num_attention_heads=32, head_dim=128, num_query_groups=8)
+    tables = table_inputs(learned, learned.replace(vocab_size=250_001))
+    assert {tokens.shape[1] for _, tokens in tables} == {100}
+    assert all(tokens.numel() * 4096 <= TABLE_VALUES for _, tokens in tables)
+    ids = torch.cat([tokens.flatten() for _, tokens in tables])
+    assert set(ids.tolist()) == set(range(250_000)) and len(ids) == 250_000
+    assert [name for name, _ in tables][:2] == ["table 0-16299", "table 16300-32599"]
+    assert tables[-1][0] == "table 244500-249999"
+    rope = table_inputs(MIXED_MOE, MIXED_MOE)  # vocabulary 200, rotary, 64 positions: no longer sequences
+    assert [(name, tuple(tokens.shape)) for name, tokens in rope] == [("table 0-199", (4, 64))]
+    assert set(rope[0][1].flatten().tolist()) == set(range(200))

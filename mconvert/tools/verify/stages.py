@@ -64,7 +64,9 @@ def table_inputs(a: ModelConfig, b: ModelConfig) -> list[tuple[str, torch.Tensor
     as the shorter learned position table (every position row is then added to a token too; the ids wrap)."""
     vocab = min(a.vocab_size, b.vocab_size)
     learned = [c.max_position_embeddings for c in (a, b) if c.position_embedding == "learned"]
-    length = min(learned) if learned else min(_ROPE_TABLE_LENGTH, vocab)
+    # rotary models: no longer than either accepts (transformers' dynamic rope types rescale beyond it)
+    length = min(learned) if learned else min(_ROPE_TABLE_LENGTH, vocab, a.max_position_embeddings,
+                                              b.max_position_embeddings)
     per = max(1, TABLE_VALUES // max(a.hidden_size, b.hidden_size) // length)  # sequences per stage
     total = -(-vocab // length)  # sequences that cover every id
     out = []
