@@ -36,10 +36,9 @@ from mconvert.tools.verify.stages import (
     is_logits,
     run_stages,
     stage_names,
-    stage_tensors,
     table_inputs,
 )
-from mconvert.tools.verify.tensors import TensorDiff, all_names, judge
+from mconvert.tools.verify.tensors import TensorCheck, TensorDiff, stage_differences
 from mconvert.tools.verify.tolerance import Bound, Kind, cast_reference, logit_bound, stage_bound
 
 
@@ -178,34 +177,6 @@ def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progre
         seconds=time.perf_counter() - start)
 
 
-class TensorCheck:
-    """The tensor-by-tensor comparison, stage by stage as the stages run (their tensors are then in the page
-    cache), then whatever no stage read (the layers only one side has, say)."""
-
-    def __init__(self, a: ModelIR, b: ModelIR):
-        self.a, self.b = a, b
-        self.done: set[str] = set()
-        self.found: list[TensorDiff] = []
-
-    def stage(self, name: str) -> None:
-        names = [n for n in dict.fromkeys(stage_tensors(self.a.config, name) + stage_tensors(self.b.config, name))
-                 if n not in self.done]
-        self.done.update(names)
-        self.found += judge(self.a, self.b, names)
-
-    def rest(self) -> list[TensorDiff]:
-        self.found += judge(self.a, self.b, [n for n in all_names(self.a, self.b) if n not in self.done])
-        order = {n: i for i, n in enumerate(all_names(self.a, self.b))}
-        return sorted(self.found, key=lambda d: order[d.name])
-
-
-def stage_differences(tensors: list[TensorDiff], a: ModelIR, b: ModelIR, stage: str, limit: int = 8) -> list[str]:
-    """The tensors of `stage` that differ, with how: to tell a wrong tensor from a config that changes what the
-    same tensors compute."""
-    names = set(stage_tensors(a.config, stage) + stage_tensors(b.config, stage))
-    return [d.describe() for d in tensors if d.name in names][:limit]
-
-
 def skipped_stages(a: ModelIR, b: ModelIR, stages: list[StageResult], left: dict[str, set[str]], p: Plan
                    ) -> list[str]:
     """Each stage of either model that was not compared, and why (said plainly: its tensors are still compared)."""
@@ -214,7 +185,7 @@ def skipped_stages(a: ModelIR, b: ModelIR, stages: list[StageResult], left: dict
                              + stage_names(b.config.num_layers, b.config.mtp_layers))
     out = []
     for name in (n for n in expected if n not in judged):
-        ran = sorted(left.get(name, ()))
+        ran = sorted(k for k in left.get(name, ()) if k in ("A", "B"))
         missing = [k for k in ("A", "B") if k not in ran]
         if name.startswith("mtp ") and any(p.runners[k] == "transformers" for k in missing):
             why = "transformers does not run MTP modules"

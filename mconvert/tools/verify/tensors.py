@@ -14,9 +14,10 @@ loaders give them (unsharded, vocabulary padding stripped: every row the model's
                                               the FP8 side rounded to the other's dtype equals it (an FP8
                                               checkpoint dequantized by a conversion)
 
-No forward pass is needed, so this is cheap (one read of each tensor, mostly from the page cache the stages just
-filled), and an error fails the verdict whatever its effect on the outputs: a cast that is off by one unit in the
-last place of one value fails, naming the tensor and the rows.
+No forward pass is needed, so this is cheap: `TensorCheck` compares each stage's tensors right after the stage
+ran (one more read of each tensor, mostly from the page cache the stage just filled), then those no stage read.
+An error fails the verdict whatever its effect on the outputs: a cast that is off by one unit in the last place
+of one value fails, naming the tensor and the rows.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from mconvert.ir.tensors import LazyTensor, ModelIR
+from mconvert.tools.verify.stages import stage_tensors
 from mconvert.tools.verify.tolerance import holds, rounded_like
 
 _ROWS = 1 << 14  # rows compared at once when the difference is measured (bounds the float64 copies)
@@ -51,10 +53,40 @@ def judge(a: ModelIR, b: ModelIR, names: Iterable[str]) -> list[TensorDiff]:
     """The tensors among `names` that differ between A and B (see the module docstring), with how."""
     found = []
     for name in names:
+        if name not in a.tensors and name not in b.tensors:
+            continue  # a name one config implies that neither checkpoint has (the other's config differs)
         how = _verdict(a.tensors.get(name), b.tensors.get(name))
         if how:
             found.append(TensorDiff(name, how))
     return found
+
+
+class TensorCheck:
+    """The tensor-by-tensor comparison, stage by stage as the stages run (their tensors are then in the page
+    cache), then whatever no stage read (the layers only one side has, say)."""
+
+    def __init__(self, a: ModelIR, b: ModelIR):
+        self.a, self.b = a, b
+        self.done: set[str] = set()
+        self.found: list[TensorDiff] = []
+
+    def stage(self, name: str) -> None:
+        names = [n for n in dict.fromkeys(stage_tensors(self.a.config, name) + stage_tensors(self.b.config, name))
+                 if n not in self.done]
+        self.done.update(names)
+        self.found += judge(self.a, self.b, names)
+
+    def rest(self) -> list[TensorDiff]:
+        self.found += judge(self.a, self.b, [n for n in all_names(self.a, self.b) if n not in self.done])
+        order = {n: i for i, n in enumerate(all_names(self.a, self.b))}
+        return sorted(self.found, key=lambda d: order[d.name])
+
+
+def stage_differences(tensors: list[TensorDiff], a: ModelIR, b: ModelIR, stage: str, limit: int = 8) -> list[str]:
+    """The tensors of `stage` that differ, with how: to tell a wrong tensor from a config that changes what the
+    same tensors compute."""
+    names = set(stage_tensors(a.config, stage) + stage_tensors(b.config, stage))
+    return [d.describe() for d in tensors if d.name in names][:limit]
 
 
 def _verdict(x: LazyTensor | None, y: LazyTensor | None) -> str | None:
