@@ -390,6 +390,10 @@ def test_mtp_modules_run_as_a_stage_or_are_named_as_skipped(hf_model, tmp_path):
     assert report["passed"] and "mtp 0" not in [s["name"] for s in report["stages"]]
     assert report["skipped"] == ["mtp 0: not run on both sides (transformers does not run MTP modules); its tensors "
                                  "are compared one by one"]
+    report = verify_report(src, tmp_path / "core", "--prompt", "t5")  # no position has a token 2 further on
+    assert report["passed"] and report["warnings"]
+    assert report["skipped"] == ["mtp 0: not run on both sides (the sequences are too short for it); its tensors "
+                                 "are compared one by one"]
 
 
 def test_the_table_stages_cover_every_token_id_and_position():
