@@ -141,14 +141,33 @@ def bf16_deepseek(deepseek_sources, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("pair", ["llama-core", "gpt2-legacy", "deepseek-core", "deepseek-core-bf16"])
+@pytest.fixture(scope="module")
+def fp8_then_bf16(deepseek_sources, tmp_path_factory):
+    """DeepSeek exported with FP8 weights (float32 elsewhere), then converted to bfloat16 Megatron core: the FP8
+    weights' source is the bfloat16 side (they are dequantized into it), the other tensors' the FP8 export."""
+    root = tmp_path_factory.mktemp("fp8")
+    run_cli("--saver", "deepseek_hf", "--fp8-weights", "--load-dir", deepseek_sources["deepseek_hf"], "--save-dir",
+            root / "fp8", "-q")
+    run_cli("--saver", "core", "--dtype", "bf16", "--load-dir", root / "fp8", "--save-dir", root / "bf16", "-q")
+    return root / "fp8", root / "bf16"
+
+
+CLEAN = ["llama-core", "gpt2-legacy", "deepseek-core", "deepseek-core-bf16", "deepseek-fp8-bf16",
+         "deepseek-bf16-fp8"]
+
+
+@pytest.mark.parametrize("pair", CLEAN)
 def test_clean_conversions_still_pass(pair, sources, llama_dir, gpt2_dir, deepseek_sources, request):
-    a, b = {"llama-core": (llama_dir, sources["core"]), "gpt2-legacy": (gpt2_dir, sources["legacy"]),
-            "deepseek-core": (deepseek_sources["deepseek_hf"], deepseek_sources["deepseek_core"]),
-            "deepseek-core-bf16": (deepseek_sources["deepseek_hf"], None)}[pair]
-    b = b or request.getfixturevalue("bf16_deepseek")
+    """Correct conversions, exact and cast, pass with no tensor named; casts that went both ways (FP8 weights
+    one way, float32 to bfloat16 the other) are judged against a source model taken tensor by tensor."""
+    lazy = {"deepseek-core-bf16": lambda: (deepseek_sources["deepseek_hf"], request.getfixturevalue("bf16_deepseek")),
+            "deepseek-fp8-bf16": lambda: request.getfixturevalue("fp8_then_bf16"),
+            "deepseek-bf16-fp8": lambda: request.getfixturevalue("fp8_then_bf16")[::-1]}
+    a, b = lazy[pair]() if pair in lazy else {
+        "llama-core": (llama_dir, sources["core"]), "gpt2-legacy": (gpt2_dir, sources["legacy"]),
+        "deepseek-core": (deepseek_sources["deepseek_hf"], deepseek_sources["deepseek_core"])}[pair]
     report = verify_report(a, b, "--seq-len", "32", "--tokens", "64")
     assert report["passed"] and report["tensors"] == [] and report["skipped"] == [], report["summary"]
     names = [s["name"] for s in report["stages"]]
     assert ("mtp 0" in names) == pair.startswith("deepseek")
-    assert report["bound"]["kind"] == ("cast" if pair.endswith("bf16") else "exact")
+    assert report["bound"]["kind"] == ("exact" if pair in ("llama-core", "gpt2-legacy", "deepseek-core") else "cast")

@@ -6,7 +6,8 @@
 
 Streams: "A" and "B" (mtrain's model on each IR, or transformers for the Hugging Face side with `--reference`);
 with casts also "R", the cast reference (tolerance.py), compared with the cast's source side ("H", mtrain's run
-of that side, when transformers runs it) to measure the cast noise. The stages after "logits" are the MTP
+of that side, when transformers runs it; "S", the source model, when the casts went both ways) to measure the
+cast noise. The stages after "logits" are the MTP
 modules' logits ("mtp 0", ...), judged as the logits are. Each stage's tensors are also compared whole, pair by
 pair, after it runs (tensors.py), which judges what the tokens never reach. The verdict: the logits and every
 stage within their bounds, every tensor equal (to its reference rounding, in a cast), and no config field that
@@ -114,7 +115,7 @@ class Report:
 class Plan:
     """The streams to run and how to judge them."""
 
-    irs: dict[str, ModelIR]  # stream -> its checkpoint: "A", "B", with casts "R" (and "H")
+    irs: dict[str, ModelIR]  # stream -> its checkpoint: "A", "B", with casts "R" (and "H" or "S")
     runners: dict[str, Literal["mtrain", "transformers"]]
     noise_pair: tuple[str, str] | None  # the streams whose distance is the cast noise, oriented as (A, B)
     kind: Kind
@@ -126,12 +127,15 @@ def plan(ir_a: ModelIR, ir_b: ModelIR, reference: Literal["A", "B"] | None) -> P
     cast = cast_reference(ir_a, ir_b)
     if not cast:
         return Plan(irs, runners, None, "reference" if reference else "exact")
-    source, rounded = cast
+    side, source, rounded = cast
     irs["R"], runners["R"] = rounded, "mtrain"
-    s = source if runners[source] == "mtrain" else "H"  # the noise is mtrain's, on both of its sides
-    if s == "H":
-        irs["H"], runners["H"] = irs[source], "mtrain"
-    return Plan(irs, runners, (s, "R") if source == "A" else ("R", s), "reference" if reference else "cast")
+    if side == "mixed":  # the source model is neither side: run it too
+        s, irs["S"], runners["S"] = "S", source, "mtrain"
+    else:
+        s = side if runners[side] == "mtrain" else "H"  # the noise is mtrain's, on both of its sides
+        if s == "H":
+            irs["H"], runners["H"] = source, "mtrain"
+    return Plan(irs, runners, ("R", s) if side == "B" else (s, "R"), "reference" if reference else "cast")
 
 
 def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progress: Progress = QUIET,

@@ -52,24 +52,30 @@ def cast_tensors(a: ModelIR, b: ModelIR) -> list[str]:
             and (b[n].dtype != t.dtype or (b[n].fp8_block is None) != (t.fp8_block is None))]
 
 
-def cast_reference(a: ModelIR, b: ModelIR) -> tuple[Literal["A", "B"], ModelIR] | None:
-    """None when no tensor changes dtype; else the source side of the cast and the cast reference built from it.
+def cast_reference(a: ModelIR, b: ModelIR) -> tuple[Literal["A", "B", "mixed"], ModelIR, ModelIR] | None:
+    """None when no tensor changes dtype; else (the source side of the cast, the source model, the cast
+    reference built from it).
 
     The source of a cast tensor is the side that is not FP8 when one side is (a weight written with
     `--fp8-weights`), else the side whose dtype holds the other's values (float32 for float32 vs bfloat16), and A
-    between float16 and bfloat16, where neither holds the other; the source side is the one that is the source
-    for most cast tensors (A on a tie). The reference is the source side with each cast tensor rounded to the
-    other side's FP8 blocks and dtype (read lazily, as ever): what a correct cast conversion writes.
+    between float16 and bfloat16, where neither holds the other. The source model is the side that is the source
+    of every cast tensor (A or B, itself), or, when the sources are on both sides ("mixed": FP8 weights read from
+    B into float32 A's embedding cast to bfloat16, say), each tensor from its own source. The reference is the
+    source model with each cast tensor rounded to the other side's FP8 blocks and dtype (read lazily, as ever):
+    what a correct cast conversion writes.
     """
     names = cast_tensors(a, b)
     if not names:
         return None
-    b_sources = sum(holds(b[n], a[n]) for n in names)
-    side, src, dst = ("B", b, a) if 2 * b_sources > len(names) else ("A", a, b)
-    tensors = dict(src.tensors)
+    from_b = {n for n in names if holds(b[n], a[n])}
+    side: Literal["A", "B", "mixed"] = "B" if len(from_b) == len(names) else "A" if not from_b else "mixed"
+    base = b if side == "B" else a
+    source = dataclasses.replace(base, tensors=dict(base.tensors) | {n: b[n] for n in from_b})
+    rounded = dict(source.tensors)
     for n in names:
-        tensors[n] = src[n].map(lambda x, t=dst[n]: rounded_like(x, t), dtype=dst[n].dtype)
-    return side, dataclasses.replace(src, tensors=tensors)
+        dst = a[n] if n in from_b else b[n]
+        rounded[n] = source[n].map(lambda x, t=dst: rounded_like(x, t), dtype=dst.dtype)
+    return side, source if side == "mixed" else base, dataclasses.replace(source, tensors=rounded)
 
 
 def holds(x: LazyTensor, y: LazyTensor) -> bool:
