@@ -11,8 +11,9 @@ holds the other's values, and A between float16 and bfloat16, where neither does
 runs it on the same tokens and measures how far rounding alone moves the outputs (the *cast noise*). The bound
 is twice that noise for the max |logit difference| (and for each layer's hidden states), and four times it
 for the mean KL divergence (KL grows with the square of a small logit change). A correct cast conversion sits
-at exactly 1x the noise (it *is* the cast reference); the factor leaves room for casts done another way (through
-float16, or by a tool that truncates); a wrong tensor or config sits far outside.
+at exactly 1x the noise (it *is* the cast reference); a wrong tensor or config sits far outside. (Casts done
+another way, through float16 or by truncating, fall inside the factor but fail verify's tensor-by-tensor
+comparison, tensors.py, which asks for the nearest-even rounding.)
 
 transformers (`--reference transformers`): a different implementation in fp32 (other kernels, other order of
 operations), so on top of any cast bound the logits may differ by `IMPL_REL` times their magnitude and the mean KL
