@@ -79,10 +79,19 @@ def test_a_vocabulary_row_at_a_tp_shard_boundary(sources, llama_dir, tmp_path, r
     assert failed_on(report, "embed.weight").endswith(f"1 of 300 rows differ: {row}")
 
 
-def test_a_position_row_beyond_seq_len(gpt2_dir, tmp_path):
-    """GPT-2's 128 learned positions, sequences of 16: rows 16..127 are never added to a token."""
-    bad = fresh(gpt2_dir, tmp_path, "bad")
-    edit_weights(bad, "transformer.wpe.weight", lambda w: w[100].add_(0.01))
+@pytest.mark.parametrize("fmt", ["hf", "legacy"])
+def test_a_position_row_beyond_seq_len(gpt2_dir, sources, tmp_path, fmt):
+    """GPT-2's 128 learned positions, sequences of 16: rows 16..127 are never added to a token. In the HF
+    directory, or in Megatron legacy TP2 (the table replicated on both ranks, both damaged alike)."""
+    if fmt == "hf":
+        bad = fresh(gpt2_dir, tmp_path, "bad")
+        edit_weights(bad, "transformer.wpe.weight", lambda w: w[100].add_(0.01))
+    else:
+        bad = fresh(sources["legacy"], tmp_path, "bad")
+        for f in sorted(bad.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
+            state = safe_load(f, mmap=False)
+            state["model"]["language_model"]["embedding"]["position_embeddings"]["weight"][100] += 0.01
+            torch.save(state, f)
     report = verify_report(gpt2_dir, bad, "--seq-len", "16", "--tokens", "32")
     caught_by_the_table(report)
     assert failed_on(report, "pos_embed.weight").endswith("1 of 128 rows differ: 100")
