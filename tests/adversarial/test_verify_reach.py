@@ -54,6 +54,7 @@ def caught_by_the_table(report: dict) -> None:
 
 
 def test_an_embedding_row_no_token_looks_up(llama_dir, tmp_path):
+    """Row 200 of the HF Llama's embedding, which the prompt's four tokens never look up."""
     bad = fresh(llama_dir, tmp_path, "bad")
     edit_weights(bad, "model.embed_tokens.weight", lambda w: w[200].mul_(1.5))
     report = verify_report(llama_dir, bad, "--prompt", PROMPT)
