@@ -334,7 +334,7 @@ def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, true_v
 @click.option("--device", default="cpu", show_default=True, help="Where to run: cpu, cuda, cuda:1, ...")
 @click.option("--reference", type=click.Choice(["transformers"]),
               help="Run the Hugging Face side with transformers itself instead of mtrain's model.")
-@click.option("--per-layer", is_flag=True, help="Show the difference after every layer.")
+@click.option("--per-layer", is_flag=True, help="Show the difference after every stage (tables, layers, MTP modules).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @_fail_cleanly
@@ -342,8 +342,10 @@ def verify_command(a: Path, b: Path, loader_a, loader_b, true_vocab_size, per_la
     """Run A and B on the same tokens and check that they compute the same thing (any formats and layouts).
 
     Reports the max |logit difference|, the mean KL divergence and the top-1 agreement. Exits with status 1
-    unless the logits agree (exactly when both hold the same dtypes; within the measured effect of rounding
-    when a conversion cast them) and no config field that changes the outputs differs.
+    unless the logits and every stage agree (exactly when both hold the same dtypes; within the measured effect
+    of rounding when a conversion cast them), every tensor is equal (in a cast: to its nearest-even rounding),
+    and no config field that changes the outputs differs. The embedding and position tables run whole through
+    each model's embedding, and MTP modules run as stages of their own.
     """
     from mconvert.options import Options
     from mconvert.progress import Progress

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,17 @@ def run_cli(*args: str, expect_error: bool = False) -> str:
     else:
         assert result.exit_code == 0, f"exit {result.exit_code}:\n{output}"
     return output
+
+
+def verify_report(*args) -> dict:
+    """Run `mconvert verify ... --json` in-process; the parsed report (whatever the exit status, which must say
+    the same as the report's verdict)."""
+    from mconvert.cli import main
+
+    result = CliRunner().invoke(main, ["verify", *map(str, args), "--json"], catch_exceptions=False)
+    report = json.loads(result.stdout)
+    assert result.exit_code == (0 if report["passed"] else 1), result.output
+    return report
 
 
 def to_legacy(src: Path, dst: Path, *layout: str) -> str:

@@ -28,9 +28,10 @@ def is_hf_dir(path: Path) -> bool:
         return False
 
 
-def run_transformers(path: Path, tokens: torch.Tensor, num_layers: int, device: torch.device
-                     ) -> Iterator[StageOutput]:
-    """The stage outputs of the transformers model at `path` on `tokens` (B, T)."""
+def run_transformers(path: Path, tokens: torch.Tensor, num_layers: int, device: torch.device,
+                     tables: list[tuple[str, torch.Tensor]] = ()) -> Iterator[StageOutput]:
+    """The stage outputs of the transformers model at `path` on `tokens` (B, T), after the input of its first
+    decoder layer for each of the `tables` (stages.table_inputs)."""
     try:
         import transformers
     except ImportError:
@@ -45,6 +46,10 @@ def run_transformers(path: Path, tokens: torch.Tensor, num_layers: int, device: 
         raise ConvertError(f"{path}: transformers cannot load this model ({type(e).__name__}: {e})") from None
     model = model.to(device).eval()
     layers = _decoder_layers(model, num_layers, path)
+    for name, ids in tables:
+        begin = time.perf_counter()
+        yield StageOutput(name, _embedded(model, layers[0], ids.to(device)), begin - start, time.perf_counter() - begin)
+        start = time.perf_counter()
     recorded: dict[str, torch.Tensor] = {}
 
     def record_input(module, args, kwargs) -> None:
@@ -68,6 +73,29 @@ def run_transformers(path: Path, tokens: torch.Tensor, num_layers: int, device: 
     del model
     for i, name in enumerate(stage_names(num_layers)):
         yield StageOutput(name, recorded.pop(name), loaded - start if i == 0 else 0.0, seconds if i == 0 else 0.0)
+
+
+class _Reached(Exception):
+    """Raised by the hook that stops a forward pass at the first decoder layer."""
+
+
+def _embedded(model: nn.Module, first_layer: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The input of the first decoder layer for `tokens`: the model's own embedding path, run no further."""
+    got: dict[str, torch.Tensor] = {}
+
+    def stop(module, args, kwargs) -> None:
+        got["h"] = args[0] if args else kwargs["hidden_states"]
+        raise _Reached
+
+    hook = first_layer.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(tokens, use_cache=False)
+    except _Reached:
+        pass
+    finally:
+        hook.remove()
+    return got["h"]
 
 
 def _decoder_layers(model: nn.Module, num_layers: int, path: Path) -> nn.ModuleList:

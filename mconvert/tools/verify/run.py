@@ -6,8 +6,12 @@
 
 Streams: "A" and "B" (mtrain's model on each IR, or transformers for the Hugging Face side with `--reference`);
 with casts also "R", the cast reference (tolerance.py), compared with the cast's source side ("H", mtrain's run
-of that side, when transformers runs it) to measure the cast noise. The verdict: the logits within the bound,
-and no config field that changes the outputs differing (fields.py).
+of that side, when transformers runs it; "S", the source model, when the casts went both ways) to measure the
+cast noise. The stages after "logits" are the MTP
+modules' logits ("mtp 0", ...), judged as the logits are. Each stage's tensors are also compared whole, pair by
+pair, after it runs (tensors.py), which judges what the tokens never reach. The verdict: the logits and every
+stage within their bounds, every tensor equal (to its reference rounding, in a cast), and no config field that
+changes the outputs differing (fields.py).
 """
 
 from __future__ import annotations
@@ -28,8 +32,15 @@ from mconvert.progress import QUIET, Progress
 from mconvert.tools.verify.fields import FieldDiff, config_differences
 from mconvert.tools.verify.metrics import LogitMetrics, hidden_metrics, logit_metrics
 from mconvert.tools.verify.reference import is_hf_dir, run_transformers
-from mconvert.tools.verify.stages import StageOutput, run_stages, stage_tensors
-from mconvert.tools.verify.tolerance import Bound, Kind, cast_reference, in_common_dtype, logit_bound, stage_bound
+from mconvert.tools.verify.stages import (
+    StageOutput,
+    is_logits,
+    run_stages,
+    stage_names,
+    table_inputs,
+)
+from mconvert.tools.verify.tensors import TensorCheck, TensorDiff, stage_differences
+from mconvert.tools.verify.tolerance import Bound, Kind, cast_reference, logit_bound, stage_bound
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +91,9 @@ class Report:
     config: list[FieldDiff]
     stages: list[StageResult]
     stage_tensors: list[str]  # tensors of the first diverging stage that differ (after rounding to one dtype)
+    tensors: list[TensorDiff]  # every tensor that differs (after rounding to one dtype), whatever its stage
+    skipped: list[str]  # stages that were not compared, and why
+    warnings: list[str]  # what the tokens cannot exercise
     seconds: float
 
     @property
@@ -93,14 +107,15 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return self.bound.admits(self.logits) and self.first_field is None
+        return (self.bound.admits(self.logits) and self.first_field is None and self.first_stage is None
+                and not self.tensors)
 
 
 @dataclass(frozen=True)
 class Plan:
     """The streams to run and how to judge them."""
 
-    irs: dict[str, ModelIR]  # stream -> its checkpoint: "A", "B", with casts "R" (and "H")
+    irs: dict[str, ModelIR]  # stream -> its checkpoint: "A", "B", with casts "R" (and "H" or "S")
     runners: dict[str, Literal["mtrain", "transformers"]]
     noise_pair: tuple[str, str] | None  # the streams whose distance is the cast noise, oriented as (A, B)
     kind: Kind
@@ -112,12 +127,15 @@ def plan(ir_a: ModelIR, ir_b: ModelIR, reference: Literal["A", "B"] | None) -> P
     cast = cast_reference(ir_a, ir_b)
     if not cast:
         return Plan(irs, runners, None, "reference" if reference else "exact")
-    source, rounded = cast
+    side, source, rounded = cast
     irs["R"], runners["R"] = rounded, "mtrain"
-    s = source if runners[source] == "mtrain" else "H"  # the noise is mtrain's, on both of its sides
-    if s == "H":
-        irs["H"], runners["H"] = irs[source], "mtrain"
-    return Plan(irs, runners, (s, "R") if source == "A" else ("R", s), "reference" if reference else "cast")
+    if side == "mixed":  # the source model is neither side: run it too
+        s, irs["S"], runners["S"] = "S", source, "mtrain"
+    else:
+        s = side if runners[side] == "mtrain" else "H"  # the noise is mtrain's, on both of its sides
+        if s == "H":
+            irs["H"], runners["H"] = source, "mtrain"
+    return Plan(irs, runners, ("R", s) if side == "B" else (s, "R"), "reference" if reference else "cast")
 
 
 def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progress: Progress = QUIET,
@@ -132,17 +150,25 @@ def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progre
     paths = {"A": Path(a), "B": Path(b)}
     total = sum(p.irs[k].nbytes for k, run in p.runners.items() if run == "mtrain")
     stages: list[StageResult] = []
-    with progress.task(f"verify: {ir_a.config.num_layers + 2} stages x {len(p.irs)} models", total) as advance:
-        streams = {k: run_transformers(paths[k], tokens, ir.config.num_layers, device)
-                   if p.runners[k] == "transformers" else run_stages(ir, tokens, device, advance)
+    checked = TensorCheck(ir_a, ir_b)
+    left: dict[str, set[str]] = {}
+    tables = table_inputs(ir_a.config, ir_b.config)
+    count = len(tables) + len(stage_names(ir_a.config.num_layers, ir_a.config.mtp_layers))
+    with progress.task(f"verify: {count} stages x {len(p.irs)} models", total) as advance:
+        streams = {k: run_transformers(paths[k], tokens, ir.config.num_layers, device, tables)
+                   if p.runners[k] == "transformers" else run_stages(ir, tokens, device, advance, tables)
                    for k, ir in p.irs.items()}
-        for name, out in lockstep(streams):
-            if name == "logits":
-                logits, noise, bound = judge_logits(out, p)
-                stages.append(StageResult(name, logits.max_abs, None, bound.max_abs, not bound.admits(logits),
+        for name, out in lockstep(streams, left):
+            if is_logits(name):
+                metrics, noise_of, bound_of = judge_logits(out, p)
+                if name == "logits":
+                    logits, noise, bound = metrics, noise_of, bound_of
+                stages.append(StageResult(name, metrics.max_abs, None, bound_of.max_abs, not bound_of.admits(metrics),
                                           *_seconds(out)))
             else:
                 stages.append(judge_hidden(name, out, p))
+            checked.stage(name)
+    tensors = checked.rest()
     first = next((s.name for s in stages if s.diverged), None)
     names = labels or (str(a), str(b))
     return Report(
@@ -150,7 +176,36 @@ def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progre
         b=Side(names[1], ir_b.source.format, dtypes(ir_b), p.runners["B"]),
         tokens=(tokens.shape[0], tokens.shape[1]), source=source, logits=logits, noise=noise, bound=bound,
         config=config_differences(ir_a.config, ir_b.config), stages=stages,
-        stage_tensors=differing_tensors(ir_a, ir_b, first) if first else [], seconds=time.perf_counter() - start)
+        stage_tensors=stage_differences(tensors, ir_a, ir_b, first) if first else [], tensors=tensors,
+        skipped=skipped_stages(ir_a, ir_b, stages, left, p), warnings=token_warnings(tokens),
+        seconds=time.perf_counter() - start)
+
+
+def skipped_stages(a: ModelIR, b: ModelIR, stages: list[StageResult], left: dict[str, set[str]], p: Plan
+                   ) -> list[str]:
+    """Each stage of either model that was not compared, and why (said plainly: its tensors are still compared)."""
+    judged = {s.name for s in stages}
+    expected = dict.fromkeys(stage_names(a.config.num_layers, a.config.mtp_layers)
+                             + stage_names(b.config.num_layers, b.config.mtp_layers))
+    out = []
+    for name in (n for n in expected if n not in judged):
+        ran = sorted(k for k in left.get(name, ()) if k in ("A", "B"))
+        missing = [k for k in ("A", "B") if k not in ran]
+        if name.startswith("mtp ") and any(p.runners[k] == "transformers" for k in missing):
+            why = "transformers does not run MTP modules"
+        elif ran:
+            why = f"only {' and '.join(ran)} {'has' if len(ran) == 1 else 'have'} it"
+        else:
+            why = "the sequences are too short for it"
+        out.append(f"{name}: not run on both sides ({why}); its tensors are compared one by one")
+    return out
+
+
+def token_warnings(tokens: torch.Tensor) -> list[str]:
+    if tokens.shape[1] > 1:
+        return []
+    return ["sequences of one token exercise neither attention between tokens nor rotary or learned positions "
+            "beyond the first: pass a longer --prompt, or --seq-len 2 or more"]
 
 
 def judge_logits(out: dict[str, StageOutput], p: Plan) -> tuple[LogitMetrics, LogitMetrics | None, Bound]:
@@ -180,11 +235,13 @@ def parse_device(name: str) -> torch.device:
     return device
 
 
-def lockstep(streams: dict[str, Iterator[StageOutput]]) -> Iterator[tuple[str, dict[str, StageOutput]]]:
+def lockstep(streams: dict[str, Iterator[StageOutput]], left: dict[str, set[str]] | None = None
+             ) -> Iterator[tuple[str, dict[str, StageOutput]]]:
     """Advance every stream one stage at a time; yield each stage once every stream has produced it.
 
     Streams of models with different layer counts share "embed", their common layers and "logits"; the outputs
-    of the extra layers are dropped once every stream is done.
+    of the extra layers are dropped once every stream is done (`left`, when given, gets the streams that
+    produced each stage not yielded).
     """
     pending: dict[str, dict[str, StageOutput]] = {}
     active = dict(streams)
@@ -198,6 +255,8 @@ def lockstep(streams: dict[str, Iterator[StageOutput]]) -> Iterator[tuple[str, d
             got[key] = out
             if len(got) == len(streams):
                 yield out.name, pending.pop(out.name)
+    if left is not None:
+        left.update({name: set(got) for name, got in pending.items()})
 
 
 def make_tokens(settings: VerifySettings, a: ModelIR, b: ModelIR) -> tuple[torch.Tensor, str]:
@@ -252,28 +311,3 @@ def reference_side(settings: VerifySettings, a: Path, b: Path, ir_a: ModelIR, ir
 
 def dtypes(ir: ModelIR) -> str:
     return "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in ir.tensors.values()}))
-
-
-def differing_tensors(a: ModelIR, b: ModelIR, stage: str, limit: int = 8) -> list[str]:
-    """The tensors of `stage` that differ between A and B (each pair compared in the less precise dtype of the
-    two), with how: to tell a wrong tensor from a config that changes what the same tensors compute."""
-    names = list(dict.fromkeys(stage_tensors(a.config, stage) + stage_tensors(b.config, stage)))
-    found = []
-    for name in names:
-        verdict = _tensor_verdict(a, b, name)
-        if verdict:
-            found.append(f"{name} ({verdict})")
-            if len(found) == limit:
-                break
-    return found
-
-
-def _tensor_verdict(a: ModelIR, b: ModelIR, name: str) -> str | None:
-    if name not in a or name not in b:
-        return "only in B" if name not in a else "only in A"
-    if a[name].shape != b[name].shape:
-        return f"shape {list(a[name].shape)} vs {list(b[name].shape)}"
-    x, y = in_common_dtype(a[name].load(), b[name].load())
-    if torch.equal(x, y):
-        return None
-    return f"max |Δ| {(x.double() - y.double()).abs().max().item():.3g}"

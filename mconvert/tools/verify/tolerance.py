@@ -11,8 +11,9 @@ holds the other's values, and A between float16 and bfloat16, where neither does
 runs it on the same tokens and measures how far rounding alone moves the outputs (the *cast noise*). The bound
 is twice that noise for the max |logit difference| (and for each layer's hidden states), and four times it
 for the mean KL divergence (KL grows with the square of a small logit change). A correct cast conversion sits
-at exactly 1x the noise (it *is* the cast reference); the factor leaves room for casts done another way (through
-float16, or by a tool that truncates); a wrong tensor or config sits far outside.
+at exactly 1x the noise (it *is* the cast reference); a wrong tensor or config sits far outside. (Casts done
+another way, through float16 or by truncating, fall inside the factor but fail verify's tensor-by-tensor
+comparison, tensors.py, which asks for the nearest-even rounding.)
 
 transformers (`--reference transformers`): a different implementation in fp32 (other kernels, other order of
 operations), so on top of any cast bound the logits may differ by `IMPL_REL` times their magnitude and the mean KL
@@ -52,49 +53,45 @@ def cast_tensors(a: ModelIR, b: ModelIR) -> list[str]:
             and (b[n].dtype != t.dtype or (b[n].fp8_block is None) != (t.fp8_block is None))]
 
 
-def cast_reference(a: ModelIR, b: ModelIR) -> tuple[Literal["A", "B"], ModelIR] | None:
-    """None when no tensor changes dtype; else the source side of the cast and the cast reference built from it.
+def cast_reference(a: ModelIR, b: ModelIR) -> tuple[Literal["A", "B", "mixed"], ModelIR, ModelIR] | None:
+    """None when no tensor changes dtype; else (the source side of the cast, the source model, the cast
+    reference built from it).
 
     The source of a cast tensor is the side that is not FP8 when one side is (a weight written with
     `--fp8-weights`), else the side whose dtype holds the other's values (float32 for float32 vs bfloat16), and A
-    between float16 and bfloat16, where neither holds the other; the source side is the one that is the source
-    for most cast tensors (A on a tie). The reference is the source side with each cast tensor rounded to the
-    other side's FP8 blocks and dtype (read lazily, as ever): what a correct cast conversion writes.
+    between float16 and bfloat16, where neither holds the other. The source model is the side that is the source
+    of every cast tensor (A or B, itself), or, when the sources are on both sides ("mixed": FP8 weights read from
+    B into float32 A's embedding cast to bfloat16, say), each tensor from its own source. The reference is the
+    source model with each cast tensor rounded to the other side's FP8 blocks and dtype (read lazily, as ever):
+    what a correct cast conversion writes.
     """
     names = cast_tensors(a, b)
     if not names:
         return None
-    b_sources = sum(_holds(b[n], a[n]) for n in names)
-    side, src, dst = ("B", b, a) if 2 * b_sources > len(names) else ("A", a, b)
-    tensors = dict(src.tensors)
+    from_b = {n for n in names if holds(b[n], a[n])}
+    side: Literal["A", "B", "mixed"] = "B" if len(from_b) == len(names) else "A" if not from_b else "mixed"
+    base = b if side == "B" else a
+    source = dataclasses.replace(base, tensors=dict(base.tensors) | {n: b[n] for n in from_b})
+    rounded = dict(source.tensors)
     for n in names:
-        tensors[n] = src[n].map(lambda x, t=dst[n]: _rounded(x, t), dtype=dst[n].dtype)
-    return side, dataclasses.replace(src, tensors=tensors)
+        dst = a[n] if n in from_b else b[n]
+        rounded[n] = source[n].map(lambda x, t=dst: rounded_like(x, t), dtype=dst.dtype)
+    return side, source if side == "mixed" else base, dataclasses.replace(source, tensors=rounded)
 
 
-def _holds(x: LazyTensor, y: LazyTensor) -> bool:
+def holds(x: LazyTensor, y: LazyTensor) -> bool:
     """Does x hold y's values: y is FP8 and x is not, or (FP8 on neither side or both) x's dtype holds y's."""
     if (x.fp8_block is None) != (y.fp8_block is None):
         return x.fp8_block is None
     return y.dtype in _HOLDS.get(x.dtype, set())
 
 
-def _rounded(x: torch.Tensor, like: LazyTensor) -> torch.Tensor:
+def rounded_like(x: torch.Tensor, like: LazyTensor) -> torch.Tensor:
     """x as `like` stores it: rounded to its FP8 blocks (when it has them) and its dtype."""
     if like.fp8_block is None:
         return x.to(like.dtype)
     q, scale = fp8.quantize(x, like.fp8_block)
     return fp8.dequantize(q, scale, like.fp8_block, like.dtype)
-
-
-def in_common_dtype(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x and y in one dtype: the one whose dtype holds the other's rounded to the other's (x to y's between
-    float16 and bfloat16), as a correct cast would store it."""
-    if x.dtype == y.dtype:
-        return x, y
-    if x.dtype in _HOLDS.get(y.dtype, set()):
-        return x, y.to(x.dtype)
-    return x.to(y.dtype), y
 
 
 @dataclass(frozen=True)
