@@ -14,6 +14,7 @@ ModelConfig, described here so the IR stays free of trainer text.
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 import types
 import typing
 from typing import Any, Literal
@@ -109,7 +110,8 @@ def reference(config: Config | None = None) -> str:
                 lines.append(f"  # {field_help(cls, f)}")
                 line = f"{entry}{kind}{need}"
             if len(line) > MAX_WIDTH:  # and a very long one on a line of its own
-                lines.append(f"  # one of: {kind}")
+                lines += textwrap.wrap(f"one of: {kind}", MAX_WIDTH, initial_indent="  # ", subsequent_indent="  #   ",
+                                       break_on_hyphens=False)
                 line = f"{entry}choice{need}"
             lines.append(line)
     return "\n".join(lines) + "\n"
