@@ -1,0 +1,141 @@
+"""A small config claiming a huge model: a million layers, experts or MTP modules beside a few hundred KB of
+weights. Every reader compares the sizes a config declares with what the files hold (mconvert/ir/sizes.py) before
+building anything per layer or expert, and refuses naming the file and the field.
+
+The memory bound: each test traces the Python allocations of the refused command (tracemalloc). Building
+anything per layer for a million layers costs at least a name string per layer (over 50 bytes each, so 50 MB and
+more; the readers built about ten per layer, and per-layer tuples of layer numbers besides); refusing before that
+costs what reading the headers and the config costs, under a megabyte for these tiny checkpoints. 32 MiB sits
+between the two with room for either side to move by a factor of several.
+"""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+
+from mconvert.io.torch_pickle import safe_load
+from tests.adversarial.crafting import edit_dcp
+from tests.support.refusals import convert_refused, fresh, resume_refused
+
+HUGE = 1_000_000
+LIMIT = 32 * 2**20  # bytes of Python allocations a refusal may trace (see the module docstring)
+
+
+def refused_within_memory(run) -> str:
+    """`run()`'s output, with the peak of the Python allocations it made below LIMIT."""
+    tracemalloc.start()
+    try:
+        out = run()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < LIMIT, f"the refusal allocated {peak / 2**20:.0f} MiB first:\n{out}"
+    return out
+
+
+def _edit_json(path: Path, **fields) -> None:
+    data = json.loads(path.read_text())
+    data.update(fields)
+    path.write_text(json.dumps(data))
+
+
+HF_CLAIMS = [("llama_mistral", "sources", {"num_hidden_layers": HUGE}, "num_hidden_layers=1000000"),
+             ("mixtral_hf", "sources", {"num_local_experts": HUGE}, "num_local_experts=1000000"),
+             ("gpt2_hf", "sources", {"n_layer": HUGE}, "n_layer=1000000"),
+             ("qwen3_moe_hf", "newer_sources", {"num_hidden_layers": HUGE, "decoder_sparse_step": 2},
+              "num_hidden_layers=1000000"),
+             ("qwen3_moe_hf", "newer_sources", {"num_experts": HUGE, "num_local_experts": HUGE},
+              "num_experts=1000000")]
+
+
+@pytest.mark.parametrize("name,where,fields,culprit", HF_CLAIMS,
+                         ids=[f"{n}-{next(iter(f))}" for n, _, f, _ in HF_CLAIMS])
+def test_hf_config_claiming_a_million(request, tmp_path, name, where, fields, culprit):
+    src = fresh(request.getfixturevalue(where)[name], tmp_path)
+    _edit_json(src / "config.json", **fields)
+    refused_within_memory(lambda: convert_refused(src, tmp_path, culprits=(
+        f"{src / 'config.json'}", culprit, "the config declares more than the files hold")))
+
+
+@pytest.mark.parametrize("field", ["num_hidden_layers", "n_routed_experts", "first_k_dense_replace",
+                                   "num_nextn_predict_layers"])
+def test_deepseek_config_claiming_a_million(deepseek_sources, tmp_path, field):
+    src = fresh(deepseek_sources["deepseek_hf"], tmp_path)
+    fields = {field: HUGE} | ({"num_hidden_layers": HUGE} if field == "first_k_dense_replace" else {})
+    _edit_json(src / "config.json", **fields)
+    refused_within_memory(lambda: convert_refused(src, tmp_path, culprits=(
+        f"{src / 'config.json'}", "the config declares more than the files hold")))
+
+
+def test_hf_config_claiming_more_layers_than_the_values_stored(sources, tmp_path):
+    """Few enough layers that each could hold a value, too many for the model's sizes: the exact count refuses."""
+    src = fresh(sources["llama_mistral"], tmp_path)
+    _edit_json(src / "config.json", num_hidden_layers=400)
+    out = convert_refused(src, tmp_path, culprits=(f"{src / 'config.json'}", "400 layers",
+                                                   "the config declares more than the files hold"))
+    assert "values (400 layers, hidden size 64)" in out
+
+
+def _edit_args(src: Path, edit) -> None:
+    for f in [*src.glob("iter_*/common.pt"), *src.glob("iter_*/mp_rank_*/model_optim_rng.pt")]:
+        state = safe_load(f, mmap=False)
+        edit(state["args"])
+        torch.save(state, f)
+
+
+MEGATRON_CLAIMS = [("core", "sources", "num_layers"), ("torch_dist", "sources", "num_layers"),
+                   ("legacy", "sources", "num_layers"), ("core", "sources", "moe_layer_freq"),
+                   ("mixtral_dist", "newer_sources", "num_experts")]
+
+
+@pytest.mark.parametrize("name,where,field", MEGATRON_CLAIMS, ids=[f"{n}-{f}" for n, _, f in MEGATRON_CLAIMS])
+def test_megatron_args_claiming_a_million(request, tmp_path, name, where, field):
+    src = fresh(request.getfixturevalue(where)[name], tmp_path)
+
+    def edit(args):
+        if field == "moe_layer_freq":  # a pattern a reader expands over every layer
+            args.num_experts, args.moe_layer_freq, args.num_layers = 4, 2, HUGE
+        else:
+            setattr(args, field, HUGE)
+
+    _edit_args(src, edit)
+    shown = "num_layers" if field == "moe_layer_freq" else field
+    refused_within_memory(lambda: convert_refused(src, tmp_path, saver="hf", culprits=(
+        f"args.{shown}=1000000", "the config declares more than the files hold")))
+
+
+@pytest.mark.parametrize("name", ["torch_dcp", "fsdp_dtensor"])
+def test_dcp_args_claiming_a_million_layers(newer_sources, tmp_path, name):
+    src = fresh(newer_sources[name], tmp_path)
+    edit_dcp(next(src.glob("iter_*")), lambda s: setattr(s["args"], "num_layers", HUGE))
+    refused_within_memory(lambda: convert_refused(src, tmp_path, saver="hf", culprits=(
+        "args.num_layers=1000000", "the config declares more than the files hold")))
+
+
+def _claim_in_mtrain_json(run: Path, **fields) -> Path:
+    meta_file = run / "step_0000002" / "mtrain.json"
+    meta = json.loads(meta_file.read_text())
+    meta["model_config"].update(fields)
+    meta_file.write_text(json.dumps(meta))
+    return meta_file
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_experts"])
+def test_mtrain_json_claiming_a_million_converted(mtrain_run, tmp_path, field):
+    run = fresh(mtrain_run["run"], tmp_path, "run")
+    extra = {"num_experts": HUGE, "moe_top_k": 2} if field == "num_experts" else {"num_layers": HUGE}
+    meta_file = _claim_in_mtrain_json(run, **extra)
+    refused_within_memory(lambda: convert_refused(run, tmp_path, saver="llama_mistral", culprits=(
+        str(meta_file), "the config declares more than the files hold")))
+
+
+def test_mtrain_json_claiming_a_million_layers_resumed(mtrain_run, tmp_path):
+    run = fresh(mtrain_run["run"], tmp_path, "run")
+    meta_file = _claim_in_mtrain_json(run, num_layers=HUGE)
+    refused_within_memory(lambda: resume_refused(mtrain_run, run, tmp_path, str(meta_file), "1,000,000 layers",
+                                                 "the config declares more than the files hold"))
