@@ -88,13 +88,20 @@ def _edit_args(src: Path, edit) -> None:
         torch.save(state, f)
 
 
-MEGATRON_CLAIMS = [("core", "sources", "num_layers"), ("torch_dist", "sources", "num_layers"),
-                   ("legacy", "sources", "num_layers"), ("core", "sources", "moe_layer_freq"),
-                   ("mixtral_dist", "newer_sources", "num_experts")]
+# The torch-format readers count the layers in the rank files first, and say so; the others compare the sizes.
+FILES_HOLD_4 = "the rank files hold 4 layers, args.num_layers says 1000000"
+DECLARES_MORE = "the config declares more than the files hold"
+MEGATRON_CLAIMS = [("core", "sources", "num_layers", FILES_HOLD_4), ("legacy", "sources", "num_layers", FILES_HOLD_4),
+                   ("core", "sources", "moe_layer_freq", FILES_HOLD_4),
+                   ("single_grouped", "newer_sources", "num_experts", DECLARES_MORE),
+                   ("torch_dist", "sources", "num_layers", DECLARES_MORE),
+                   ("mixtral_dist", "newer_sources", "num_experts", DECLARES_MORE),
+                   ("torch_dist", "sources", "mtp_num_layers", DECLARES_MORE)]
 
 
-@pytest.mark.parametrize("name,where,field", MEGATRON_CLAIMS, ids=[f"{n}-{f}" for n, _, f in MEGATRON_CLAIMS])
-def test_megatron_args_claiming_a_million(request, tmp_path, name, where, field):
+@pytest.mark.parametrize("name,where,field,culprit", MEGATRON_CLAIMS,
+                         ids=[f"{n}-{f}" for n, _, f, _ in MEGATRON_CLAIMS])
+def test_megatron_args_claiming_a_million(request, tmp_path, name, where, field, culprit):
     src = fresh(request.getfixturevalue(where)[name], tmp_path)
 
     def edit(args):
@@ -104,9 +111,15 @@ def test_megatron_args_claiming_a_million(request, tmp_path, name, where, field)
             setattr(args, field, HUGE)
 
     _edit_args(src, edit)
-    shown = "num_layers" if field == "moe_layer_freq" else field
+    named = () if culprit == FILES_HOLD_4 else (f"args.{field}=1000000",)
+    refused_within_memory(lambda: convert_refused(src, tmp_path, saver="hf", culprits=(*named, culprit)))
+
+
+def test_megatron_args_claiming_a_million_tensor_parallel_ranks(sources, tmp_path):
+    src = fresh(sources["core"], tmp_path)
+    _edit_args(src, lambda args: setattr(args, "tensor_model_parallel_size", HUGE))
     refused_within_memory(lambda: convert_refused(src, tmp_path, saver="hf", culprits=(
-        f"args.{shown}=1000000", "the config declares more than the files hold")))
+        "args say TP=1000000, PP=2, EP=1, 2,000,000 rank folders, but there are 4",)))
 
 
 @pytest.mark.parametrize("name", ["torch_dcp", "fsdp_dtensor"])
@@ -139,3 +152,16 @@ def test_mtrain_json_claiming_a_million_layers_resumed(mtrain_run, tmp_path):
     meta_file = _claim_in_mtrain_json(run, num_layers=HUGE)
     refused_within_memory(lambda: resume_refused(mtrain_run, run, tmp_path, str(meta_file), "1,000,000 layers",
                                                  "the config declares more than the files hold"))
+
+
+def test_mtrain_json_step_contradicting_its_directory(mtrain_run, tmp_path):
+    """A step directory copied under another name (or an mtrain.json copied into another step) would resume at
+    a step its directory does not say, and its checkpoints would overwrite others."""
+    run = fresh(mtrain_run["run"], tmp_path, "run")
+    meta_file = run / "step_0000002" / "mtrain.json"
+    meta = json.loads(meta_file.read_text())
+    meta["step"] = 7
+    meta_file.write_text(json.dumps(meta))
+    culprits = (str(meta_file), "step=7 contradicts its directory step_0000002")
+    resume_refused(mtrain_run, run, tmp_path, *culprits)
+    convert_refused(run, tmp_path, saver="llama_mistral", culprits=culprits)
