@@ -61,5 +61,6 @@ def check_fits(config: ModelConfig, stored: int, where: str, *, mtp: bool = True
         experts = f", {config.num_experts:,} experts" if config.is_moe else ""
         mtp = f", {config.mtp_layers} MTP modules" if config.mtp_layers else ""
         raise ConvertError(f"{where}: the config declares a model of {declared:,} values ({config.num_layers:,} "
-                           f"layers{experts}{mtp}, hidden size {config.hidden_size:,}), but the checkpoint's files "
-                           f"hold only {stored:,}: the config declares more than the files hold")
+                           f"layers{experts}{mtp}, hidden size {config.hidden_size:,}, vocabulary "
+                           f"{config.vocab_size:,}), but the checkpoint's files hold only {stored:,}: the config "
+                           "declares more than the files hold")

@@ -20,7 +20,7 @@ import torch
 
 from mconvert.io.torch_pickle import safe_load
 from tests.adversarial.crafting import edit_dcp
-from tests.support.refusals import convert_refused, fresh, resume_refused
+from tests.support.refusals import cli, convert_refused, fresh, refused, resume_refused
 
 HUGE = 1_000_000
 LIMIT = 32 * 2**20  # bytes of Python allocations a refusal may trace (see the module docstring)
@@ -50,7 +50,11 @@ HF_CLAIMS = [("llama_mistral", "sources", {"num_hidden_layers": HUGE}, "num_hidd
              ("qwen3_moe_hf", "newer_sources", {"num_hidden_layers": HUGE, "decoder_sparse_step": 2},
               "num_hidden_layers=1000000"),
              ("qwen3_moe_hf", "newer_sources", {"num_experts": HUGE, "num_local_experts": HUGE},
-              "num_experts=1000000")]
+              "num_experts=1000000"),
+             # no count to loop over, but sizes no file holds: the exact count refuses them
+             ("llama_mistral", "sources", {"vocab_size": 10**12}, "vocabulary 1,000,000,000,000"),
+             ("llama_mistral", "sources", {"intermediate_size": 10**9}, "4 layers"),
+             ("gpt2_hf", "sources", {"n_positions": 10**9}, "4 layers")]
 
 
 @pytest.mark.parametrize("name,where,fields,culprit", HF_CLAIMS,
@@ -58,8 +62,9 @@ HF_CLAIMS = [("llama_mistral", "sources", {"num_hidden_layers": HUGE}, "num_hidd
 def test_hf_config_claiming_a_million(request, tmp_path, name, where, fields, culprit):
     src = fresh(request.getfixturevalue(where)[name], tmp_path)
     _edit_json(src / "config.json", **fields)
-    refused_within_memory(lambda: convert_refused(src, tmp_path, culprits=(
-        f"{src / 'config.json'}", culprit, "the config declares more than the files hold")))
+    culprits = (f"{src / 'config.json'}", culprit, "the config declares more than the files hold")
+    refused_within_memory(lambda: convert_refused(src, tmp_path, culprits=culprits))
+    refused_within_memory(lambda: refused(cli("inspect", src, expect_error=True), *culprits))
 
 
 @pytest.mark.parametrize("field", ["num_hidden_layers", "n_routed_experts", "first_k_dense_replace",
@@ -78,7 +83,7 @@ def test_hf_config_claiming_more_layers_than_the_values_stored(sources, tmp_path
     _edit_json(src / "config.json", num_hidden_layers=400)
     out = convert_refused(src, tmp_path, culprits=(f"{src / 'config.json'}", "400 layers",
                                                    "the config declares more than the files hold"))
-    assert "values (400 layers, hidden size 64)" in out
+    assert "values (400 layers, hidden size 64, vocabulary 300)" in out
 
 
 def _edit_args(src: Path, edit) -> None:
