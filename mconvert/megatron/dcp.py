@@ -34,7 +34,6 @@ from pathlib import Path
 from mconvert.errors import ConvertError
 from mconvert.io.dcp import DcpReader
 from mconvert.io.dcp_writer import DcpWriter
-from mconvert.ir import sizes
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
@@ -113,7 +112,7 @@ def load_dcp(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     notes: list[str] = []
     assets = rank_files.tokenizer(options, it_dir, args, notes)
     config, config_notes = rank_files.config(args, options, padded, dtype_name(embed.dtype), it_dir, assets,
-                                             sizes.stored_elements(e.shape for e in model.values()))
+                                             store.values_bound(model))
     if config.mtp_layers:
         raise ConvertError(f"{it_dir}: a {args.ckpt_format} checkpoint with multi-token-prediction modules "
                            f"(args.mtp_num_layers {config.mtp_layers}) is not read: their keys in this format are "

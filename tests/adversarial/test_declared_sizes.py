@@ -170,3 +170,38 @@ def test_mtrain_json_step_contradicting_its_directory(mtrain_run, tmp_path):
     culprits = (str(meta_file), "step=7 contradicts its directory step_0000002")
     resume_refused(mtrain_run, run, tmp_path, *culprits)
     convert_refused(run, tmp_path, saver="llama_mistral", culprits=culprits)
+
+
+@pytest.mark.parametrize("name", ["torch_dcp", "mtrain"])
+def test_dcp_metadata_claiming_a_huge_tensor_does_not_vouch_for_the_config(newer_sources, mtrain_run, tmp_path,
+                                                                            name):
+    """A .metadata can claim any shape: a tensor of 10^12 values whose one chunk is 100 bytes of a file would make
+    a million layers look stored. The values counted are bounded by the bytes of the files the chunks lie in."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    from tests.adversarial.crafting import read_metadata_trusted, write_metadata
+
+    if name == "mtrain":
+        src = fresh(mtrain_run["run"], tmp_path, "run")
+        step, fqn = src / "step_0000002", "model.layers.0.attn_norm.weight"
+        meta_file = _claim_in_mtrain_json(src, num_layers=HUGE)
+    else:
+        src = fresh(newer_sources[name], tmp_path)
+        step = next(src.glob("iter_*"))
+        fqn = next(k for k in read_metadata_trusted(step).state_dict_metadata if k.endswith("final_layernorm.weight"))
+        edit_dcp(step, lambda s: setattr(s["args"], "num_layers", HUGE))
+    md = read_metadata_trusted(step)
+    real = md.state_dict_metadata[fqn]
+    index = next(k for k in md.storage_data if k.fqn == fqn)
+    huge = (10**12,)
+    md.state_dict_metadata[fqn + "_huge"] = TensorStorageMetadata(real.properties, torch.Size(huge),
+                                                                  [ChunkStorageMetadata(torch.Size([0]),
+                                                                                        torch.Size(huge))])
+    md.storage_data[MetadataIndex(fqn + "_huge", torch.Size([0]))] = md.storage_data[index]
+    write_metadata(step, md)
+    if name == "mtrain":
+        refused_within_memory(lambda: convert_refused(src, tmp_path, saver="llama_mistral", culprits=(
+            str(meta_file), "the config declares more than the files hold")))
+    else:
+        refused_within_memory(lambda: convert_refused(src, tmp_path, saver="hf", culprits=(
+            "args.num_layers=1000000", "the config declares more than the files hold")))
