@@ -20,7 +20,7 @@ import torch
 
 from mconvert.io.torch_pickle import safe_load
 from tests.adversarial.crafting import edit_dcp
-from tests.support.refusals import cli, convert_refused, fresh, refused, resume_refused
+from tests.support.refusals import cli, convert_refused, fresh, mtrain_cli, refused, resume_refused
 
 HUGE = 1_000_000
 LIMIT = 32 * 2**20  # bytes of Python allocations a refusal may trace (see the module docstring)
@@ -205,3 +205,21 @@ def test_dcp_metadata_claiming_a_huge_tensor_does_not_vouch_for_the_config(newer
     else:
         refused_within_memory(lambda: convert_refused(src, tmp_path, saver="hf", culprits=(
             "args.num_layers=1000000", "the config declares more than the files hold")))
+
+
+@pytest.mark.parametrize("saved", [["not", "a", "mapping"], {"optim": "fast", "train": {"steps": 2}},
+                                   {"optim": {"lr": "high"}, "train": {"steps": 2}}, {"train": {"steps": 0}}])
+def test_mtrain_json_saved_config_of_another_shape_resumes(mtrain_run, tmp_path, saved):
+    """The run config a step saved only feeds a note (how the learning-rate schedule changed); one of another shape
+    gives no note, never a traceback (an AttributeError or ZeroDivisionError before)."""
+    run = fresh(mtrain_run["run"], tmp_path, "run")
+    meta_file = run / "step_0000002" / "mtrain.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"] = saved
+    meta_file.write_text(json.dumps(meta))
+    config = mtrain_run["config"].to_dict()
+    config["checkpoint"]["dir"], config["train"]["steps"] = str(run), 3
+    (tmp_path / "run.json").write_text(json.dumps(config))
+    code, out = mtrain_cli("pretrain", "--config", tmp_path / "run.json")
+    assert code == 0, out
+    assert f"resumed from {run / 'step_0000002'} at step 2" in out and "learning-rate schedule" not in out
