@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from mconvert.errors import ConvertError
 from mconvert.io import hf_dir
-from mconvert.io.contained import check_tree, inside
+from mconvert.io.contained import check_tree, inside, real_path
 from mconvert.io.dcp import DcpReader, read_metadata
 from mconvert.io.torch_pickle import safe_load
 from mconvert.ir import sizes
@@ -118,7 +118,7 @@ def read_meta(path: Path) -> dict:
            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "world_size" else 0)]
     if bad or not isinstance(meta.get("model_config"), dict):
         raise TrainError(f"{f}: {', '.join(bad) or 'no model_config object'}: not what mtrain writes")
-    name = Path(path).resolve().name
+    name = real_path(path).name
     if STEP_NAME.fullmatch(name) and int(name[len("step_"):]) != meta["step"]:  # a copied or renamed step
         raise TrainError(f"{f}: step={meta['step']} contradicts its directory {name}: not what mtrain writes "
                          f"(mtrain names a step's directory {step_name(meta['step'])})")
