@@ -321,7 +321,7 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     vocab, vocab_notes = arguments.true_vocab_size(args, options.true_vocab_size, assets, padded, where=str(it_dir))
     notes += vocab_notes
     values = store.values_bound(store.tensors) if backend == "torch_dist" else \
-        sizes.stored_elements(_shape_dtype(store, k)[0] for k in store.tensors)  # zarr: compressed, shapes only
+        sizes.stored_elements(_shape_dtype(store, k)[0] for k in store.tensors)  # zarr: absent chunks are fill
     config = arguments.config_from_args(args, vocab_size=int(vocab), padded_vocab_size=padded, dtype=dtype_name(dtype),
                                         where=str(it_dir), stored=values)
 

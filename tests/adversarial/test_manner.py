@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from mtrain.data.tokenizer import load_tokenizer
+from mtrain.errors import TrainError
+from mtrain.tasks import read_passages
 from tests.support.corpus import write_corpus, write_tokenizer
 from tests.support.refusals import cli, convert_refused, fresh, mtrain_cli, refused
 
@@ -183,3 +186,21 @@ def test_deepseek_more_mtp_layers_announced_than_stored(deepseek_sources, tmp_pa
     _edit_config(src, num_nextn_predict_layers=2)
     convert_refused(src, tmp_path, culprits=(f"{src / 'config.json'}", "num_nextn_predict_layers=2",
                                              "the weights hold 1 MTP layer(s) (model.layers.3 to model.layers.3)"))
+
+
+@pytest.mark.parametrize("line,said", [(b'{"text": "w3 \xff w4"}', ":3: not UTF-8 text (byte 0xff at column 14)"),
+                                       (b"[" * 100_000 + b"]" * 100_000, ":3: expected a JSON object with a 'text'")])
+def test_evaluation_task_file_line(tmp_path, line, said):
+    path = tmp_path / "task.jsonl"
+    path.write_bytes(b'{"text": "w3 w4 w5"}\n{"text": "w6 w7"}\n' + line + b"\n")
+    with pytest.raises(TrainError) as e:
+        read_passages(path, load_tokenizer(write_tokenizer(tmp_path / "tok")))
+    assert str(e.value).startswith(f"{path}{said}")
+
+
+def test_integrity_manifest_nested_past_the_parser(newer_sources, tmp_path):
+    src = fresh(newer_sources["torch_dist_integrity"], tmp_path)
+    manifest = next(src.glob("iter_*")) / "integrity.json"
+    manifest.write_text("[" * 100_000 + "]" * 100_000)
+    convert_refused(src, tmp_path, saver="hf", culprits=(f"{manifest}: not valid JSON",
+                                                          "the integrity manifest is damaged"))
