@@ -26,8 +26,8 @@ HUGE = 1_000_000
 LIMIT = 32 * 2**20  # bytes of Python allocations a refusal may trace (see the module docstring)
 
 
-def refused_within_memory(run) -> str:
-    """`run()`'s output, with the peak of the Python allocations it made below LIMIT."""
+def refused_within_memory(run):
+    """What `run()` returns, with the peak of the Python allocations it made below LIMIT."""
     tracemalloc.start()
     try:
         out = run()
@@ -223,3 +223,13 @@ def test_mtrain_json_saved_config_of_another_shape_resumes(mtrain_run, tmp_path,
     code, out = mtrain_cli("pretrain", "--config", tmp_path / "run.json")
     assert code == 0, out
     assert f"resumed from {run / 'step_0000002'} at step 2" in out and "learning-rate schedule" not in out
+
+
+def test_generate_from_a_config_claiming_a_million_layers(sources, tmp_path):
+    """mtrain generate (and evaluate, serve, finetune) read checkpoints through mconvert's loaders: refused before
+    a model is built."""
+    src = fresh(sources["llama_mistral"], tmp_path)
+    _edit_json(src / "config.json", num_hidden_layers=HUGE)
+    code, out = refused_within_memory(lambda: mtrain_cli("generate", "--load", src, "--tokens", "1 5 9"))
+    assert code != 0
+    refused(out, f"{src / 'config.json'}: num_hidden_layers=1000000", "the config declares more than the files hold")
