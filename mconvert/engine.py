@@ -39,7 +39,7 @@ def check_destination(src: Path, dst: Path, force: bool) -> staging.Replace:
     """Refuse to touch an existing output without --force, never write into the source or replace the current
     directory, and fail now (before reading the source) when the output cannot be created. Returns what the
     final rename may replace (what was checked here: see `staging.move_into_place`)."""
-    src_r, dst_r = src.resolve(), dst.resolve()
+    src_r, dst_r = contained.real_path(src), contained.real_path(dst)
     if dst_r == src_r or src_r in dst_r.parents or dst_r in src_r.parents:
         raise ConvertError(f"--save-dir {dst} overlaps --load-dir {src}; choose a separate directory")
     cwd = Path.cwd().resolve()

@@ -41,9 +41,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from mconvert.errors import ConvertError
 from mconvert.io import hf_dir
-from mconvert.io.contained import check_tree, inside
-from mconvert.io.dcp import read_metadata
+from mconvert.io.contained import check_tree, inside, real_path
+from mconvert.io.dcp import DcpReader, read_metadata
 from mconvert.io.torch_pickle import safe_load
+from mconvert.ir import sizes
 from mconvert.ir.config import ModelConfig
 from mconvert.staging import fsync_path
 from mtrain import safe_dcp, weights
@@ -155,7 +156,24 @@ def read_meta(path: Path) -> dict:
            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "world_size" else 0)]
     if bad or not isinstance(meta.get("model_config"), dict):
         raise TrainError(f"{f}: {', '.join(bad) or 'no model_config object'}: not what mtrain writes")
+    name = real_path(path).name
+    if STEP_NAME.fullmatch(name) and int(name[len("step_"):]) != meta["step"]:  # a copied or renamed step
+        raise TrainError(f"{f}: step={meta['step']} contradicts its directory {name}: not what mtrain writes "
+                         f"(mtrain names a step's directory {step_name(meta['step'])})")
     return meta
+
+
+def model_config(path: Path, meta: dict) -> ModelConfig:
+    """The model config of a step's mtrain.json (`meta`, from read_meta), its sizes checked against the values
+    the step's tensors hold (mconvert.ir.sizes) before anything is built per layer or expert."""
+    where = f"{Path(path) / META_FILE}: model_config"
+    try:
+        config = ModelConfig.from_dict(meta["model_config"])
+    except ConvertError as e:
+        raise ConvertError(f"{where}: {e}") from None
+    reader = DcpReader(Path(path))  # allow-listed; the values are bounded by the bytes on disk
+    sizes.check_fits(config, reader.values_bound(k for k in reader.tensors if k.startswith(MODEL_PREFIX)), where)
+    return config
 
 
 def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:

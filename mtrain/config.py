@@ -165,12 +165,16 @@ def read_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise TrainError(f"config file {path} not found")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TrainError(f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start})") from None
+    except OSError as e:
+        raise TrainError(f"config file {path}: cannot read it ({e.strerror})") from None
     try:
         if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
         elif path.suffix == ".toml":
             try:
                 import tomllib
@@ -183,13 +187,39 @@ def read_file(path: str | Path) -> dict[str, Any]:
             raise TrainError(f"config file {path}: unknown extension {path.suffix!r} (use .yaml, .toml or .json)")
     except TrainError:
         raise
-    except Exception as e:
-        raise TrainError(f"config file {path} is not valid {path.suffix[1:].upper()}: {e}") from None
+    except Exception as e:  # the parsers' own errors (RecursionError for deep nesting): the first line, bounded
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise TrainError(f"config file {path} is not valid {path.suffix[1:].upper()}: {cut(reason, 200)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise TrainError(f"config file {path}: expected a mapping of sections, found {type(data).__name__}")
     return data
+
+
+def load_yaml(text: str) -> Any:
+    """YAML without aliases: `*name` repeats what `&name` anchors without costing a byte, so a few hundred bytes
+    of nested aliases hold 10^9 values (a "billion laughs"); a config never needs them."""
+    import yaml
+
+    class NoAliases(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.YAMLError(f"YAML aliases (*{cut(event.anchor, 40)}, line {event.start_mark.line + 1}) "
+                                     "are not accepted in mtrain configs; write the value out")
+            return super().compose_node(parent, index)
+
+    return yaml.load(text, Loader=NoAliases)  # noqa: S506 (a SafeLoader)
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """`value`'s repr for an error message, cut to `limit` characters: a config value can be arbitrarily big."""
+    return cut(repr(value), limit)
+
+
+def cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 
 def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
@@ -235,7 +265,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
         if values is None:
             continue
         if not isinstance(values, dict):
-            raise TrainError(f"config section {name!r} must be a mapping of fields, found {values!r}")
+            raise TrainError(f"config section {name!r} must be a mapping of fields, found {shown(values)}")
         sections[name] = build_section(SECTIONS[name], name, values)
     config = Config(**sections)
     validate(config)
@@ -276,10 +306,10 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
                 return coerce(value, arg, where)
             except TrainError as e:
                 errors.append(str(e))
-        raise TrainError(errors[0] if len(errors) == 1 else f"{where}: {value!r} does not fit {_type_name(hint)}")
+        raise TrainError(errors[0] if len(errors) == 1 else f"{where}: {shown(value)} does not fit {_type_name(hint)}")
     if origin is Literal:
         if value not in args:
-            raise TrainError(f"{where}: {value!r} is not one of {', '.join(map(str, args))}")
+            raise TrainError(f"{where}: {shown(value)} is not one of {', '.join(map(str, args))}")
         return value
     if origin in (tuple, list):
         if isinstance(value, str):  # "a,b": each item is parsed as its own command-line value
@@ -287,30 +317,30 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
         elif isinstance(value, (int, float)):
             value = [value]
         if not isinstance(value, (list, tuple)):
-            raise TrainError(f"{where}: expected a list, found {value!r}")
+            raise TrainError(f"{where}: expected a list, found {shown(value)}")
         items = [coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
-            raise TrainError(f"{where}: expected a mapping, found {value!r}")
+            raise TrainError(f"{where}: expected a mapping, found {shown(value)}")
         return dict(value)
     if hint is Any:
         return value
     if hint is bool:
         if not isinstance(value, bool):
-            raise TrainError(f"{where}: expected true or false, found {value!r}")
+            raise TrainError(f"{where}: expected true or false, found {shown(value)}")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TrainError(f"{where}: expected an integer, found {value!r}")
+            raise TrainError(f"{where}: expected an integer, found {shown(value)}")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TrainError(f"{where}: expected a number, found {value!r}")
+            raise TrainError(f"{where}: expected a number, found {shown(value)}")
         return float(value)
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise TrainError(f"{where}: expected text, found {value!r}")
+            raise TrainError(f"{where}: expected text, found {shown(value)}")
         return str(value)
     raise TrainError(f"{where}: unsupported field type {_type_name(hint)}")
 
@@ -331,7 +361,7 @@ def _parse_text(text: str, hint: Any) -> Any:
     import yaml
 
     try:
-        value = yaml.safe_load(text)
+        value = load_yaml(text)
     except yaml.YAMLError:
         return str(text)
     if isinstance(value, str) and hint in (float, int):

@@ -52,7 +52,7 @@ def check_ranges(c: Any) -> None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
             (value > low if strict else value >= low) and (high is None or value < high)
         if not ok:
-            bad.append(f"{section}.{name}={value!r} (needs {_describe(low, strict, high, optional)})")
+            bad.append(f"{section}.{name}={value!r:.80} (needs {_describe(low, strict, high, optional)})")
     weights = c.data.weights
     if weights is not None and (not all(math.isfinite(w) and w >= 0 for w in weights) or not sum(weights) > 0):
         bad.append(f"data.weights={list(weights)} (needs finite numbers >= 0 with a positive sum)")

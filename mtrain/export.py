@@ -13,7 +13,6 @@ from pathlib import Path
 
 from mconvert.errors import ConvertError, format_names, mismatch
 from mconvert.io import hf_dir
-from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.options import Options
@@ -45,10 +44,7 @@ def load(path: Path, options: Options) -> ModelIR:
         raise ConvertError(f"{path}: no complete mtrain checkpoint (expected {checkpoint.META_FILE} in a step "
                            "directory, or a `latest` file naming one)")
     meta = checkpoint.read_meta(step_dir)
-    try:
-        config = ModelConfig.from_dict(meta["model_config"])
-    except ConvertError as e:
-        raise ConvertError(f"{step_dir / checkpoint.META_FILE}: model_config: {e}") from None
+    config = checkpoint.model_config(step_dir, meta)
     reader = DcpReader(step_dir)  # its allow-listed unpickler: torch's own reader would unpickle anything
     prefix = checkpoint.MODEL_PREFIX
     stored = {key[len(prefix):]: (entry.shape, entry.dtype) for key, entry in reader.tensors.items()

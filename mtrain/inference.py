@@ -107,9 +107,11 @@ def evaluate(model: Transformer, prefixes: list[str], *, seq_len: int, batch_siz
             count = min(count, max(limit, 1))
     total, tokens, done = 0.0, 0, 0
     for batch in _batches(datasets, count, batch_size):
-        if int(batch.max()) >= model.config.vocab_size:
-            raise TrainError(f"the data holds token id {int(batch.max())}, outside the model's vocabulary of "
-                             f"{model.config.vocab_size}")
+        vocab = model.config.vocab_size
+        if int(batch.max()) >= vocab or int(batch.min()) < 0:
+            bad = int(batch.max()) if int(batch.max()) >= vocab else int(batch.min())
+            raise TrainError(f"the data holds token id {bad}, outside the model's vocabulary of {vocab} (ids 0 to "
+                             f"{vocab - 1})")
         logits = model(batch[:, :-1])
         total += float(F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"))
         tokens += batch[:, 1:].numel()

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from mtrain.config import Config, OptimConfig, build_section
+from mtrain.errors import TrainError
 from mtrain.optim import lr_at
 
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps")
@@ -36,8 +37,8 @@ def resume_notes(meta: dict[str, Any], config: Config, layout: dict[str, Any], w
         notes.append(f"layout: saved by {_ranks(saved_world)} ({describe_layout(saved_layout)}), now {_ranks(world)} "
                      f"({describe_layout(layout)}): weights and optimizer state are resharded; RNG states are not "
                      "restored (each belongs to a rank of the saving layout)")
-    saved = (meta.get("config") or {})
-    schedule = schedule_note(meta["step"], saved, config)
+    saved = meta.get("config")
+    schedule = schedule_note(meta["step"], saved if isinstance(saved, dict) else {}, config)
     if schedule:
         notes.append(schedule)
     return notes
@@ -48,8 +49,10 @@ def schedule_note(step: int, saved: dict[str, Any], config: Config) -> str | Non
     try:
         old_optim = build_section(OptimConfig, "optim", saved.get("optim") or {})
         old_steps = int((saved.get("train") or {})["steps"])
-    except (KeyError, TypeError, ValueError):
-        return None  # an older checkpoint without its config: nothing to compare with
+    except (KeyError, TypeError, ValueError, AttributeError, TrainError):
+        return None  # an older checkpoint without its config (or one not mtrain's): nothing to compare with
+    if old_steps < 1:
+        return None
     new_optim, new_steps = config.optim, config.train.steps
     changed = [f"optim.{name} {getattr(old_optim, name)} -> {getattr(new_optim, name)}" for name in SCHEDULE_FIELDS
                if getattr(old_optim, name) != getattr(new_optim, name)]

@@ -49,8 +49,13 @@ def read_passages(path: Path, tokenizer: Tokenizer, *, key: str = "text", max_sa
     if not path.is_file():
         raise TrainError(f"task file {path} not found (JSON lines with a {key!r} field)")
     out: list[Passage] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TrainError(f"{path}:{number}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                 f"{e.start + 1})") from None
             if not line.strip():
                 continue
             if max_samples is not None and len(out) >= max_samples:
@@ -58,7 +63,7 @@ def read_passages(path: Path, tokenizer: Tokenizer, *, key: str = "text", max_sa
             where = f"{path}:{number}"
             try:
                 text = json.loads(line)[key]
-            except (json.JSONDecodeError, TypeError, KeyError):
+            except (json.JSONDecodeError, TypeError, KeyError, RecursionError):
                 raise TrainError(f"{where}: expected a JSON object with a {key!r} text field") from None
             if not isinstance(text, str):
                 raise TrainError(f"{where}: {key!r} must be text, found {type(text).__name__}")

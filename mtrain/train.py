@@ -199,7 +199,7 @@ class Trainer:
         if resume is not None:
             try:
                 meta = checkpoint.read_meta(resume)
-                stored = ModelConfig.from_dict(meta["model_config"])
+                stored = checkpoint.model_config(resume, meta)
             except ConvertError as e:
                 raise checkpoint.unreadable(resume, e) from None
             check_finetune_source(c, resume, meta)

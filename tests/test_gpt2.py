@@ -170,7 +170,7 @@ def test_megatron_fused_bias_gelu_is_the_tanh_approximation():
         from types import SimpleNamespace
 
         return arguments.config_from_args(SimpleNamespace(**base, **args), vocab_size=10, padded_vocab_size=128,
-                                     dtype="float32", where="test").activation
+                                     dtype="float32", where="test", stored=10**6).activation
 
     assert activation(openai_gelu=True) == "gelu_tanh"
     assert activation(bias_gelu_fusion=True, add_bias_linear=True) == "gelu_tanh"

@@ -1,7 +1,11 @@
 """Pin the IR vocabulary: the exact tensor names per family (a change here is a format change)."""
 
+import math
+
+import pytest
+
 from mconvert.ir.config import ModelConfig
-from mconvert.ir.names import expected_shapes
+from mconvert.ir.names import expected_shapes, num_elements
 
 BASE = dict(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=1, head_dim=4,
             vocab_size=10, max_position_embeddings=32)
@@ -108,3 +112,27 @@ def test_deepseek_names():
     assert (shapes["layers.0.attn.q.weight"], shapes["layers.0.attn.kv_down.weight"],
             shapes["layers.0.attn.kv_up.weight"], shapes["layers.0.attn.o.weight"]) == \
         ((12, 8), (6, 8), (18, 4), (8, 10))
+
+
+DEEPSEEK = dict(family="deepseek_v3", num_layers=3, head_dim=6, num_query_groups=2, num_experts=4, moe_top_k=1,
+                dense_layers=(0,), q_lora_rank=3, kv_lora_rank=4, qk_rope_head_dim=2, v_head_dim=5,
+                moe_shared_expert_ffn_hidden_size=8, moe_router_score="sigmoid", moe_router_expert_bias=True,
+                mtp_layers=2)
+COUNTED = {"llama": dict(family="llama", num_layers=3),
+           "gpt2": dict(family="gpt2", norm="layernorm", activation="gelu_tanh", position_embedding="learned",
+                        qkv_bias=True, proj_bias=True, mlp_bias=True, tie_embeddings=True, num_query_groups=2),
+           "qwen3_moe": dict(family="qwen3_moe", num_layers=4, qk_norm=True, num_experts=3, moe_top_k=2,
+                             moe_ffn_hidden_size=6, dense_layers=(1, 3)),
+           "deepseek": DEEPSEEK, "deepseek_one_mtp_dense": DEEPSEEK | dict(mtp_layers=1, num_experts=None,
+                                                                           moe_top_k=None, dense_layers=(),
+                                                                           moe_shared_expert_ffn_hidden_size=None,
+                                                                           moe_router_score="softmax",
+                                                                           moe_router_expert_bias=False)}
+
+
+@pytest.mark.parametrize("name", list(COUNTED))
+def test_num_elements_counts_what_expected_shapes_lists(name):
+    """num_elements (arithmetic, nothing per layer: what mconvert.ir.sizes compares with the files) is the sum
+    over expected_shapes, for every kind of layer: dense, MoE with shared experts and biases, MTP modules."""
+    c = ModelConfig(**(BASE | COUNTED[name]))
+    assert num_elements(c) == sum(math.prod(s) for s in expected_shapes(c).values())

@@ -79,6 +79,18 @@ def test_meta_params_contradicting_tensors(llama_dir, tmp_path):
     assert "implies an FFN size other than the tensors' 128: the config contradicts the tensors" in out
 
 
+def test_meta_params_claiming_a_million_layers(llama_dir, tmp_path):
+    """Refused by mconvert.ir.sizes before the table is expanded for a million layers (tests/adversarial has the
+    other formats, with a bound on the memory)."""
+    write_meta(llama_dir, tmp_path / "meta", shards=1, llama3=True)
+    params = json.loads((tmp_path / "meta" / "params.json").read_text())
+    params["n_layers"] = 1_000_000
+    (tmp_path / "meta" / "params.json").write_text(json.dumps(params))
+    out = run_cli("inspect", tmp_path / "meta", expect_error=True)
+    assert f"{tmp_path / 'meta' / 'params.json'}: n_layers=1000000, but the checkpoint's files hold only" in out
+    assert "the config declares more than the files hold" in out
+
+
 def test_hub_id_from_the_local_cache(llama_dir, tmp_path):
     cache = tmp_path / "cache"
     repo = cache / "models--tiny-org--tiny-llama"

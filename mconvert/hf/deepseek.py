@@ -211,6 +211,8 @@ def _v2_config(hf: dict[str, Any], where: str) -> ModelConfig:
 def _config(hf: dict[str, Any]) -> ModelConfig:
     layers, experts = int(hf["num_hidden_layers"]), int(hf["n_routed_experts"])
     theta, scaling = rope_from_hf(hf)
+    if hf["n_group"] is not None and int(hf["n_group"]) < 1:  # 0 was read as "no groups": say so, do not guess
+        raise ConvertError(f"n_group={hf['n_group']}: expected a number of expert groups >= 1, or null for none")
     groups = int(hf["n_group"] or 1)
     shared = int(hf["n_shared_experts"] or 0) * int(hf["moe_intermediate_size"])
     return ModelConfig(
@@ -313,8 +315,9 @@ def load(path: Path, options: Options) -> ModelIR:
     """Hugging Face DeepSeek-V3 (with MTP layers, FP8 or not) and DeepSeek-V2 with greedy routing."""
     root = hf_dir.resolve(path)
     where = str(root / "config.json")
-    hf, config = read_config(root, config_from_hf)
-    source, notes = _dequantized(hf, hf_dir.open_weights(root), where)
+    stored = hf_dir.open_weights(root)
+    hf, config = read_config(root, config_from_hf, stored)
+    source, notes = _dequantized(hf, stored, where)
     if EMBED_KEY in source:
         config = config.replace(dtype=dtype_name(source[EMBED_KEY].dtype_name))
     config, mtp_notes = mtp_layers(config, source, where)
@@ -376,6 +379,10 @@ def mtp_layers(config: ModelConfig, source: dict[str, LazyTensor], where: str) -
     if found != list(range(config.num_layers, config.num_layers + count)):
         raise ConvertError(f"{where}: the checkpoint's layers after num_hidden_layers={config.num_layers} are "
                            f"{found}; MTP layers must follow the last layer without gaps")
+    if 0 < count < config.mtp_layers:  # a model saved without its MTP layers holds none; part of them is damage
+        raise ConvertError(f"{where}: num_nextn_predict_layers={config.mtp_layers}, but the weights hold {count} MTP "
+                           f"layer(s) (model.layers.{config.num_layers} to model.layers.{found[-1]}): the config "
+                           "contradicts the tensors")
     notes = []
     if count != config.mtp_layers:
         notes.append(f"config.json announces {config.mtp_layers} MTP layer(s) (num_nextn_predict_layers), the "

@@ -25,6 +25,7 @@ from mconvert.errors import ConvertError
 from mconvert.hf.config import generation_config
 from mconvert.io import hf_dir
 from mconvert.io.safetensors import Entry
+from mconvert.ir import sizes
 from mconvert.ir.blocks import Blocks
 from mconvert.ir.checks import HF_INTEGERS, check_integers, with_where
 from mconvert.ir.config import ModelConfig
@@ -39,6 +40,9 @@ from mconvert.rules.mapping import check_plan, expand, from_ir, take_copies, to_
 from mconvert.rules.row_plan import RowPlanner
 from mconvert.rules.table import Ctx, Rule, Table
 
+# config.json's counts of things a reader loops over: layers, experts, MTP modules, dense layers
+HF_COUNTS = ("num_hidden_layers", "n_layer", "num_local_experts", "num_experts", "n_routed_experts",
+             "num_nextn_predict_layers", "first_k_dense_replace", "max_window_layers", "n_shared_experts")
 TIED_HEAD = Rule("lm_head.weight", ("embed.weight",))  # a stored copy of the tied embedding
 
 
@@ -52,8 +56,9 @@ def load_hf(path: Path, options: Options, *, name: str, config_from_hf: Callable
     embedding (checked when it is read). `table` may depend on the stored keys (a family stored in two layouts).
     """
     root = hf_dir.resolve(path)
-    _, config = read_config(root, config_from_hf)
-    source = fix_source(hf_dir.open_weights(root))
+    stored = hf_dir.open_weights(root)  # headers only: what the config's sizes are checked against
+    _, config = read_config(root, config_from_hf, stored)
+    source = fix_source(stored)
     if embed_key in source:
         config = config.replace(dtype=dtype_name(source[embed_key].dtype_name))
     pieces = {k: [v] for k, v in source.items()}
@@ -68,13 +73,18 @@ def load_hf(path: Path, options: Options, *, name: str, config_from_hf: Callable
     return ModelIR(config, tensors, SourceInfo(f"{name} (Hugging Face)", root, layout(source)), assets)
 
 
-def read_config(root: Path, config_from_hf: Callable[[dict, str], ModelConfig]) -> tuple[dict[str, Any], ModelConfig]:
-    """(config.json as read, its IR config): counts that are not whole numbers and values the IR refuses are
-    reported against the file."""
+def read_config(root: Path, config_from_hf: Callable[[dict, str], ModelConfig],
+                stored: dict[str, LazyTensor]) -> tuple[dict[str, Any], ModelConfig]:
+    """(config.json as read, its IR config): counts that are not whole numbers, values the IR refuses and sizes
+    beyond what the `stored` tensors hold (mconvert.ir.sizes) are reported against the file."""
     where = str(root / "config.json")
     raw = hf_dir.read_json(root / "config.json")
     check_integers(raw, HF_INTEGERS, where)
-    return raw, with_where(where, lambda: config_from_hf(raw, where))
+    values = sizes.stored_elements(t.shape for t in stored.values())
+    sizes.check_counts(raw, HF_COUNTS, values, where)
+    config = with_where(where, lambda: config_from_hf(raw, where))
+    sizes.check_fits(config, values, where, mtp=False)  # deepseek.py counts them from the tensors
+    return raw, config
 
 
 def save_hf(ir: ModelIR, out: Path, options: Options, progress: Progress, *, table: Table,

@@ -17,6 +17,7 @@ from mconvert.hf.config import parse, rope_decoder_config, rope_decoder_fields
 from mconvert.hf.family import HFFamily, load_hf, register_family, save_hf
 from mconvert.io import hf_dir
 from mconvert.io.torch_pickle import safe_load
+from mconvert.ir import sizes
 from mconvert.ir.checks import META_INTEGERS, check_integers, with_where
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
@@ -142,9 +143,12 @@ def load_meta(root: Path, options: Options) -> ModelIR:
         raise ConvertError(f"{root}: params.json (dim {dim}, multiple_of {p['multiple_of']}, ffn_dim_multiplier "
                            f"{p.get('ffn_dim_multiplier')}) implies an FFN size other than the tensors' {ffn}: "
                            "the config contradicts the tensors")
+    values = sizes.stored_elements(t.shape for found in pieces.values() for t in found)
+    sizes.check_counts(p, ("n_layers",), values, str(root / "params.json"))
     config, notes = with_where(str(root / "params.json"), lambda: meta_llama.config_from_params(
         params, vocab_size=vocab, ffn_hidden_size=ffn, tied="output.weight" not in pieces,
         dtype=dtype_name(embed[0].dtype_name), where=str(root / "params.json")))
+    sizes.check_fits(config, values, str(root / "params.json"))
     table = meta_llama.table(ROW if by_hidden else COLUMN)
     ctx = Ctx(config, config.vocab_size)
     tensors = to_ir(pieces, expand(table, config), ctx, where=str(root), drop=meta_llama.DROP, cache=LoadCache(4))

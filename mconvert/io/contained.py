@@ -36,9 +36,19 @@ from mconvert.errors import ConvertError
 _HF_REPO = re.compile(r"(models|datasets|spaces)--.+")
 
 
+def real_path(path: Path | str) -> Path:
+    """`path` with every symbolic link followed; a loop of links is refused naming the path (Python raises a
+    RuntimeError for it, or an OSError from the system)."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as e:
+        reason = "a loop of symbolic links" if isinstance(e, RuntimeError) or e.errno == errno.ELOOP else e.strerror
+        raise ConvertError(f"{path}: cannot follow it: {reason}") from None
+
+
 def scope(root: Path | str) -> Path:
     """The real directory that `root`'s files may resolve into (the repository folder for a HF cache snapshot)."""
-    real = Path(root).resolve()
+    real = real_path(root)
     if real.parent.name == "snapshots" and _HF_REPO.fullmatch(real.parent.parent.name):
         return real.parent.parent
     return real
@@ -52,7 +62,7 @@ def inside(root: Path | str, name: str | os.PathLike, what: str = "file") -> Pat
     """`root / name`, provided it resolves inside `root`'s scope; `what` names the entry in the error."""
     root = Path(root)
     path = root / name
-    real, bound = path.resolve(), scope(root)
+    real, bound = real_path(path), scope(root)
     if not _within(real, bound):
         raise ConvertError(f"{root}: {what} {str(name)!r} resolves to {real}, outside the checkpoint directory "
                            f"{bound}; refusing to read it (a checkpoint may only name its own files)")
@@ -66,7 +76,7 @@ def check_tree(root: Path | str) -> None:
     """
     root = Path(root)
     bound = scope(root)
-    top = root.resolve()
+    top = real_path(root)
     if not top.is_dir():
         return
     for here, dirs, files in os.walk(top):
@@ -74,7 +84,7 @@ def check_tree(root: Path | str) -> None:
             path = Path(here) / name
             mode = path.lstat().st_mode
             if stat.S_ISLNK(mode):
-                target = path.resolve()
+                target = real_path(path)
                 if not _within(target, bound):
                     raise ConvertError(f"{root}: {path.relative_to(top)} is a symbolic link to {target}, outside the "
                                        "checkpoint directory; refusing to read it (copy the file in if you trust "

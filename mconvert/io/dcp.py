@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import mmap
 import os
 import pathlib
 import pickle
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,6 +275,14 @@ class DcpReader:
             if have < size:
                 raise ConvertError(f"{self.root / f}: truncated: {METADATA} places data up to byte {size}, the file "
                                    f"has {have} bytes")
+
+    def values_bound(self, fqns: Iterable[str]) -> int:
+        """At most how many values the tensors `fqns` hold: their shapes' element count, and no more than the bytes
+        of the files their chunks lie in (a value takes a byte at least; a crafted .metadata can claim any shape,
+        the bytes must still be on disk). What mconvert.ir.sizes compares a config with."""
+        entries = [self.tensors[f] for f in fqns]
+        files = {c.file for e in entries for c in e.chunks}
+        return min(sum(math.prod(e.shape) for e in entries), sum((self.root / f).stat().st_size for f in files))
 
     def _map(self, file: str) -> mmap.mmap:
         with self._lock:

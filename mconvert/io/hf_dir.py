@@ -57,7 +57,7 @@ def read_json(path: Path) -> dict:
     if not path.is_file():
         raise ConvertError(f"{path}: file not found")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ConvertError(f"{path}: not valid JSON: {type(e).__name__}: {e}") from None
     except OSError as e:
@@ -131,21 +131,15 @@ def special_token_ids(assets: dict[str, Path]) -> dict[str, int]:
     """bos/eos/pad token ids named by tokenizer_config.json and looked up in tokenizer.json (when both exist)."""
     if "tokenizer_config.json" not in assets or "tokenizer.json" not in assets:
         return {}
-    try:
-        cfg = json.loads(assets["tokenizer_config.json"].read_text())
-        tok = json.loads(assets["tokenizer.json"].read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    model_vocab = (tok.get("model") or {}).get("vocab")
-    vocab = dict(model_vocab) if isinstance(model_vocab, dict) else {}  # BPE/WordLevel; Unigram has a list
-    vocab |= {t["content"]: t["id"] for t in tok.get("added_tokens") or [] if "content" in t and "id" in t}
+    cfg = read_json(assets["tokenizer_config.json"])
+    vocab = dict(_vocabulary(assets["tokenizer.json"]))
     ids = {}
     for role in ("bos", "eos", "pad"):
         token = cfg.get(f"{role}_token")
         if isinstance(token, dict):
             token = token.get("content")
         if isinstance(token, str) and token in vocab:
-            ids[f"{role}_token_id"] = int(vocab[token])
+            ids[f"{role}_token_id"] = vocab[token]
     return ids
 
 
@@ -153,14 +147,37 @@ def tokenizer_vocab_size(assets: dict[str, Path]) -> int | None:
     """len(tokenizer) of a tokenizer.json (largest id + 1 over its vocabulary and added tokens), if there is one."""
     if "tokenizer.json" not in assets:
         return None
-    try:
-        tok = json.loads(assets["tokenizer.json"].read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    vocab = (tok.get("model") or {}).get("vocab")
-    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab or [])))
-    ids += [t["id"] for t in tok.get("added_tokens") or [] if "id" in t]
+    ids = [i for _, i in _vocabulary(assets["tokenizer.json"])]
     return max(ids) + 1 if ids else None
+
+
+def _vocabulary(path: Path) -> list[tuple[str | None, int]]:
+    """(token, id) of a tokenizer.json's vocabulary and added tokens: a Unigram model's list gives its positions
+    (no token text is needed from it); anything of another shape is refused naming the file and the field."""
+    tok = read_json(path)
+    model = tok.get("model") or {}
+    if not isinstance(model, dict):
+        raise ConvertError(f"{path}: model must be a JSON object, found {type(model).__name__}")
+    vocab = model.get("vocab") or {}
+    if isinstance(vocab, dict):
+        bad = next((k for k, v in vocab.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0), None)
+        if bad is not None:
+            raise ConvertError(f"{path}: model.vocab[{bad[:40]!r}] must be a token id (a whole number >= 0)")
+        pairs: list[tuple[str | None, int]] = list(vocab.items())
+    elif isinstance(vocab, list):
+        pairs = [(None, i) for i in range(len(vocab))]
+    else:
+        raise ConvertError(f"{path}: model.vocab must be a JSON object or list, found {type(vocab).__name__}")
+    added = tok.get("added_tokens") or []
+    if not isinstance(added, list) or not all(isinstance(t, dict) for t in added):
+        raise ConvertError(f"{path}: added_tokens must be a list of JSON objects")
+    for t in added:
+        if "id" not in t:
+            continue
+        if isinstance(t["id"], bool) or not isinstance(t["id"], int) or t["id"] < 0:
+            raise ConvertError(f"{path}: added_tokens: id {str(t['id'])[:40]} is not a token id (a whole number >= 0)")
+        pairs.append((t["content"] if isinstance(t.get("content"), str) else None, t["id"]))
+    return pairs
 
 
 def copy_assets(assets: dict[str, Path], out: Path) -> None:

@@ -69,7 +69,7 @@ class Manifest:
             return None
         try:
             data = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ConvertError(f"{path}: not valid JSON ({e}); the integrity manifest is damaged") from None
         files = data.get("files") if isinstance(data, dict) else None
         if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):

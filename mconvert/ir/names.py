@@ -158,3 +158,34 @@ def expected_shapes(c: ModelConfig) -> dict[str, Shape]:
     for module in range(c.mtp_layers):
         shapes |= mtp_shapes(module, c)
     return shapes
+
+
+def _elements(shapes: dict[str, Shape]) -> int:
+    total = 0
+    for shape in shapes.values():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    return total
+
+
+def num_elements(c: ModelConfig) -> int:
+    """The number of values in `expected_shapes(c)`, by arithmetic: nothing is built per layer or per expert, so a
+    config claiming a million layers or experts costs nothing to measure (see mconvert.ir.sizes)."""
+    layers = c.num_layers + c.mtp_layers  # each MTP module holds one transformer layer (an MoE one in an MoE model)
+    moe_layers = c.num_moe_layers + (c.mtp_layers if c.is_moe else 0)
+    p = "layers.0"
+    common = (_elements(norm_shapes(f"{p}.attn_norm", c)) + _elements(attention_shapes(f"{p}.attn", c))
+              + _elements(qk_norm_shapes(f"{p}.attn", c)) + _elements(norm_shapes(f"{p}.mlp_norm", c)))
+    total = _elements(embedding_shapes(c)) + _elements(head_shapes(c)) + layers * common
+    total += (layers - moe_layers) * _elements(mlp_shapes(f"{p}.mlp", c, bias=c.mlp_bias))
+    if moe_layers:
+        expert = _elements(mlp_shapes(f"{p}.moe.experts.0", c, bias=False, ffn=c.expert_ffn_hidden_size))
+        per_layer = c.num_experts * (c.hidden_size + (1 if c.moe_router_expert_bias else 0) + expert)
+        if c.moe_shared_expert_ffn_hidden_size:
+            per_layer += _elements(mlp_shapes(f"{p}.moe.shared", c, bias=False,
+                                              ffn=c.moe_shared_expert_ffn_hidden_size))
+        total += moe_layers * per_layer
+    h = c.hidden_size
+    return total + c.mtp_layers * (3 * h + 2 * h * h)  # enorm, hnorm, final_norm, eh_proj

@@ -15,6 +15,7 @@ from typing import Any
 
 from mconvert.errors import ConvertError
 from mconvert.io.hf_dir import tokenizer_vocab_size
+from mconvert.ir import sizes
 from mconvert.ir.checks import check_true_vocab_size, with_where
 from mconvert.ir.config import ModelConfig
 from mconvert.lazy import torch
@@ -117,12 +118,21 @@ def _args_from_fields(c: ModelConfig) -> dict[str, Any]:
     return {name: arg.write(getattr(c, arg.field)) for arg in ARGS for name in (arg.name, *arg.also)}
 
 
-def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtype: str,
-                     where: str) -> ModelConfig:
+# args a reader loops over (layers, experts, MTP modules): none may exceed the values the files hold
+COUNTS = ("num_layers", "num_experts", "mtp_num_layers")
+
+
+def config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtype: str, where: str,
+                     stored: int) -> ModelConfig:
     """The IR config from a Megatron `args` namespace (names as Megatron stores them); a value ModelConfig refuses
-    (NaN epsilon, ...) is reported against `where`."""
-    return with_where(where, lambda: _config_from_args(args, vocab_size=vocab_size,
-                                                       padded_vocab_size=padded_vocab_size, dtype=dtype, where=where))
+    (NaN epsilon, ...) or sizes beyond the `stored` values of the checkpoint's tensors (mconvert.ir.sizes) are
+    reported against `where`."""
+    sizes.check_counts(vars(args) if hasattr(args, "__dict__") else {}, COUNTS, stored, where, "args.")
+    config = with_where(where, lambda: _config_from_args(args, vocab_size=vocab_size,
+                                                         padded_vocab_size=padded_vocab_size, dtype=dtype,
+                                                         where=where))
+    sizes.check_fits(config, stored, where)
+    return config
 
 
 def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dtype: str,

@@ -111,7 +111,8 @@ def load_dcp(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     padded = embed.shape[0]
     notes: list[str] = []
     assets = rank_files.tokenizer(options, it_dir, args, notes)
-    config, config_notes = rank_files.config(args, options, padded, dtype_name(embed.dtype), it_dir, assets)
+    config, config_notes = rank_files.config(args, options, padded, dtype_name(embed.dtype), it_dir, assets,
+                                             store.values_bound(model))
     if config.mtp_layers:
         raise ConvertError(f"{it_dir}: a {args.ckpt_format} checkpoint with multi-token-prediction modules "
                            f"(args.mtp_num_layers {config.mtp_layers}) is not read: their keys in this format are "

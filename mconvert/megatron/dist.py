@@ -57,6 +57,7 @@ from mconvert.io.dcp import DcpReader
 from mconvert.io.integrity import Manifest, write_manifest
 from mconvert.io.torch_pickle import safe_load
 from mconvert.io.torch_zip import save as torch_save
+from mconvert.ir import sizes
 from mconvert.ir.blocks import as_blocks, reshape
 from mconvert.ir.checks import MEGATRON_INTEGERS, check_integers
 from mconvert.ir.config import ModelConfig
@@ -322,8 +323,10 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     assets = rank_files.tokenizer(options, it_dir, args, notes)
     vocab, vocab_notes = arguments.true_vocab_size(args, options.true_vocab_size, assets, padded, where=str(it_dir))
     notes += vocab_notes
+    values = store.values_bound(store.tensors) if backend == "torch_dist" else \
+        sizes.stored_elements(_shape_dtype(store, k)[0] for k in store.tensors)  # zarr: absent chunks are fill
     config = arguments.config_from_args(args, vocab_size=int(vocab), padded_vocab_size=padded, dtype=dtype_name(dtype),
-                              where=str(it_dir))
+                                        where=str(it_dir), stored=values)
 
     source: dict[str, list[LazyTensor]] = {}
     rows: list[Row] = []

@@ -234,7 +234,7 @@ def load(path: Path, options: Options) -> ModelIR:
     notes: list[str] = []
     assets = tokenizer(options, it_dir, files.args, notes)
     config, config_notes = megatron_config(files.args, options, padded, dtype_name(first[embed_key].dtype), it_dir,
-                                           assets)
+                                           assets, files.stored_elements())
     notes += config_notes
     if order < 2 and config.num_query_groups != config.num_attention_heads:
         raise ConvertError(f"{files.rel((0, 0, 0))}: checkpoint_version {version} predates grouped-query attention, "

@@ -115,6 +115,10 @@ class RankFiles:
                       getattr(self.args, "model_parallel_size", None) or 1)
         self.pp = int(getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
         self.ep = int(getattr(self.args, "expert_model_parallel_size", 1) or 1)
+        if self.tp * self.pp * self.ep > 2 * len(dirs):  # before building a name per rank the args claim (a few
+            # missing folders are listed by name below)
+            raise ConvertError(f"{it_dir}: args say TP={self.tp}, PP={self.pp}, EP={self.ep}, "
+                               f"{self.tp * self.pp * self.ep:,} rank folders, but there are {len(dirs)}")
         grid = ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep)
         want = {core.rank_dir(t, p, e, grid): (t, p, e)
                 for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)}
@@ -164,6 +168,16 @@ class RankFiles:
         if idx not in self._sources:
             self._sources[idx] = file_sources(self.files[idx], self.states[idx])
         return self._sources[idx].get(id(tensor))
+
+    def stored_elements(self) -> int:
+        """The values of every tensor in the model entries of every rank file (TP pieces each counted)."""
+
+        def count(value: Any) -> int:
+            if isinstance(value, torch.Tensor):
+                return value.numel()
+            return sum(count(v) for v in value.values()) if isinstance(value, dict) else 0
+
+        return sum(count(state.get(name)) for state in self.states.values() for name in self.chunk_names())
 
     def rel(self, idx: tuple[int, int, int]) -> str:
         f = self.files[idx]
@@ -304,14 +318,15 @@ def check_layer_count(files: RankFiles, total: int) -> None:
 
 
 def config(args: Any, options: Options, padded: int, dtype: str, it_dir: Path,
-           assets: dict[str, Path]) -> tuple[ModelConfig, list[str]]:
-    """The IR config from `args`, with notes on what had to be inferred (true vocabulary, dtype)."""
+           assets: dict[str, Path], values: int) -> tuple[ModelConfig, list[str]]:
+    """The IR config from `args`, with notes on what had to be inferred (true vocabulary, dtype); its sizes are
+    checked against the number of `values` the checkpoint's tensors hold (mconvert.ir.sizes)."""
     vocab, notes = arguments.true_vocab_size(args, options.true_vocab_size, assets, padded, where=str(it_dir))
     stored = getattr(args, "params_dtype", None)
     if isinstance(stored, torch.dtype) and stored != getattr(torch, dtype):
         notes.append(f"args.params_dtype is {stored} but the tensors are {dtype}; using the tensors' dtype")
     config = arguments.config_from_args(args, vocab_size=vocab, padded_vocab_size=padded, dtype=dtype,
-                                        where=str(it_dir))
+                                        where=str(it_dir), stored=values)
     return config, notes
 
 

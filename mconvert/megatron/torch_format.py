@@ -98,7 +98,8 @@ def load(path: Path, options: Options) -> ModelIR:
     padded = embed.shape[0] * files.tp
     notes: list[str] = []
     assets = tokenizer(options, it_dir, files.args, notes)
-    config, config_notes = megatron_config(files.args, options, padded, dtype_name(embed.dtype), it_dir, assets)
+    config, config_notes = megatron_config(files.args, options, padded, dtype_name(embed.dtype), it_dir, assets,
+                                           files.stored_elements())
     notes += config_notes
     expert_layout, etp = _experts(files, names, config, notes) if config.is_moe else (None, files.tp)
     ctx = Ctx(config, padded, tp=files.tp, etp=etp, local_experts=(config.num_experts or 0) // files.ep)

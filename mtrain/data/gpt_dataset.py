@@ -6,7 +6,9 @@ For the documents of one split:
   2. sample index: for sample i, the (document-index position, token offset) where it starts; a sample is
      seq_len + 1 tokens (inputs and shifted labels), so neighbours share one token;
   3. shuffle index: a seeded permutation of the samples.
-The three arrays are cached as .npy files keyed by a hash of everything they depend on.
+The three arrays are cached as .npy files keyed by a hash of everything they depend on: the .idx's content (the
+sequence lengths; the .bin's tokens do not move a sample's boundaries), the split, the sizes and the seed. A cached
+array of the wrong shape or pointing outside the data is rebuilt, never used.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 from mtrain.data.indexed import IndexedDataset
 from mtrain.errors import TrainError
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: keyed on the .idx's SHA-256 (1: on the files' sizes)
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 
@@ -96,15 +98,15 @@ class GPTDataset:
             raise TrainError(f"the {name} split of {indexed.prefix} has {tokens_per_epoch} tokens, too few for one "
                              f"sample of {seq_len} + 1; use a shorter data.seq_len or more data")
         description = dict(version=CACHE_VERSION, prefix=str(Path(indexed.prefix).resolve()),
-                           idx_bytes=indexed.idx_path.stat().st_size, bin_bytes=indexed.bin_path.stat().st_size,
+                           idx_sha256=indexed.idx_digest, bin_bytes=indexed.bin_path.stat().st_size,
                            documents=[int(documents[0]), int(documents[-1]), len(documents)], seq_len=seq_len,
                            num_samples=num_samples, seed=seed, shuffle=shuffle, name=name)
         key = hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
         cache_dir = cache_dir or Path(indexed.prefix).parent / "cache" / "GPTDataset_indices"
         paths = {part: cache_dir / f"{key}-GPTDataset-{part}.npy" for part in ("document", "sample", "shuffle")}
-        if all(p.is_file() for p in paths.values()):
-            self.document_index, self.sample_index, self.shuffle_index = (
-                np.load(paths[part], mmap_mode="r") for part in ("document", "sample", "shuffle"))
+        cached = _load_cached(paths, len(indexed)) if all(p.is_file() for p in paths.values()) else None
+        if cached is not None:
+            self.document_index, self.sample_index, self.shuffle_index = cached
             self.cache_hit = True
         else:
             self._build(documents, tokens_per_epoch, num_samples, seed, shuffle)
@@ -116,6 +118,7 @@ class GPTDataset:
         per_epoch = (tokens_per_epoch - 1) // seq_len
         num_samples = per_epoch if num_samples is None else num_samples
         num_epochs = max(1, -(-(num_samples * seq_len + 1) // tokens_per_epoch))
+        _check_index_size(self.name, self.indexed.prefix, num_samples, num_epochs, len(documents), per_epoch)
         separate_final_epoch = False
         if num_epochs > 1:
             before_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_len
@@ -149,6 +152,40 @@ class GPTDataset:
             parts += [get(int(self.document_index[d])) for d in range(d0 + 1, d1)]
             parts.append(get(int(self.document_index[d1]), 0, int(off1) + 1))
         return np.concatenate(parts).astype(np.int64)
+
+
+def _check_index_size(name: str, prefix: str, num_samples: int, num_epochs: int, documents: int,
+                      per_epoch: int) -> None:
+    """Refuse, before allocating, indices that cannot fit in this machine's memory: per epoch a document-index
+    entry per document (int32, and an int64 copy of its lengths), per sample two int64 sample-index entries and an
+    int64 shuffle entry. `train.steps: 1e20` asked numpy for hundreds of TiB (or overflowed its C long)."""
+    total = num_epochs * per_epoch + 1
+    need = num_epochs * documents * (4 + 8 + 8) + total * (16 + 8 + 8)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: the machine's memory is unknown, numpy will say
+        return
+    if need > memory:
+        raise TrainError(f"the {name} split of {prefix}: {num_samples:,} samples ({num_epochs:,} epochs of "
+                         f"{documents:,} documents) need {need / 2**30:,.0f} GiB of sample indices, more than this "
+                         f"machine's {memory / 2**30:,.0f} GiB: ask for fewer (train.steps x "
+                         "train.global_batch_size samples for training, eval.steps x it for validation)")
+
+
+def _load_cached(paths: dict[str, Path], sequences: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The cached indices, or None when one is unreadable or does not fit the data: a document index of sequence
+    numbers, a sample index of (position in it, offset >= 0) rows, a shuffle index of its samples."""
+    try:
+        document, sample, shuffle = (np.load(paths[part], mmap_mode="r") for part in ("document", "sample", "shuffle"))
+    except (OSError, ValueError):
+        return None
+    fits = (document.ndim == 1 and len(document) > 0 and sample.ndim == 2 and sample.shape[1] == 2
+            and len(sample) >= 2 and shuffle.ndim == 1 and all(a.dtype.kind in "iu" for a in (document, sample,
+                                                                                                 shuffle)))
+    fits = fits and 0 <= document.min() and document.max() < sequences
+    fits = fits and 0 <= sample[:, 0].min() and sample[:, 0].max() < len(document) and sample[:, 1].min() >= 0
+    fits = fits and (len(shuffle) == 0 or (0 <= shuffle.min() and shuffle.max() < len(sample) - 1))
+    return (document, sample, shuffle) if fits else None
 
 
 def _save_atomically(cache_dir: Path, paths: dict[str, Path], description: dict, ds: GPTDataset) -> None:

@@ -17,6 +17,7 @@ Preprocessing writes one sequence per document, so the document indices are 0, 1
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import struct
@@ -114,6 +115,7 @@ class IndexedDataset:
 
     def _read_index(self) -> None:
         raw = self.idx_path.read_bytes()
+        self.idx_digest = hashlib.sha256(raw).hexdigest()  # what the sample-index cache is keyed on
         if len(raw) < HEADER_SIZE:
             raise self._corrupt(f"{len(raw)} bytes, shorter than the {HEADER_SIZE}-byte header")
         if raw[:9] != MAGIC:
@@ -137,6 +139,27 @@ class IndexedDataset:
         if end != size:
             raise TrainError(f"{self.bin_path} has {size} bytes but {self.idx_path.name} describes {end}: the two "
                              "files do not belong together or one is truncated; re-run `mtrain preprocess`")
+        self._check_sequences()
+
+    def _check_sequences(self) -> None:
+        """Every sequence a stretch of .bin after the one before (as Megatron's writer lays them out), and the
+        document indices increasing from 0 to the sequence count: a crafted .idx could otherwise point reads
+        anywhere in .bin, overlap sequences or give documents that hold none (checked in one pass of numpy)."""
+        if self.dtype.kind not in "iu":  # codes 6 and 7: token ids are whole numbers (no NaN, no fractions)
+            raise self._corrupt(f"tokens stored as {self.dtype.name}; token ids are integers")
+        lengths, pointers = self.sequence_lengths.astype(np.int64), self.sequence_pointers
+        if len(lengths) and lengths.min() < 0:
+            i = int(np.argmax(lengths < 0))
+            raise self._corrupt(f"sequence {i} has length {lengths[i]}")
+        ends = pointers + lengths * self.dtype.itemsize
+        if len(lengths) and (pointers[0] != 0 or (pointers[1:] != ends[:-1]).any()):
+            i = 0 if pointers[0] != 0 else int(np.argmax(pointers[1:] != ends[:-1])) + 1
+            expected = 0 if i == 0 else int(ends[i - 1])
+            raise self._corrupt(f"sequence {i} starts at byte {pointers[i]} of {self.bin_path.name}, but the "
+                                f"sequences before it end at byte {expected} (the lengths and offsets disagree)")
+        docs = self.document_indices
+        if len(docs) == 0 or docs[0] != 0 or docs[-1] != len(lengths) or (np.diff(docs) < 0).any():
+            raise self._corrupt(f"document indices must increase from 0 to the {len(lengths)} sequences")
 
     def __len__(self) -> int:
         """Number of sequences (= documents, as preprocessing writes them)."""

@@ -73,9 +73,11 @@ class RankBatches:
         for m in range(self.micro_batches):
             first = start + m * self.micro_batch
             rows = np.stack([self.dataset[(first + j) % len(self.dataset)] for j in range(self.micro_batch)])
-            if rows.max() >= self.vocab_size:
-                raise TrainError(f"the data holds token id {int(rows.max())}, outside the model's vocabulary of "
-                                 f"{self.vocab_size}: was it tokenized with this model's tokenizer?")
+            if rows.max() >= self.vocab_size or rows.min() < 0:
+                bad = int(rows.max()) if rows.max() >= self.vocab_size else int(rows.min())
+                raise TrainError(f"the data holds token id {bad}, outside the model's vocabulary of "
+                                 f"{self.vocab_size} (ids 0 to {self.vocab_size - 1}): was it tokenized with this "
+                                 "model's tokenizer?")
             tokens = torch.from_numpy(rows)
             out.append((tokens[:, :-1], tokens[:, 1:]))
         return out

@@ -61,6 +61,9 @@ def _encode(item: tuple[int, str]) -> dict[str, list[int]]:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise TrainError(f"{s['where']}, line {number}: not valid JSON ({e.msg})") from None
+    except RecursionError:  # json's decoder recurses once per level: [[[[...]]]] a few thousand deep
+        raise TrainError(f"{s['where']}, line {number}: JSON nested too deeply to read; a document is an object "
+                         "with text fields") from None
     if not isinstance(record, dict):
         raise TrainError(f"{s['where']}, line {number}: expected a JSON object, found {type(record).__name__}")
     out = {}
@@ -80,8 +83,13 @@ def _encode_chunk(items: list[tuple[int, str]]) -> list[dict[str, list[int]]]:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TrainError(f"{path}, line {number}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                 f"{e.start + 1}); JSON lines are UTF-8") from None
             if line.strip():
                 yield number, line
 

@@ -67,7 +67,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 def _tokenizers(file: Path, directory: Path) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
-    impl = HFTokenizer.from_file(str(file))
+    _json_object(file)  # the library's own errors for a list or a non-UTF-8 file are panics, not messages
+    try:
+        impl = HFTokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises its own Exception for any file it cannot read
+        raise TrainError(f"{file}: not a tokenizers tokenizer.json ({str(e).splitlines()[0][:200]})") from None
     eos = _eos_from_config(directory)
     eod = impl.token_to_id(eos) if eos else None
     return Tokenizer("tokenizers", file, impl, eod, impl.get_vocab_size(with_added_tokens=True))
@@ -77,12 +81,24 @@ def _eos_from_config(directory: Path) -> str | None:
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         f = directory / name
         if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token")
+            eos = _json_object(f).get("eos_token")
             if isinstance(eos, dict):
                 eos = eos.get("content")
             if eos:
                 return eos
     return None
+
+
+def _json_object(path: Path) -> dict:
+    """The JSON object in `path`; anything else (a list, not JSON, not UTF-8, nested past the parser) is refused
+    naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise TrainError(f"{path}: not readable JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(data, dict):
+        raise TrainError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
 
 
 def _sentencepiece(file: Path) -> Tokenizer:
@@ -91,7 +107,10 @@ def _sentencepiece(file: Path) -> Tokenizer:
     except ImportError:
         raise TrainError(f"{file} is a sentencepiece model: install sentencepiece (pip install 'mconvert[train]')") \
             from None
-    impl = sentencepiece.SentencePieceProcessor(model_file=str(file))
+    try:
+        impl = sentencepiece.SentencePieceProcessor(model_file=str(file))
+    except (OSError, RuntimeError) as e:
+        raise TrainError(f"{file}: not a sentencepiece model ({str(e).splitlines()[0][:200]})") from None
     eos = impl.eos_id()
     return Tokenizer("sentencepiece", file, impl, eos if eos >= 0 else None, impl.get_piece_size())
 
