@@ -175,8 +175,8 @@ def test_formats_declare_the_features_they_hold(ds_dir):
     assert holders["core"] == frozenset(FEATURES)
     assert holders["deepseek_hf"] == {"mla", "shared_experts", "router_score", "router_expert_bias", "group_routing",
                                       "router_scaling", "mtp"}
-    assert holders["glm4_moe_hf"] == {"qk_norm", "shared_experts", "router_score", "router_expert_bias", "group_routing",
-                                      "router_scaling", "mtp", "partial_rotary"}
+    assert holders["glm4_moe_hf"] == {"qk_norm", "shared_experts", "router_score", "router_expert_bias",
+                                      "group_routing", "router_scaling", "mtp", "partial_rotary"}
     assert holders["qwen_hf"] == {"qk_norm"}
     assert holders["gemma3_hf"] == {"qk_norm", "sandwich_norms", "norm_zero_centered", "embedding_multiplier", "geglu",
                                     "local_rope", "query_pre_attn_scalar", "final_softcap"}

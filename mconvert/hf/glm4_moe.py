@@ -190,8 +190,8 @@ def load(path: Path, options: Options) -> ModelIR:
     """Hugging Face GLM-4.5 / 4.6 (Glm4MoeForCausalLM), with its MTP layers: safetensors or .bin, sharded or not."""
     root = hf_dir.resolve(path)
     where = str(root / "config.json")
-    _, config = read_config(root, config_from_hf)
     source = hf_dir.open_weights(root)
+    _, config = read_config(root, config_from_hf, source)
     if EMBED_KEY in source:
         config = config.replace(dtype=dtype_name(source[EMBED_KEY].dtype_name))
     config, notes = mtp_layers(config, source, where)
