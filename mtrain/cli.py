@@ -56,6 +56,7 @@ def _fail_cleanly(func):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="mconvert", prog_name="mtrain")
 def main() -> None:
     """Pretrain and finetune transformer models built from the mconvert IR."""
 
