@@ -315,12 +315,13 @@ class Trainer:
         return float(norm)
 
     def _aux_loss(self) -> float | None:
-        """The mean auxiliary loss of the MoE layers at the last forward, over all layers and data ranks."""
+        """The step's auxiliary loss: the MoE layers' load-balancing losses (before moe_aux_loss_coeff), averaged
+        over the layers and every micro-batch of the global batch. The same for every layout: each (layer,
+        micro-batch) loss is counted once per rank holding it, and every one is held by tp x cp ranks."""
         if not self.model_config.is_moe:
             return None
-        losses = [m.last_aux_loss for part in self.parts for m in part.modules()
-                  if isinstance(m, moe.MoE) and m.last_aux_loss is not None]
-        stats = torch.tensor([float(sum(losses)) if losses else 0.0, float(len(losses))], dtype=torch.float64,
+        taken = [moe.take_aux_losses(part) for part in self.parts]
+        stats = torch.tensor([sum(t for t, _ in taken), float(sum(n for _, n in taken))], dtype=torch.float64,
                              device=self.env.device)
         if self.env.world > 1:
             dist.all_reduce(stats)
