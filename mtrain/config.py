@@ -141,7 +141,12 @@ class Config:
     model_changes: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The sections as from_dict reads them back: a finetune's model changes are its model section."""
+        out = dataclasses.asdict(self)
+        changes = out.pop("model_changes")
+        if changes:
+            out["model"] = changes
+        return out
 
     def replace(self, **sections: Any) -> Config:
         return dataclasses.replace(self, **sections)

@@ -138,7 +138,6 @@ def test_multi_rank_runs_log_the_one_process_aux_loss_and_print_no_warnings(corp
     process's by float32 reorderings (relative ~1e-7, so ~1e-6 on a loss near 2), and each printed value is rounded
     to 4 decimals (within 5e-5): 1e-4 + 1e-5. Before, each rank logged its last micro-batch's loss (0.02 apart)."""
     raw = tiny_config(corpus, model=TINY_MIXTRAL, train={"steps": 3}, logging={"interval": 1}).to_dict()
-    raw.pop("model_changes")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
     spec = [
         {"cli": ["pretrain", "--config", str(tmp_path / "run.yaml"), "--parallel.ep", "2"]},
@@ -156,3 +155,10 @@ def test_multi_rank_runs_log_the_one_process_aux_loss_and_print_no_warnings(corp
         assert got.keys() == one.keys() and all(abs(got[s] - one[s]) <= 1e-4 + 1e-5 for s in one), (name, got, one)
     ep = _aux_losses(proc.stderr.splitlines())  # the command line's progress lines (rank 0 prints, on stderr)
     assert ep.keys() == one.keys() and all(abs(ep[s] - one[s]) <= 1e-4 + 1e-5 for s in one), (ep, one)
+
+
+def test_finetune_help_tells_of_overrides_and_the_tokenizer():
+    text = " ".join(mtrain("finetune", "--help").split())
+    assert "Any config field can be set on the command line: --optim.lr 2e-5" in text
+    assert "--model.FIELD changes the checkpoint's config where a finetune may (moe_aux_loss_coeff," in text
+    assert "The tokenizer is data.tokenizer, else the checkpoint's" in text
