@@ -161,7 +161,7 @@ def finetune(ctx, load, loader, config_file) -> None:
     Any config field can be set on the command line: --optim.lr 2e-5 --data.seq_len 2048 (lists: a,b or [a, b];
     null for none); `mtrain config` lists them all. --model.FIELD changes the checkpoint's config where a finetune
     may (moe_aux_loss_coeff, moe_jitter_eps, max_position_embeddings, rope_theta, rope_scaling, sliding_window,
-    full_attention_layers, bos/eos/pad_token_id); shape fields are refused. The tokenizer is data.tokenizer, else
+    full_attention_layers, bos/eos/pad_token_id, dtype); shape fields are refused. The tokenizer is data.tokenizer, else
     the checkpoint's; it is copied into every checkpoint (for generate, serve, evaluate and export).
     """
     _train(config_file, ctx.args, finetune=load, loader=loader)

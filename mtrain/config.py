@@ -269,6 +269,8 @@ FINETUNE_FIELDS = {
     "bos_token_id": "special token ids (the vocabulary stays)",
     "eos_token_id": "special token ids (the vocabulary stays)",
     "pad_token_id": "special token ids (the vocabulary stays)",
+    "dtype": "the stored weights' dtype (training keeps fp32 master weights)",
+    "padded_vocab_size": "informational (a Megatron source's padding)",
 }
 
 
