@@ -3,10 +3,13 @@ TP2 PP2, inspected, resharded to TP1 PP1, converted back to Hugging Face, and ch
 with `transformers` (bit-identical weights, identical logits).
 
     python examples/demo.py [WORKDIR]
+
+Without WORKDIR it works in a temporary directory and removes it at the end; with one, the files stay there.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,7 +25,22 @@ def run(*args: str) -> None:
 
 
 def main() -> None:
-    work = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="mconvert-demo-"))
+    if len(sys.argv) > 1:
+        work = Path(sys.argv[1])
+        print(f"working in {work} (the files stay there)")
+        sys.exit(demo(work))
+    work = Path(tempfile.mkdtemp(prefix="mconvert-demo-"))
+    print(f"working in {work} (removed at the end; `python examples/demo.py WORKDIR` keeps the files)")
+    try:
+        code = demo(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"removed {work}")
+    sys.exit(code)
+
+
+def demo(work: Path) -> int:
+    """The demo's steps in `work`; 0 when the round trip gives identical logits."""
     hf = work / "hf"
     config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=352,
                                       num_attention_heads=8, num_key_value_heads=2, vocab_size=850,
@@ -45,7 +63,7 @@ def main() -> None:
     logits = [transformers.AutoModelForCausalLM.from_pretrained(p)(tokens).logits for p in (hf, work / "hf_back")]
     same = torch.equal(logits[0], logits[1])
     print(f"logits of the original and the round-tripped model are {'identical' if same else 'DIFFERENT'}")
-    sys.exit(0 if same else 1)
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

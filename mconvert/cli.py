@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import json
 import re
 import warnings
 from pathlib import Path
@@ -71,6 +72,7 @@ def _fail_cleanly(func):
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"],
                                                             "max_content_width": 110})
+@click.version_option(package_name="mconvert", prog_name="mconvert")
 @click.option("--loader", help="Source format (see `mconvert plugins`); detected from the files when omitted.")
 @click.option("--saver", help="Target format: llama_mistral, core, ... (see `mconvert plugins`).")
 @click.option("--load-dir", type=click.Path(path_type=Path), help="Source checkpoint directory (or a hub id in "
@@ -290,13 +292,19 @@ def _dtype(o: dict) -> str | None:
 @click.option("--tensors/--no-tensors", default=True, show_default=True, help="Print the table of tensors.")
 @click.option("--values/--no-values", default=True, show_default=True,
               help="Read every tensor once to report NaN and infinite values (--no-values reads no tensor data).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_fail_cleanly
-def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors: bool, values: bool) -> None:
+def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors: bool, values: bool,
+            as_json: bool) -> None:
     """Show a checkpoint's format, config, layout, size, tensors and any NaN/Inf values."""
     from mconvert.options import Options
-    from mconvert.tools.inspect import describe
+    from mconvert.tools.inspect import describe, report
 
-    click.echo(describe(path, loader, Options(true_vocab_size=true_vocab_size), tensors=tensors, values=values))
+    options = Options(true_vocab_size=true_vocab_size)
+    if as_json:
+        click.echo(json.dumps(report(path, loader, options, tensors=tensors, values=values), indent=1, default=str))
+    else:
+        click.echo(describe(path, loader, options, tensors=tensors, values=values))
 
 
 @main.command()
@@ -305,16 +313,25 @@ def inspect(path: Path, loader: str | None, true_vocab_size: int | None, tensors
 @click.option("--loader-a", help="Format of A; detected when omitted.")
 @click.option("--loader-b", help="Format of B; detected when omitted.")
 @click.option("--true-vocab-size", type=POSITIVE, help="Real vocabulary size, for padded (Megatron) checkpoints.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (tensors: null where identical).")
 @_fail_cleanly
-def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, true_vocab_size: int | None) -> None:
+def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, true_vocab_size: int | None,
+            as_json: bool) -> None:
     """Compare two checkpoints of the same model tensor by tensor (any formats, any layouts).
 
-    Exits with status 1 when a config field or a tensor differs.
+    Exits with status 1 when a config field or a tensor differs. A bos/eos/pad token id one side leaves unset
+    while its own tokenizer names the other side's value is a note, not a difference.
     """
     from mconvert.options import Options
     from mconvert.tools.inspect import compare as run
+    from mconvert.tools.inspect import comparison
 
-    text, same = run(a, b, loader_a, loader_b, Options(true_vocab_size=true_vocab_size))
+    options = Options(true_vocab_size=true_vocab_size)
+    if as_json:
+        result = comparison(a, b, loader_a, loader_b, options)
+        text, same = json.dumps(result, indent=1, default=str), result["same"]
+    else:
+        text, same = run(a, b, loader_a, loader_b, options)
     click.echo(text)
     if not same:
         raise SystemExit(1)

@@ -281,6 +281,8 @@ def end_process_group() -> None:
         # DTensor's caches (sharding decisions, redistribution plans) keep device meshes, each mesh its groups
         from torch.distributed.device_mesh import DeviceMesh
 
-        for mesh in (o for o in gc.get_objects() if isinstance(o, DeviceMesh)):
+        # issubclass(type(o), ...), not isinstance: DeviceMesh's metaclass would read `__class__` of every object,
+        # and some warn when read (torch.distributed.reduce_op: a FutureWarning at every run's end)
+        for mesh in (o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)):
             getattr(mesh, "_pg_registry", {}).clear()
         gc.collect()

@@ -7,7 +7,8 @@
         mtrain.json                   format, step, consumed samples, world size, parallel layout, model config,
                                       training config
         rng/rank_00000.pt             each rank's RNG states (torch, numpy, python)
-        tokenizer/                    the tokenizer files, when the config names a tokenizer
+        tokenizer/                    the tokenizer files the run trained with (data.tokenizer, else the
+                                      finetuned checkpoint's or the resumed run's)
 
 A checkpoint is written into `.step_0000200.partial/` and renamed into place only when every rank has
 finished and the files are synced; `latest` is then replaced through a rename as well. A crash mid-save leaves
@@ -210,8 +211,10 @@ class Checkpointer:
         self.keep_last = keep_last
 
     def save(self, state: TrainState, parts: list[nn.Module], optimizers: Optimizers, model_config: ModelConfig,
-             config: dict, tokenizer: str | None = None, layout: dict | None = None) -> Path:
-        """Write a checkpoint of every rank's shards (a collective: all ranks call it)."""
+             config: dict, tokenizer: dict[str, bytes] | None = None, layout: dict | None = None,
+             tokenizer_from: str | None = None) -> Path:
+        """Write a checkpoint of every rank's shards (a collective: all ranks call it); `tokenizer`: the tokenizer
+        files (name -> contents) the run trained with, written into it, and `tokenizer_from` where they came from."""
         name = step_name(state.step)
         final, partial = self.root / name, self.root / f".{name}.partial"
         if _rank() == 0:
@@ -230,10 +233,13 @@ class Checkpointer:
                 meta = dict(format=FORMAT, version=FORMAT_VERSION, step=state.step,
                             consumed_samples=state.consumed_samples, world_size=_world(), parallel=layout,
                             model_config=model_config.to_dict(), config=config,
-                            tokenizer="tokenizer" if tokenizer else None)
+                            tokenizer="tokenizer" if tokenizer else None,
+                            tokenizer_from=tokenizer_from if tokenizer else None)
                 _write_synced(partial / META_FILE, json.dumps(meta, indent=2))
                 if tokenizer:
-                    _copy_tokenizer(Path(tokenizer), partial / "tokenizer")
+                    (partial / "tokenizer").mkdir()
+                    for file_name, data in tokenizer.items():
+                        (partial / "tokenizer" / file_name).write_bytes(data)
                 self._commit(partial, final)
         except (OSError, CheckpointException) as e:  # a full disk, a quota: DCP wraps each rank's OSError
             if _rank() == 0:
@@ -372,10 +378,14 @@ def _write_synced(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _copy_tokenizer(source: Path, dest: Path) -> None:
-    """The tokenizer files only (a tokenizer directory may be a whole model directory), as mconvert carries them.
-    The tokenizer named by the config is the user's choice, not a checkpoint's: its links are followed (resolved
-    here), not held to the directory as `copy_assets` holds a checkpoint's files."""
-    dest.mkdir(parents=True, exist_ok=True)
-    files = {source.name: source} if source.is_file() else hf_dir.tokenizer_files(source)
-    hf_dir.copy_assets({name: path.resolve() for name, path in files.items()}, dest)
+def tokenizer_files(source: Path, where: str) -> dict[str, Path]:
+    """The tokenizer files at `source` (a file, or a directory that may be a whole model directory), as mconvert
+    carries them; an error naming `where` when there are none."""
+    if source.is_file():
+        return {source.name: source}
+    found = hf_dir.tokenizer_files(source) if source.is_dir() else {}
+    if not found:
+        what = "holds no tokenizer files" if source.exists() else "no such file or directory"
+        raise TrainError(f"{where} {source}: {what} (expected tokenizer.json, a sentencepiece .model, or a directory "
+                         "holding them)")
+    return found

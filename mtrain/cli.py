@@ -15,6 +15,7 @@ import functools
 import math
 import os
 import signal
+import time
 from pathlib import Path
 
 import click
@@ -56,6 +57,7 @@ def _fail_cleanly(func):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="mconvert", prog_name="mtrain")
 def main() -> None:
     """Pretrain and finetune transformer models built from the mconvert IR."""
 
@@ -76,10 +78,30 @@ def preprocess(input_, output_prefix, tokenizer, json_keys, append_eod, workers)
     from mtrain.data.preprocess import preprocess as run
 
     result = run(PreprocessConfig(input=input_, output_prefix=output_prefix, tokenizer=tokenizer,
-                                  json_keys=tuple(json_keys), append_eod=append_eod, workers=workers))
+                                  json_keys=tuple(json_keys), append_eod=append_eod, workers=workers),
+                 progress=_preprocess_progress())
     for key, prefix in result.prefixes.items():
         skipped = f", {result.skipped_empty[key]} empty skipped" if result.skipped_empty[key] else ""
         click.echo(f"{key}: {result.documents} documents, {result.tokens[key]:,} tokens -> {prefix}.bin/.idx{skipped}")
+
+
+def _preprocess_progress(every: float = 2.0):
+    """A progress line on stderr at most every `every` seconds (documents, tokens, MB, MB/s), and a last one when
+    there was one before (a short run prints only its summary)."""
+    start = last = time.monotonic()
+    shown = False
+
+    def report(p) -> None:
+        nonlocal last, shown
+        now = time.monotonic()
+        if (now - last < every and not p.done) or (p.done and not shown):
+            return
+        last, mb, shown = now, p.bytes_read / 1e6, True
+        click.echo(f"preprocess: {p.documents:,} documents, {p.tokens:,} tokens, {mb:.1f}/{p.total_bytes / 1e6:.1f} "
+                   f"MB ({100 * p.bytes_read // max(p.total_bytes, 1)}%), {mb / max(now - start, 1e-6):.1f} MB/s",
+                   err=True)
+
+    return report
 
 
 def _train(config_file: Path | None, overrides: list[str], finetune: Path | None = None,
@@ -134,7 +156,14 @@ def pretrain(ctx, config_file, finetune, loader) -> None:
 @click.pass_context
 @_fail_cleanly
 def finetune(ctx, load, loader, config_file) -> None:
-    """Train from a checkpoint's weights: step 0, fresh optimizer, model config from the checkpoint."""
+    """Train from a checkpoint's weights: step 0, fresh optimizer, model config from the checkpoint.
+
+    Any config field can be set on the command line: --optim.lr 2e-5 --data.seq_len 2048 (lists: a,b or [a, b];
+    null for none); `mtrain config` lists them all. --model.FIELD changes the checkpoint's config where a finetune
+    may (moe_aux_loss_coeff, moe_jitter_eps, max_position_embeddings, rope_theta, rope_scaling, sliding_window,
+    full_attention_layers, bos/eos/pad_token_id, dtype); shape fields are refused. The tokenizer is data.tokenizer, else
+    the checkpoint's; it is copied into every checkpoint (for generate, serve, evaluate and export).
+    """
     _train(config_file, ctx.args, finetune=load, loader=loader)
 
 
@@ -181,9 +210,9 @@ def _progress(label: str):
 @click.option("--split", type=click.Choice(["train", "valid", "test", "all"]), default="all", show_default=True,
               help="Which documents of each dataset.")
 @click.option("--split-weights", help="train,valid,test shares (as data.split). Default: the run's data.split "
-              "for an mtrain checkpoint, else 969,30,1.")
+              "for an mtrain checkpoint; other checkpoints need it with --split train/valid/test.")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Default: the run's data.seq_len for an mtrain "
-              "checkpoint, else the model's max_position_embeddings.")
+              "checkpoint, else data.seq_len's default (1024) or the model's max_position_embeddings if fewer.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-samples", type=click.IntRange(min=1), help="Stop after this many windows (or passages).")
 @click.option("--max-tokens", type=click.IntRange(min=1), help="Stop after about this many predicted tokens.")
@@ -200,24 +229,30 @@ def evaluate(load, loader, data, split, split_weights, seq_len, batch_size, max_
     counts when the greedy prediction of every token of that word is right (see mtrain/tasks.py).
     """
     from mtrain import inference
+    from mtrain.config import DataConfig
 
     if bool(data) == bool(lambada):
         raise click.UsageError("give --data PREFIX (loss and perplexity) or --lambada FILE (last-word accuracy)")
-    model, ir = inference.load_model(load, loader)
+    ir = inference.load_ir(load, loader)
     if lambada:
         from mtrain.tasks import last_word_accuracy, read_passages
 
         tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="the task file is text")
+        model = inference.model_of(ir)
         passages = read_passages(lambada, tok, max_samples=max_samples,
                                  max_positions=model.config.max_position_embeddings)
         r = last_word_accuracy(model, passages, batch_size=batch_size, progress=_progress("passages"))
         click.echo(f"last-word accuracy {r.accuracy:.4f} ({r.correct}/{r.total} passages of {lambada})")
         return
     run = inference.run_config(ir).get("data") or {}
+    if split != "all" and not (split_weights or run.get("split")):
+        raise click.UsageError(f"--split {split}: {load} does not record the split of the run that trained it; give "
+                               "--split-weights (that run's data.split, e.g. 969,30,1) or --split all")
+    model = inference.model_of(ir)
     if seq_len is None:
-        seq_len = run.get("seq_len") or model.config.max_position_embeddings
-        click.echo(f"sequence length {seq_len} (from {'the run' if run.get('seq_len') else 'the model'}; "
-                   "--seq-len to change)", err=True)
+        seq_len = run.get("seq_len") or min(DataConfig().seq_len, model.config.max_position_embeddings)
+        origin = "from the run" if run.get("seq_len") else "data.seq_len's default, at most the model's positions"
+        click.echo(f"sequence length {seq_len} ({origin}; --seq-len to change)", err=True)
     r = inference.evaluate(model, list(data), seq_len=seq_len, batch_size=batch_size, split=split,
                            split_weights=split_weights or run.get("split") or "969,30,1", max_samples=max_samples,
                            max_tokens=max_tokens, progress=_progress("windows"))
@@ -257,8 +292,9 @@ def generate(load, loader, tokenizer, prompts, token_ids, max_new_tokens, greedy
 
     if bool(prompts) == bool(token_ids):
         raise click.UsageError("give --prompt TEXT or --tokens IDS (either may be repeated), not both")
-    model, ir = inference.load_model(load, loader)
+    ir = inference.load_ir(load, loader)  # the tokenizer is checked before any weight is read
     tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="or give --tokens IDS" if prompts else None)
+    model = inference.model_of(ir)
     if prompts:
         ids = [tok.encode(p) for p in prompts]
     else:
@@ -319,8 +355,9 @@ def serve(load, loader, tokenizer, host, port, max_prompts, max_tokens_to_genera
                     max_request_bytes=max_request_bytes)
     check_installed()
     try:  # Ctrl-C while loading stops as quietly as Ctrl-C while serving (no "Aborted!")
-        model, ir = inference.load_model(load, loader)
-        tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="prompts are text")
+        ir = inference.load_ir(load, loader)
+        tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="prompts are text")  # before any weight
+        model = inference.model_of(ir)
     except KeyboardInterrupt:
         click.echo("stopped", err=True)
         return

@@ -137,9 +137,16 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # finetuning: the model section's fields, applied to the checkpoint's config (apply_model_changes)
+    model_changes: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The sections as from_dict reads them back: a finetune's model changes are its model section."""
+        out = dataclasses.asdict(self)
+        changes = out.pop("model_changes")
+        if changes:
+            out["model"] = changes
+        return out
 
     def replace(self, **sections: Any) -> Config:
         return dataclasses.replace(self, **sections)
@@ -260,16 +267,68 @@ def from_dict(raw: dict[str, Any]) -> Config:
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
         raise TrainError(f"unknown config section(s): {', '.join(unknown)}; valid sections: {', '.join(SECTIONS)}")
-    sections = {}
+    sections: dict[str, Any] = {}
     for name, values in raw.items():
         if values is None:
             continue
         if not isinstance(values, dict):
             raise TrainError(f"config section {name!r} must be a mapping of fields, found {shown(values)}")
-        sections[name] = build_section(SECTIONS[name], name, values)
+        if name != "model":
+            sections[name] = build_section(SECTIONS[name], name, values)
+    model = raw.get("model")
+    if model and sections.get("checkpoint", CheckpointConfig()).finetune:
+        sections["model_changes"] = model_fields(model)  # the checkpoint says the rest
+    elif model:
+        sections["model"] = build_section(ModelConfig, "model", model)
     config = Config(**sections)
     validate(config)
     return config
+
+
+# The model fields a finetune may change, and why each may: they change neither the shapes of the checkpoint's
+# weights nor what the weights mean. Every other field is the checkpoint's; a different value is refused by name.
+# (mtrain's models have no dropout, so there is no dropout field to change.)
+FINETUNE_FIELDS = {
+    "moe_aux_loss_coeff": "weight of the load-balancing loss (training only)",
+    "moe_jitter_eps": "router input jitter (training only)",
+    "max_position_embeddings": "longer or shorter sequences (rotary models only: learned positions are weights)",
+    "rope_theta": "rotary base, for context extension",
+    "rope_scaling": "rotary scaling, for context extension",
+    "sliding_window": "attention window",
+    "full_attention_layers": "layers exempt from the attention window",
+    "bos_token_id": "special token ids (the vocabulary stays)",
+    "eos_token_id": "special token ids (the vocabulary stays)",
+    "pad_token_id": "special token ids (the vocabulary stays)",
+    "dtype": "the stored weights' dtype (training keeps fp32 master weights)",
+    "padded_vocab_size": "informational (a Megatron source's padding)",
+}
+
+
+def model_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """A model section given with a checkpoint to finetune: its fields, each checked against its type."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise TrainError(f"unknown config field(s) {', '.join(f'model.{u}' for u in unknown)}; "
+                         f"valid fields of model: {', '.join(known)}")
+    hints = typing.get_type_hints(ModelConfig)
+    return {name: coerce(value, hints[name], f"model.{name}") for name, value in values.items()}
+
+
+def apply_model_changes(base: ModelConfig, changes: dict[str, Any], where: str) -> ModelConfig:
+    """The checkpoint's model config `base` with the model section's `changes`: the FINETUNE_FIELDS may differ,
+    any other field must be the checkpoint's own value (`where` names the checkpoint)."""
+    changed = {k: v for k, v in changes.items() if v != getattr(base, k)}
+    fixed = [k for k in changed if k not in FINETUNE_FIELDS
+             or (k == "max_position_embeddings" and base.position_embedding == "learned")]
+    if fixed:
+        shown = ", ".join(f"model.{k} ({getattr(base, k)!r} in the checkpoint, {changed[k]!r} given)" for k in fixed)
+        raise TrainError(f"{shown}: cannot change in a finetune of {where} (the checkpoint's weights have their "
+                         f"shapes and meaning under its values); a finetune may change {', '.join(FINETUNE_FIELDS)}")
+    try:
+        return base.replace(**changed)
+    except ConvertError as e:
+        raise TrainError(f"config section model: {e}") from None
 
 
 def build_section(cls: type, section: str, values: dict[str, Any]):

@@ -38,10 +38,20 @@ EVAL_SPLITS = (*SPLITS, "all")
 
 def load_model(path: str | Path, loader: str | None = None) -> tuple[Transformer, ModelIR]:
     """An fp32 model in eval mode holding the weights of the checkpoint at `path` (format detected)."""
-    ir = engine.load(Path(path), Options(), loader)
+    ir = load_ir(path, loader)
+    return model_of(ir), ir
+
+
+def load_ir(path: str | Path, loader: str | None = None) -> ModelIR:
+    """The checkpoint at `path` as a lazy IR: its config, tokenizer files and tensors, no weight read yet."""
+    return engine.load(Path(path), Options(), loader)
+
+
+def model_of(ir: ModelIR) -> Transformer:
+    """An fp32 model in eval mode holding the IR's weights."""
     model = build_model(ir.config, device=torch.device("cpu"))
     weights.load_full_weights(model, weights.ir_weights(ir))
-    return model.eval(), ir
+    return model.eval()
 
 
 def run_config(ir: ModelIR) -> dict[str, Any]:

@@ -33,11 +33,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from mconvert import engine
 from mconvert.errors import ConvertError
+from mconvert.io import hf_dir
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
 from mtrain import checkpoint, cpu_memory, distributed, flops, precision, run_lock, weights
-from mtrain.config import Config, check_positions, dump
+from mtrain.config import Config, apply_model_changes, check_positions, dump
 from mtrain.data.loader import RankBatches, build_splits, describe_data
 from mtrain.errors import TrainError
 from mtrain.expert_bias import ExpertBiasUpdater
@@ -105,6 +106,12 @@ class Trainer:
             if self.finished_message:
                 return  # nothing to build: run() says so
         self.model_config = model_config
+        self.tokenizer, self.tokenizer_from = self._tokenizer(resume, source)
+        if self.tokenizer:
+            self.out(f"tokenizer: {', '.join(self.tokenizer)} from {self.tokenizer_from} (copied into checkpoints)")
+        elif config.checkpoint.dir:
+            self.out("tokenizer: none (data.tokenizer is unset and the checkpoint carries none); generate and serve "
+                     "will need --tokenizer")
         check_positions(model_config, config.data.seq_len, "data.seq_len")
         dims = self.dims = ParallelDims.from_config(config.parallel, self.env.world)
         dims.check_model(model_config)
@@ -203,14 +210,29 @@ class Trainer:
             except ConvertError as e:
                 raise checkpoint.unreadable(resume, e) from None
             check_finetune_source(c, resume, meta)
-            return c.model or stored, None
+            return c.model or apply_model_changes(stored, c.model_changes, str(resume)), None
         if c.checkpoint.finetune:
             ir = engine.load(Path(c.checkpoint.finetune), Options(), c.checkpoint.loader)
-            return c.model or ir.config, ir
+            changes = c.model_changes or (c.model.to_dict() if c.model else {})  # a whole model section: the same
+            return apply_model_changes(ir.config, changes, c.checkpoint.finetune), ir
         if c.model is None:
             raise TrainError("no model: give a `model` section in the config (pretraining), or a checkpoint to "
                              "finetune from (mtrain finetune --load PATH)")
         return c.model, None
+
+    def _tokenizer(self, resume: Path | None, source: ModelIR | None) -> tuple[dict[str, bytes], str | None]:
+        """The tokenizer files the run trains with, and where they come from: data.tokenizer, else the finetuned
+        checkpoint's, else the resumed run's (held in memory: older checkpoints are deleted as the run saves)."""
+        given = self.config.data.tokenizer
+        if given:
+            files, origin = checkpoint.tokenizer_files(Path(given), "data.tokenizer"), f"data.tokenizer {given}"
+        elif source is not None and source.assets:  # a checkpoint's assets are its tokenizer files
+            files, origin = source.assets, f"the checkpoint {source.source.path}"
+        elif resume is not None and (found := hf_dir.tokenizer_files(resume / "tokenizer")):
+            files, origin = found, checkpoint.read_meta(resume).get("tokenizer_from") or f"the checkpoint {resume}"
+        else:
+            return {}, None
+        return {name: Path(path).read_bytes() for name, path in files.items()}, origin
 
     # -- one optimizer step ---------------------------------------------------------------------------------------
 
@@ -315,12 +337,13 @@ class Trainer:
         return float(norm)
 
     def _aux_loss(self) -> float | None:
-        """The mean auxiliary loss of the MoE layers at the last forward, over all layers and data ranks."""
+        """The step's auxiliary loss: the MoE layers' load-balancing losses (before moe_aux_loss_coeff), averaged
+        over the layers and every micro-batch of the global batch. The same for every layout: each (layer,
+        micro-batch) loss is counted once per rank holding it, and every one is held by tp x cp ranks."""
         if not self.model_config.is_moe:
             return None
-        losses = [m.last_aux_loss for part in self.parts for m in part.modules()
-                  if isinstance(m, moe.MoE) and m.last_aux_loss is not None]
-        stats = torch.tensor([float(sum(losses)) if losses else 0.0, float(len(losses))], dtype=torch.float64,
+        taken = [moe.take_aux_losses(part) for part in self.parts]
+        stats = torch.tensor([sum(t for t, _ in taken), float(sum(n for _, n in taken))], dtype=torch.float64,
                              device=self.env.device)
         if self.env.world > 1:
             dist.all_reduce(stats)
@@ -422,7 +445,8 @@ class Trainer:
 
     def _save(self) -> Path:
         path = self.checkpointer.save(self.state, self.parts, self.optimizer, self.model_config,
-                                      self.config.to_dict(), self.config.data.tokenizer, self.dims.to_dict())
+                                      self.config.to_dict(), self.tokenizer, self.dims.to_dict(),
+                                      self.tokenizer_from)
         self.out(f"saved checkpoint {path}")
         return path
 

@@ -114,4 +114,5 @@ def test_hub_id_from_the_local_cache(llama_dir, tmp_path):
     absent = subprocess.run([*cmd, "tiny-org/absent", "--save-dir", str(tmp_path / "core2")], env=env,
                             capture_output=True, text=True)
     assert absent.returncode == 1
-    assert "tiny-org/absent: not a local directory and not in the local Hugging Face cache" in absent.stderr
+    assert ("tiny-org/absent: no such directory, and no hub repository tiny-org/absent in the local Hugging Face "
+            "cache") in absent.stderr

@@ -274,7 +274,8 @@ REFUSALS = [
     (dict(family="qwen3", norm="layernorm", activation="gelu", num_experts=2, moe_top_k=1),
      "HF Qwen3 cannot hold this model: activation gelu (Qwen3 uses SwiGLU), layernorm (Qwen3 uses RMSNorm), no "
      "per-head q/k norms (save it as qwen2 or llama), experts (save it as qwen3_moe or mixtral)"),
-    (dict(family="llama"), "the Qwen saver cannot write a llama model; use the saver for that family"),
+    (dict(family="llama"), "the qwen_hf saver cannot write a llama model; use --saver llama_mistral (or --saver hf, "
+                          "which picks it)"),
 ]
 
 
@@ -302,7 +303,7 @@ def test_what_megatron_cannot_hold_is_refused(tmp_path):
     src = make_hf_model(tmp_path / "q2", "qwen2", seed=5)
     out = run_cli("--saver", "llama_mistral", "--load-dir", src, "--save-dir", tmp_path / "mistral",
                   expect_error=True)
-    assert "the Llama/Mistral saver cannot write a qwen2 model; use the saver for that family" in out
+    assert "the llama_mistral saver cannot write a qwen2 model; use --saver qwen_hf" in out
     assert not any((tmp_path / d).exists() for d in ("core", "legacy", "mistral"))
 
 

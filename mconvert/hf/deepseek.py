@@ -166,8 +166,9 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         raise ConvertError(f"{where}: model_type {hf.get('model_type')!r} is not a DeepSeek-V3 or V2 model (expected "
                            f"{' or '.join(map(repr, ARCHITECTURES))})")
     v2 = hf["model_type"] == V2
-    hf = (V2_DEFAULTS if v2 else DEFAULTS) | {k: v for k, v in hf.items()
-                                             if v is not None or k in ("q_lora_rank", "n_group")}
+    # an explicit null means none (no query LoRA, no groups, no such token), not transformers' default
+    kept = ("q_lora_rank", "n_group", "bos_token_id", "eos_token_id", "pad_token_id")
+    hf = (V2_DEFAULTS if v2 else DEFAULTS) | {k: v for k, v in hf.items() if v is not None or k in kept}
     if v2:
         return _v2_config(hf, where)
     unsupported = [what for what, bad in (

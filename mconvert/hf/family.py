@@ -34,7 +34,7 @@ from mconvert.ir.tensors import LazyTensor, ModelIR, SourceInfo
 from mconvert.lazy import torch
 from mconvert.options import Options
 from mconvert.progress import Progress
-from mconvert.registry import register_loader, register_saver
+from mconvert.registry import register_loader, register_saver, savers
 from mconvert.rules import fp8 as mfp8
 from mconvert.rules.mapping import check_plan, expand, from_ir, take_copies, to_ir, verify_copies
 from mconvert.rules.row_plan import RowPlanner
@@ -207,6 +207,15 @@ def register_family(family: HFFamily) -> HFFamily:
 def family_of(model_type: str | None) -> HFFamily | None:
     """The family that reads config.json's `model_type` (which is also the IR family it writes)."""
     return next((f for f in FAMILIES.values() if model_type in f.model_types), None)
+
+
+def not_my_family(saver: str, family: str) -> ConvertError:
+    """The error of a family's saver given another family's model: it names the saver that writes that family."""
+    savers()  # every family registered, not only those imported so far
+    owner = family_of(family)
+    hint = (f"use --saver {owner.name} (or --saver hf, which picks it)" if owner
+            else f"no Hugging Face saver writes {family} models (`mconvert plugins` lists the savers)")
+    return ConvertError(f"the {saver} saver cannot write a {family} model; {hint}")
 
 
 def model_types() -> list[str]:

@@ -14,7 +14,7 @@ from typing import Any
 from mconvert.errors import ConvertError
 from mconvert.hf import meta_llama
 from mconvert.hf.config import parse, rope_decoder_config, rope_decoder_fields
-from mconvert.hf.family import HFFamily, load_hf, register_family, save_hf
+from mconvert.hf.family import HFFamily, load_hf, not_my_family, register_family, save_hf
 from mconvert.io import hf_dir
 from mconvert.io.torch_pickle import safe_load
 from mconvert.ir import sizes
@@ -76,7 +76,7 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     if c.family not in MODEL_TYPES:
-        raise ConvertError(f"the Llama/Mistral saver cannot write a {c.family} model; use the saver for that family")
+        raise not_my_family("llama_mistral", c.family)
     unsupported = [what for what, bad in (
         (f"activation {c.activation} (Llama and Mistral use SwiGLU)", c.activation != "swiglu"),
         (f"{c.norm} (they use RMSNorm)", c.norm != "rmsnorm"),

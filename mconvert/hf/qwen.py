@@ -27,7 +27,7 @@ from typing import Any
 
 from mconvert.errors import ConvertError
 from mconvert.hf.config import parse, rope_decoder_config, rope_decoder_fields
-from mconvert.hf.family import HFFamily, load_hf, register_family, save_hf
+from mconvert.hf.family import HFFamily, load_hf, not_my_family, register_family, save_hf
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
@@ -160,7 +160,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     """A Qwen config.json for the IR config (its family picks Qwen2, Qwen3 or Qwen3-MoE); refuses what that
     model class cannot compute."""
     if c.family not in ARCHITECTURES:
-        raise ConvertError(f"the Qwen saver cannot write a {c.family} model; use the saver for that family")
+        raise not_my_family("qwen_hf", c.family)
     name = ARCHITECTURES[c.family].removesuffix("ForCausalLM")
     qwen2, moe = c.family == "qwen2", c.family == "qwen3_moe"
     unsupported = [what for what, bad in (

@@ -39,7 +39,8 @@ def resolve(path: Path | str) -> Path:
     if p.is_dir():
         return p
     text = str(path)
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not p.exists():
+    # `org/name` may be a hub id, unless it is plainly a local path (its folder exists here)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not p.exists() and not p.parent.is_dir():
         try:
             from huggingface_hub import snapshot_download
         except ImportError:
@@ -48,8 +49,9 @@ def resolve(path: Path | str) -> Path:
         try:
             return Path(snapshot_download(text, local_files_only=True))
         except Exception as e:
-            raise ConvertError(f"{text}: not a local directory and not in the local Hugging Face cache "
-                               f"({type(e).__name__}); download it first (huggingface-cli download {text})") from None
+            raise ConvertError(f"{text}: no such directory, and no hub repository {text} in the local Hugging Face "
+                               f"cache ({type(e).__name__}); if it is a hub id, download it first: hf download {text}"
+                               ) from None
     raise ConvertError(f"{path}: no such directory")
 
 

@@ -104,7 +104,7 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
         if len(pieces) == 1 and row.rule.join is IDENTITY:
             out[row.ir[0]] = pieces[0]  # stored as is: no copy, no cache
             continue
-        origin = pieces[0].origin if len(pieces) == 1 else f"{pieces[0].origin} (+{len(pieces) - 1} TP pieces)"
+        origin = _origin(pieces, row.rule.shard is REPLICATE)
         moves_rows = planner.moves_rows(row.rule, "backward", [p.shape for p in pieces])
         for i, name in enumerate(row.ir):
 
@@ -120,6 +120,14 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
                                    fp8_block=pieces[0].fp8_block if kept else None)  # rows moved within a block
     order = {name: i for i, name in enumerate(want_shapes)}  # canonical IR order, whatever the file order
     return dict(sorted(out.items(), key=lambda item: order.get(item[0], len(order))))
+
+
+def _origin(pieces: Sequence[LazyTensor], replicated: bool) -> str:
+    """Where an IR tensor comes from: its first piece, and how many more there are (copies of it when the tensor
+    is replicated across tensor-parallel ranks, parts of it when it is sharded)."""
+    if len(pieces) == 1:
+        return pieces[0].origin
+    return f"{pieces[0].origin} (+{len(pieces) - 1} {'TP copies' if replicated else 'TP pieces'})"
 
 
 def _check_floating(source: dict[str, Sequence[LazyTensor]], rows: list[Row], where: str) -> None:

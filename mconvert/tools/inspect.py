@@ -3,72 +3,108 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from mconvert import engine
+from mconvert.io import hf_dir
 from mconvert.ir.tensors import ModelIR
 from mconvert.lazy import torch
 from mconvert.options import Options
 from mconvert.progress import human_bytes
 from mconvert.tools import finite
 
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
-def describe(path: Path, loader: str | None, options: Options, *, tensors: bool = True, values: bool = True) -> str:
-    """The report `mconvert inspect` prints. With `values`, every tensor is read once (one at a time) to count
-    NaN and infinite values: conversion carries them, so inspect is where they show."""
+
+def report(path: Path, loader: str | None, options: Options, *, tensors: bool = True,
+           values: bool = True) -> dict[str, Any]:
+    """What `mconvert inspect` shows, as plain data (`--json` prints it as is). With `values`, every tensor is
+    read once (one at a time) to count NaN and infinite values: conversion carries them, so inspect is where they
+    show."""
     plugin = engine.resolve_loader(loader, path)
     ir = engine.load(path, options, plugin.name)
     src, c = ir.source, ir.config
-    lines = [
-        f"path:        {src.path}",
-        f"format:      {src.format} (loader {plugin.name})",
-    ]
-    if src.layout:
-        lines.append("layout:      " + ", ".join(f"{k}={v}" for k, v in src.layout.items()))
-    if src.iteration is not None:
-        lines.append(f"iteration:   {src.iteration}")
-    lines += [
-        f"parameters:  {ir.num_params:,} ({human_bytes(ir.nbytes)} as {c.dtype})",
-        f"tokenizer:   {', '.join(sorted(ir.assets)) or 'none found'}",
-        "config:",
-        *(f"  {k + ' ':<26}{v}" for k, v in c.to_dict().items()),
-    ]
-    lines += [f"note: {n}" for n in src.notes]
-    bad = {name: found for name, t in ir if (found := finite.describe(finite.count(t))) is not None} if values else {}
+    out: dict[str, Any] = {
+        "path": str(src.path), "format": src.format, "loader": plugin.name, "layout": dict(src.layout or {}),
+        "iteration": src.iteration, "parameters": ir.num_params, "bytes": ir.nbytes, "dtype": c.dtype,
+        "tokenizer": sorted(ir.assets), "config": c.to_dict(), "notes": list(src.notes),
+        "tensor_count": len(ir.tensors),
+    }
     if values:
-        lines.append("values:      " + (f"non-finite values in {len(bad)} of {len(ir.tensors)} tensors: "
+        out["non_finite"] = {name: found for name, t in ir if (found := finite.describe(finite.count(t))) is not None}
+    if tensors:
+        out["tensors"] = [{"name": name, "shape": list(t.shape), "dtype": t.dtype_name, "origin": t.origin}
+                          for name, t in ir]
+    return out
+
+
+def describe(path: Path, loader: str | None, options: Options, *, tensors: bool = True, values: bool = True) -> str:
+    """The report `mconvert inspect` prints."""
+    r = report(path, loader, options, tensors=tensors, values=values)
+    lines = [f"path:        {r['path']}", f"format:      {r['format']} (loader {r['loader']})"]
+    if r["layout"]:
+        lines.append("layout:      " + ", ".join(f"{k}={v}" for k, v in r["layout"].items()))
+    if r["iteration"] is not None:
+        lines.append(f"iteration:   {r['iteration']}")
+    lines += [
+        f"parameters:  {r['parameters']:,} ({human_bytes(r['bytes'])} as {r['dtype']})",
+        f"tokenizer:   {', '.join(r['tokenizer']) or 'none found'}",
+        "config:",
+        *(f"  {k + ' ':<26}{v}" for k, v in r["config"].items()),
+    ]
+    lines += [f"note: {n}" for n in r["notes"]]
+    bad = r.get("non_finite", {})
+    if values:
+        lines.append("values:      " + (f"non-finite values in {len(bad)} of {r['tensor_count']} tensors: "
                                         + ", ".join(f"{n} ({v})" for n, v in list(bad.items())[:8])
                                         + (" …" if len(bad) > 8 else "") if bad else "all finite"))
     if tensors:
-        width = max(len(n) for n in ir.tensors)
-        lines.append(f"tensors ({len(ir.tensors)}):")
-        for name, t in ir:
-            flag = f"  [{bad[name]}]" if name in bad else ""
-            lines.append(f"  {name:<{width}}  {str(list(t.shape)):<16} {t.dtype_name:<9} {t.origin}{flag}")
+        width = max(len(t["name"]) for t in r["tensors"])
+        lines.append(f"tensors ({len(r['tensors'])}):")
+        for t in r["tensors"]:
+            flag = f"  [{bad[t['name']]}]" if t["name"] in bad else ""
+            lines.append(f"  {t['name']:<{width}}  {str(t['shape']):<16} {t['dtype']:<9} {t['origin']}{flag}")
     return "\n".join(lines)
+
+
+def comparison(a: Path, b: Path, loader_a: str | None, loader_b: str | None, options: Options) -> dict[str, Any]:
+    """Config differences and, tensor by tensor, whether A and B are bit-identical, as plain data (`--json`).
+
+    A bos/eos/pad id one side leaves unset and the other holds is no difference when it is what the unset side's
+    own tokenizer names (an HF saver fills config.json from tokenizer_config.json): it is reported as a note."""
+    ir_a = engine.load(a, options, loader_a)
+    ir_b = engine.load(b, options, loader_b)
+    out: dict[str, Any] = {"a": {"path": str(a), "format": ir_a.source.format},
+                           "b": {"path": str(b), "format": ir_b.source.format},
+                           "config": [], "notes": [], "tensors": {}}
+    da, db = ir_a.config.to_dict(), ir_b.config.to_dict()
+    named = {"A": hf_dir.special_token_ids(ir_a.assets), "B": hf_dir.special_token_ids(ir_b.assets)}
+    for key in da:  # every field counts, also one side None (padded_vocab_size only describes a source's layout)
+        if da[key] == db[key] or key == "padded_vocab_size":
+            continue
+        unset, value = ("A", db[key]) if da[key] is None else ("B", da[key]) if db[key] is None else (None, None)
+        if key in TOKEN_IDS and unset and named[unset].get(key) == value:
+            out["notes"].append(f"config {key}: {unset}'s config leaves it unset and its tokenizer names {value}, "
+                                f"the value {'B' if unset == 'A' else 'A'} holds")
+        else:
+            out["config"].append({"field": key, "a": da[key], "b": db[key]})
+    for name in dict.fromkeys([*ir_a.tensors, *ir_b.tensors]):
+        out["tensors"][name] = _compare_tensor(ir_a, ir_b, name)
+    out["identical"] = sum(v is None for v in out["tensors"].values())
+    out["same"] = not out["config"] and out["identical"] == len(out["tensors"])
+    return out
 
 
 def compare(a: Path, b: Path, loader_a: str | None, loader_b: str | None, options: Options) -> tuple[str, bool]:
     """Report config differences and, tensor by tensor, whether A and B are bit-identical."""
-    ir_a = engine.load(a, options, loader_a)
-    ir_b = engine.load(b, options, loader_b)
-    lines = [f"A: {a} ({ir_a.source.format})", f"B: {b} ({ir_b.source.format})"]
-    same = True
-    da, db = ir_a.config.to_dict(), ir_b.config.to_dict()
-    for key in da:  # every field counts, also one side None (padded_vocab_size only describes a source's layout)
-        if da[key] != db[key] and key != "padded_vocab_size":
-            lines.append(f"config {key}: A={da[key]!r} B={db[key]!r}")
-            same = False
-    names = list(dict.fromkeys([*ir_a.tensors, *ir_b.tensors]))
-    equal = 0
-    for name in names:
-        verdict = _compare_tensor(ir_a, ir_b, name)
-        if verdict is None:
-            equal += 1
-        else:
-            same = False
-            lines.append(f"{name}: {verdict}")
-    lines.append(f"{equal}/{len(names)} tensors bit-identical" + ("" if same else "; checkpoints differ"))
-    return "\n".join(lines), same
+    r = comparison(a, b, loader_a, loader_b, options)
+    lines = [f"A: {a} ({r['a']['format']})", f"B: {b} ({r['b']['format']})"]
+    lines += [f"config {d['field']}: A={d['a']!r} B={d['b']!r}" for d in r["config"]]
+    lines += [f"{name}: {verdict}" for name, verdict in r["tensors"].items() if verdict is not None]
+    lines += [f"note: {n}" for n in r["notes"]]
+    lines.append(f"{r['identical']}/{len(r['tensors'])} tensors bit-identical"
+                 + ("" if r["same"] else "; checkpoints differ"))
+    return "\n".join(lines), r["same"]
 
 
 def _compare_tensor(ir_a: ModelIR, ir_b: ModelIR, name: str) -> str | None:

@@ -17,7 +17,7 @@ import concurrent.futures
 import itertools
 import json
 import multiprocessing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,20 @@ class PreprocessConfig:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """How far a preprocess run is: documents and tokens written, bytes of the input done (of `total_bytes`)."""
+
+    documents: int
+    tokens: int
+    bytes_read: int
+    total_bytes: int
+    done: bool = False
+
+
+PROGRESS_EVERY = 1000  # documents between progress reports (and one at the end)
+
+
+@dataclass(frozen=True)
 class PreprocessResult:
     prefixes: dict[str, str]  # json key -> dataset prefix
     documents: int
@@ -54,8 +68,9 @@ def _init_worker(tokenizer_path: str, keys: tuple[str, ...], append_eod: bool, e
                          where=where)
 
 
-def _encode(item: tuple[int, str]) -> dict[str, list[int]]:
-    number, line = item
+def _encode(item: tuple[int, str, int]) -> tuple[int, dict[str, list[int]]]:
+    """(the line's bytes, its token ids by key)."""
+    number, line, size = item
     s = _worker_state
     try:
         record = json.loads(line)
@@ -75,26 +90,33 @@ def _encode(item: tuple[int, str]) -> dict[str, list[int]]:
         if ids and s["append_eod"]:
             ids.append(s["eod"])
         out[key] = ids
-    return out
+    return size, out
 
 
-def _encode_chunk(items: list[tuple[int, str]]) -> list[dict[str, list[int]]]:
+def _encode_chunk(items: list[tuple[int, str, int]]) -> list[tuple[int, dict[str, list[int]]]]:
     return [_encode(item) for item in items]
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
+def _lines(path: Path) -> Iterator[tuple[int, str, int]]:
+    """The non-blank lines of `path` with their numbers and sizes in bytes (the blank lines before one included)."""
+    size = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
+            size += len(raw)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise TrainError(f"{path}, line {number}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
                                  f"{e.start + 1}); JSON lines are UTF-8") from None
             if line.strip():
-                yield number, line
+                yield number, line, size
+                size = 0
 
 
-def preprocess(cfg: PreprocessConfig, tokenizer: Tokenizer | None = None) -> PreprocessResult:
+def preprocess(cfg: PreprocessConfig, tokenizer: Tokenizer | None = None,
+               progress: Callable[[Progress], None] | None = None) -> PreprocessResult:
+    """Tokenize cfg.input into one indexed dataset per JSON key; `progress` is called every PROGRESS_EVERY documents
+    and once at the end."""
     if not cfg.input.is_file():
         raise TrainError(f"input file {cfg.input} not found (expected JSON lines, one document per line)")
     if cfg.workers < 1:
@@ -110,17 +132,27 @@ def preprocess(cfg: PreprocessConfig, tokenizer: Tokenizer | None = None) -> Pre
     skipped = dict.fromkeys(cfg.json_keys, 0)
     documents = 0
     init_args = (str(cfg.tokenizer), cfg.json_keys, cfg.append_eod, tokenizer.eod_id, str(cfg.input))
+    read, total = 0, cfg.input.stat().st_size
+
+    def report(done: bool = False) -> None:
+        if progress is not None:
+            progress(Progress(documents, sum(tokens.values()), total if done else read, total, done))
+
     try:
-        for doc in _encoded(cfg, init_args):
+        for size, doc in _encoded(cfg, init_args):
             documents += 1
+            read += size
             for key, ids in doc.items():
                 if not ids:
                     skipped[key] += 1  # Megatron's indices cannot hold an empty sequence usefully
                     continue
                 writers[key].add_document(ids)
                 tokens[key] += len(ids)
+            if documents % PROGRESS_EVERY == 0:
+                report()
         for w in writers.values():
             w.finalize()
+        report(done=True)
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -128,7 +160,7 @@ def preprocess(cfg: PreprocessConfig, tokenizer: Tokenizer | None = None) -> Pre
     return PreprocessResult(prefixes, documents, tokens, skipped)
 
 
-def _encoded(cfg: PreprocessConfig, init_args: tuple) -> Iterator[dict[str, list[int]]]:
+def _encoded(cfg: PreprocessConfig, init_args: tuple) -> Iterator[tuple[int, dict[str, list[int]]]]:
     if cfg.workers == 1:
         _init_worker(*init_args)
         yield from map(_encode, _lines(cfg.input))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mconvert.io import hf_dir
 from mtrain.errors import TrainError
 
 
@@ -59,6 +60,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return _tokenizers(path, path.parent)
     if path.is_dir() and (path / "tokenizer.model").is_file() and not (path / "tokenizer_config.json").is_file():
         return _sentencepiece(path / "tokenizer.model")
+    if path.is_dir() and not hf_dir.tokenizer_files(path):
+        raise TrainError(f"{path}: holds no tokenizer files (expected tokenizer.json, tokenizer_config.json with its "
+                         "vocabulary files, or a sentencepiece tokenizer.model)")
     if path.is_dir():
         return _auto(path)
     raise TrainError(f"{path}: not a tokenizer (expected tokenizer.json, a tokenizer directory or a .model file)")

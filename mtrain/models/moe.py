@@ -129,7 +129,9 @@ class MoE(nn.Module):
         # gradient-accumulation factor through `aux_loss_scale` (see set_aux_loss_scale).
         self.aux_coeff = (c.moe_aux_loss_coeff or 0.0) / c.num_moe_layers
         self.aux_loss_scale = 1.0
-        self.last_aux_loss: torch.Tensor | None = None  # for logging: this layer's loss at the last forward
+        # for logging: this layer's losses summed over the training forwards since take_aux_losses, and their count
+        self.aux_sum: torch.Tensor | None = None
+        self.aux_count = 0
         self.capacity_factor: float | None = None  # None: dropless
         self.dispatch: Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor] = run_experts
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None  # context parallel
@@ -178,7 +180,9 @@ class MoE(nn.Module):
             out = out + self.shared(x.reshape(B, T, h))
 
         aux = load_balancing_loss(probs, top_idx, self.num_experts, self.reduce_stats)
-        self.last_aux_loss = aux.detach()
+        if self.training and torch.is_grad_enabled() and self.count_loads:
+            self.aux_sum = aux.detach() if self.aux_sum is None else self.aux_sum + aux.detach()
+            self.aux_count += 1
         if self.training and self.aux_coeff > 0 and torch.is_grad_enabled():
             out = AddLossGradient.apply(out, aux, self.aux_coeff * self.aux_loss_scale)
         return out
@@ -211,6 +215,19 @@ class MoE(nn.Module):
         if self.norm_topk:
             top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
         return scores / scores.sum(dim=-1, keepdim=True), top_w * self.scaling, top_idx
+
+
+def take_aux_losses(model: nn.Module) -> tuple[float, int]:
+    """(the sum of the MoE layers' auxiliary losses over the training forwards since the last call, how many) of
+    `model`, and start counting again. A micro-batch's loss is the same whatever the layout (its statistics are the
+    whole micro-batch's), so the mean over a step's micro-batches and layers is too; full recomputation runs every
+    forward twice, which doubles sum and count alike."""
+    total, count = 0.0, 0
+    for m in model.modules():
+        if isinstance(m, MoE) and m.aux_sum is not None:
+            total, count = total + float(m.aux_sum), count + m.aux_count
+            m.aux_sum, m.aux_count = None, 0
+    return total, count
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

@@ -15,7 +15,7 @@ loss on those tokens; FSDP averages gradients over "dp_cp", which makes the glob
 from __future__ import annotations
 
 import torch
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -53,7 +53,25 @@ def apply_context_parallel(part: Transformer, cp_mesh: DeviceMesh) -> None:
         # the softmax scale the attention chose (MLA with YaRN, Gemma) and its soft-capping
         block.attn.core.scale, block.attn.core.softcap = core.scale, core.softcap
         if isinstance(getattr(block, "moe", None), MoE):
-            block.moe.reduce_stats = lambda stats, group=group: dist_fn.all_reduce(stats, group=group)
+            block.moe.reduce_stats = lambda stats, group=group: AllReduceSum.apply(stats, group)
+
+
+class AllReduceSum(torch.autograd.Function):
+    """The sum over the ranks of `group`, differentiable: every rank's loss depends on the sum, so a rank's input
+    gets the sum of all ranks' gradients (torch.distributed.nn's all_reduce, which PyTorch deprecates)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def split_sequence(tokens: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:

@@ -109,15 +109,13 @@ class ParallelDims:
                                  f"to be a multiple of {rounds} (rounds of parallel.pp {self.pp}); use a multiple "
                                  f"of {self.pp}")
 
-    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+    def build_mesh(self, device_type: str) -> Mesh | None:
         """The device mesh with the flattened dims of the module docstring (None for one process)."""
         if self.world == 1:
             return None
         sizes = (self.pp, self.edp, self.ep, self.cp, self.tp)
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
-        for name, dims in FLAT_DIMS.items():
-            mesh[dims]._flatten(name)
-        return mesh
+        return Mesh(mesh, {name: mesh[dims]._flatten(name) for name, dims in FLAT_DIMS.items()})
 
     def describe(self) -> str:
         parts = [f"DP{self.dp}"]
@@ -145,13 +143,30 @@ class Coords:
     ep: int = 0
 
     @classmethod
-    def of(cls, mesh: DeviceMesh | None) -> Coords:
+    def of(cls, mesh: Mesh | None) -> Coords:
         if mesh is None:
             return cls()
         return cls(**{name: mesh[name].get_local_rank() for name in ("pp", "dp", "cp", "tp", "ep")})
 
 
-def group(mesh: DeviceMesh | None, name: str) -> dist.ProcessGroup | None:
+class Mesh:
+    """The run's device mesh: `mesh["tp"]`, `mesh["ep", "tp"]` slice the root mesh, `mesh["dp_cp"]` (a FLAT_DIMS
+    name) is the mesh `_flatten` made. PyTorch deprecates slicing a flattened dim from the root (a UserWarning on
+    every rank), so the flattened meshes are kept here."""
+
+    def __init__(self, root: DeviceMesh, flat: dict[str, DeviceMesh]):
+        self.root, self.flat = root, flat
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(names, str) and names in self.flat:
+            return self.flat[names]
+        return self.root[names]
+
+    def __getattr__(self, name: str):  # the rest (e.g. `.mesh`, the rank tensor) is the root mesh's
+        return getattr(self.root, name)
+
+
+def group(mesh: Mesh | None, name: str) -> dist.ProcessGroup | None:
     """The process group of one mesh dimension, None when it has a single rank."""
     if mesh is None or mesh[name].size() == 1:
         return None

@@ -82,7 +82,12 @@ def test_sequence_length_from_the_checkpoint_and_refused_beyond_its_positions(hf
     assert "sequence length 32 (from the run; --seq-len to change)" in r.stderr  # the run's data.seq_len
     assert "| 2 samples of 32 tokens" in r.stdout
     r = mtrain("evaluate", "--load", hf, "--data", corpus, "--max-samples", "1")
-    assert "sequence length 256 (from the model; --seq-len to change)" in r.stderr
+    # data.seq_len's default (1024), cut to the model's 256 positions: not a 32k window for a long-context model
+    assert "sequence length 256 (data.seq_len's default, at most the model's positions; --seq-len to change)" \
+        in r.stderr
+    out = mtrain("evaluate", "--load", hf, "--data", corpus, "--split", "valid", ok=False).output
+    assert "--split valid: " in out and "does not record the split of the run that trained it; give " \
+        "--split-weights" in out  # rather than guess a valid split other than the run's
     for load, positions in ((hf, 256), (tmp_path / "run", 64)):  # rotary positions are refused too
         out = mtrain("evaluate", "--load", load, "--data", corpus, "--seq-len", str(positions + 1), ok=False).output
         assert (f"Error: --seq-len {positions + 1} is longer than the model's {positions} positions "

@@ -11,7 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def launch(spec: list[dict], tmp_path: Path, nproc: int = 2, name: str = "spec") -> None:
+def launch(spec: list[dict], tmp_path: Path, nproc: int = 2, name: str = "spec") -> subprocess.CompletedProcess:
+    """Run the scenarios; returns the finished torchrun (its stdout and stderr as text)."""
     spec_file = tmp_path / f"{name}.json"
     spec_file.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
@@ -20,6 +21,7 @@ def launch(spec: list[dict], tmp_path: Path, nproc: int = 2, name: str = "spec")
                            str(nproc), str(ROOT / "tests/support/scripts/dist_driver.py"), str(spec_file)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return proc
 
 
 def with_sections(raw: dict, **sections) -> dict:
