@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 
 from mconvert.ir.dtypes import DType
 
-Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2"]
+Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2",
+                 "gpt_oss"]
 Norm = Literal["rmsnorm", "layernorm"]
-Activation = Literal["swiglu", "gelu_tanh", "gelu"]
+Activation = Literal["swiglu", "gelu_tanh", "gelu", "quick_geglu"]
 PositionEmbedding = Literal["rope", "learned"]
 RouterScore = Literal["softmax", "sigmoid"]
 
@@ -101,6 +102,11 @@ class ModelConfig:
     moe_router_group_topk: int | None = None  # ... this many groups (best top-2 sums)
     moe_router_scaling_factor: float = 1.0  # the routed experts' weights are scaled by it
     mtp_layers: int = 0  # multi-token-prediction modules after the last layer
+    # GPT-OSS (see mconvert/ir/features.py): per-head attention sinks, a router bias, a clamped, offset GLU
+    attention_sinks: bool = False  # one learned logit per head joins each softmax (layers.{L}.attn.sinks)
+    moe_router_bias: bool = False  # the router's linear has a bias (added to the logits: chooses and weighs)
+    glu_linear_offset: float = 0.0  # the gated unit is act(gate) * (up + offset)
+    activation_clamp: float | None = None  # gate clamped above at it, up to [-it, it], before the gated unit
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -157,7 +163,7 @@ class ModelConfig:
 
     @property
     def gated(self) -> bool:
-        return self.activation == "swiglu"
+        return self.activation in ("swiglu", "quick_geglu")
 
     @property
     def is_moe(self) -> bool:

@@ -27,6 +27,13 @@ mscale(f, mscale_all_dim)` when both are non-zero, else `mscale(f, 1)`; and with
 multiplied by `mscale(f, mscale_all_dim)**2` when mscale_all_dim is non-zero; `mscale(f, m) = 0.1 * m * ln(f) + 1`
 (1 when f <= 1).
 
+GPT-OSS: attention sinks (`attention_sinks`, `layers.{L}.attn.sinks` [nh]): each head's softmax over the scores
+gets one more logit, the sink, whose probability is dropped: p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k)) (Megatron
+`softmax_type="learnable"`, its `softmax_offset`). A router bias (`moe_router_bias`) is added to the router's
+logits before top-k (it chooses and weighs, unlike DeepSeek's expert bias). `activation = "quick_geglu"`: the gated
+unit is g * sigmoid(1.702 g) * (u + glu_linear_offset), where with `activation_clamp` = c, g = min(gate, c) and
+u = clamp(up, -c, c) (Megatron `--quick-geglu`, `glu_linear_offset`, `activation_func_clamp_value`).
+
 Multi-token prediction (MTP) module i (0-based) predicts one token further than module i-1 (the main model for
 i = 0): h = layer(eh_proj([enorm(embed(next tokens)) | hnorm(h_prev)])), logits = lm_head(final_norm(h)), where
 h_prev is module i-1's h (the main model's output after its final norm for i = 0), as Megatron and transformers'
@@ -56,7 +63,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def check_config(c: ModelConfig) -> None:
     """Refuse DeepSeek fields that contradict each other or the rest of the config (one error, every problem).
     Each value is in its own range already (mconvert.ir.checks runs first)."""
-    problems = _mla_problems(c) + _routing_problems(c)
+    problems = _mla_problems(c) + _routing_problems(c) + _gpt_oss_problems(c)
     if problems:
         raise ConvertError("inconsistent config: " + "; ".join(problems))
 
@@ -81,6 +88,18 @@ def _mla_problems(c: ModelConfig) -> list[str]:
     if c.qk_norm:
         problems.append("qk_norm (per-head q/k norms) with multi-latent attention, which normalizes its latents "
                         "instead (q_norm, kv_norm)")
+    return problems
+
+
+def _gpt_oss_problems(c: ModelConfig) -> list[str]:
+    problems = []
+    if (c.activation_clamp is not None or c.glu_linear_offset != 0.0) and not c.gated:
+        problems.append(f"activation_clamp and glu_linear_offset describe a gated unit; activation {c.activation} "
+                        "has no gate")
+    if c.moe_router_bias and not c.is_moe:
+        problems.append("moe_router_bias describes mixture-of-experts models; this one has no experts")
+    if c.attention_sinks and c.is_mla:
+        problems.append("attention sinks with multi-latent attention")
     return problems
 
 
@@ -134,6 +153,11 @@ FEATURES: dict[str, tuple[Callable[[ModelConfig], str], Callable[[ModelConfig], 
                        lambda c: c.moe_router_scaling_factor != 1.0),
     "mtp": (lambda c: f"{c.mtp_layers} multi-token-prediction module(s) (--skip-mtp leaves them out)",
             lambda c: bool(c.mtp_layers)),
+    "attention_sinks": (lambda c: "attention sinks (a learned logit per head)", lambda c: c.attention_sinks),
+    "router_bias": (lambda c: "a router bias", lambda c: c.moe_router_bias),
+    "expert_bias": (lambda c: "expert biases", lambda c: c.is_moe and c.mlp_bias),
+    "clamped_glu": (lambda c: f"a gated unit clamped at {c.activation_clamp} with up offset by {c.glu_linear_offset}",
+                    lambda c: c.activation_clamp is not None or c.glu_linear_offset != 0.0),
 }
 
 

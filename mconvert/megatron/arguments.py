@@ -129,7 +129,10 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
     unsupported = [f"{name}={get(name)!r}" for name, applies, ok in _SETTINGS
                    if (moe or not applies) and not ok(get(name))]
     position = get("position_embedding_type", "learned_absolute")
-    if position not in ("rope", "learned_absolute"):
+    softmax = get("softmax_type", "vanilla")
+    if softmax not in ("vanilla", "learnable"):
+        unsupported.append(f"softmax_type={softmax!r}")
+    if position not in ("rope", "learned_absolute", "yarn"):
         unsupported.append(f"position_embedding_type={position!r}")
     if unsupported:
         raise ConvertError(f"{where}: Megatron settings that change what the model computes and that mconvert "
@@ -137,7 +140,7 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
                            "different model")
     plain = _fields_from_args(args, where)
     hidden, heads, layers = plain["hidden_size"], plain["num_attention_heads"], plain["num_layers"]
-    rope = position == "rope"
+    rope = position in ("rope", "yarn")
     experts = get("num_experts")
     window = get("window_size")
     sliding_window = int(window[0]) + 1 if window and int(window[0]) >= 0 else None  # see args_from_config
@@ -146,9 +149,9 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
     qkv_bias_only = bool(get("add_qkv_bias", False)) and not get("add_bias_linear", True)
     mla = bool(get("multi_latent_attention"))
     fields = dict(
-        family=_family(moe=bool(experts), mla=mla, sigmoid=get("moe_router_score_function") == "sigmoid",
-                       qk_norm=bool(get("qk_layernorm")), qkv_bias_only=qkv_bias_only, window=bool(sliding_window),
-                       rope=rope),
+        family="gpt_oss" if softmax == "learnable" else _family(
+            moe=bool(experts), mla=mla, sigmoid=get("moe_router_score_function") == "sigmoid",
+            qk_norm=bool(get("qk_layernorm")), qkv_bias_only=qkv_bias_only, window=bool(sliding_window), rope=rope),
         ffn_hidden_size=int(ffn),
         moe_ffn_hidden_size=int(get("moe_ffn_hidden_size", ffn)) if experts else None,
         dense_layers=dense,
@@ -160,14 +163,21 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
         padded_vocab_size=padded_vocab_size,
         norm="rmsnorm" if get("normalization", "LayerNorm") == "RMSNorm" else "layernorm",
         # Megatron's fused bias-GELU (bias_gelu_fusion, on by default with biases) computes the tanh approximation
-        activation="swiglu" if get("swiglu") else "gelu_tanh" if get("openai_gelu") or (
+        activation="quick_geglu" if get("quick_geglu") else "swiglu" if get("swiglu") else "gelu_tanh" if get(
+            "openai_gelu") or (
             get("bias_gelu_fusion") and get("add_bias_linear", True)) else "gelu",
         position_embedding="rope" if rope else "learned",
-        rope_scaling=LLAMA3_SCALING | {"factor": float(get("rope_scaling_factor", 8.0))}
-        if get("use_rope_scaling") else None,
+        rope_scaling=_yarn_from_args(get) if position == "yarn" else LLAMA3_SCALING | {
+            "factor": float(get("rope_scaling_factor", 8.0))} if get("use_rope_scaling") else None,
         qkv_bias=bool(get("add_bias_linear", True) or get("add_qkv_bias", False)),
         proj_bias=bool(get("add_bias_linear", True)),
         mlp_bias=bool(get("add_bias_linear", True)),
+        # GPT-OSS: the learnable softmax offset is the attention sink; the router takes add_bias_linear too
+        attention_sinks=softmax == "learnable",
+        moe_router_bias=bool(experts) and bool(get("add_bias_linear", True)),
+        glu_linear_offset=float(get("glu_linear_offset", 0.0)),
+        activation_clamp=None if get("activation_func_clamp_value") is None
+        else float(get("activation_func_clamp_value")),
         tie_embeddings=not get("untie_embeddings_and_output_weights", False),
         sliding_window=sliding_window,
         full_attention_layers=_full_attention_layers(get("window_attn_skip_freq"), layers, where),
@@ -218,6 +228,40 @@ def _family(*, moe: bool, mla: bool, sigmoid: bool, qk_norm: bool, qkv_bias_only
     return "mistral" if window else "llama" if rope else "gpt2"
 
 
+# GPT models' YaRN (position_embedding_type "yarn"): Megatron's yarn_* config fields <-> the IR's YaRN dict
+YARN_ARGS = (("factor", "yarn_rotary_scaling_factor"),
+             ("original_max_position_embeddings", "yarn_original_max_position_embeddings"),
+             ("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"), ("mscale", "yarn_mscale"),
+             ("mscale_all_dim", "yarn_mscale_all_dim"))
+
+
+# transformers' YaRN defaults, left out when read (Megatron spells every value out)
+_YARN_UNSAID = {"mscale": 1.0, "mscale_all_dim": 0.0, "truncate": True}
+
+
+def _yarn_from_args(get: Callable[..., Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"rope_type": "yarn"}
+    for field, arg in YARN_ARGS:
+        if get(arg) is not None:
+            out[field] = get(arg)
+    if get("yarn_correction_range_round_to_int") is not None:
+        out["truncate"] = bool(get("yarn_correction_range_round_to_int"))
+    return {k: v for k, v in out.items() if k not in _YARN_UNSAID or v != _YARN_UNSAID[k]}
+
+
+def _yarn_args(c: ModelConfig) -> dict[str, Any]:
+    """Megatron's yarn_* fields of a GPT model with YaRN (every one named, so nothing falls to a default)."""
+    s = c.rope_scaling
+    extra = sorted(set(s) - {"rope_type", "truncate", *(f for f, _ in YARN_ARGS)})
+    if extra:
+        raise ConvertError(f"Megatron's YaRN has no place for rope_scaling {', '.join(extra)} of {s}")
+    values = {arg: s.get(field) for field, arg in YARN_ARGS}
+    values |= {"yarn_mscale": s.get("mscale") or 1.0, "yarn_mscale_all_dim": s.get("mscale_all_dim") or 0.0,
+               "yarn_beta_fast": s.get("beta_fast") or 32.0, "yarn_beta_slow": s.get("beta_slow") or 1.0,
+               "yarn_correction_range_round_to_int": bool(s.get("truncate", True))}
+    return values
+
+
 def _full_attention_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:
     """The layers without the window, from window_attn_skip_freq: every N-th layer (counting from 1) for an int N,
     or the zeros of a 0/1 pattern with one entry per layer (1 = sliding window); None: every layer slides."""
@@ -260,15 +304,21 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     own tokenizer for that family (it then needs --vocab-file/--merge-file). The one-to-one arguments come from
     `ARGS` (the norm epsilon under both names Megatron-LM has used).
     """
-    if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3" and not c.is_mla:
-        raise ConvertError(f"Megatron supports only Llama 3 rope scaling; this model has {c.rope_scaling}")
-    if c.rope_scaling and not c.is_mla and {k: v for k, v in c.rope_scaling.items() if k != "factor"} != \
+    yarn = bool(c.rope_scaling) and c.rope_scaling.get("rope_type") == "yarn" and not c.is_mla
+    if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3" and not c.is_mla and not yarn:
+        raise ConvertError(f"Megatron supports only Llama 3 and YaRN rope scaling; this model has {c.rope_scaling}")
+    if c.rope_scaling and not c.is_mla and not yarn and {k: v for k, v in c.rope_scaling.items() if k != "factor"} != \
             {k: v for k, v in LLAMA3_SCALING.items() if k != "factor"}:
         raise ConvertError(f"Megatron hard-codes the Llama 3 rope scaling parameters {LLAMA3_SCALING} except the "
                            f"factor; this model has {c.rope_scaling}")
     if c.proj_bias != c.mlp_bias or (c.proj_bias and not c.qkv_bias):
         raise ConvertError("Megatron's add_bias_linear puts a bias on every linear (add_qkv_bias on q/k/v alone); "
                            f"this model has qkv_bias={c.qkv_bias}, proj_bias={c.proj_bias}, mlp_bias={c.mlp_bias}")
+    if c.is_moe and c.moe_router_bias != c.mlp_bias:
+        raise ConvertError("Megatron's add_bias_linear puts a bias on the router too; this model has "
+                           f"moe_router_bias={c.moe_router_bias}, mlp_bias={c.mlp_bias}")
+    if c.attention_sinks and c.is_mla:
+        raise ConvertError("Megatron's learnable softmax offset (attention sinks) with multi-latent attention")
     if c.rope_theta != int(c.rope_theta):
         raise ConvertError(f"Megatron's rotary_base is an integer; this model's rope_theta is {c.rope_theta}")
     rope = c.position_embedding == "rope"
@@ -278,13 +328,17 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         **_args_from_fields(c), ffn_hidden_size=c.ffn_hidden_size,
         group_query_attention=c.num_query_groups != c.num_attention_heads, num_query_groups=c.num_query_groups,
         # Megatron's defaults for the next two whatever the position embedding (resuming compares them)
-        position_embedding_type="rope" if rope else "learned_absolute", add_position_embedding=True,
+        position_embedding_type=("yarn" if yarn else "rope") if rope else "learned_absolute",
+        add_position_embedding=True,
         use_rotary_position_embeddings=False, rotary_percent=1.0,
-        rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling),
+        rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling) and not yarn,
         rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling else 8.0,
         normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm",
         apply_layernorm_1p=False, layernorm_zero_centered_gamma=False, qk_layernorm=c.qk_norm,
-        swiglu=c.gated, openai_gelu=c.activation == "gelu_tanh", squared_relu=False, bias_gelu_fusion=False,
+        swiglu=c.activation == "swiglu", quick_geglu=c.activation == "quick_geglu",
+        glu_linear_offset=c.glu_linear_offset, activation_func_clamp_value=c.activation_clamp,
+        softmax_type="learnable" if c.attention_sinks else "vanilla", openai_gelu=c.activation == "gelu_tanh",
+        squared_relu=False, bias_gelu_fusion=False,
         add_bias_linear=c.proj_bias, add_qkv_bias=c.qkv_bias,
         untie_embeddings_and_output_weights=not c.tie_embeddings,
         # Megatron's window (left, right) lets a query see `left` earlier keys and itself; the IR's (and HF's)
@@ -320,6 +374,8 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     )
     values[TOKEN_IDS_ARG] = {k: getattr(c, k) for k in TOKEN_ID_FIELDS}
     values |= mla_keys.args_fields(c)
+    if yarn:
+        values |= _yarn_args(c)
     if c.is_moe and expert_layout == "legacy_grouped":
         # Megatron-LM before March 2026 (the GroupedMLP's last version) picks it under TE only with this flag
         values["moe_use_legacy_grouped_gemm"] = True
