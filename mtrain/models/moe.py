@@ -40,6 +40,7 @@ class GroupedExperts(nn.Module):
             self.up_bias = nn.Parameter(torch.zeros(num_experts, ffn))
             self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden))
         self.unit = unit or (lambda g, u: F.silu(g) * u)
+        self.down_bias_after_sum = False  # expert tensor parallel adds down's bias after summing the ranks' parts
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: (N, h) sorted by expert; tokens_per_expert: (E_local,) counts summing to N."""
@@ -53,11 +54,18 @@ class GroupedExperts(nn.Module):
         for e, chunk in enumerate(torch.split(x, tokens_per_expert.tolist())):
             if bias:
                 hidden = self.unit(F.linear(chunk, gate[e], gate_b[e]), F.linear(chunk, up[e], up_b[e]))
-                outputs.append(F.linear(hidden, down[e], down_b[e]))
+                outputs.append(F.linear(hidden, down[e], None if self.down_bias_after_sum else down_b[e]))
             else:
                 hidden = self.unit(chunk @ gate[e].T, chunk @ up[e].T)  # (n_e, f)
                 outputs.append(hidden @ down[e].T)  # (n_e, h)
         return torch.cat(outputs)
+
+    def add_down_bias(self, y: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """y (the summed outputs, grouped by expert) plus each row's expert's down bias (expert tensor parallel)."""
+        if not hasattr(self, "down_bias"):
+            return y
+        bias = _local(self.down_bias).to(y.dtype)  # (E_local, h)
+        return y + bias.repeat_interleave(tokens_per_expert.to(bias.device), dim=0)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
