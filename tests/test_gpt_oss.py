@@ -150,3 +150,34 @@ def test_mxfp4_scales_of_the_wrong_shape_are_refused_by_name(bf16_dir, tmp_path)
 def test_other_families_refuse_sinks_by_name(bf16_dir, tmp_path):
     out = run_cli("--saver", "mixtral_hf", "--load-dir", bf16_dir, "--save-dir", tmp_path / "m", expect_error=True)
     assert "attention sinks" in out and "gpt_oss_hf can hold" in out
+
+
+@pytest.mark.parametrize("saver, message", [
+    (("--saver", "legacy"), "attention sinks"),
+    (("--saver", "core", "--ep", "2", "--expert-layout", "legacy_grouped"),
+     "expert biases in the legacy_grouped expert layout"),
+])
+def test_formats_that_cannot_hold_it_refuse_by_name(bf16_dir, tmp_path, saver, message):
+    out = run_cli(*saver, "--load-dir", bf16_dir, "--save-dir", tmp_path / "out", expect_error=True)
+    assert "Error:" in out and message in out and "Traceback" not in out
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parity
+def test_megatron_core_019_computes_transformers_logits(hf_model, mcore_python, tmp_path):
+    """megatron-core 0.19's own GPTModel (local spec, CPU) built from our args loads our checkpoint strictly and
+    computes transformers' logits: its learnable softmax offset (the sinks), quick GeGLU with glu_linear_offset and
+    activation_func_clamp_value (clamp 0.2, which the activations reach), expert and router biases, window_size with
+    window_attn_skip_freq (20 tokens > the window of 8) and YaRN are Megatron's code. Through TP2 EP2 PP2 and back
+    to the one file its CPU path reads. Float32 logits below 1, each implementation within ~4e-7 of float64's, so
+    they agree to ~1e-6 (measured 2e-7); 1e-5 leaves a factor 10, where a wrong tensor moves logits by > 1e-3."""
+    from tests.support.cli import run_mcore_logits_helper
+
+    src = hf_model("gpt_oss")
+    run_cli(*CORE, "--load-dir", src, "--save-dir", tmp_path / "sharded")
+    run_cli("--saver", "core", "--load-dir", tmp_path / "sharded", "--save-dir", tmp_path / "core")
+    tokens = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(4))
+    out = run_mcore_logits_helper(tmp_path / "core", tokens, tmp_path, python=mcore_python("0.19"))
+    assert "torch, layers ['moe', 'moe', 'moe', 'moe'], strict load: <All keys matched successfully>" in out
+    ours = torch.load(tmp_path / "logits.pt", weights_only=True)
+    assert (ours - hf_logits(src, tokens)).abs().max().item() < 1e-5

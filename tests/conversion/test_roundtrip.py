@@ -28,8 +28,8 @@ from tests.support.models import FAMILIES
 # family -> format -> layouts. Every family goes through every format that can hold it; the torch format, which
 # holds every layout, through the layouts that family's features meet (GQA groups split by TP, uneven and virtual
 # pipeline stages, experts split by EP and ETP in each expert layout, Transformer Engine names). Legacy holds
-# neither experts nor per-head q/k norms, the DCP formats no MTP modules (test_legacy.py, test_qwen.py and
-# test_deepseek.py check those refusals).
+# neither experts nor per-head q/k norms, the DCP formats no MTP modules (test_legacy.py, test_qwen.py,
+# test_deepseek.py and test_gpt_oss.py check those refusals).
 MATRIX = {
     "llama": {"torch": ("tp1", "tp2", "tp4", "tp1_pp2", "tp2_pp2", "tp1_pp3_first1_last1", "tp2_pp2_vpp2",
                         "tp2_pp2_te"),
@@ -57,6 +57,10 @@ MATRIX = {
     "deepseek_v3": {"torch": ("tp2", "tp2_te", "tp2_ep2_etp1_pp3", "tp2_ep2_pp3_te", "tp1_ep4_te_grouped",
                               "tp2_pp2_first1_legacy_grouped", "tp1_ep2_pp2_last1_te"),
                     "torch_dist": ("tp1", "tp2_te"), "zarr": ("tp1_te",)},
+    # sinks split with the heads, expert biases with their experts (legacy holds no experts: test_gpt_oss.py)
+    "gpt_oss": {"torch": ("tp2_ep2_pp2", "tp2_ep2_te_grouped", "tp2_ep2_etp1_pp3", "tp2_pp2_vpp2_te"),
+                "torch_dist": ("tp1", "tp2_te"), "zarr": ("tp1",), "torch_dcp": ("tp2",),
+                "fsdp_dtensor": ("tp2_te_grouped",)},
 }
 # IR config fields a Megatron checkpoint does not hold as the HF source has them (besides the padded vocabulary)
 NOT_IN_MEGATRON = {"deepseek_v3": ("moe_aux_loss_coeff",)}  # HF has no coefficient; Megatron's args say 0.0
