@@ -86,6 +86,10 @@ EXPERT_RULES = (
     Rule(f"{EXPERTS}.linear_fc1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",
                                           "layers.{L}.moe.experts.{E}.up.weight"), GATE_UP),
     Rule(f"{EXPERTS}.linear_fc2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
+    # expert biases (GPT-OSS)
+    Rule(f"{EXPERTS}.linear_fc1.bias", ("layers.{L}.moe.experts.{E}.gate.bias", "layers.{L}.moe.experts.{E}.up.bias"),
+         GATE_UP),
+    Rule(f"{EXPERTS}.linear_fc2.bias", ("layers.{L}.moe.experts.{E}.down.bias",)),
 )
 
 
@@ -94,6 +98,9 @@ SINGLETON_EXPERT_RULES = (
     Rule(f"{SINGLETON_EXPERTS}.linear_fc1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",
                                                     "layers.{L}.moe.experts.{E}.up.weight"), GATE_UP),
     Rule(f"{SINGLETON_EXPERTS}.linear_fc2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
+    Rule(f"{SINGLETON_EXPERTS}.linear_fc1.bias", ("layers.{L}.moe.experts.{E}.gate.bias",
+                                                  "layers.{L}.moe.experts.{E}.up.bias"), GATE_UP),
+    Rule(f"{SINGLETON_EXPERTS}.linear_fc2.bias", ("layers.{L}.moe.experts.{E}.down.bias",)),
 )
 
 

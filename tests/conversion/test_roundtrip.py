@@ -58,7 +58,7 @@ MATRIX = {
                               "tp2_pp2_first1_legacy_grouped", "tp1_ep2_pp2_last1_te"),
                     "torch_dist": ("tp1", "tp2_te"), "zarr": ("tp1_te",)},
     # sinks split with the heads, expert biases with their experts (legacy holds no experts: test_gpt_oss.py)
-    "gpt_oss": {"torch": ("tp2_ep2_pp2", "tp2_ep2_te_grouped", "tp2_ep2_etp1_pp3", "tp2_pp2_vpp2_te"),
+    "gpt_oss": {"torch": ("tp2_ep2_pp2", "tp2_ep2_te_grouped", "tp2_ep2_pp2_vpp2_te", "tp2_pp2_vpp2_te"),
                 "torch_dist": ("tp1", "tp2_te"), "zarr": ("tp1",), "torch_dcp": ("tp2",),
                 "fsdp_dtensor": ("tp2_te_grouped",)},
 }
