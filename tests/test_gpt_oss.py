@@ -164,20 +164,26 @@ def test_formats_that_cannot_hold_it_refuse_by_name(bf16_dir, tmp_path, saver, m
 
 
 @pytest.mark.parity
-def test_megatron_core_019_computes_transformers_logits(hf_model, mcore_python, tmp_path):
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_megatron_core_019_computes_transformers_logits(hf_model, mcore_python, tmp_path, fmt):
     """megatron-core 0.19's own GPTModel (local spec, CPU) built from our args loads our checkpoint strictly and
     computes transformers' logits: its learnable softmax offset (the sinks), quick GeGLU with glu_linear_offset and
     activation_func_clamp_value (clamp 0.2, which the activations reach), expert and router biases, window_size with
-    window_attn_skip_freq (20 tokens > the window of 8) and YaRN are Megatron's code. Through TP2 EP2 PP2 and back
-    to the one file its CPU path reads. Float32 logits below 1, each implementation within ~4e-7 of float64's, so
+    window_attn_skip_freq (20 tokens > the window of 8) and YaRN are Megatron's code. torch: through TP2 EP2 PP2
+    and back to the one file its CPU path reads; torch_dist: its dist_checkpointing asks for exactly our keys
+    (expert biases, softmax_offset). Float32 logits below 1, each implementation within ~4e-7 of float64's, so
     they agree to ~1e-6 (measured 2e-7); 1e-5 leaves a factor 10, where a wrong tensor moves logits by > 1e-3."""
     from tests.support.cli import run_mcore_logits_helper
 
     src = hf_model("gpt_oss")
-    run_cli(*CORE, "--load-dir", src, "--save-dir", tmp_path / "sharded")
-    run_cli("--saver", "core", "--load-dir", tmp_path / "sharded", "--save-dir", tmp_path / "core")
+    if fmt == "torch":
+        run_cli(*CORE, "--load-dir", src, "--save-dir", tmp_path / "sharded")
+        run_cli("--saver", "core", "--load-dir", tmp_path / "sharded", "--save-dir", tmp_path / "core")
+    else:
+        run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", src, "--save-dir", tmp_path / "core")
     tokens = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(4))
     out = run_mcore_logits_helper(tmp_path / "core", tokens, tmp_path, python=mcore_python("0.19"))
-    assert "torch, layers ['moe', 'moe', 'moe', 'moe'], strict load: <All keys matched successfully>" in out
+    assert "torch_dist keys: the" in out or fmt == "torch"
+    assert f"{fmt}, layers ['moe', 'moe', 'moe', 'moe'], strict load: <All keys matched successfully>" in out
     ours = torch.load(tmp_path / "logits.pt", weights_only=True)
     assert (ours - hf_logits(src, tokens)).abs().max().item() < 1e-5
