@@ -171,8 +171,10 @@ def test_formats_declare_the_features_they_hold(ds_dir):
 
     c = engine.load(ds_dir, Options()).config
     holders = {p.name: p.supports for p in registry.savers() if p.supports is not None}
-    assert holders["core"] == frozenset(FEATURES) and holders["deepseek_hf"] == frozenset(FEATURES) - {"qk_norm"}
-    assert holders["qwen_hf"] == {"qk_norm"}
+    gpt_oss = {"attention_sinks", "router_bias", "expert_bias", "clamped_glu"}
+    assert holders["core"] == frozenset(FEATURES)
+    assert holders["deepseek_hf"] == frozenset(FEATURES) - {"qk_norm"} - gpt_oss
+    assert holders["qwen_hf"] == {"qk_norm"} and holders["gpt_oss_hf"] == gpt_oss
     assert holders["legacy"] == holders["llama_mistral"] == holders["mixtral_hf"] == holders["gpt2_hf"] == frozenset()
     assert registry.missing_features(c, frozenset(FEATURES)) == []
     assert registry.missing_features(c, frozenset(FEATURES) - {"mtp"}) == [

@@ -11,9 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mconvert.io.torch_pickle import safe_load
-from tests.conversion.test_roundtrip import assert_same_hf_config
 from tests.support.cli import run_cli
-from tests.support.compare import assert_same_files, hf_logits, ir_tensors
+from tests.support.compare import assert_same_files, assert_same_hf_config, hf_logits, ir_tensors
 from tests.support.models import make_hf_model
 
 CORE = ("--saver", "core", "--tp", "2", "--pp", "2", "--ep", "2")
@@ -54,8 +53,10 @@ def test_megatron_names_and_args(bf16_dir, tmp_path):
     assert (args.softmax_type, args.quick_geglu, args.swiglu, args.glu_linear_offset,
             args.activation_func_clamp_value) == ("learnable", True, False, 1.0, 0.2)
     assert (args.window_size, args.window_attn_skip_freq) == ((7, 0), [1, 0, 1, 0])
-    assert (args.position_embedding_type, args.yarn_rotary_scaling_factor, args.yarn_original_max_position_embeddings,
-            args.yarn_correction_range_round_to_int) == ("yarn", 4.0, 64, False)
+    # Megatron-LM's argument names (rotary_scaling_factor, mscale) and the config fields GPTModel reads
+    assert (args.position_embedding_type, args.rotary_scaling_factor, args.yarn_rotary_scaling_factor,
+            args.yarn_original_max_position_embeddings, args.mscale, args.yarn_mscale,
+            args.yarn_correction_range_round_to_int) == ("yarn", 4.0, 4.0, 64, 1.0, 1.0, False)
     assert args.add_bias_linear and args.add_qkv_bias
 
 

@@ -228,38 +228,40 @@ def _family(*, moe: bool, mla: bool, sigmoid: bool, qk_norm: bool, qkv_bias_only
     return "mistral" if window else "llama" if rope else "gpt2"
 
 
-# GPT models' YaRN (position_embedding_type "yarn"): Megatron's yarn_* config fields <-> the IR's YaRN dict
-YARN_ARGS = (("factor", "yarn_rotary_scaling_factor"),
-             ("original_max_position_embeddings", "yarn_original_max_position_embeddings"),
-             ("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"), ("mscale", "yarn_mscale"),
-             ("mscale_all_dim", "yarn_mscale_all_dim"))
-
-
+# GPT models' YaRN (position_embedding_type "yarn"): IR field -> Megatron-LM's argument and the config field
+# megatron-core's GPTModel reads (megatron/training/argument_utils.py `_apply_yarn_config_from_args` maps the one onto
+# the other); both are written, the argument read first.
+YARN_ARGS = (("factor", "rotary_scaling_factor", "yarn_rotary_scaling_factor"),
+             ("original_max_position_embeddings", "yarn_original_max_position_embeddings",
+              "yarn_original_max_position_embeddings"),
+             ("beta_fast", "yarn_beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow", "yarn_beta_slow"),
+             ("mscale", "mscale", "yarn_mscale"), ("mscale_all_dim", "mscale_all_dim", "yarn_mscale_all_dim"))
 # transformers' YaRN defaults, left out when read (Megatron spells every value out)
 _YARN_UNSAID = {"mscale": 1.0, "mscale_all_dim": 0.0, "truncate": True}
 
 
 def _yarn_from_args(get: Callable[..., Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_type": "yarn"}
-    for field, arg in YARN_ARGS:
-        if get(arg) is not None:
-            out[field] = get(arg)
+    for field, arg, config_field in YARN_ARGS:
+        value = get(arg) if get(arg) is not None else get(config_field)
+        if value is not None:
+            out[field] = value
     if get("yarn_correction_range_round_to_int") is not None:
         out["truncate"] = bool(get("yarn_correction_range_round_to_int"))
     return {k: v for k, v in out.items() if k not in _YARN_UNSAID or v != _YARN_UNSAID[k]}
 
 
 def _yarn_args(c: ModelConfig) -> dict[str, Any]:
-    """Megatron's yarn_* fields of a GPT model with YaRN (every one named, so nothing falls to a default)."""
+    """Megatron's YaRN arguments and config fields of a GPT model (every one named, so nothing falls to a
+    default)."""
     s = c.rope_scaling
-    extra = sorted(set(s) - {"rope_type", "truncate", *(f for f, _ in YARN_ARGS)})
+    extra = sorted(set(s) - {"rope_type", "truncate", *(f for f, _, _ in YARN_ARGS)})
     if extra:
         raise ConvertError(f"Megatron's YaRN has no place for rope_scaling {', '.join(extra)} of {s}")
-    values = {arg: s.get(field) for field, arg in YARN_ARGS}
-    values |= {"yarn_mscale": s.get("mscale") or 1.0, "yarn_mscale_all_dim": s.get("mscale_all_dim") or 0.0,
-               "yarn_beta_fast": s.get("beta_fast") or 32.0, "yarn_beta_slow": s.get("beta_slow") or 1.0,
-               "yarn_correction_range_round_to_int": bool(s.get("truncate", True))}
-    return values
+    defaults = {"mscale": 1.0, "mscale_all_dim": 0.0, "beta_fast": 32.0, "beta_slow": 1.0}
+    values = {field: s.get(field) if s.get(field) is not None else defaults.get(field) for field, _, _ in YARN_ARGS}
+    return {name: values[field] for field, arg, config_field in YARN_ARGS for name in (arg, config_field)} | {
+        "yarn_correction_range_round_to_int": bool(s.get("truncate", True))}
 
 
 def _full_attention_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from mconvert import engine
 from mconvert.ir.config import ModelConfig
 from mconvert.options import Options
 from tests.support.cli import run_cli
-from tests.support.compare import assert_same_files, assert_same_tensors, hf_logits
+from tests.support.compare import assert_same_files, assert_same_hf_config, assert_same_tensors, hf_logits
 from tests.support.layouts import DISTRIBUTED, LAYOUTS, Layout
 from tests.support.models import FAMILIES
 
@@ -139,14 +139,3 @@ def assert_megatron(path: Path, fmt: str, layout: Layout, src: Source, family: s
     unheld = dict.fromkeys(NOT_IN_MEGATRON.get(family, ()))
     assert ir.config.replace(padded_vocab_size=None, **unheld) == src.config.replace(**unheld)
     assert_same_tensors(src.tensors, {n: t.load() for n, t in ir})
-
-
-def assert_same_hf_config(src: Path, out: Path) -> None:
-    """transformers reads the same config from both, but where the source leaves a field to its default (null) and
-    the output spells the value out (GPT-2's n_inner, Mixtral's head_dim, Mistral's attention_bias)."""
-    import transformers
-
-    want, got = (transformers.AutoConfig.from_pretrained(p).to_dict() for p in (src, out))
-    differ = {k: (v, got.get(k)) for k, v in want.items() if v is not None and k != "_name_or_path" and got.get(k) != v}
-    assert differ == {}
-
