@@ -1,6 +1,6 @@
 """mtrain runs GPT-OSS (attention sinks, biased attention and experts, a router bias, the clamped quick GeGLU, a
-window on every other layer, YaRN) as transformers does, trains it under TP and EP like one process, generates with
-the key/value cache, finetunes it from Hugging Face and exports it back.
+window on every other layer, YaRN) as transformers does, trains it under TP, EP and PP like one process, generates
+with the key/value cache, finetunes it from Hugging Face and exports it back.
 
 One torchrun launch (2 ranks) holds the multi-process runs; the same config in one process is the reference, with
 the bounds of tests/mtrain/parity.py.
@@ -39,6 +39,7 @@ TINY_GPT_OSS = TINY_LLAMA | dict(
 LAYOUTS = {
     "gpt_oss_tp2_sp": (TINY_GPT_OSS, {"tp": 2, "sequence_parallel": True}),
     "gpt_oss_ep2": (TINY_GPT_OSS, {"ep": 2}),
+    "gpt_oss_pp2": (TINY_GPT_OSS, {"pp": 2}),  # the windowed layer on one stage, the full one on the other
 }
 
 
