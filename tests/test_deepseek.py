@@ -172,12 +172,13 @@ def test_formats_declare_the_features_they_hold(ds_dir):
 
     c = engine.load(ds_dir, Options()).config
     holders = {p.name: p.supports for p in registry.savers() if p.supports is not None}
+    gpt_oss = {"attention_sinks", "router_bias", "expert_bias", "clamped_glu"}
     assert holders["core"] == frozenset(FEATURES)
     assert holders["deepseek_hf"] == {"mla", "shared_experts", "router_score", "router_expert_bias", "group_routing",
                                       "router_scaling", "mtp"}
     assert holders["glm4_moe_hf"] == {"qk_norm", "shared_experts", "router_score", "router_expert_bias",
                                       "group_routing", "router_scaling", "mtp", "partial_rotary"}
-    assert holders["qwen_hf"] == {"qk_norm"}
+    assert holders["qwen_hf"] == {"qk_norm"} and holders["gpt_oss_hf"] == gpt_oss
     assert holders["gemma3_hf"] == {"qk_norm", "sandwich_norms", "norm_zero_centered", "embedding_multiplier", "geglu",
                                     "local_rope", "query_pre_attn_scalar", "final_softcap"}
     assert holders["legacy"] == holders["llama_mistral"] == holders["mixtral_hf"] == holders["gpt2_hf"] == frozenset()

@@ -164,8 +164,8 @@ def test_a_megatron_setting_the_target_family_cannot_hold_is_refused_by_name(mix
 def test_unknown_plugin_lists_the_valid_ones(llama_dir, tmp_path):
     out = run_cli("--loader", "nope", "--saver", "core", "--load-dir", llama_dir, "--save-dir", tmp_path / "o",
                   expect_error=True)
-    assert "unknown loader 'nope'; valid loaders: core, deepseek_hf, gemma3_hf, glm4_moe_hf, gpt2_hf, hf, legacy, " \
-           "llama_mistral, mixtral_hf" in out
+    assert "unknown loader 'nope'; valid loaders: core, deepseek_hf, gemma3_hf, glm4_moe_hf, gpt2_hf, gpt_oss_hf, " \
+           "hf, legacy, llama_mistral, mixtral_hf" in out
 
 
 def test_option_that_does_not_apply(llama_dir, tmp_path):
@@ -214,7 +214,7 @@ def test_mtrain_checkpoint_with_unsafe_metadata(tmp_path):
 
 
 @pytest.mark.parametrize("setting,value", [("squared_relu", True), ("rotary_interleaved", True),
-                                           ("position_embedding_type", "yarn"), ("moe_shared_expert_gate", True)])
+                                           ("moe_shared_expert_gate", True)])
 def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_path):
     """A Megatron model that computes something else is refused by name, not converted into a different model."""
     convert(mixtral_dir, tmp_path / "core")
@@ -225,6 +225,20 @@ def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_
     out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
     assert f"Megatron settings that change what the model computes and that mconvert cannot carry (yet): " \
            f"{setting}={value!r}; refusing" in out
+    assert not (tmp_path / "hf").exists()
+
+
+def test_yarn_args_without_their_values_are_refused(mixtral_dir, tmp_path):
+    """YaRN is carried now (GPT-OSS): args that ask for it without its factor and original context are refused by
+    name, not read with made-up values."""
+    convert(mixtral_dir, tmp_path / "core")
+    target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    state = safe_load(target, mmap=False)
+    state["args"].position_embedding_type = "yarn"
+    torch.save(state, target)
+    out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
+    assert "rope_scaling.factor missing (a yarn rope needs it)" in out
+    assert "rope_scaling.original_max_position_embeddings missing (a yarn rope needs it)" in out
     assert not (tmp_path / "hf").exists()
 
 

@@ -92,8 +92,14 @@ def check_model_config(c) -> None:
     v = c.padded_vocab_size
     need("padded_vocab_size", v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= c.vocab_size),
          f"an integer >= vocab_size {c.vocab_size}, or null")
+    v = c.glu_linear_offset
+    need("glu_linear_offset", _is_number(v) and math.isfinite(v), "a finite number")
+    v = c.activation_clamp
+    need("activation_clamp", v is None or (_is_number(v) and math.isfinite(v) and v > 0),
+         "a finite number > 0, or null")
     for name in ("qkv_bias", "proj_bias", "mlp_bias", "tie_embeddings", "moe_norm_topk", "qk_norm",
-                 "moe_router_expert_bias", "sandwich_norms", "norm_zero_centered"):
+                 "moe_router_expert_bias", "sandwich_norms", "norm_zero_centered", "attention_sinks",
+                 "moe_router_bias"):
         need(name, isinstance(getattr(c, name), bool), "true or false")
     if c.rope_scaling is not None:
         scaling = c.rope_scaling

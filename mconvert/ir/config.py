@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 from mconvert.ir.dtypes import DType
 
 Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2",
-                 "glm4_moe", "gemma3_text"]
+                 "glm4_moe", "gemma3_text", "gpt_oss"]
 Norm = Literal["rmsnorm", "layernorm"]
-Activation = Literal["swiglu", "gelu_tanh", "gelu", "geglu_tanh"]  # geglu_tanh: gelu_tanh(gate(x)) * up(x)
+# geglu_tanh: gelu_tanh(gate(x)) * up(x); quick_geglu: GPT-OSS's clamped x * sigmoid(1.702 x) gate
+Activation = Literal["swiglu", "gelu_tanh", "gelu", "geglu_tanh", "quick_geglu"]
 PositionEmbedding = Literal["rope", "learned"]
 RouterScore = Literal["softmax", "sigmoid"]
 
@@ -116,6 +117,11 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim's
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap), before the mask
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    # GPT-OSS (see mconvert/ir/features.py): per-head attention sinks, a router bias, a clamped, offset GLU
+    attention_sinks: bool = False  # one learned logit per head joins each softmax (layers.{L}.attn.sinks)
+    moe_router_bias: bool = False  # the router's linear has a bias (added to the logits: chooses and weighs)
+    glu_linear_offset: float = 0.0  # the gated unit is act(gate) * (up + offset)
+    activation_clamp: float | None = None  # gate clamped above at it, up to [-it, it], before the gated unit
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -184,7 +190,7 @@ class ModelConfig:
 
     @property
     def gated(self) -> bool:
-        return self.activation in ("swiglu", "geglu_tanh")
+        return self.activation in ("swiglu", "geglu_tanh", "quick_geglu")
 
     @property
     def is_moe(self) -> bool:

@@ -30,6 +30,12 @@ multiplied by `mscale(f, mscale_all_dim)**2` when mscale_all_dim is non-zero; `m
 Partial rotary (`rotary_percent` < 1, GLM-4.5): rotary positions turn the first `rotary_dim = int(head_dim *
 rotary_percent)` features of each query and key head (half-split within them), and the rest pass unchanged, as
 transformers' `partial_rotary_factor` and Megatron's `--rotary-percent` compute it.
+GPT-OSS: attention sinks (`attention_sinks`, `layers.{L}.attn.sinks` [nh]): each head's softmax over the scores
+gets one more logit, the sink, whose probability is dropped: p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k)) (Megatron
+`softmax_type="learnable"`, its `softmax_offset`). A router bias (`moe_router_bias`) is added to the router's
+logits before top-k (it chooses and weighs, unlike DeepSeek's expert bias). `activation = "quick_geglu"`: the gated
+unit is g * sigmoid(1.702 g) * (u + glu_linear_offset), where with `activation_clamp` = c, g = min(gate, c) and
+u = clamp(up, -c, c) (Megatron `--quick-geglu`, `glu_linear_offset`, `activation_func_clamp_value`).
 
 Multi-token prediction (MTP) module i (0-based) predicts one token further than module i-1 (the main model for
 i = 0): h = layer(eh_proj([enorm(embed(next tokens)) | hnorm(h_prev)])), logits = lm_head(final_norm(h)), where
@@ -73,7 +79,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def check_config(c: ModelConfig) -> None:
     """Refuse DeepSeek fields that contradict each other or the rest of the config (one error, every problem).
     Each value is in its own range already (mconvert.ir.checks runs first)."""
-    problems = _mla_problems(c) + _routing_problems(c) + _rotary_problems(c)
+    problems = _mla_problems(c) + _routing_problems(c) + _rotary_problems(c) + _gpt_oss_problems(c)
     if problems:
         raise ConvertError("inconsistent config: " + "; ".join(problems))
 
@@ -114,6 +120,16 @@ def _rotary_problems(c: ModelConfig) -> list[str]:
         return [f"rotary_percent={percent} of head_dim={c.head_dim} turns {c.rotary_dim} features; rotary positions "
                 "turn pairs: an even number, at least 2"]
     return []
+def _gpt_oss_problems(c: ModelConfig) -> list[str]:
+    problems = []
+    if (c.activation_clamp is not None or c.glu_linear_offset != 0.0) and not c.gated:
+        problems.append(f"activation_clamp and glu_linear_offset describe a gated unit; activation {c.activation} "
+                        "has no gate")
+    if c.moe_router_bias and not c.is_moe:
+        problems.append("moe_router_bias describes mixture-of-experts models; this one has no experts")
+    if c.attention_sinks and c.is_mla:
+        problems.append("attention sinks with multi-latent attention")
+    return problems
 
 
 def _routing_problems(c: ModelConfig) -> list[str]:
@@ -182,6 +198,11 @@ FEATURES: dict[str, tuple[Callable[[ModelConfig], str], Callable[[ModelConfig], 
                      lambda c: c.attn_logit_softcap is not None),
     "final_softcap": (lambda c: f"logits soft-capped at {c.final_logit_softcap}",
                       lambda c: c.final_logit_softcap is not None),
+    "attention_sinks": (lambda c: "attention sinks (a learned logit per head)", lambda c: c.attention_sinks),
+    "router_bias": (lambda c: "a router bias", lambda c: c.moe_router_bias),
+    "expert_bias": (lambda c: "expert biases", lambda c: c.is_moe and c.mlp_bias),
+    "clamped_glu": (lambda c: f"a gated unit clamped at {c.activation_clamp} with up offset by {c.glu_linear_offset}",
+                    lambda c: c.activation_clamp is not None or c.glu_linear_offset != 0.0),
 }
 
 

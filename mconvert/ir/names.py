@@ -13,8 +13,11 @@ tensors contradict its config is refused), savers iterate it, tests pin it per f
     layers.{L}.post_{attn,mlp}_norm.{weight,bias} [h]     sandwich_norms: norms of the attention / MLP outputs
     layers.{L}.mlp.{gate,up}.{weight,bias}  [f, h]        gate only for gated activations
     layers.{L}.mlp.down.{weight,bias}     [h, f]
+    layers.{L}.attn.sinks                 [nh]            attention sinks: one logit per head (GPT-OSS)
     layers.{L}.moe.router.weight          [E, h]
+    layers.{L}.moe.router.bias            [E]             moe_router_bias (GPT-OSS)
     layers.{L}.moe.experts.{E}.{gate,up,down}.weight  [f_e, h] / [h, f_e]   MoE layers (not in dense_layers)
+    layers.{L}.moe.experts.{E}.{gate,up,down}.bias    [f_e] / [h]      with mlp_bias (GPT-OSS)
     final_norm.{weight,bias}              [h]
     lm_head.weight                        [V, h]          absent when tied to embed.weight
 
@@ -60,6 +63,8 @@ def attention_shapes(prefix: str, c: ModelConfig) -> dict[str, Shape]:
     shapes[f"{prefix}.o.weight"] = (h, q_rows)
     if c.proj_bias:
         shapes[f"{prefix}.o.bias"] = (h,)
+    if c.attention_sinks:
+        shapes[f"{prefix}.sinks"] = (c.num_attention_heads,)
     return shapes
 
 
@@ -116,10 +121,12 @@ def layer_shapes(layer: int, c: ModelConfig) -> dict[str, Shape]:
         shapes |= norm_shapes(f"{p}.post_mlp_norm", c)
     if c.is_moe_layer(layer):
         shapes[f"{p}.moe.router.weight"] = (c.num_experts, c.hidden_size)
+        if c.moe_router_bias:
+            shapes[f"{p}.moe.router.bias"] = (c.num_experts,)
         if c.moe_router_expert_bias:
             shapes[f"{p}.moe.router.expert_bias"] = (c.num_experts,)
         for e in range(c.num_experts):
-            shapes |= mlp_shapes(f"{p}.moe.experts.{e}", c, bias=False, ffn=c.expert_ffn_hidden_size)
+            shapes |= mlp_shapes(f"{p}.moe.experts.{e}", c, bias=c.mlp_bias, ffn=c.expert_ffn_hidden_size)
         if c.moe_shared_expert_ffn_hidden_size:
             shapes |= mlp_shapes(f"{p}.moe.shared", c, bias=False, ffn=c.moe_shared_expert_ffn_hidden_size)
     else:

@@ -146,7 +146,10 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
     unsupported = [f"{name}={get(name)!r}" for name, applies, ok in _SETTINGS
                    if (moe or not applies) and not ok(get(name))]
     position = get("position_embedding_type", "learned_absolute")
-    if position not in ("rope", "learned_absolute"):
+    softmax = get("softmax_type", "vanilla")
+    if softmax not in ("vanilla", "learnable"):
+        unsupported.append(f"softmax_type={softmax!r}")
+    if position not in ("rope", "learned_absolute", "yarn"):
         unsupported.append(f"position_embedding_type={position!r}")
     if unsupported:
         raise ConvertError(f"{where}: Megatron settings that change what the model computes and that mconvert "
@@ -154,7 +157,7 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
                            "different model")
     plain = _fields_from_args(args, where)
     hidden, heads, layers = plain["hidden_size"], plain["num_attention_heads"], plain["num_layers"]
-    rope = position == "rope"
+    rope = position in ("rope", "yarn")
     experts = get("num_experts")
     window = get("window_size")
     sliding_window = int(window[0]) + 1 if window and int(window[0]) >= 0 else None  # see args_from_config
@@ -163,9 +166,10 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
     qkv_bias_only = bool(get("add_qkv_bias", False)) and not get("add_bias_linear", True)
     mla = bool(get("multi_latent_attention"))
     fields = dict(
-        family=_family(moe=bool(experts), mla=mla, sigmoid=get("moe_router_score_function") == "sigmoid",
-                       qk_norm=bool(get("qk_layernorm")), qkv_bias_only=qkv_bias_only, window=bool(sliding_window),
-                       rope=rope, glm=_glm(get, plain["rotary_percent"])),
+        family="gpt_oss" if softmax == "learnable" else _family(
+            moe=bool(experts), mla=mla, sigmoid=get("moe_router_score_function") == "sigmoid",
+            qk_norm=bool(get("qk_layernorm")), qkv_bias_only=qkv_bias_only, window=bool(sliding_window), rope=rope,
+            glm=_glm(get, plain["rotary_percent"])),
         ffn_hidden_size=int(ffn),
         moe_ffn_hidden_size=int(get("moe_ffn_hidden_size", ffn)) if experts else None,
         dense_layers=dense,
@@ -177,14 +181,22 @@ def _config_from_args(args: Any, *, vocab_size: int, padded_vocab_size: int, dty
         padded_vocab_size=padded_vocab_size,
         norm="rmsnorm" if get("normalization", "LayerNorm") == "RMSNorm" else "layernorm",
         # Megatron's fused bias-GELU (bias_gelu_fusion, on by default with biases) computes the tanh approximation
-        activation="swiglu" if get("swiglu") else "gelu_tanh" if get("openai_gelu") or (
+        activation="quick_geglu" if get("quick_geglu") else "swiglu" if get("swiglu") else "gelu_tanh" if get(
+            "openai_gelu") or (
             get("bias_gelu_fusion") and get("add_bias_linear", True)) else "gelu",
         position_embedding="rope" if rope else "learned",
-        rope_scaling=LLAMA3_SCALING | {"factor": float(get("rope_scaling_factor", 8.0))}
-        if get("use_rope_scaling") else _linear_scaling(get("rotary_seq_len_interpolation_factor")),
+        rope_scaling=_yarn_from_args(get) if position == "yarn" else LLAMA3_SCALING | {
+            "factor": float(get("rope_scaling_factor", 8.0))} if get("use_rope_scaling") else _linear_scaling(
+            get("rotary_seq_len_interpolation_factor")),
         qkv_bias=bool(get("add_bias_linear", True) or get("add_qkv_bias", False)),
         proj_bias=bool(get("add_bias_linear", True)),
         mlp_bias=bool(get("add_bias_linear", True)),
+        # GPT-OSS: the learnable softmax offset is the attention sink; the router takes add_bias_linear too
+        attention_sinks=softmax == "learnable",
+        moe_router_bias=bool(experts) and bool(get("add_bias_linear", True)),
+        glu_linear_offset=float(get("glu_linear_offset", 0.0)),
+        activation_clamp=None if get("activation_func_clamp_value") is None
+        else float(get("activation_func_clamp_value")),
         tie_embeddings=not get("untie_embeddings_and_output_weights", False),
         sliding_window=sliding_window,
         full_attention_layers=_full_attention_layers(get("window_attn_skip_freq"), layers, where),
@@ -281,6 +293,40 @@ def _family(*, moe: bool, mla: bool, sigmoid: bool, qk_norm: bool, qkv_bias_only
 def _linear_scaling(factor: Any) -> dict[str, Any] | None:
     """HF's linear rope scaling (positions divided by `factor`) is megatron-core's seq_len_interpolation_factor."""
     return None if factor in (None, 1, 1.0) else {"rope_type": "linear", "factor": float(factor)}
+# GPT models' YaRN (position_embedding_type "yarn"): IR field -> Megatron-LM's argument and the config field
+# megatron-core's GPTModel reads (megatron/training/argument_utils.py `_apply_yarn_config_from_args` maps the one onto
+# the other); both are written, the argument read first.
+YARN_ARGS = (("factor", "rotary_scaling_factor", "yarn_rotary_scaling_factor"),
+             ("original_max_position_embeddings", "yarn_original_max_position_embeddings",
+              "yarn_original_max_position_embeddings"),
+             ("beta_fast", "yarn_beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow", "yarn_beta_slow"),
+             ("mscale", "mscale", "yarn_mscale"), ("mscale_all_dim", "mscale_all_dim", "yarn_mscale_all_dim"))
+# transformers' YaRN defaults, left out when read (Megatron spells every value out)
+_YARN_UNSAID = {"mscale": 1.0, "mscale_all_dim": 0.0, "truncate": True}
+
+
+def _yarn_from_args(get: Callable[..., Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"rope_type": "yarn"}
+    for field, arg, config_field in YARN_ARGS:
+        value = get(arg) if get(arg) is not None else get(config_field)
+        if value is not None:
+            out[field] = value
+    if get("yarn_correction_range_round_to_int") is not None:
+        out["truncate"] = bool(get("yarn_correction_range_round_to_int"))
+    return {k: v for k, v in out.items() if k not in _YARN_UNSAID or v != _YARN_UNSAID[k]}
+
+
+def _yarn_args(c: ModelConfig) -> dict[str, Any]:
+    """Megatron's YaRN arguments and config fields of a GPT model (every one named, so nothing falls to a
+    default)."""
+    s = c.rope_scaling
+    extra = sorted(set(s) - {"rope_type", "truncate", *(f for f, _, _ in YARN_ARGS)})
+    if extra:
+        raise ConvertError(f"Megatron's YaRN has no place for rope_scaling {', '.join(extra)} of {s}")
+    defaults = {"mscale": 1.0, "mscale_all_dim": 0.0, "beta_fast": 32.0, "beta_slow": 1.0}
+    values = {field: s.get(field) if s.get(field) is not None else defaults.get(field) for field, _, _ in YARN_ARGS}
+    return {name: values[field] for field, arg, config_field in YARN_ARGS for name in (arg, config_field)} | {
+        "yarn_correction_range_round_to_int": bool(s.get("truncate", True))}
 
 
 def _full_attention_layers(freq: Any, num_layers: int, where: str) -> tuple[int, ...]:
@@ -326,19 +372,26 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     `ARGS` (the norm epsilon under both names Megatron-LM has used).
     """
     linear = c.rope_scaling is not None and c.rope_scaling.get("rope_type") == "linear" and not c.is_mla
+    yarn = bool(c.rope_scaling) and c.rope_scaling.get("rope_type") == "yarn" and not c.is_mla
     if linear and set(c.rope_scaling) != {"rope_type", "factor"}:
         raise ConvertError(f"Megatron's linear rope scaling (rotary_seq_len_interpolation_factor) has a factor only; "
                            f"this model has {c.rope_scaling}")
-    if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3" and not c.is_mla and not linear:
-        raise ConvertError(f"Megatron supports only Llama 3 and linear rope scaling; this model has {c.rope_scaling}")
-    if c.rope_scaling and not c.is_mla and not linear and {k: v for k, v in c.rope_scaling.items()
-                                                           if k != "factor"} != \
+    if c.rope_scaling and c.rope_scaling.get("rope_type") != "llama3" and not c.is_mla and not linear and not yarn:
+        raise ConvertError(f"Megatron supports only Llama 3, linear and YaRN rope scaling; this model has "
+                           f"{c.rope_scaling}")
+    if c.rope_scaling and not c.is_mla and not linear and not yarn and {k: v for k, v in c.rope_scaling.items()
+                                                                        if k != "factor"} != \
             {k: v for k, v in LLAMA3_SCALING.items() if k != "factor"}:
         raise ConvertError(f"Megatron hard-codes the Llama 3 rope scaling parameters {LLAMA3_SCALING} except the "
                            f"factor; this model has {c.rope_scaling}")
     if c.proj_bias != c.mlp_bias or (c.proj_bias and not c.qkv_bias):
         raise ConvertError("Megatron's add_bias_linear puts a bias on every linear (add_qkv_bias on q/k/v alone); "
                            f"this model has qkv_bias={c.qkv_bias}, proj_bias={c.proj_bias}, mlp_bias={c.mlp_bias}")
+    if c.is_moe and c.moe_router_bias != c.mlp_bias:
+        raise ConvertError("Megatron's add_bias_linear puts a bias on the router too; this model has "
+                           f"moe_router_bias={c.moe_router_bias}, mlp_bias={c.mlp_bias}")
+    if c.attention_sinks and c.is_mla:
+        raise ConvertError("Megatron's learnable softmax offset (attention sinks) with multi-latent attention")
     if c.rope_theta != int(c.rope_theta):
         raise ConvertError(f"Megatron's rotary_base is an integer; this model's rope_theta is {c.rope_theta}")
     rope = c.position_embedding == "rope"
@@ -348,14 +401,17 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         **_args_from_fields(c), ffn_hidden_size=c.ffn_hidden_size,
         group_query_attention=c.num_query_groups != c.num_attention_heads, num_query_groups=c.num_query_groups,
         # Megatron's defaults for the next two whatever the position embedding (resuming compares them)
-        position_embedding_type="rope" if rope else "learned_absolute", add_position_embedding=True,
+        position_embedding_type=("yarn" if yarn else "rope") if rope else "learned_absolute",
+        add_position_embedding=True,
         use_rotary_position_embeddings=False,
-        rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling) and not linear,
+        rotary_interleaved=False, use_rope_scaling=bool(c.rope_scaling) and not linear and not yarn,
         rope_scaling_factor=float(c.rope_scaling["factor"]) if c.rope_scaling and not linear else 8.0,
         rotary_seq_len_interpolation_factor=float(c.rope_scaling["factor"]) if linear else None,
         normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm",
         apply_layernorm_1p=c.norm_zero_centered, layernorm_zero_centered_gamma=c.norm_zero_centered,
-        qk_layernorm=c.qk_norm, swiglu=c.activation == "swiglu",
+        qk_layernorm=c.qk_norm, swiglu=c.activation == "swiglu", quick_geglu=c.activation == "quick_geglu",
+        glu_linear_offset=c.glu_linear_offset, activation_func_clamp_value=c.activation_clamp,
+        softmax_type="learnable" if c.attention_sinks else "vanilla",
         openai_gelu=c.activation in ("gelu_tanh", "geglu_tanh"), squared_relu=False, bias_gelu_fusion=False,
         add_bias_linear=c.proj_bias, add_qkv_bias=c.qkv_bias,
         untie_embeddings_and_output_weights=not c.tie_embeddings,
@@ -400,6 +456,8 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     if c.activation == "geglu_tanh":
         values["gated_linear_unit"] = True
     values |= mla_keys.args_fields(c)
+    if yarn:
+        values |= _yarn_args(c)
     if c.is_moe and expert_layout == "legacy_grouped":
         # Megatron-LM before March 2026 (the GroupedMLP's last version) picks it under TE only with this flag
         values["moe_use_legacy_grouped_gemm"] = True

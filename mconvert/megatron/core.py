@@ -76,6 +76,8 @@ ATTENTION = (
     # sandwich norms (Gemma 3): megatron-core's TransformerLayer has no norm after a sublayer; these are the names
     # of Megatron-Bridge's Gemma layers, whose linear_proj / linear_fc2 normalize their own output
     *norm("decoder.layers.{l}.self_attention.linear_proj.post_layernorm", "layers.{L}.post_attn_norm"),
+    # softmax_type="learnable": one offset (the attention sink) per head, split over TP with the heads
+    Rule("decoder.layers.{l}.self_attention.core_attention.softmax_offset", ("layers.{L}.attn.sinks",), shard=COLUMN),
 )
 MLP = (  # gated fc1 first: it wins when the model has a gate (see rules.active)
     *linear("decoder.layers.{l}.mlp.linear_fc1", "layers.{L}.mlp.gate", "layers.{L}.mlp.up", join=GATE_UP,
@@ -84,6 +86,7 @@ MLP = (  # gated fc1 first: it wins when the model has a gate (see rules.active)
     *linear("decoder.layers.{l}.mlp.linear_fc2", "layers.{L}.mlp.down", shard=ROW, bias_shard=REPLICATE),
     *norm("decoder.layers.{l}.mlp.linear_fc2.post_layernorm", "layers.{L}.post_mlp_norm"),
     core_moe.ROUTER,
+    core_moe.ROUTER_LINEAR_BIAS,
     core_moe.ROUTER_BIAS,
     *core_moe.SHARED_EXPERTS,
 )
@@ -175,6 +178,9 @@ def check_model(c: ModelConfig, options: Options) -> None:
     if c.mtp_layers and c.tie_embeddings and options.layout.pp > 1 and options.ckpt_format == "torch":
         problems.append("multi-token prediction with tied embeddings over pipeline stages (which copy Megatron keeps "
                         "on the last stage is not settled here): use --pp 1 or --ckpt-format torch_dist")
+    if c.is_moe and c.mlp_bias and options.expert_layout in ("legacy_grouped", "single_grouped"):
+        problems.append(f"expert biases in the {options.expert_layout} expert layout, which has no place for them "
+                        "(use --expert-layout sequential or grouped)")
     if problems:
         raise ConvertError("saver core: " + "; ".join(problems))
     options.layout.check_model(c)

@@ -87,6 +87,10 @@ EXPERT_RULES = (
     Rule(f"{EXPERTS}.linear_fc1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",
                                           "layers.{L}.moe.experts.{E}.up.weight"), GATE_UP),
     Rule(f"{EXPERTS}.linear_fc2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
+    # expert biases (GPT-OSS)
+    Rule(f"{EXPERTS}.linear_fc1.bias", ("layers.{L}.moe.experts.{E}.gate.bias", "layers.{L}.moe.experts.{E}.up.bias"),
+         GATE_UP),
+    Rule(f"{EXPERTS}.linear_fc2.bias", ("layers.{L}.moe.experts.{E}.down.bias",)),
 )
 
 
@@ -95,6 +99,9 @@ SINGLETON_EXPERT_RULES = (
     Rule(f"{SINGLETON_EXPERTS}.linear_fc1.weight", ("layers.{L}.moe.experts.{E}.gate.weight",
                                                     "layers.{L}.moe.experts.{E}.up.weight"), GATE_UP),
     Rule(f"{SINGLETON_EXPERTS}.linear_fc2.weight", ("layers.{L}.moe.experts.{E}.down.weight",)),
+    Rule(f"{SINGLETON_EXPERTS}.linear_fc1.bias", ("layers.{L}.moe.experts.{E}.gate.bias",
+                                                  "layers.{L}.moe.experts.{E}.up.bias"), GATE_UP),
+    Rule(f"{SINGLETON_EXPERTS}.linear_fc2.bias", ("layers.{L}.moe.experts.{E}.down.bias",)),
 )
 
 
@@ -197,10 +204,15 @@ def placements(config: ModelConfig, impl: core.Impl = "local", per_layer: bool |
     return out
 
 
+def expert_rules(config: ModelConfig, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """The expert rules of this model: the biases only when its experts have them (GPT-OSS)."""
+    return rules if config.mlp_bias else tuple(r for r in rules if not r.key.endswith(".bias"))
+
+
 def _singleton_blocks(config: ModelConfig, L: int, rows: list[Row]) -> list[Placed]:
     """Layer L saved with `singleton_local_shards`: whole tensors, experts under their own numbers, SwiGLU halves."""
     experts = range(config.num_experts or 0) if config.is_moe_layer(L) else ()
-    own = [Row(*rule.keys(L=L, E=E), rule) for E in experts for rule in SINGLETON_EXPERT_RULES]
+    own = [Row(*rule.keys(L=L, E=E), rule) for E in experts for rule in expert_rules(config, SINGLETON_EXPERT_RULES)]
     return [Placed(r, r.key) for r in halves(rows + own)]
 
 
@@ -209,7 +221,7 @@ def _layer_blocks(config: ModelConfig, L: int, rows: list[Row], prefix: str) -> 
     n, experts, stacked = config.num_layers, config.num_experts or 0, prefix == STACKED_PREFIX
     out = [Placed(r, stacked_key(r.key, L), (L,), (n,)) if stacked else Placed(r, r.key) for r in rows]
     for E in range(experts) if config.is_moe_layer(L) else ():
-        for rule in EXPERT_RULES:
+        for rule in expert_rules(config, EXPERT_RULES):
             key, names = rule.keys(L=L, E=E)
             if stacked:
                 out.append(Placed(Row(f"{key}[{L},{E}]", names, rule), key, (L, E), (n, experts)))

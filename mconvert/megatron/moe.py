@@ -41,8 +41,12 @@ EXPERT_LAYOUTS: tuple[str, ...] = get_args(ExpertLayout)
 _EXPERTS = "decoder.layers.{l}.mlp.experts"
 _GATE_UP = ("layers.{L}.moe.experts.{E}.gate.weight", "layers.{L}.moe.experts.{E}.up.weight")
 _DOWN = ("layers.{L}.moe.experts.{E}.down.weight",)
+_GATE_UP_BIAS = ("layers.{L}.moe.experts.{E}.gate.bias", "layers.{L}.moe.experts.{E}.up.bias")
+_DOWN_BIAS = ("layers.{L}.moe.experts.{E}.down.bias",)
 
 ROUTER = Rule("decoder.layers.{l}.mlp.router.weight", ("layers.{L}.moe.router.weight",))
+# GPT-OSS (add_bias_linear): the router's linear bias, replicated like its weight
+ROUTER_LINEAR_BIAS = Rule("decoder.layers.{l}.mlp.router.bias", ("layers.{L}.moe.router.bias",))
 # DeepSeek: the router's expert bias (float32, replicated) and the shared experts (split over TP like a dense MLP)
 ROUTER_BIAS = Rule("decoder.layers.{l}.mlp.router.expert_bias", ("layers.{L}.moe.router.expert_bias",))
 SHARED_EXPERTS = (
@@ -57,10 +61,16 @@ EXPERTS: dict[str, tuple[tuple[Rule, ...], tuple[Rule, ...]]] = {
         Rule("decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1.weight", _GATE_UP, GATE_UP,
              EXPERT_GATED_COLUMN),
         Rule("decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc2.weight", _DOWN, shard=EXPERT_ROW),
+        # expert biases (add_bias_linear, GPT-OSS): fc1's split like its rows, fc2's whole on every rank
+        Rule("decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1.bias", _GATE_UP_BIAS, GATE_UP,
+             EXPERT_GATED_COLUMN),
+        Rule("decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc2.bias", _DOWN_BIAS),
     ), ()),
     "grouped": ((
         Rule("decoder.layers.{l}.mlp.experts.linear_fc1.weight{e}", _GATE_UP, GATE_UP, EXPERT_GATED_COLUMN),
         Rule("decoder.layers.{l}.mlp.experts.linear_fc2.weight{e}", _DOWN, shard=EXPERT_ROW),
+        Rule("decoder.layers.{l}.mlp.experts.linear_fc1.bias{e}", _GATE_UP_BIAS, GATE_UP, EXPERT_GATED_COLUMN),
+        Rule("decoder.layers.{l}.mlp.experts.linear_fc2.bias{e}", _DOWN_BIAS),
     ), ()),
     "legacy_grouped": ((), (
         Rule("decoder.layers.{l}.mlp.experts.weight1", _GATE_UP, STACK_GATE_UP, EXPERT_GROUPED_GEMM_FC1),

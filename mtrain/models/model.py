@@ -132,9 +132,28 @@ class CoreAttention(nn.Module):
         return attend(q, k, v, mask, causal, self.scale, self.softcap)  # (B, nh, Tq, hd)
 
 
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, ctx: LayerContext,
+                   scale: float | None = None) -> torch.Tensor:
+    """softmax([q k^T * scale + mask | sink]) without the sink's column, times v: each head's probabilities sum to
+    less than 1 by the sink's share (GPT-OSS; Megatron's learnable softmax offset). Written out, as SDPA has no
+    sinks: the scores are (B, nh, Tq, Tk), the size SDPA's math path makes too."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    # cached keys are consecutive positions up to the last query's (a windowed cache keeps only the last)
+    k_pos = ctx.positions if Tq == Tk else torch.arange(Tk, device=q.device) + (ctx.positions[-1] + 1 - Tk)
+    q_pos = ctx.positions
+    groups = q.shape[1] // k.shape[1]  # query head i reads key/value group i // groups, as HF's repeat_kv
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(2, 3) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = scores.masked_fill(~attention_mask(q_pos, k_pos, ctx.window), float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, Tq, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped key/value heads (GQA), rotary or no positions, the context's window,
-    optional per-head norms of queries and keys (Qwen3's q_norm / k_norm)."""
+    optional per-head norms of queries and keys (Qwen3's q_norm / k_norm), optional attention sinks (GPT-OSS)."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -146,6 +165,8 @@ class Attention(nn.Module):
         if c.qk_norm:  # one norm over head_dim shared by all query heads, one by all key heads
             self.q_norm = make_norm(c, c.head_dim)
             self.k_norm = make_norm(c, c.head_dim)
+        if c.attention_sinks:  # one logit per head (the local heads under tensor parallel)
+            self.sinks = nn.Parameter(torch.zeros(c.num_attention_heads))
         self.core = CoreAttention()
         self.core.scale, self.core.softcap = c.attention_scale, c.attn_logit_softcap
 
@@ -162,27 +183,48 @@ class Attention(nn.Module):
             q, k = rope.apply(q, *ctx.rot), rope.apply(k, *ctx.rot)
         if ctx.cache is not None:  # generation: attend to the cached positions too
             k, v = ctx.cache.append(k, v, dim=2)  # (B, ng, cached + T, hd)
-        y = self.core(q, k, v, ctx)  # (B, nh, T, hd)
+        if hasattr(self, "sinks"):
+            sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
+            y = sink_attention(q, k, v, sinks, ctx, self.core.scale)
+        else:
+            y = self.core(q, k, v, ctx)  # (B, nh, T, hd)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 
+def gated_unit(c: ModelConfig):
+    """The gated unit of a gated MLP, (gate, up) -> (f,): act(g) * (u + glu_linear_offset) with act SiLU (SwiGLU),
+    the tanh GELU (Gemma's GeGLU) or GPT-OSS's quick GELU g * sigmoid(1.702 g); with `activation_clamp` set,
+    g = min(gate, clamp) and u = clamp(up, -clamp, clamp), else g = gate and u = up."""
+    act = {"swiglu": F.silu, "geglu_tanh": lambda g: F.gelu(g, approximate="tanh"),
+           "quick_geglu": lambda g: g * torch.sigmoid(1.702 * g)}[c.activation]
+    limit, offset = c.activation_clamp, c.glu_linear_offset
+    if limit is None and offset == 0.0:
+        return lambda gate, up: act(gate) * up
+
+    def unit(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return act(gate) * (up + offset)
+
+    return unit
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); GeGLU (Gemma): down(gelu_tanh(gate(x)) * up(x)); otherwise
-    down(act(up(x))) with GELU (tanh approximation for GPT-2)."""
+    """Gated: down(unit(gate(x), up(x))) (see `gated_unit`); otherwise down(act(up(x))) with GELU (tanh
+    approximation for GPT-2)."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.activation = c.activation
+        self.unit = gated_unit(c) if c.gated else None
         if c.gated:
             self.gate = nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=c.mlp_bias)
         self.up = nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=c.mlp_bias)
         self.down = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "swiglu":
-            return self.down(F.silu(self.gate(x)) * self.up(x))
-        if self.activation == "geglu_tanh":
-            return self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
+        if self.unit is not None:
+            return self.down(self.unit(self.gate(x), self.up(x)))
         approximate = "tanh" if self.activation == "gelu_tanh" else "none"
         return self.down(F.gelu(self.up(x), approximate=approximate))
 
@@ -203,7 +245,7 @@ class Block(nn.Module):
         if c.sandwich_norms:
             self.post_mlp_norm = make_norm(c)
         if c.is_moe_layer(layer):
-            self.moe = MoE(c)
+            self.moe = MoE(c, gated_unit(c))
         else:
             self.mlp = MLP(c)
 

@@ -27,24 +27,45 @@ from mconvert.ir.config import ModelConfig
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU MLPs: expert e computes down[e] @ (silu(gate[e] @ x) * (up[e] @ x))."""
+    """E gated MLPs: expert e computes down[e] @ unit(gate[e] @ x, up[e] @ x) (SwiGLU, or the model's gated unit,
+    see model.gated_unit), with biases `gate_bias`, `up_bias` [E, f] and `down_bias` [E, h] when `bias`."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int):
+    def __init__(self, num_experts: int, hidden: int, ffn: int, unit: Callable | None = None, bias: bool = False):
         super().__init__()
         self.gate = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.up = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        if bias:
+            self.gate_bias = nn.Parameter(torch.zeros(num_experts, ffn))
+            self.up_bias = nn.Parameter(torch.zeros(num_experts, ffn))
+            self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.unit = unit or (lambda g, u: F.silu(g) * u)
+        self.down_bias_after_sum = False  # expert tensor parallel adds down's bias after summing the ranks' parts
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: (N, h) sorted by expert; tokens_per_expert: (E_local,) counts summing to N."""
         # The local shard under expert/tensor parallel; cast for FSDP's bf16 compute (the experts are not FSDP's).
         gate, up, down = (_local(w).to(x.dtype) for w in (self.gate, self.up, self.down))
+        bias = hasattr(self, "gate_bias")
+        if bias:
+            gate_b, up_b, down_b = (_local(w).to(x.dtype) for w in (self.gate_bias, self.up_bias, self.down_bias))
         outputs = []
         # Experts without tokens still run (on 0 rows), so every shard has a gradient, if only zeros.
         for e, chunk in enumerate(torch.split(x, tokens_per_expert.tolist())):
-            hidden = F.silu(chunk @ gate[e].T) * (chunk @ up[e].T)  # (n_e, f)
-            outputs.append(hidden @ down[e].T)  # (n_e, h)
+            if bias:
+                hidden = self.unit(F.linear(chunk, gate[e], gate_b[e]), F.linear(chunk, up[e], up_b[e]))
+                outputs.append(F.linear(hidden, down[e], None if self.down_bias_after_sum else down_b[e]))
+            else:
+                hidden = self.unit(chunk @ gate[e].T, chunk @ up[e].T)  # (n_e, f)
+                outputs.append(hidden @ down[e].T)  # (n_e, h)
         return torch.cat(outputs)
+
+    def add_down_bias(self, y: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """y (the summed outputs, grouped by expert) plus each row's expert's down bias (expert tensor parallel)."""
+        if not hasattr(self, "down_bias"):
+            return y
+        bias = _local(self.down_bias).to(y.dtype)  # (E_local, h)
+        return y + bias.repeat_interleave(tokens_per_expert.to(bias.device), dim=0)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -121,7 +142,7 @@ class MoE(nn.Module):
     """Router + experts. Routing as HF Mixtral and Qwen3-MoE: softmax over all experts (fp32), top-k, renormalized
     to sum to 1 unless the config says not to (moe_norm_topk); or as DeepSeek-V3 (`route_sigmoid`)."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, unit: Callable | None = None):
         super().__init__()
         self.num_experts, self.top_k = c.num_experts, c.moe_top_k
         self.jitter_eps = c.moe_jitter_eps or 0.0
@@ -135,7 +156,7 @@ class MoE(nn.Module):
         self.capacity_factor: float | None = None  # None: dropless
         self.dispatch: Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor] = run_experts
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None  # context parallel
-        self.router = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.router = nn.Linear(c.hidden_size, c.num_experts, bias=c.moe_router_bias)  # GPT-OSS's bias
         self.norm_topk = c.moe_norm_topk
         self.sigmoid, self.scaling = c.moe_router_score == "sigmoid", c.moe_router_scaling_factor
         self.groups, self.group_topk = c.moe_router_groups, c.moe_router_group_topk
@@ -145,7 +166,7 @@ class MoE(nn.Module):
             self.router.register_buffer("expert_bias", torch.zeros(c.num_experts))
         self.routed: torch.Tensor | None = None  # (E,) (token, expert) pairs routed in training since the last reset
         self.count_loads = True  # off for a pipeline stage's shape-inference pass (parallel/pipeline.py)
-        self.experts = GroupedExperts(c.num_experts, c.hidden_size, c.expert_ffn_hidden_size)
+        self.experts = GroupedExperts(c.num_experts, c.hidden_size, c.expert_ffn_hidden_size, unit, bias=c.mlp_bias)
         if c.moe_shared_expert_ffn_hidden_size:
             self.shared = SharedExperts(c.hidden_size, c.moe_shared_expert_ffn_hidden_size)
 

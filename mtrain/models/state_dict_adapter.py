@@ -6,6 +6,7 @@ Every parameter is named as its IR tensor except the MoE experts, which the mode
     layers.{L}.moe.experts.gate [E,f,h]  layers.{L}.moe.experts.{e}.gate.weight [f,h]   for e in 0..E-1
     layers.{L}.moe.experts.up   [E,f,h]  layers.{L}.moe.experts.{e}.up.weight   [f,h]
     layers.{L}.moe.experts.down [E,h,f]  layers.{L}.moe.experts.{e}.down.weight [h,f]
+    layers.{L}.moe.experts.gate_bias [E,f]  layers.{L}.moe.experts.{e}.gate.bias [f]   (up_bias, down_bias alike)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from mconvert.ir.names import expected_shapes
 
 T = TypeVar("T")
 
-_STACKED = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(gate|up|down)\.weight")
+_STACKED = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(gate|up|down)\.(weight|bias)")
 
 
 def ir_sources(c: ModelConfig) -> dict[str, tuple[str, int | None]]:
@@ -29,7 +30,8 @@ def ir_sources(c: ModelConfig) -> dict[str, tuple[str, int | None]]:
     table: dict[str, tuple[str, int | None]] = {}
     for name in expected_shapes(c):
         m = _STACKED.fullmatch(name)
-        table[name] = (f"layers.{m[1]}.moe.experts.{m[3]}", int(m[2])) if m else (name, None)
+        suffix = "_bias" if m and m[4] == "bias" else ""
+        table[name] = (f"layers.{m[1]}.moe.experts.{m[3]}{suffix}", int(m[2])) if m else (name, None)
     return table
 
 

@@ -81,6 +81,9 @@ class ParallelDims:
     def check_model(self, c: ModelConfig) -> None:
         """Refuse a model this layout cannot split, naming the size that does not divide (all problems at once)."""
         problems = [LayoutError(p).spelled(config_field) for p in self.layout.model_problems(c)]
+        if c.attention_sinks and self.cp > 1:  # the sink's share needs every key's score (model.sink_attention)
+            problems.append(f"parallel.cp {self.cp} with attention sinks (model.attention_sinks), which context "
+                            "parallel's attention does not compute: use parallel.cp 1")
         if problems:
             raise TrainError("the parallel layout does not fit the model: " + "; ".join(problems))
         self.chunks(c.num_layers)

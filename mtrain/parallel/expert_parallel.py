@@ -36,6 +36,8 @@ from mtrain.parallel.grads import laid_out_like_param, local_tensor
 from mtrain.parallel.tensor_parallel import copy_to_region
 
 EXPERT_WEIGHTS = {"gate": 1, "up": 1, "down": 2}  # name -> the ffn dim split by tensor parallel
+# biases (GPT-OSS): gate's and up's split with the ffn, down's whole on every tp rank, added after the tp sum
+EXPERT_BIASES = {"gate_bias": 1, "up_bias": 1, "down_bias": None}
 
 
 class AllToAllDispatch:
@@ -84,8 +86,9 @@ def apply_expert_parallel(moe: MoE, mesh: DeviceMesh, ep: int, tp: int) -> None:
     """Shard the experts of one MoE layer (on the meta device) and install the dispatch and the tp regions."""
     experts = moe.experts
     sub, dims = expert_mesh(mesh, ep, tp)
-    for name, tp_dim in EXPERT_WEIGHTS.items():
-        placements = [Shard(0) if d == 0 else Shard(tp_dim) for d in dims]
+    biases = EXPERT_BIASES if hasattr(experts, "down_bias") else {}
+    for name, tp_dim in (EXPERT_WEIGHTS | biases).items():
+        placements = [Shard(0) if d == 0 else Replicate() if tp_dim is None else Shard(tp_dim) for d in dims]
         param = getattr(experts, name)
         sharded = distribute_tensor(param.data, sub, placements, src_data_rank=None)
         setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
@@ -95,9 +98,12 @@ def apply_expert_parallel(moe: MoE, mesh: DeviceMesh, ep: int, tp: int) -> None:
         tp_mesh = mesh["tp"]
         # copy to the tp region: identity forward, gradient summed over tp ranks in backward
         experts.register_forward_pre_hook(lambda m, args: (copy_to_region(args[0], tp_mesh), *args[1:]))
-        # reduce from the tp region: the ranks' partial outputs summed, gradient passed through
-        experts.register_forward_hook(lambda m, i, out: DTensor.from_local(out, tp_mesh, [Partial()], run_check=False)
-                                      .redistribute(tp_mesh, [Replicate()]).to_local())
+        # reduce from the tp region: the ranks' partial outputs summed, gradient passed through; then down's bias,
+        # once (its gradient, the summed output's, is the same on every tp rank)
+        experts.down_bias_after_sum = True
+        experts.register_forward_hook(lambda m, i, out: m.add_down_bias(
+            DTensor.from_local(out, tp_mesh, [Partial()], run_check=False).redistribute(tp_mesh, [Replicate()])
+            .to_local(), i[1]))
 
 
 def expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -134,6 +134,10 @@ def _parallelize_block(block: Block, mesh: DeviceMesh, sequence_parallel: bool) 
             plan |= {"moe.shared.gate": ColwiseParallel(), "moe.shared.up": ColwiseParallel(),
                      "moe.shared.down": RowwiseParallel()}
     parallelize_module(block, mesh, plan)
+    if isinstance(block.attn, Attention) and hasattr(block.attn, "sinks"):  # one per head: split with the heads
+        sinks = block.attn.sinks
+        block.attn.sinks = nn.Parameter(distribute_tensor(sinks.data, mesh, [Shard(0)], src_data_rank=None),
+                                        requires_grad=sinks.requires_grad)
     if hasattr(block, "moe") and sequence_parallel:
         # Routing needs every token of the sequence (the auxiliary loss is a whole-sequence statistic, as in one
         # process), so the MoE works on the gathered sequence and hands back this rank's part.

@@ -21,7 +21,7 @@ from mconvert import engine
 from mconvert.ir.config import ModelConfig
 from mconvert.options import Options
 from tests.support.cli import run_cli
-from tests.support.compare import assert_same_files, assert_same_tensors, hf_logits
+from tests.support.compare import assert_same_files, assert_same_hf_config, assert_same_tensors, hf_logits
 from tests.support.layouts import DISTRIBUTED, LAYOUTS, Layout
 from tests.support.models import FAMILIES
 
@@ -29,7 +29,7 @@ from tests.support.models import FAMILIES
 # holds every layout, through the layouts that family's features meet (GQA groups split by TP, uneven and virtual
 # pipeline stages, experts split by EP and ETP in each expert layout, Transformer Engine names). Legacy holds
 # neither experts nor per-head q/k norms, the DCP formats no MTP modules (test_legacy.py, test_qwen.py,
-# test_deepseek.py and test_glm4_moe.py check those refusals).
+# test_deepseek.py, test_glm4_moe.py and test_gpt_oss.py check those refusals).
 MATRIX = {
     "llama": {"torch": ("tp1", "tp2", "tp4", "tp1_pp2", "tp2_pp2", "tp1_pp3_first1_last1", "tp2_pp2_vpp2",
                         "tp2_pp2_te"),
@@ -64,6 +64,10 @@ MATRIX = {
     # the DCP formats hold no MTP modules (test_glm4_moe.py: refused, and the rest with --skip-mtp)
     "glm4_moe": {"torch": ("tp2_ep2_pp2", "tp2_ep2_pp2_vpp2_te", "tp1_ep4_te_grouped", "tp2_etp1_pp2_legacy_grouped"),
                  "torch_dist": ("tp1", "tp2_te"), "zarr": ("tp1_te",)},
+    # sinks split with the heads, expert biases with their experts (legacy holds no experts: test_gpt_oss.py)
+    "gpt_oss": {"torch": ("tp2_ep2_pp2", "tp2_ep2_te_grouped", "tp2_ep2_pp2_vpp2_te", "tp2_pp2_vpp2_te"),
+                "torch_dist": ("tp1", "tp2_te"), "zarr": ("tp1",), "torch_dcp": ("tp2",),
+                "fsdp_dtensor": ("tp2_te_grouped",)},
 }
 # IR config fields a Megatron checkpoint does not hold as the HF source has them (besides the padded vocabulary)
 # (DeepSeek and GLM: HF has no coefficient; Megatron's args say 0.0)
@@ -143,14 +147,3 @@ def assert_megatron(path: Path, fmt: str, layout: Layout, src: Source, family: s
     unheld = dict.fromkeys(NOT_IN_MEGATRON.get(family, ()))
     assert ir.config.replace(padded_vocab_size=None, **unheld) == src.config.replace(**unheld)
     assert_same_tensors(src.tensors, {n: t.load() for n, t in ir})
-
-
-def assert_same_hf_config(src: Path, out: Path) -> None:
-    """transformers reads the same config from both, but where the source leaves a field to its default (null) and
-    the output spells the value out (GPT-2's n_inner, Mixtral's head_dim, Mistral's attention_bias)."""
-    import transformers
-
-    want, got = (transformers.AutoConfig.from_pretrained(p).to_dict() for p in (src, out))
-    differ = {k: (v, got.get(k)) for k, v in want.items() if v is not None and k != "_name_or_path" and got.get(k) != v}
-    assert differ == {}
-

@@ -33,6 +33,16 @@ def assert_same_files(a: Path, b: Path) -> None:
     assert not bad, bad[:5]
 
 
+def assert_same_hf_config(src: Path, out: Path) -> None:
+    """transformers reads the same config from both, but where the source leaves a field to its default (null) and
+    the output spells the value out (GPT-2's n_inner, Mixtral's head_dim, Mistral's attention_bias)."""
+    import transformers
+
+    want, got = (transformers.AutoConfig.from_pretrained(p).to_dict() for p in (src, out))
+    differ = {k: (v, got.get(k)) for k, v in want.items() if v is not None and k != "_name_or_path" and got.get(k) != v}
+    assert differ == {}
+
+
 def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
     """transformers' fp32 logits of the HF model at `path` on `tokens`."""
     from transformers import AutoModelForCausalLM

@@ -62,7 +62,11 @@ CLASSES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
+# GPT-OSS: YaRN with its release's truncate=False at a small original context (factor and attention factor not 1)
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64}
 
 
 def _transformers_model(family: str, fields: dict):
@@ -117,6 +121,13 @@ HF_FIELDS = {
                       eos_token_id=2, tie_word_embeddings=False,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "gemma3_text": GEMMA3,
+    # GPT-OSS: sinks, biases everywhere, 4 experts top-2 with a router bias, a window of 8 in layers 0 and 2 (the
+    # others attend fully), YaRN; 2 key/value groups (TP 2 keeps whole groups), head_dim 16 != hidden / heads; a
+    # swiglu_limit the random activations reach
+    "gpt_oss": dict(num_hidden_layers=4, hidden_size=64, intermediate_size=48, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=8, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1,
+                    eos_token_id=2, swiglu_limit=0.2, router_aux_loss_coef=0.02, rope_parameters=GPT_OSS_YARN),
     # n_inner None means 4 * n_embd; gelu_new is the tanh approximation; wte and lm_head tied
     "gpt2": dict(n_layer=4, n_embd=64, n_head=4, n_inner=None, n_positions=128, vocab_size=VOCAB,
                  activation_function="gelu_new", layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2,
@@ -275,6 +286,7 @@ FAMILIES = {f.name: f for f in (
     Family("qwen3", "qwen_hf", partial(make_hf_model, family="qwen3"), seed=1),
     Family("qwen3_moe", "qwen_hf", partial(make_hf_model, family="qwen3_moe"), seed=2),
     Family("gemma3_text", "gemma3_hf", partial(make_hf_model, family="gemma3_text"), seed=0),
+    Family("gpt_oss", "gpt_oss_hf", partial(make_hf_model, family="gpt_oss"), seed=3),
     # query LoRA, one MTP module, float32
     Family("deepseek_v3", "deepseek_hf", partial(make_deepseek, mtp=1), seed=0),
     # partial rotary, q/k norms and biases, one MTP module, float32
@@ -323,6 +335,11 @@ CONFIGS = {
     # Gemma 3, 2 layers: a window of 8 in layer 0 (its own rope theta), full attention in layer 1
     "gemma3_text": GEMMA3 | dict(num_hidden_layers=2, intermediate_size=96, sliding_window=8,
                                  layer_types=["sliding_attention", "full_attention"]),
+    # sinks, biases, a clamp the activations reach (0.2), a window of 8 in layer 0 (layer 1 attends fully), YaRN
+    "gpt_oss": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=32, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=16, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=8, max_position_embeddings=256, rms_norm_eps=1e-5, swiglu_limit=0.2,
+                    router_aux_loss_coef=0.02, tie_word_embeddings=False, rope_parameters=GPT_OSS_YARN),
 }
 
 

@@ -66,14 +66,17 @@ ROUTING_FIELDS = ("moe_router_score_function", "moe_router_enable_expert_bias", 
 def transformer_config(args):
     """Megatron's TransformerConfig (MLATransformerConfig for MLA) from the args we write (the fields mconvert's
     core saver sets)."""
+    from megatron.core.activations import quick_gelu
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     moe = bool(args.num_experts)
+    quick_geglu = bool(getattr(args, "quick_geglu", False))  # GPT-OSS, with the two fields after the MoE ones
     fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
         normalization=args.normalization, layernorm_epsilon=args.layernorm_epsilon,
-        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        gated_linear_unit=args.swiglu or quick_geglu,
+        activation_func=quick_gelu if quick_geglu else F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, window_size=args.window_size,
         window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
         qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
@@ -87,12 +90,25 @@ def transformer_config(args):
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
         mtp_num_layers=getattr(args, "mtp_num_layers", None),
         mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1))
+    if quick_geglu:
+        fields |= dict(glu_linear_offset=args.glu_linear_offset,
+                       activation_func_clamp_value=args.activation_func_clamp_value)
+    if getattr(args, "softmax_type", "vanilla") != "vanilla":
+        fields["softmax_type"] = args.softmax_type
     if moe:
         fields |= {k: getattr(args, k) for k in ROUTING_FIELDS if getattr(args, k, None) is not None}
     if getattr(args, "multi_latent_attention", False):
         return MLATransformerConfig(**fields, rotary_base=args.rotary_base, **{k: getattr(args, k) for k in MLA_FIELDS
                                                                                if hasattr(args, k)})
-    return TransformerConfig(**fields)
+    config = TransformerConfig(**fields)
+    for name in YARN_FIELDS:  # GPTModel reads them from its config when position_embedding_type is yarn
+        if getattr(args, "position_embedding_type", None) == "yarn":
+            setattr(config, name, getattr(args, name))
+    return config
+
+
+YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
 
 
 def check_dist_keys(sharded_state_dict, it_dir: Path) -> None:
@@ -139,7 +155,9 @@ def build(args):
     mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False) \
         if config.mtp_num_layers else None
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                     max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
+                     max_sequence_length=args.max_position_embeddings,
+                     position_embedding_type="yarn" if getattr(args, "position_embedding_type", None) == "yarn"
+                     else "rope",
                      rotary_base=args.rotary_base, rotary_percent=getattr(args, "rotary_percent", 1.0),
                      mtp_block_spec=mtp,
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
