@@ -200,7 +200,7 @@ def test_formats_and_families_that_cannot_hold_it_refuse_by_feature(source, tmp_
     assert out.startswith("Error: ") and "legacy model has no per-head q/k norms" in out, out
     out = run_cli("--saver", "llama_mistral", "--load-dir", source, "--save-dir", tmp_path / "llama",
                   expect_error=True)
-    assert out.startswith("Error: the Llama/Mistral saver cannot write a gemma3_text model"), out
+    assert out.startswith("Error: the llama_mistral saver cannot write a gemma3_text model; use --saver gemma3_hf"), out
     assert not (tmp_path / "legacy").exists() and not (tmp_path / "llama").exists()
     # a Llama with Gemma's features: the Llama family names each (FEATURES) and who holds them
     config = ModelConfig(family="llama", num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
