@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from mconvert.errors import ConvertError
 from mconvert.io import hf_dir
-from mconvert.io.contained import check_tree, inside, real_path
+from mconvert.io.contained import check_tree, inside, open_inside, real_path
 from mconvert.io.dcp import DcpReader, read_metadata
 from mconvert.io.torch_pickle import safe_load
 from mconvert.ir import sizes
@@ -376,6 +376,19 @@ def _write_synced(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def read_tokenizer(files: dict[str, Path], *, users: bool) -> dict[str, bytes]:
+    """The bytes of tokenizer `files`. The tokenizer a config names (`users`) is the user's own choice: its links
+    are followed (a shared copy elsewhere). A checkpoint's files are its content, read as mconvert copies them: a
+    link planted at a name that leads out of the checkpoint is refused, never read."""
+    if users:
+        return {name: Path(path).read_bytes() for name, path in files.items()}
+    out = {}
+    for name, path in files.items():
+        with open_inside(path) as f:
+            out[name] = f.read()
+    return out
 
 
 def tokenizer_files(source: Path, where: str) -> dict[str, Path]:

@@ -232,7 +232,7 @@ class Trainer:
             files, origin = found, checkpoint.read_meta(resume).get("tokenizer_from") or f"the checkpoint {resume}"
         else:
             return {}, None
-        return {name: Path(path).read_bytes() for name, path in files.items()}, origin
+        return checkpoint.read_tokenizer(files, users=bool(given)), origin
 
     # -- one optimizer step ---------------------------------------------------------------------------------------
 

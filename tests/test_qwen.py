@@ -363,5 +363,5 @@ def test_a_family_without_q_k_norms_names_those_that_hold_them():
 
     registry.savers()  # every saver registered, as in a conversion
     with pytest.raises(ConvertError, match=r"^HF Llama cannot hold this model: per-head q/k norms \(core or gemma3_hf "
-                                           r"or qwen_hf can hold it\)$"):
+                                           r"or glm4_moe_hf or qwen_hf can hold it\)$"):
         hf_llama.config_to_hf(ModelConfig(**QWEN, family="llama", qk_norm=True))

@@ -55,11 +55,18 @@ def resolve(path: Path | str) -> Path:
     raise ConvertError(f"{path}: no such directory")
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path, *, asset: bool = False) -> dict:
+    """A JSON object from `path`; `asset`: a checkpoint's tokenizer file, opened as `copy_assets` opens it (a link
+    planted at its name that leads out of the checkpoint is refused, never read)."""
     if not path.is_file():
         raise ConvertError(f"{path}: file not found")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        if asset:
+            with open_inside(path) as f:
+                text = f.read().decode("utf-8")
+        else:
+            text = path.read_text(encoding="utf-8")
+        data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ConvertError(f"{path}: not valid JSON: {type(e).__name__}: {e}") from None
     except OSError as e:
@@ -133,7 +140,7 @@ def special_token_ids(assets: dict[str, Path]) -> dict[str, int]:
     """bos/eos/pad token ids named by tokenizer_config.json and looked up in tokenizer.json (when both exist)."""
     if "tokenizer_config.json" not in assets or "tokenizer.json" not in assets:
         return {}
-    cfg = read_json(assets["tokenizer_config.json"])
+    cfg = read_json(assets["tokenizer_config.json"], asset=True)
     vocab = dict(_vocabulary(assets["tokenizer.json"]))
     ids = {}
     for role in ("bos", "eos", "pad"):
@@ -156,7 +163,7 @@ def tokenizer_vocab_size(assets: dict[str, Path]) -> int | None:
 def _vocabulary(path: Path) -> list[tuple[str | None, int]]:
     """(token, id) of a tokenizer.json's vocabulary and added tokens: a Unigram model's list gives its positions
     (no token text is needed from it); anything of another shape is refused naming the file and the field."""
-    tok = read_json(path)
+    tok = read_json(path, asset=True)
     model = tok.get("model") or {}
     if not isinstance(model, dict):
         raise ConvertError(f"{path}: model must be a JSON object, found {type(model).__name__}")

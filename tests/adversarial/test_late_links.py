@@ -84,10 +84,11 @@ def test_a_swapped_parent_directory_is_caught_by_the_opened_path(tmp_path, outsi
         open_inside(root / "tok" / "secret.txt", root)
 
 
-def test_mtrain_follows_the_links_of_the_tokenizer_its_config_names(tmp_path):
+def test_mtrain_follows_the_links_of_the_tokenizer_its_config_names(tmp_path, outside):
     """The tokenizer of an mtrain config is the user's own choice, not a checkpoint's content: a link in it to
-    elsewhere (a shared copy) is followed when a checkpoint carries it, as before."""
-    from mtrain.checkpoint import _copy_tokenizer
+    elsewhere (a shared copy) is followed when a checkpoint carries it, as before. A finetuned checkpoint's own
+    tokenizer files are its content: a link out of it is refused."""
+    from mtrain.checkpoint import read_tokenizer, tokenizer_files
 
     shared = tmp_path / "shared" / "tokenizer.json"
     shared.parent.mkdir()
@@ -95,5 +96,8 @@ def test_mtrain_follows_the_links_of_the_tokenizer_its_config_names(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "tokenizer.json").symlink_to(shared)
-    _copy_tokenizer(mine, tmp_path / "step" / "tokenizer")
-    assert (tmp_path / "step" / "tokenizer" / "tokenizer.json").read_text() == '{"shared": true}'
+    files = tokenizer_files(mine, "data.tokenizer")
+    assert read_tokenizer(files, users=True) == {"tokenizer.json": b'{"shared": true}'}
+    (mine / "tokenizer_config.json").symlink_to(outside / "secret.txt")
+    with pytest.raises(ConvertError, match="outside the checkpoint"):
+        read_tokenizer({"tokenizer_config.json": mine / "tokenizer_config.json"}, users=False)
