@@ -77,12 +77,19 @@ def test_existing_output_needs_force(llama_dir, tmp_path):
     assert (dst / "latest_checkpointed_iteration.txt").is_file()
 
 
-def test_unsafe_pickle_is_refused(llama_dir, tmp_path):
-    convert(llama_dir, tmp_path / "core")
+def core_with_args(src, tmp_path, **args) -> None:
+    """`src` converted to Megatron core (TP1) at tmp_path / "core", with `args` written over its Megatron args."""
+    convert(src, tmp_path / "core")
     target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
     state = safe_load(target, mmap=False)
-    state["args"].evil = os.system  # a callable global: unpickling it would hand the file a way to run code
+    for name, value in args.items():
+        setattr(state["args"], name, value)
     torch.save(state, target)
+
+
+def test_unsafe_pickle_is_refused(llama_dir, tmp_path):
+    # a callable global: unpickling it would hand the file a way to run code
+    core_with_args(llama_dir, tmp_path, evil=os.system)
     out = run_cli("--loader", "core", "--saver", "llama_mistral", "--load-dir", tmp_path / "core",
                   "--save-dir", tmp_path / "hf", expect_error=True)
     assert "model_optim_rng.pt: refusing to unpickle: the file asks for the Python global `posix.system`, which " \
@@ -151,11 +158,7 @@ def test_failed_conversion_keeps_the_old_output(llama_dir, tmp_path, monkeypatch
 
 def test_a_megatron_setting_the_target_family_cannot_hold_is_refused_by_name(mixtral_dir, tmp_path):
     """apply_layernorm_1p is carried (norm_zero_centered, Gemma's (1 + w) norms); HF Mixtral cannot hold it."""
-    convert(mixtral_dir, tmp_path / "core")
-    target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
-    state = safe_load(target, mmap=False)
-    state["args"].apply_layernorm_1p = True
-    torch.save(state, target)
+    core_with_args(mixtral_dir, tmp_path, apply_layernorm_1p=True)
     out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
     assert "HF Mixtral cannot hold this model: norms scaling by (1 + weight) (core or gemma3_hf can hold it)" in out
     assert not (tmp_path / "hf").exists()
@@ -217,11 +220,7 @@ def test_mtrain_checkpoint_with_unsafe_metadata(tmp_path):
                                            ("moe_shared_expert_gate", True)])
 def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_path):
     """A Megatron model that computes something else is refused by name, not converted into a different model."""
-    convert(mixtral_dir, tmp_path / "core")
-    target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
-    state = safe_load(target, mmap=False)
-    setattr(state["args"], setting, value)
-    torch.save(state, target)
+    core_with_args(mixtral_dir, tmp_path, **{setting: value})
     out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
     assert f"Megatron settings that change what the model computes and that mconvert cannot carry (yet): " \
            f"{setting}={value!r}; refusing" in out
@@ -231,11 +230,7 @@ def test_megatron_settings_the_ir_cannot_carry(setting, value, mixtral_dir, tmp_
 def test_yarn_args_without_their_values_are_refused(mixtral_dir, tmp_path):
     """YaRN is carried now (GPT-OSS): args that ask for it without its factor and original context are refused by
     name, not read with made-up values."""
-    convert(mixtral_dir, tmp_path / "core")
-    target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
-    state = safe_load(target, mmap=False)
-    state["args"].position_embedding_type = "yarn"
-    torch.save(state, target)
+    core_with_args(mixtral_dir, tmp_path, position_embedding_type="yarn")
     out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
     assert "rope_scaling.factor missing (a yarn rope needs it)" in out
     assert "rope_scaling.original_max_position_embeddings missing (a yarn rope needs it)" in out
@@ -244,11 +239,7 @@ def test_yarn_args_without_their_values_are_refused(mixtral_dir, tmp_path):
 
 def test_qk_layernorm_without_its_norms_is_refused(mixtral_dir, tmp_path):
     """qk_layernorm is carried now (Qwen3): args that claim it over files without q/k_layernorm are inconsistent."""
-    convert(mixtral_dir, tmp_path / "core")
-    target = tmp_path / "core" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
-    state = safe_load(target, mmap=False)
-    state["args"].qk_layernorm = True
-    torch.save(state, target)
+    core_with_args(mixtral_dir, tmp_path, qk_layernorm=True)
     out = run_cli("--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf", expect_error=True)
     assert "the tensors do not match a qwen3_moe model with this config (4 layers). Missing tensors: " \
            "mp_rank_00/model/decoder.layers.0.self_attention.q_layernorm.weight" in out
