@@ -49,10 +49,13 @@ def losses_and_valid(path: Path) -> tuple[dict[int, float], dict[int, float]]:
 NOISE = ("attn.k.bias",)
 
 
-def worst(record: dict, reference, where: tuple) -> tuple[float, str]:
-    """(largest |layout - one process| / bound over the tensors at `where`, its tensor): within the bounds at <= 1;
-    only the NOISE tensors may have bounds above 1e-2 of themselves (parity.Reference.worst)."""
-    return reference.worst(record, where, NOISE)
+def check_tensors(name: str, record: dict, reference, noise: tuple[str, ...] = NOISE) -> None:
+    """The gradients at the first and the last step and the final weights of layout `name`'s `record`, every tensor
+    within parity.Reference's bound (largest |layout - one process| / bound <= 1); only the `noise` tensors may have
+    bounds above 1e-2 of themselves (parity.Reference.worst)."""
+    for where in (("grads", 1), ("grads", STEPS), ("weights",)):
+        ratio, tensor = reference.worst(record, where, noise)
+        assert ratio <= 1, (name, where, tensor, ratio)
 
 
 def first_batch_loss_by_transformers(model, config) -> float:
