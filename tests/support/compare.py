@@ -74,3 +74,16 @@ def hf_logits_with_mtp(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, 
         hidden = mtp.forward_layer(i, hidden[:, :length], positions, None, input_ids=tokens[:, i + 1:i + 1 + length])
         logits.append(mtp._project_to_logits(hidden))
     return out.logits, logits
+
+
+def check_mtp_logits(model, hf_path: Path, tokens: torch.Tensor, atol: float) -> tuple[torch.Tensor, list]:
+    """mtrain `model`'s logits and its MTP modules' logits (`mtp_logits`) equal transformers' of the HF checkpoint at
+    `hf_path` within `atol`, every module of both; returns mtrain's (logits, MTP logits)."""
+    with torch.no_grad():
+        main, mtp = model.mtp_logits(tokens)
+    want, want_mtp = hf_logits_with_mtp(hf_path, tokens)
+    torch.testing.assert_close(main, want, atol=atol, rtol=0)
+    assert len(mtp) == len(want_mtp), (len(mtp), len(want_mtp))
+    for got, ref in zip(mtp, want_mtp):
+        torch.testing.assert_close(got, ref, atol=atol, rtol=0)
+    return main, mtp
