@@ -8,14 +8,19 @@ torch_dist) are made from it with mconvert, untimed. Then, in every round, each 
 right after `cp -r` of its source (this machine's speed drifts several-fold within seconds, so variants are
 interleaved and compared within a round):
 
-    HF -> core TP2 PP2,  core -> HF,  core -> torch_dist,  torch_dist -> HF
+    dense (Llama):  HF -> core TP2 PP2, core -> HF, core -> torch_dist, torch_dist -> core, torch_dist -> HF,
+                    core -> torch_dcp, torch_dcp -> HF, core -> fsdp_dtensor, fsdp_dtensor -> HF,
+                    legacy TP2 PP2 -> HF, pytorch_model.bin -> core TP2
+    MoE (Mixtral):  HF -> core TP1 EP2, core EP2 -> HF, core EP2 -> torch_dist
 
 Every command runs as its own process, followed by `sync` (mconvert syncs its output itself: moving it into place
 needs it on disk; cp does not, hence the sync). Reported per case and worker count: median wall time, user and
-system CPU seconds (from wait4), peak anonymous memory (RssAnon + RssShmem of the process tree, sampled every
-10 ms: mapped checkpoint pages are page cache, not process memory), the median over rounds of wall / cp-wall of
-the same round, and of the 1-worker / N-worker wall. Then: the same HF -> core conversion at 4, 8 and 16 layers
-(peak memory should stay flat), and start-up (`mconvert --help`, `mconvert inspect` of a tiny checkpoint).
+system CPU seconds of the whole process tree (from wait4: children are reaped inside it), peak anonymous memory
+(RssAnon + RssShmem of the process tree, sampled every 10 ms: mapped checkpoint pages are page cache, not process
+memory), the median over rounds of wall / cp-wall and of CPU / cp-CPU (user + sys) of the same round, and of the
+1-worker / N-worker wall. CPU seconds are what the machine spends, so they mean about the same on a loaded machine;
+wall time there measures the neighbours. Then: the same HF -> core conversion at 4, 8 and 16 layers (peak memory
+should stay flat), and start-up (`mconvert --help`, `mconvert inspect` of a tiny checkpoint).
 Outputs are deleted; the models too unless --keep.
 """
 
@@ -41,18 +46,22 @@ SIZES = {  # transformers LlamaConfig fields and the layer count of the real mod
 }
 
 
-def build_llama(root: Path, layers: int, size: str = "1.1b") -> None:
-    """A random bf16 Llama as `save_pretrained` would write it, from a transformers LlamaConfig (built on the meta
-    device, then filled tensor by tensor: no fp32 copy of the model)."""
+MOE = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+           num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=2048)  # 138 MB of experts a layer
+
+
+def build_llama(root: Path, layers: int, size: str = "1.1b", moe: bool = False) -> None:
+    """A random bf16 Llama (or Mixtral with `moe`) as `save_pretrained` would write it, from a transformers config
+    (built on the meta device, then filled tensor by tensor: no fp32 copy of the model)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    config = LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         **SIZES[size][0])
+    fields = dict(num_hidden_layers=layers, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    config = MixtralConfig(**fields, **MOE) if moe else LlamaConfig(**fields, **SIZES[size][0])
     config.torch_dtype = "bfloat16"
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = (MixtralForCausalLM if moe else LlamaForCausalLM)(config)
     gen = torch.Generator().manual_seed(layers)
     tensors = {name: (torch.randn(p.shape, generator=gen) * 0.02).to(torch.bfloat16)
                for name, p in model.state_dict().items()}
@@ -64,12 +73,30 @@ def build_llama(root: Path, layers: int, size: str = "1.1b") -> None:
     os.replace(tmp, root)
 
 
+def build_bin(hf: Path, root: Path) -> None:
+    """The same model as one `pytorch_model.bin` (torch.save of the state dict, as save_pretrained writes it with
+    safe_serialization=False)."""
+    import torch
+    from safetensors.torch import load_file
+
+    tmp = root.with_name(root.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save(load_file(hf / "model.safetensors"), tmp / "pytorch_model.bin")
+    shutil.copy(hf / "config.json", tmp / "config.json")
+    os.replace(tmp, root)
+
+
 @dataclass
 class Run:
     wall: float
     user: float
     sys: float
     peak: int
+
+    @property
+    def cpu(self) -> float:
+        return self.user + self.sys
 
 
 def tree_memory(pid: int) -> int:
@@ -124,37 +151,64 @@ def mconvert_cmd() -> list[str]:
     return [str(Path(sys.executable).with_name("mconvert")), "--quiet", "--force"]
 
 
-def cases(models: Path, hf: Path) -> dict[str, tuple[Path, list[str]]]:
+# Megatron sources, made from the HF models with mconvert (untimed): name -> (made from the MoE model?, arguments)
+SOURCES = {
+    "core_tp2pp2": (False, ["--saver", "core", "--tp", "2", "--pp", "2"]),
+    "torch_dist": (False, ["--saver", "core", "--ckpt-format", "torch_dist"]),
+    "torch_dcp": (False, ["--saver", "core", "--ckpt-format", "torch_dcp"]),
+    "fsdp_dtensor": (False, ["--saver", "core", "--ckpt-format", "fsdp_dtensor"]),
+    "legacy_tp2pp2": (False, ["--saver", "legacy", "--tp", "2", "--pp", "2"]),
+    "moe_core_ep2": (True, ["--saver", "core", "--ep", "2"]),
+}
+
+
+def cases(models: Path, hf: Path, moe: Path) -> dict[str, tuple[Path, list[str]]]:
     """name -> (source, arguments)."""
-    core, dist = models / "core_tp2pp2", models / "torch_dist"
+    to_hf = ["--saver", "llama_mistral"]
     return {
         "HF -> core TP2 PP2": (hf, ["--saver", "core", "--tp", "2", "--pp", "2"]),
-        "core -> HF": (core, ["--saver", "llama_mistral"]),
-        "core -> torch_dist": (core, ["--saver", "core", "--ckpt-format", "torch_dist"]),
-        "torch_dist -> HF": (dist, ["--saver", "llama_mistral"]),
+        "core -> HF": (models / "core_tp2pp2", to_hf),
+        "core -> torch_dist": (models / "core_tp2pp2", ["--saver", "core", "--ckpt-format", "torch_dist"]),
+        "torch_dist -> core": (models / "torch_dist", ["--saver", "core", "--tp", "2", "--pp", "2"]),
+        "torch_dist -> HF": (models / "torch_dist", to_hf),
+        "core -> torch_dcp": (models / "core_tp2pp2", ["--saver", "core", "--ckpt-format", "torch_dcp"]),
+        "torch_dcp -> HF": (models / "torch_dcp", to_hf),
+        "core -> fsdp_dtensor": (models / "core_tp2pp2", ["--saver", "core", "--ckpt-format", "fsdp_dtensor"]),
+        "fsdp_dtensor -> HF": (models / "fsdp_dtensor", to_hf),
+        "legacy -> HF": (models / "legacy_tp2pp2", to_hf),
+        ".bin -> core TP2": (models / "llama_bin", ["--saver", "core", "--tp", "2"]),
+        "MoE HF -> core EP2": (moe, ["--saver", "core", "--ep", "2"]),
+        "MoE core EP2 -> HF": (models / "moe_core_ep2", ["--saver", "mixtral_hf"]),
+        "MoE core -> torch_dist": (models / "moe_core_ep2", ["--saver", "core", "--ckpt-format", "torch_dist"]),
     }
 
 
-def prepare(models: Path, layers: int) -> Path:
-    """The HF source (1.1B shapes, `layers` layers) and the Megatron sources made from it (kept for the next run
-    with --keep: remade when the layer count changes)."""
-    hf = models / f"llama_1.1b_{layers}l"
-    if not (hf / "config.json").is_file():
-        t = time.perf_counter()
-        build_llama(hf, layers)
-        print(f"built {hf} in {time.perf_counter() - t:.0f} s", flush=True)
-    for name, args in (("core_tp2pp2", ["--saver", "core", "--tp", "2", "--pp", "2"]),
-                       ("torch_dist", ["--saver", "core", "--ckpt-format", "torch_dist"])):
+def prepare(models: Path, layers: int, moe_layers: int) -> tuple[Path, Path]:
+    """The HF sources (Llama with 1.1B shapes and `layers` layers, Mixtral with `moe_layers`) and the sources made
+    from them (kept for the next run with --keep: remade when a layer count changes)."""
+    hf, moe = models / f"llama_1.1b_{layers}l", models / f"mixtral_{moe_layers}l"
+    for path, n, is_moe in ((hf, layers, False), (moe, moe_layers, True)):
+        if not (path / "config.json").is_file():
+            t = time.perf_counter()
+            build_llama(path, n, moe=is_moe)
+            print(f"built {path} in {time.perf_counter() - t:.0f} s", flush=True)
+    made = models / "llama_bin.source"
+    if not made.is_file() or made.read_text() != hf.name:
+        build_bin(hf, models / "llama_bin")
+        made.write_text(hf.name)
+    for name, (is_moe, args) in SOURCES.items():
+        src = moe if is_moe else hf
         made = models / f"{name}.source"  # which HF model it was made from
-        if not made.is_file() or made.read_text() != hf.name:
-            subprocess.run([*mconvert_cmd(), *args, "--load-dir", str(hf), "--save-dir", str(models / name)],
+        if not made.is_file() or made.read_text() != src.name:
+            subprocess.run([*mconvert_cmd(), *args, "--load-dir", str(src), "--save-dir", str(models / name)],
                            check=True, stderr=subprocess.DEVNULL)
-            made.write_text(hf.name)
-    return hf
+            made.write_text(src.name)
+    return hf, moe
 
 
-def bench_cases(models: Path, hf: Path, rounds: int, workers: list[int], vs_cp: bool) -> None:
-    table = cases(models, hf)
+def bench_cases(models: Path, hf: Path, moe: Path, rounds: int, workers: list[int], vs_cp: bool,
+                only: str = "") -> None:
+    table = {name: case for name, case in cases(models, hf, moe).items() if only.lower() in name.lower()}
     out = models / "out"
     runs: dict[tuple[str, int], list[Run]] = {}
     cps: dict[str, list[Run]] = {}
@@ -168,22 +222,24 @@ def bench_cases(models: Path, hf: Path, rounds: int, workers: list[int], vs_cp: 
                 run = measure([*mconvert_cmd(), *args, "--workers", str(w), "--load-dir", str(src),
                                "--save-dir", str(out)])
                 runs.setdefault((name, w), []).append(run)
-                ratio = f" ({run.wall / cps[name][-1].wall:.2f}x cp)" if vs_cp else ""
+                ratio = (f" ({run.wall / cps[name][-1].wall:.2f}x cp; CPU {run.cpu:.2f} s, "
+                         f"{run.cpu / cps[name][-1].cpu:.2f}x cp)") if vs_cp else f" (CPU {run.cpu:.2f} s)"
                 print(f"round {r + 1}/{rounds}: {name:<20} workers {w}: {run.wall:6.2f} s{ratio}", flush=True)
         shutil.rmtree(out, ignore_errors=True)
-    nbytes = sum(f.stat().st_size for f in hf.rglob("*") if f.is_file())
-    print(f"\nLlama with 1.1B shapes ({hf.name}), {nbytes / 1e9:.2f} GB bf16; medians over {rounds} interleaved "
-          "rounds; memory = peak RssAnon+RssShmem")
-    print(f"{'case':<20} {'variant':<12} {'wall s':>7} {'user s':>7} {'sys s':>6} {'peak MiB':>9} {'vs cp':>6} "
-          f"{'1->N':>6}")
+    gb = [sum(f.stat().st_size for f in m.rglob("*") if f.is_file()) / 1e9 for m in (hf, moe)]
+    print(f"\nLlama with 1.1B shapes ({hf.name}), {gb[0]:.2f} GB bf16; Mixtral ({moe.name}), {gb[1]:.2f} GB bf16; "
+          f"medians over {rounds} interleaved rounds; memory = peak RssAnon+RssShmem; CPU = user + sys")
+    print(f"{'case':<22} {'variant':<12} {'wall s':>7} {'user s':>7} {'sys s':>6} {'CPU s':>6} {'peak MiB':>9} "
+          f"{'wall/cp':>8} {'CPU/cp':>7} {'1->N':>6}")
     for name in table:
         rows = [("cp -r + sync", cps[name])] if vs_cp else []
         rows += [(f"workers {w}", runs[(name, w)]) for w in workers]
         for i, (label, rs) in enumerate(rows):
-            line = (f"{name if i == 0 else '':<20} {label:<12} {_med(rs, 'wall'):7.2f} {_med(rs, 'user'):7.2f} "
-                    f"{_med(rs, 'sys'):6.2f} {max(x.peak for x in rs) / 2**20:9.0f}")
+            line = (f"{name if i == 0 else '':<22} {label:<12} {_med(rs, 'wall'):7.2f} {_med(rs, 'user'):7.2f} "
+                    f"{_med(rs, 'sys'):6.2f} {_med(rs, 'cpu'):6.2f} {max(x.peak for x in rs) / 2**20:9.0f}")
             if vs_cp and label != "cp -r + sync":
-                line += f" {statistics.median(x.wall / c.wall for x, c in zip(rs, cps[name])):5.2f}x"
+                line += f" {statistics.median(x.wall / c.wall for x, c in zip(rs, cps[name])):7.2f}x"
+                line += f" {statistics.median(x.cpu / c.cpu for x, c in zip(rs, cps[name])):6.2f}x"
             one = runs.get((name, 1))
             if one is not None and label.startswith("workers") and label != "workers 1":
                 line += f" {statistics.median(a.wall / b.wall for a, b in zip(one, rs)):5.2f}x"
@@ -206,7 +262,8 @@ def bench_growth(models: Path, layer_counts: list[int]) -> None:
         run = measure([*mconvert_cmd(), "--saver", "core", "--tp", "2", "--pp", "2", "--load-dir", str(src),
                        "--save-dir", str(out)])
         size = sum(f.stat().st_size for f in src.rglob("*.safetensors"))
-        print(f"  {layers:>3} layers  {size / 1e9:5.2f} GB  wall {run.wall:6.2f} s  peak {run.peak / 2**20:6.0f} MiB",
+        print(f"  {layers:>3} layers  {size / 1e9:5.2f} GB  wall {run.wall:6.2f} s  CPU {run.cpu:6.2f} s  "
+              f"peak {run.peak / 2**20:6.0f} MiB",
               flush=True)
         shutil.rmtree(out, ignore_errors=True)
 
@@ -253,6 +310,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=SIZES["1.1b"][1],
                         help="layers of the model the cases convert (1.1B shapes; 22 is the real 1.1B)")
+    parser.add_argument("--moe-layers", type=int, default=8, help="layers of the Mixtral the MoE cases convert")
+    parser.add_argument("--cases", default="", help="only the cases whose name contains this (e.g. 'dcp')")
     parser.add_argument("--workers", default="1,2", help="worker counts to compare, e.g. 1,2")
     parser.add_argument("--models", type=Path, default=Path("/tmp/bench-models"), help="models and outputs live here")
     parser.add_argument("--growth", default="4,8,16", help="layer counts for the memory-growth check ('' to skip)")
@@ -265,8 +324,9 @@ def main() -> None:
         if args.startup_only:
             bench_startup(args.models, args.rounds)
             return
-        hf = prepare(args.models, args.layers)
-        bench_cases(args.models, hf, args.rounds, [int(w) for w in args.workers.split(",")], args.vs_cp)
+        hf, moe = prepare(args.models, args.layers, args.moe_layers)
+        bench_cases(args.models, hf, moe, args.rounds, [int(w) for w in args.workers.split(",")], args.vs_cp,
+                    args.cases)
         if args.growth:
             bench_growth(args.models, [int(n) for n in args.growth.split(",")])
         bench_startup(args.models, args.rounds)

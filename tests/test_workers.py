@@ -20,6 +20,8 @@ TARGETS = {
     "core TP2 PP2": ["--saver", "core", "--tp", "2", "--pp", "2"],
     "core TP2 VPP2 te": ["--saver", "core", "--tp", "2", "--pp", "2", "--vpp", "2", "--transformer-impl", "te"],
     "torch_dist": ["--saver", "core", "--ckpt-format", "torch_dist"],
+    "torch_dcp": ["--saver", "core", "--ckpt-format", "torch_dcp"],
+    "fsdp_dtensor": ["--saver", "core", "--ckpt-format", "fsdp_dtensor"],
     "legacy TP2": ["--saver", "legacy", "--tp", "2"],
     "HF shards": ["--saver", "llama_mistral", "--max-shard-size", "150KB"],
     "HF one file": ["--saver", "llama_mistral"],  # written in byte ranges, by several writers at once
@@ -87,7 +89,7 @@ def test_file_to_file_copies_write_what_memory_writes(llama_dir, tmp_path, monke
 def test_torchrun_ranks_write_the_same_bytes(llama_dir, tmp_path):
     """Two ranks of one torchrun launch share each conversion (one worker each: the jobs are split between the
     processes); a failure on one rank, while writing or before, fails both and leaves nothing behind."""
-    shared = ("core TP2 PP2", "torch_dist", "HF one file")
+    shared = ("core TP2 PP2", "torch_dist", "torch_dcp", "fsdp_dtensor", "HF one file")
     spec = [{"args": ["-q", *TARGETS[t], "--workers", "1", "--load-dir", str(llama_dir),
                       "--save-dir", str(tmp_path / "ranks" / t)]} for t in shared]
     spec += [{"args": ["-q", *TARGETS["core TP2 PP2"], "--workers", "1", "--load-dir", str(llama_dir),

@@ -19,11 +19,12 @@ for torch_dcp; fsdp_dtensor stores global tensors whatever the layout. Multi-lat
 format's names; multi-token-prediction modules are refused (their keys in these formats are unchecked).
 
 Both are read and written by the `core` plugin. Writing: every tensor is written whole (as
-torch.distributed.checkpoint stores the global tensor whatever the sharding), one at a time, with the entries
-Megatron-LM's loader reads first (`args`, `iteration`, `checkpoint_version`). No optimizer or RNG state: Megatron-LM
-resumes from a fsdp_dtensor checkpoint with --no-load-optim --no-load-rng (or --finetune); its torch_dcp loader
-always asks for the optimizer, scheduler and RNG state, so such a checkpoint serves torch.distributed.checkpoint
-readers rather than a Megatron resume.
+torch.distributed.checkpoint stores the global tensor whatever the sharding), with the entries Megatron-LM's loader
+reads first (`args`, `iteration`, `checkpoint_version`); the files are planned first and written as jobs
+(`mconvert.io.dcp_writer.plan`), so `--workers` and torchrun share them out as for torch_dist. No optimizer or RNG
+state: Megatron-LM resumes from a fsdp_dtensor checkpoint with --no-load-optim --no-load-rng (or --finetune); its
+torch_dcp loader always asks for the optimizer, scheduler and RNG state, so such a checkpoint serves
+torch.distributed.checkpoint readers rather than a Megatron resume.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from mconvert import workers
 from mconvert.errors import ConvertError
+from mconvert.io import dcp_writer
 from mconvert.io.dcp import DcpReader
-from mconvert.io.dcp_writer import DcpWriter
+from mconvert.io.dcp_writer import Item
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
@@ -44,6 +47,7 @@ from mconvert.megatron.swiglu_halves import HALF_KEY, halves
 from mconvert.options import ExpertLayout, Options
 from mconvert.progress import Progress
 from mconvert.rules.mapping import Row, check_plan, expand, to_ir
+from mconvert.rules.row_plan import RowPlanner
 from mconvert.rules.table import Ctx
 
 FORMATS = ("torch_dcp", "fsdp_dtensor")
@@ -163,27 +167,42 @@ def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> No
     key_rows = rows(c, options.transformer_impl, options.expert_layout, split_swiglu=fmt == "fsdp_dtensor",
                          prefix=prefix)
     check_plan(ir.tensors, [(fmt, key_rows)], where=f"saver core (--ckpt-format {fmt})")
-    writer = DcpWriter(it_dir)
-    try:
-        with progress.task(f"{it_dir.name} ({fmt})", ir.nbytes) as advance:
-            for row in key_rows:
-                tensors = [ir[n].load() for n in row.ir]
-                whole = row.rule.forward(tensors, ctx)[0]
-                writer.add_chunk(row.key, whole.shape, (0,) * whole.dim(), whole)
-                advance(sum(t.nbytes for t in tensors))
-        if fmt == "torch_dcp":  # the model's own state dict keeps them; Megatron-FSDP drops them
-            for key, value in _extra_states(ir, options).items():
-                if value is None:
-                    writer.add_object(prefix + key, value)
-                else:  # Transformer Engine's: a tensor (empty without FP8), stored as one
-                    writer.add_chunk(prefix + key, value.shape, (0,), value)
-        for key, value in ((ARGS, args), (CHECKPOINT_VERSION_KEY, core.CHECKPOINT_VERSION),
-                           (ITERATION_KEY, iteration), (FLOPS_KEY, 0)):
-            writer.add_object(key, value)
-        writer.finish()
-    finally:
-        writer.close()
-    rank_files.finish_checkpoint(ir, out, it_dir, iteration)
+    planner = RowPlanner(ctx)
+    items = [_item(ir, row, planner) for row in key_rows]
+    if fmt == "torch_dcp":  # the model's own state dict keeps them; Megatron-FSDP drops them
+        for key, value in _extra_states(ir, options).items():
+            if value is None:
+                items.append(_object_item(prefix + key, value))
+            else:  # Transformer Engine's: a tensor (empty without FP8), stored as one
+                items.append(Item(prefix + key, 0, lambda v=value: v, tuple(value.shape), (0,), tuple(value.shape),
+                                  value.dtype))
+    for key, value in ((ARGS, args), (CHECKPOINT_VERSION_KEY, core.CHECKPOINT_VERSION), (ITERATION_KEY, iteration),
+                       (FLOPS_KEY, 0)):
+        items.append(_object_item(key, value))
+    it_dir.mkdir(parents=True, exist_ok=True)  # under torchrun every rank prepares the same directory
+    jobs, write_metadata = dcp_writer.plan(it_dir, items)
+
+    def finish(results: list) -> None:
+        write_metadata(results)
+        rank_files.finish_checkpoint(ir, out, it_dir, iteration)
+
+    workers.run(jobs, workers=options.workers, progress=progress, finish=finish)
+
+
+def _item(ir: ModelIR, row: Row, planner: RowPlanner) -> Item:
+    """One model tensor, whole, produced when its file is written: the sources' rows where the rule only moves
+    rows (copied file to file where they are verbatim), else computed."""
+    tensors = [ir[n] for n in row.ir]
+    [meta] = row.rule.forward([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors], planner.ctx)[:1]
+    shape = tuple(meta.shape)
+    return Item(row.key, meta.numel() * meta.element_size(), lambda: planner.forward_lazy(row.rule, tensors)[0],
+                shape, (0,) * len(shape), shape, meta.dtype)
+
+
+def _object_item(key: str, value: object) -> Item:
+    """A bytes item holding torch.save(value), as Megatron stores non-tensor state."""
+    data = dcp_writer.object_bytes(value)
+    return Item(key, len(data), lambda: data)
 
 
 def _extra_states(ir: ModelIR, options: Options) -> dict[str, object]:
