@@ -64,6 +64,11 @@ class Sender:
                     writeback.advance(position)
         return position, crc
 
+    def buffers(self, blocks: Blocks) -> Iterator[memoryview]:
+        """The bytes `send` writes, in order, as memoryviews (each valid until the next is asked for)."""
+        for part in blocks.parts:
+            yield from self._buffers(part)
+
     def close(self) -> None:
         for fd in self._fds.values():
             if fd is not None:

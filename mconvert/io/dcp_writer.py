@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 from mconvert.errors import ConvertError
 from mconvert.io.block_writer import Sender
 from mconvert.io.dcp import METADATA
-from mconvert.io.integrity import file_digest
+from mconvert.io.integrity import WriteDigest
 from mconvert.io.torch_zip import ALIGN, TorchFileWriter
 from mconvert.lazy import torch
 from mconvert.workers import Job
@@ -59,8 +59,8 @@ def file_count(nbytes: int) -> int:
 def plan(root: Path, items: list[Item], files: int | None = None, *, digests: bool = False,
          ) -> tuple[list[Job], Callable[[list[Any]], dict[str, str]]]:
     """Jobs writing `items` into `files` .distcp files in `root` (default: `file_count`), and the finish step
-    writing `.metadata` from their results. With `digests` each job also hashes the file it wrote (SHA-256, read
-    back from the page cache by the worker that wrote it, so hashing is shared out like the writing); the finish
+    writing `.metadata` from their results. With `digests` each job also hashes the file it writes (SHA-256, as
+    the bytes go out, by the worker that writes it, so hashing is shared out like the writing); the finish
     step returns them by file name (for `mconvert.io.integrity.write_manifest`)."""
     # `.metadata` is made of torch.distributed.checkpoint's classes, whose import costs about half a second of
     # CPU: start it now, beside the writing (mostly the kernel's work), rather than after it.
@@ -94,17 +94,18 @@ def plan(root: Path, items: list[Item], files: int | None = None, *, digests: bo
 def _write_file(path: Path, items: list[Item], members: list[int], advance: Callable[[int], None], *,
                 digests: bool = False) -> tuple[list[tuple[int, tuple]], str | None]:
     """Write the `members` of `items` one after another; their `.metadata` entries, by item index, and the file's
-    SHA-256 when asked."""
+    SHA-256 when asked (hashed as it is written, see `mconvert.io.integrity.WriteDigest`)."""
     entries = []
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f, contextlib.closing(Sender()) as sender:
+    with open(path, "w+b" if digests else "wb") as f, contextlib.closing(Sender()) as sender:
+        digest = WriteDigest(f) if digests else None
         for k in members:
-            entries.append((k, _write_item(f, path.name, items[k], sender)))
+            entries.append((k, _write_item(f, path.name, items[k], sender, digest)))
             advance(items[k].nbytes)
-    return entries, file_digest(path) if digests else None
+        return entries, digest.hexdigest() if digest is not None else None
 
 
-def _write_item(f: BinaryIO, name: str, item: Item, sender: Sender) -> tuple:
+def _write_item(f: BinaryIO, name: str, item: Item, sender: Sender, digest: WriteDigest | None = None) -> tuple:
     """Append `item` to the open file `f` (called `name`); its `.metadata` entry."""
     if item.global_shape is None:
         start = f.tell()
@@ -112,7 +113,7 @@ def _write_item(f: BinaryIO, name: str, item: Item, sender: Sender) -> tuple:
         return item.fqn, None, None, name, start, f.tell() - start
     f.write(b"\0" * (-f.tell() % ALIGN))  # start every archive aligned, so its tensor maps aligned
     start = f.tell()
-    writer = TorchFileWriter(f, background=False, sender=sender)
+    writer = TorchFileWriter(f, background=False, sender=sender, digest=digest)
     handle = writer.add(item.produce())
     if handle.shape != tuple(item.shape) or handle.dtype != item.dtype:
         raise ConvertError(f"{f.name}: chunk of {item.fqn} at {list(item.offsets)} came out {list(handle.shape)} "

@@ -22,9 +22,11 @@ import concurrent.futures
 import hashlib
 import json
 import mmap
+import os
 import re
 import threading
 from pathlib import Path
+from typing import BinaryIO
 
 from mconvert.errors import ConvertError
 
@@ -41,6 +43,48 @@ def _digest(data: Buffer) -> str:
     for start in range(0, len(view), _BLOCK):
         h.update(view[start:start + _BLOCK])
     return h.hexdigest()
+
+
+class WriteDigest:
+    """SHA-256 of a file computed while it is written front to back, instead of reading it back afterwards.
+
+    The writer hands over bytes it has in memory (`feed`) once everything before them in the file is final;
+    stretches it never fed (small headers, a zip local header rewritten after its data) are read back from the page
+    cache by `catch_up` just before the next fed bytes, and at the end (so `f` is opened for reading too: "w+b").
+    Fed bytes must not be changed afterwards.
+    So every byte is hashed once, in file order, and the bulk of them from the memory they were written from.
+    """
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._hash = hashlib.sha256()
+        self.position = 0  # bytes of the file hashed so far
+        self.fed = 0  # of which handed over from memory
+
+    def catch_up(self, end: int) -> None:
+        """Hash the file's bytes up to `end`, reading back those not fed."""
+        if end < self.position:
+            raise ValueError(f"{self._f.name}: bytes before {self.position} already hashed, asked to hash to {end}")
+        self._f.flush()
+        while self.position < end:
+            data = os.pread(self._f.fileno(), min(end - self.position, _BLOCK), self.position)
+            if not data:
+                raise ValueError(f"{self._f.name}: ends at {self.position}, expected {end} bytes to hash")
+            self._hash.update(data)
+            self.position += len(data)
+
+    def feed(self, position: int, data: Buffer) -> None:
+        """The final bytes at `position` of the file, from memory (what lies before them is read back if needed)."""
+        self.catch_up(position)
+        self._hash.update(data)
+        self.position += len(data)
+        self.fed += len(data)
+
+    def hexdigest(self) -> str:
+        """The digest of the whole file as it is now (its tail read back); the file is then done."""
+        self._f.flush()
+        self.catch_up(os.fstat(self._f.fileno()).st_size)
+        return self._hash.hexdigest()
 
 
 def file_digest(path: Path) -> str:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from mconvert.io.block_writer import Sender
+from mconvert.io.integrity import WriteDigest
 from mconvert.io.writeback import Writeback
 from mconvert.ir.blocks import Blocks, as_blocks
 from mconvert.lazy import torch
@@ -109,11 +110,13 @@ class TorchFileWriter:
     `target` is a path, or an open binary file positioned where the archive starts (left open). With
     `background` the tensor bytes are checksummed and written by a helper thread, overlapping with the caller
     preparing the next tensor; at most `max_pending` tensors wait at a time. `sender` (see mconvert.io.block_writer)
-    may be shared by archives written one after another by one thread (DCP files hold one per chunk).
+    may be shared by archives written one after another by one thread (DCP files hold one per chunk). With
+    `digest` (`mconvert.io.integrity.WriteDigest` of the file, written in the caller's thread), the tensor bytes
+    are hashed from memory as each record is done, not read back.
     """
 
     def __init__(self, target: Path | str | BinaryIO, *, archive: str | None = None, background: bool = True,
-                 max_pending: int = 2, sender: Sender | None = None) -> None:
+                 max_pending: int = 2, sender: Sender | None = None, digest: WriteDigest | None = None) -> None:
         if isinstance(target, (str, Path)):
             self._file, self._own = open(target, "wb"), True  # noqa: SIM115
             archive = archive or Path(target).stem
@@ -128,6 +131,7 @@ class TorchFileWriter:
         self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
         self._max_pending = max_pending
         self._count = 0
+        self._digest = digest
         self._closed = False
         self.bytes_written = 0
 
@@ -150,6 +154,12 @@ class TorchFileWriter:
                 end, crc = self._sender.send(data, self._file.fileno(), start, crc=0, writeback=self._writeback)
                 self._file.seek(end)
                 f._file_size, f._crc = end - start, crc  # what f.write() would have counted
+        if self._digest is not None and not isinstance(data, bytes) and _COUNTS_BYTES:
+            # The local header before the data is final only now (zipfile rewrote it with the CRC): hash it
+            # (read back, a few dozen bytes), then the data from the memory it was written from.
+            for buffer in self._sender.buffers(data):
+                self._digest.feed(start, buffer)
+                start += len(buffer)
         self._writeback.advance(self._file.tell())
 
     def _write_tensor(self, key: str, blocks: Blocks) -> None:

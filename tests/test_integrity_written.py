@@ -1,0 +1,91 @@
+"""integrity.json of torch_dist output, hashed while the files are written (mconvert.io.integrity.WriteDigest):
+the same SHA-256 digests a second pass over the finished files gives, without that second pass."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+
+import pytest
+
+from mconvert.io import dcp_writer, integrity
+from tests.support.cli import run_cli
+
+IT = "iter_0000001"
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class _Recording(integrity.WriteDigest):
+    """A WriteDigest that remembers, per file, how many bytes it hashed in all and from memory."""
+
+    seen: dict[str, tuple[int, int]] = {}
+
+    def hexdigest(self) -> str:
+        digest = super().hexdigest()
+        _Recording.seen[os.path.basename(self._f.name)] = (self.position, self.fed)
+        return digest
+
+
+@pytest.mark.parametrize(("family", "workers"), [("llama", "1"), ("llama", "3"), ("mixtral", "2")])
+def test_manifest_hashed_as_written(family, workers, hf_model, tmp_path, monkeypatch):
+    second_pass = []
+    real = integrity.file_digest
+    monkeypatch.setattr(integrity, "file_digest", lambda path: second_pass.append(path.name) or real(path))
+    monkeypatch.setattr(dcp_writer, "WriteDigest", _Recording)
+    _Recording.seen = {}
+    out = tmp_path / "dist"
+    run_cli("-q", "--saver", "core", "--ckpt-format", "torch_dist", "--workers", workers, "--load-dir",
+            hf_model(family), "--save-dir", out)
+    it = out / IT
+    manifest = json.loads((it / "integrity.json").read_text())
+    assert manifest["algorithm"] == "sha256"
+    assert sorted(manifest["files"]) == sorted(p.name for p in it.iterdir() if p.is_file() and
+                                               p.name != "integrity.json")
+    assert manifest["files"] == {name: _sha256(it / name) for name in manifest["files"]}
+    shards = [name for name in manifest["files"] if name.endswith(".distcp")]
+    assert shards and not set(shards) & set(second_pass)  # no .distcp file read back to hash it
+    assert sorted(_Recording.seen) == sorted(shards)
+    for name in shards:  # every byte hashed once
+        assert _Recording.seen[name][0] == (it / name).stat().st_size
+    # The tensor bytes, all of them, from memory (only headers, pickles and padding read back).
+    assert sum(fed for _, fed in _Recording.seen.values()) == _tensor_bytes(it)
+    run_cli("-q", "--saver", "llama_mistral" if family == "llama" else "mixtral_hf", "--load-dir", out,
+            "--save-dir", tmp_path / "back")  # read back with the manifest verified
+    run_cli("compare", hf_model(family), tmp_path / "back")
+
+
+def _tensor_bytes(it) -> int:
+    """Bytes of every tensor chunk `.metadata` lists."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    total = 0
+    for meta in FileSystemReader(str(it)).read_metadata().state_dict_metadata.values():
+        if isinstance(meta, TensorStorageMetadata):
+            total += sum(math.prod(c.sizes) * meta.properties.dtype.itemsize for c in meta.chunks)
+    return total
+
+
+def test_write_digest_reads_back_what_was_not_fed(tmp_path):
+    """Bytes written behind the digest's back (a header rewritten after its data, a tail) are read back in file
+    order; fed bytes are not read again; feeding bytes before what is already hashed is refused."""
+    path = tmp_path / "f"
+    with open(path, "w+b") as f:
+        digest = integrity.WriteDigest(f)
+        f.write(b"H" * 30)  # a placeholder header ...
+        data = bytes(range(256)) * 1000
+        f.write(data)
+        f.seek(0)
+        f.write(b"h" * 30)  # ... rewritten once its data is out
+        f.seek(0, os.SEEK_END)
+        digest.feed(30, data)
+        f.write(b"tail")
+        with pytest.raises(ValueError, match="already hashed"):
+            digest.feed(10, b"x")
+        assert digest.hexdigest() == _sha256(path)
+        assert digest.fed == len(data)
