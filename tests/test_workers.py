@@ -120,3 +120,41 @@ def test_shard_ranges_cut_by_bytes():
     assert hf_dir._cuts([100, 1, 1, 1], 3) == [0, 1, 2, 4]
     assert hf_dir._cuts([10, 10], 1) == [0, 2]
     assert hf_dir._cuts([7], 4) == [0, 1]
+
+
+def test_legacy_and_bin_sources_copy_file_to_file(llama_dir, tmp_path, monkeypatch):
+    """Megatron-LM legacy rank files and a `pytorch_model.bin` (torch.save zip archives, memory-mapped) give their
+    unchanged bytes file to file too: most of the model goes by copy_file_range, and every output is what writing
+    from memory makes."""
+    from safetensors.torch import load_file
+
+    legacy = convert(llama_dir, tmp_path / "legacy", ["--saver", "legacy", "--tp", "2"])
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    torch_save = __import__("torch").save
+    torch_save(load_file(llama_dir / "model.safetensors"), binary / "pytorch_model.bin")
+    shutil.copy(llama_dir / "config.json", binary / "config.json")
+    chain = [(legacy, "hf", ["--saver", "llama_mistral"]), (legacy, "core", TARGETS["core TP2 PP2"]),
+             (binary, "dist", TARGETS["torch_dist"]), (binary, "hf2", ["--saver", "llama_mistral"])]
+    out = tmp_path / "out"
+    copied = []
+    real = os.copy_file_range
+
+    def counting(src, dst, count, *args):
+        n = real(src, dst, count, *args)
+        copied.append(n)
+        return n
+
+    monkeypatch.setattr(block_writer, "SPAN_MIN", 0)
+    monkeypatch.setattr(os, "copy_file_range", counting)
+    for src, name, target in chain:
+        convert(src, out / name, target)
+    by_copies = taken(out)
+    model_bytes = (llama_dir / "model.safetensors").stat().st_size
+    # Each of the 4 conversions copies at least half the model file to file (legacy -> HF all but the rows that
+    # TP=2 stores column-split; HF-style .bin -> anything all but those and the fused q/k/v and gate/up).
+    assert sum(copied) > 4 * model_bytes // 2, (sum(copied), model_bytes)
+    monkeypatch.delattr(os, "copy_file_range")
+    for src, name, target in chain:
+        convert(src, out / name, target)
+    assert taken(out) == by_copies

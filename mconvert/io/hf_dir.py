@@ -19,7 +19,7 @@ from pathlib import Path
 from mconvert.errors import ConvertError
 from mconvert.io import safetensors as safetensors_io
 from mconvert.io.contained import inside, open_inside
-from mconvert.io.torch_pickle import safe_load
+from mconvert.io.torch_pickle import file_sources, safe_load
 from mconvert.ir.blocks import Blocks, FileBytes
 from mconvert.ir.tensors import LazyTensor
 from mconvert.lazy import torch
@@ -129,7 +129,10 @@ def _open_file(path: Path) -> dict[str, LazyTensor]:
     state = safe_load(path)
     if not isinstance(state, dict):
         raise ConvertError(f"{path}: expected a dict of tensors, found {type(state).__name__}")
-    return {k: LazyTensor.of(v, f"{path.name}:{k}") for k, v in state.items() if isinstance(v, torch.Tensor)}
+    sources = functools.cache(lambda: file_sources(path, state))  # where the mapped tensors' bytes lie in the file
+    return {k: LazyTensor(tuple(v.shape), v.dtype, lambda v=v: v, f"{path.name}:{k}",
+                          lambda v=v: Blocks.of(v, sources().get(id(v))))
+            for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def tokenizer_files(root: Path) -> dict[str, Path]:

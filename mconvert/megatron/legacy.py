@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from mconvert.errors import ConvertError
+from mconvert.ir.blocks import Blocks
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
@@ -279,7 +280,10 @@ def _canonical_tensors(files: RankFiles, tp: int, pp: int, name: str) -> dict[st
         if canon in out:
             raise ConvertError(f"{files.rel((tp, pp, 0))}: {key} and {out[canon].origin.rsplit(':', 1)[1]} name "
                                "the same tensor (two naming generations mixed in one file)")
-        out[canon] = LazyTensor.of(value, f"{files.rel((tp, pp, 0))}:{name}.{key}")
+        # the bytes are the file's own (FileBytes): rows that go out unchanged are copied file to file
+        out[canon] = LazyTensor(tuple(value.shape), value.dtype, lambda v=value: v,
+                                f"{files.rel((tp, pp, 0))}:{name}.{key}",
+                                lambda v=value: Blocks.of(v, files.source((tp, pp, 0), v)))
     return out
 
 
