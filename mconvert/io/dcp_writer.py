@@ -18,15 +18,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import pickle
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from mconvert.errors import ConvertError
+from mconvert.io import dcp_pickle
 from mconvert.io.block_writer import Sender
 from mconvert.io.dcp import METADATA
 from mconvert.io.integrity import WriteDigest
@@ -62,9 +61,6 @@ def plan(root: Path, items: list[Item], files: int | None = None, *, digests: bo
     writing `.metadata` from their results. With `digests` each job also hashes the file it writes (SHA-256, as
     the bytes go out, by the worker that writes it, so hashing is shared out like the writing); the finish
     step returns them by file name (for `mconvert.io.integrity.write_manifest`)."""
-    # `.metadata` is made of torch.distributed.checkpoint's classes, whose import costs about half a second of
-    # CPU: start it now, beside the writing (mostly the kernel's work), rather than after it.
-    threading.Thread(target=_import_metadata_classes, name="mconvert-dcp-import", daemon=True).start()
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for item in items:
         if item.global_shape is not None:
@@ -192,18 +188,11 @@ def object_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _import_metadata_classes():
-    from torch.distributed.checkpoint import metadata
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    return metadata, _StorageInfo
-
-
 def write_metadata(root: Path, entries: list[tuple], tensors: dict) -> None:
-    """`.metadata` made of torch.distributed.checkpoint's own classes, as its reader (and Megatron's) expects.
+    """`.metadata`: torch.distributed.checkpoint's own classes as its reader (and Megatron's) expects them, pickled
+    from stand-ins without importing it (`mconvert.io.dcp_pickle`).
 
     `entries` are (fqn, chunk offsets or None for a bytes item, chunk sizes, file, start, length)."""
-    dcp_md, _StorageInfo = _import_metadata_classes()
     state, storage = {}, {}
     chunks: dict[str, list] = {}
     # Equal names as one object each: the pickle then refers back to it, however the entries were gathered (in
@@ -212,15 +201,16 @@ def write_metadata(root: Path, entries: list[tuple], tensors: dict) -> None:
                for fqn, offsets, sizes, file, start, length in entries]
     tensors = {sys.intern(k): v for k, v in tensors.items()}
     for fqn, offsets, sizes, file, start, length in entries:
-        key = dcp_md.MetadataIndex(fqn, torch.Size(offsets) if offsets is not None else None)
-        storage[key] = _StorageInfo(relative_path=file, offset=start, length=length)
+        key = dcp_pickle.MetadataIndex(fqn, torch.Size(offsets) if offsets is not None else None)
+        storage[key] = dcp_pickle.StorageInfo(relative_path=file, offset=start, length=length)
         if offsets is None:
-            state[fqn] = dcp_md.BytesStorageMetadata()
+            state[fqn] = dcp_pickle.BytesStorageMetadata()
         else:
-            chunks.setdefault(fqn, []).append(dcp_md.ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            chunks.setdefault(fqn, []).append(dcp_pickle.ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
     for fqn, (shape, dtype) in tensors.items():
         found = sorted(chunks.get(fqn, []), key=lambda c: tuple(c.offsets))
-        state[fqn] = dcp_md.TensorStorageMetadata(dcp_md.TensorProperties(dtype=dtype), torch.Size(shape), found)
-    md = dcp_md.Metadata(state_dict_metadata=state, storage_data=storage)
+        properties = dcp_pickle.TensorProperties(dtype=dtype)
+        state[fqn] = dcp_pickle.TensorStorageMetadata(properties, torch.Size(shape), found)
+    md = dcp_pickle.Metadata(state_dict_metadata=state, storage_data=storage)
     with open(root / METADATA, "wb") as f:
-        pickle.dump(md, f)
+        dcp_pickle.dump(md, f)
