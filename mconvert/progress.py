@@ -7,8 +7,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from tqdm import tqdm
-
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -29,17 +27,23 @@ class Progress:
     @contextmanager
     def task(self, desc: str, total: int) -> Iterator[Callable[[int], None]]:
         tty = self.enabled and getattr(self.stream, "isatty", lambda: False)()
-        bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=self.stream,
-                   disable=not tty, leave=True, dynamic_ncols=True)
+        bar = None
+        if tty:  # tqdm (about 0.1 s of CPU to import) only where a bar is drawn
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=self.stream,
+                       leave=True, dynamic_ncols=True)
 
         def advance(n: int) -> None:
             self.bytes_done += n
-            bar.update(n)
+            if bar is not None:
+                bar.update(n)
 
         try:
             yield advance
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         if self.enabled and not tty:
             print(f"  {desc}: {human_bytes(total)}", file=self.stream, flush=True)
 
