@@ -251,21 +251,31 @@ def _med(runs: list[Run], field: str) -> float:
 
 
 def bench_growth(models: Path, layer_counts: list[int]) -> None:
-    """The same conversion at several depths: peak memory must not grow with the model."""
+    """The same conversion at several depths: peak memory must not grow with the model. Beside each, `cp -r` of
+    its source; from the smallest and largest, CPU seconds per GB of both: the fixed cost (importing torch,
+    about 1.5-2 s of CPU) cancels, what remains is the cost of the bytes themselves."""
     print(f"\nmemory growth: HF -> core TP2 PP2 (default workers), 1.1B shapes at {layer_counts} layers")
     out = models / "out"
+    points = []
     for layers in layer_counts:
         src = models / f"llama_1.1b_{layers}l"
         if not (src / "config.json").is_file():
             build_llama(src, layers)
         shutil.rmtree(out, ignore_errors=True)
+        cp = measure(["cp", "-r", str(src), str(out)])
+        shutil.rmtree(out, ignore_errors=True)
         run = measure([*mconvert_cmd(), "--saver", "core", "--tp", "2", "--pp", "2", "--load-dir", str(src),
                        "--save-dir", str(out)])
         size = sum(f.stat().st_size for f in src.rglob("*.safetensors"))
+        points.append((size / 1e9, run.cpu, cp.cpu))
         print(f"  {layers:>3} layers  {size / 1e9:5.2f} GB  wall {run.wall:6.2f} s  CPU {run.cpu:6.2f} s  "
-              f"peak {run.peak / 2**20:6.0f} MiB",
-              flush=True)
+              f"(cp -r: CPU {cp.cpu:5.2f} s)  peak {run.peak / 2**20:6.0f} MiB", flush=True)
         shutil.rmtree(out, ignore_errors=True)
+    if len(points) > 1 and points[-1][0] > points[0][0]:
+        (g0, m0, c0), (g1, m1, c1) = points[0], points[-1]
+        per_gb, cp_per_gb = (m1 - m0) / (g1 - g0), (c1 - c0) / (g1 - g0)
+        print(f"  CPU per GB beyond the fixed cost: mconvert {per_gb:.2f} s/GB, cp -r {cp_per_gb:.2f} s/GB "
+              f"({per_gb / cp_per_gb:.2f}x); fixed cost (mconvert at 0 GB) {m0 - per_gb * g0:.2f} s")
 
 
 def bench_startup(models: Path, rounds: int) -> None:
