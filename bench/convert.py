@@ -212,6 +212,7 @@ def bench_cases(models: Path, hf: Path, moe: Path, rounds: int, workers: list[in
     out = models / "out"
     runs: dict[tuple[str, int], list[Run]] = {}
     cps: dict[str, list[Run]] = {}
+    imports: dict[str, list[Run]] = {}  # `import torch` alone, in the same round: the fixed part of the CPU
     for r in range(rounds):
         for name, (src, args) in table.items():
             if vs_cp:
@@ -225,12 +226,15 @@ def bench_cases(models: Path, hf: Path, moe: Path, rounds: int, workers: list[in
                 ratio = (f" ({run.wall / cps[name][-1].wall:.2f}x cp; CPU {run.cpu:.2f} s, "
                          f"{run.cpu / cps[name][-1].cpu:.2f}x cp)") if vs_cp else f" (CPU {run.cpu:.2f} s)"
                 print(f"round {r + 1}/{rounds}: {name:<20} workers {w}: {run.wall:6.2f} s{ratio}", flush=True)
+            imports.setdefault(name, []).append(measure([sys.executable, "-c", "import torch"]))
         shutil.rmtree(out, ignore_errors=True)
     gb = [sum(f.stat().st_size for f in m.rglob("*") if f.is_file()) / 1e9 for m in (hf, moe)]
+    print(f"\nimport torch alone: CPU {statistics.median(t.cpu for ts in imports.values() for t in ts):.2f} s "
+          "(median); (CPU-torch)/cp: the conversion's CPU beyond that fixed cost, over cp's")
     print(f"\nLlama with 1.1B shapes ({hf.name}), {gb[0]:.2f} GB bf16; Mixtral ({moe.name}), {gb[1]:.2f} GB bf16; "
           f"medians over {rounds} interleaved rounds; memory = peak RssAnon+RssShmem; CPU = user + sys")
     print(f"{'case':<22} {'variant':<12} {'wall s':>7} {'user s':>7} {'sys s':>6} {'CPU s':>6} {'peak MiB':>9} "
-          f"{'wall/cp':>8} {'CPU/cp':>7} {'1->N':>6}")
+          f"{'wall/cp':>8} {'CPU/cp':>7} {'(CPU-torch)/cp':>15} {'1->N':>6}")
     for name in table:
         rows = [("cp -r + sync", cps[name])] if vs_cp else []
         rows += [(f"workers {w}", runs[(name, w)]) for w in workers]
@@ -240,6 +244,8 @@ def bench_cases(models: Path, hf: Path, moe: Path, rounds: int, workers: list[in
             if vs_cp and label != "cp -r + sync":
                 line += f" {statistics.median(x.wall / c.wall for x, c in zip(rs, cps[name])):7.2f}x"
                 line += f" {statistics.median(x.cpu / c.cpu for x, c in zip(rs, cps[name])):6.2f}x"
+                beyond = [(x.cpu - t.cpu) / c.cpu for x, c, t in zip(rs, cps[name], imports[name])]
+                line += f" {statistics.median(beyond):14.2f}x"
             one = runs.get((name, 1))
             if one is not None and label.startswith("workers") and label != "workers 1":
                 line += f" {statistics.median(a.wall / b.wall for a, b in zip(one, rs)):5.2f}x"
