@@ -14,6 +14,9 @@ hashing itself, paid once per file that the conversion reads: SHA-256 runs at ~1
 `bench/integrity.py` measured a 2.2 GB torch_dist -> HF conversion at 9.1 s with the manifest, 5.7 s without.
 Files the conversion never reads (e.g. optimizer-only shards) are not hashed; a listed file that is missing is
 refused at once, as megatron-core refuses it.
+
+Writing hashes each `.distcp` file as it is written (`WriteDigest`), not in a second pass over the finished file.
+The algorithm stays SHA-256: megatron-core refuses any other, and manifests it wrote must keep verifying.
 """
 
 from __future__ import annotations
