@@ -66,6 +66,12 @@ QKV = Join(
     lambda ts, ctx: transforms.fuse_qkv(*ts, ctx.config.num_attention_heads, ctx.config.num_query_groups),
     lambda t, ctx: list(transforms.split_qkv(t, ctx.config.num_attention_heads, ctx.config.num_query_groups)),
 )
+# cross-attention keys and values, per head [k ; v] (Megatron T5's linear_kv / key_value)
+KV = Join(
+    "per_head_kv",
+    lambda ts, ctx: transforms.fuse_kv(*ts, ctx.config.num_attention_heads),
+    lambda t, ctx: list(transforms.split_kv(t, ctx.config.num_attention_heads)),
+)
 GATE_UP = Join(
     "gate_up", lambda ts, ctx: transforms.fuse_gate_up(*ts), lambda t, ctx: list(transforms.split_gate_up(t)),
     concat_dim=0,
