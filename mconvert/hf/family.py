@@ -14,6 +14,7 @@ this package is a new family (see docs/adding-a-family.md).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from mconvert.ir.tensors import LazyTensor, ModelIR, SourceInfo
 from mconvert.lazy import torch
 from mconvert.options import Options
 from mconvert.progress import Progress
-from mconvert.registry import register_loader, register_saver, savers
+from mconvert.registry import missing_features, register_loader, register_saver, savers
 from mconvert.rules import fp8 as mfp8
 from mconvert.rules.mapping import check_plan, expand, from_ir, take_copies, to_ir, verify_copies
 from mconvert.rules.row_plan import RowPlanner
@@ -199,9 +200,22 @@ def register_family(family: HFFamily) -> HFFamily:
     FAMILIES[family.name] = family
     register_loader(family.name, aliases=family.aliases, detect=family.detect or family.is_mine,
                     options=family.load_options)(family.load)
-    register_saver(family.name, aliases=family.aliases, options=family.save_options,
-                   supports=family.supports)(family.save)
+
+    @functools.wraps(family.save)
+    def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
+        refuse_unheld(ir.config, f"the {family.name} saver")
+        family.save(ir, out, options, progress)
+
+    register_saver(family.name, aliases=family.aliases, options=family.save_options, supports=family.supports)(save)
     return family
+
+
+def refuse_unheld(c: ModelConfig, who: str) -> None:
+    """Refuse, before any family's own checks, a model with a feature that no Hugging Face family holds (Megatron
+    T5's encoder-decoder): the error says why no transformers architecture can take it."""
+    held = frozenset(name for f in FAMILIES.values() for name in f.supports)
+    if missing := missing_features(c, held):
+        raise ConvertError(f"{who} cannot write this model, nor can any Hugging Face format: {'; '.join(missing)}")
 
 
 def family_of(model_type: str | None) -> HFFamily | None:
@@ -237,6 +251,7 @@ def load(path: Path, options: Options) -> ModelIR:
 @register_saver("hf", aliases=("huggingface",), options=("max_shard_size", "tokenizer", "fp8_weights"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Hugging Face directory in the model family's own format (llama_mistral, gpt2_hf, ...)."""
+    refuse_unheld(ir.config, "the hf saver")
     family = family_of(ir.config.family)
     if family is None:
         raise ConvertError(f"the hf saver cannot write a {ir.config.family} model yet; it writes "

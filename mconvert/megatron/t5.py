@@ -107,16 +107,14 @@ def _core_layer(block: str, impl: str, *, cross: bool) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
-def core_tables(impl: str) -> tuple[Table, Table]:
-    """(encoder, decoder) tables of megatron-core's T5Model: the embeddings go with the encoder's, the LM head with
-    the decoder's."""
-    encoder = Table(embedding=core.EMBEDDING, layer=_core_layer("encoder", impl, cross=False),
-                    head=norm("encoder.final_layernorm", "encoder.final_norm"))
-    decoder = Table(layer=_core_layer("decoder", impl, cross=True), head=(
-        *norm("decoder.final_layernorm", "decoder.final_norm"),
-        Rule("lm_head.output_layer.weight", ("lm_head.weight",), VOCAB, COLUMN),
-        Rule("lm_head.output_layer.bias", ("lm_head.bias",), VOCAB, COLUMN)))
-    return encoder, decoder
+def core_table(impl: str) -> Table:
+    """megatron-core's T5Model under one transformer implementation (`local` or `te`)."""
+    return Table(embedding=core.EMBEDDING, encoder_layer=_core_layer("encoder", impl, cross=False),
+                 encoder_head=norm("encoder.final_layernorm", "encoder.final_norm"),
+                 layer=_core_layer("decoder", impl, cross=True), head=(
+                     *norm("decoder.final_layernorm", "decoder.final_norm"),
+                     Rule("lm_head.output_layer.weight", ("lm_head.weight",), VOCAB, COLUMN),
+                     Rule("lm_head.output_layer.bias", ("lm_head.bias",), VOCAB, COLUMN)))
 
 
 # The modules T5Model registers twice (T5Model.position_embeddings, T5Model.output_layer): the second name of each
@@ -147,23 +145,16 @@ def _legacy_layer(k: str, block: str, *, cross: bool) -> tuple[Rule, ...]:
     return (*rules, *_mlp(f"{k}.mlp.dense_h_to_4h", f"{k}.mlp.dense_4h_to_h", f"{n}.mlp"))
 
 
-LEGACY_ENCODER = Table(embedding=legacy.TABLE.embedding, layer=_legacy_layer(_L_ENC, "encoder", cross=False),
-                       head=norm("language_model.encoder.final_layernorm", "encoder.final_norm"))
-LEGACY_DECODER = Table(layer=_legacy_layer(_L_DEC, "decoder", cross=True), head=(
-    *norm("language_model.decoder.final_layernorm", "decoder.final_norm"),
-    Rule("lm_head.bias", ("lm_head.bias",), VOCAB, COLUMN)))
+LEGACY_TABLE = Table(embedding=legacy.TABLE.embedding, encoder_layer=_legacy_layer(_L_ENC, "encoder", cross=False),
+                     encoder_head=norm("language_model.encoder.final_layernorm", "encoder.final_norm"),
+                     layer=_legacy_layer(_L_DEC, "decoder", cross=True), head=(
+                         *norm("language_model.decoder.final_layernorm", "decoder.final_norm"),
+                         Rule("lm_head.bias", ("lm_head.bias",), VOCAB, COLUMN)))
 # legacy.canonical maps the older spellings of the encoder's names; the decoder's own ones here
 LEGACY_ALIASES = tuple((re.compile(p), r) for p, r in (
     (r"\.post_inter_attention_norm\.", ".post_inter_attention_layernorm."),
     (r"^language_model\.decoder\.final_norm\.", "language_model.decoder.final_layernorm."),
 ))
-
-
-def rows(tables: tuple[Table, Table], c: ModelConfig) -> list[Row]:
-    """Every row of one T5 model, layers numbered as stored (one pipeline stage: local = global)."""
-    encoder, decoder = tables
-    return (expand(encoder, c, layers=[(L, L) for L in range(c.encoder_num_layers)])
-            + expand(decoder, c, layers=[(L, L) for L in range(c.num_layers)], embedding=False))
 
 
 def _core_copies(c: ModelConfig) -> list[Row]:
@@ -279,7 +270,7 @@ def load(path: Path, options: Options) -> ModelIR:
                            "Megatron-LM that wrote it to reach version 3.0")
     ctx = Ctx(config, padded, tp=files.tp, qkv_version=order)
     chunk = Chunk(0, 0, range(config.num_layers), has_embedding=True, has_head=True)
-    wanted = rows((LEGACY_ENCODER, LEGACY_DECODER) if is_legacy else core_tables(impl), config)
+    wanted = expand(LEGACY_TABLE if is_legacy else core_table(impl), config)
     source, found, _ = read_parts(files, [Part(chunk, 0, ENTRY, tuple(wanted))], tensors_of)
     stored_as = f"{files.files[(0, 0, 0)].parent.name}/{ENTRY}/"  # read_parts' prefix of every source key
     copies = [(row, source.pop(stored_as + row.key)) for row in ([] if is_legacy else _core_copies(config))
@@ -408,8 +399,7 @@ def _save(ir: ModelIR, out: Path, options: Options, progress: Progress, *, legac
     iteration = rank_files.iteration(ir, options)
     args = args_from_config(c, options, padded=padded, impl=impl, legacy_model=legacy_model,
                             tokenizer_model=rank_files.tokenizer_model(ir, out, options, iteration))
-    tables = (LEGACY_ENCODER, LEGACY_DECODER) if legacy_model else core_tables(impl)
-    planned = rows(tables, c) + ([] if legacy_model else _core_copies(c))
+    planned = expand(LEGACY_TABLE if legacy_model else core_table(impl), c) + ([] if legacy_model else _core_copies(c))
     chunk = Chunk(0, 0, range(c.num_layers), has_embedding=True, has_head=True)
     top = {"args": args, "checkpoint_version": legacy.CHECKPOINT_VERSION, "iteration": iteration}
 

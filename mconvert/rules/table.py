@@ -210,6 +210,10 @@ class Table:
     """A format's rules in the order its files hold them: embeddings, per-layer, per-expert, head."""
 
     embedding: tuple[Rule, ...] = ()
+    # Encoder-decoder models (T5): the encoder's layers ({L} / {l} count the encoder's own, config.encoder_num_layers)
+    # and what follows them (its final norm), before the decoder's `layer` rules
+    encoder_layer: tuple[Rule, ...] = ()
+    encoder_head: tuple[Rule, ...] = ()
     layer: tuple[Rule, ...] = ()  # templates use {L} (global) / {l} (local to the file)
     expert: tuple[Rule, ...] = ()  # templates also use {E} (global expert) / {e} (local to the EP rank)
     # One tensor per layer holding all of a file's experts: the IR templates (with {E}/{e}) repeat for each
