@@ -12,7 +12,8 @@ operations in the same order: learned positions from 0 (no offset), pre-LayerNor
 `lm_head`; with `scale_embedding: false` the embeddings are not scaled. Its LayerNorms use torch's default
 epsilon, 1e-5 (Megatron's default too), and each stack has its own position table (both get the IR's one).
 
-    model.shared.weight                                   [V, h]   embed.weight (encoder/decoder embed_tokens tie to it)
+    model.shared.weight                                   [V, h]   embed.weight
+    model.{encoder,decoder}.embed_tokens.weight           [V, h]   embed.weight again (separate when untied)
     model.{encoder,decoder}.embed_positions.weight        [S, h]   pos_embed.weight (the same table twice)
     model.{encoder,decoder}.layers.{L}.self_attn.{q,k,v,out}_proj.{weight,bias}
     model.{encoder,decoder}.layers.{L}.self_attn_layer_norm.{weight,bias}
@@ -35,6 +36,7 @@ from typing import Any
 from mconvert.errors import ConvertError
 from mconvert.hf.config import config_dtype
 from mconvert.hf.family import HFFamily, load_hf, register_family, save_hf
+from mconvert.io import hf_dir
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import LazyTensor, ModelIR
 from mconvert.options import Options
@@ -66,10 +68,19 @@ def _layer(block: str, *, cross: bool) -> tuple[Rule, ...]:
             *norm(f"{k}.final_layer_norm", f"{n}.mlp_norm"))
 
 
-def _table(*, decoder_positions: bool) -> Table:
+# Copies of one IR tensor under a second (and third) name: written, and checked equal to the first when read.
+# Each stack has its own position table; its token embeddings are tied to model.shared when the LM head is, and
+# are separate parameters otherwise (transformers 5 unties them with tie_word_embeddings false).
+COPIES = {DECODER_POSITIONS: ENCODER_POSITIONS, "model.encoder.embed_tokens.weight": "model.shared.weight",
+          "model.decoder.embed_tokens.weight": "model.shared.weight"}
+
+
+def _table(*, copies: bool) -> Table:
     return Table(
         embedding=(Rule("model.shared.weight", ("embed.weight",)), Rule(ENCODER_POSITIONS, ("pos_embed.weight",)),
-                   *((Rule(DECODER_POSITIONS, ("pos_embed.weight",)),) if decoder_positions else ())),
+                   *((Rule("model.encoder.embed_tokens.weight", ("embed.weight",)),
+                      Rule("model.decoder.embed_tokens.weight", ("embed.weight",)),
+                      Rule(DECODER_POSITIONS, ("pos_embed.weight",))) if copies else ())),
         encoder_layer=_layer("encoder", cross=False),
         encoder_head=norm("model.encoder.layer_norm", "encoder.final_norm"),
         layer=_layer("decoder", cross=True),
@@ -77,10 +88,7 @@ def _table(*, decoder_positions: bool) -> Table:
               Rule("final_logits_bias", ("lm_head.bias",), ROW_VECTOR)))
 
 
-# Written: both position tables from the IR's one. Read: the encoder's, the decoder's checked equal to it.
-TABLE, READ_TABLE = _table(decoder_positions=True), _table(decoder_positions=False)
-# The stacks' token embeddings are tied to model.shared (older transformers saved them too)
-DROP = (r"model\.(encoder|decoder)\.embed_tokens\.weight",)
+TABLE, READ_TABLE = _table(copies=True), _table(copies=False)
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which Blenderbot's norms use
@@ -148,30 +156,39 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _decoder_positions_checked(source: dict[str, LazyTensor]) -> dict[str, LazyTensor]:
-    """The encoder's position table, checked (when read) to equal the decoder's, which the IR does not keep."""
+def _copies_checked(source: dict[str, LazyTensor]) -> dict[str, LazyTensor]:
+    """Each first tensor of `COPIES`, checked (when read) to equal its stored copies, which the IR does not keep."""
     source = dict(source)
-    decoder = source.pop(DECODER_POSITIONS, None)
-    encoder = source.get(ENCODER_POSITIONS)
-    if decoder is None or encoder is None:
-        return source
+    for first in set(COPIES.values()):
+        copies = [source.pop(k) for k, v in COPIES.items() if v == first and k in source]
+        if first in source and copies:
+            source[first] = _checked(source[first], copies)
+    return source
 
+
+def _checked(first: LazyTensor, copies: list[LazyTensor]) -> LazyTensor:
     def thunk():
-        value = encoder.load()
-        if decoder.shape != encoder.shape or not transforms.same_bits(decoder.load(), value):
-            raise ConvertError(f"{decoder.origin} differs from {encoder.origin}: Megatron's T5 shares one position "
-                               "table between encoder and decoder")
+        value = first.load()
+        for copy in copies:
+            if copy.shape != first.shape or not transforms.same_bits(copy.load(), value):
+                raise ConvertError(f"{copy.origin} differs from {first.origin}: Megatron's T5 has one such table for "
+                                   "encoder and decoder")
         return value
 
-    source[ENCODER_POSITIONS] = LazyTensor(encoder.shape, encoder.dtype_name, thunk, encoder.origin)
-    return source
+    return LazyTensor(first.shape, first.dtype_name, thunk, first.origin)
 
 
 def load(path: Path, options: Options) -> ModelIR:
     """Hugging Face Blenderbot (BlenderbotForConditionalGeneration) computing Megatron's T5: unscaled embeddings,
     one position table."""
-    return load_hf(path, options, name="blenderbot_hf", config_from_hf=config_from_hf, table=READ_TABLE,
-                   embed_key="model.shared.weight", drop=DROP, fix_source=_decoder_positions_checked)
+    # an untied model saved without its bias (transformers then starts it at zeros, as the IR's "no bias" means)
+    biased = "final_logits_bias" in hf_dir.open_weights(hf_dir.resolve(path))
+
+    def config(hf: dict[str, Any], where: str) -> ModelConfig:
+        return config_from_hf(hf, where).replace(lm_head_bias=biased)
+
+    return load_hf(path, options, name="blenderbot_hf", config_from_hf=config, table=READ_TABLE,
+                   embed_key="model.shared.weight", drop=(), fix_source=_copies_checked)
 
 
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
