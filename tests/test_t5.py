@@ -178,7 +178,8 @@ def test_transformers_t5_is_refused_with_the_reason(tmp_path):
 
     config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4)
     transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
-    out = run_cli("--saver", "core", "--load-dir", tmp_path / "t5", "--save-dir", tmp_path / "x", expect_error=True)
+    out = run_cli("--loader", "blenderbot_hf", "--saver", "core", "--load-dir", tmp_path / "t5", "--save-dir",
+                  tmp_path / "x", expect_error=True)
     assert "transformers' T5 (relative position buckets, RMSNorm without biases, no learned positions) is not " \
            "Megatron's T5" in out
 

@@ -196,5 +196,5 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     save_hf(ir, out, options, progress, table=TABLE, config_to_hf=config_to_hf, where="saver blenderbot_hf")
 
 
-FAMILY = register_family(HFFamily("blenderbot_hf", {MODEL_TYPE: ARCHITECTURE, "t5": ARCHITECTURE}, load, save,
-                                  SUPPORTS, aliases=("blenderbot",)))
+FAMILY = register_family(HFFamily("blenderbot_hf", {MODEL_TYPE: ARCHITECTURE}, load, save, SUPPORTS,
+                                  aliases=("blenderbot",), ir_families=("t5",)))

@@ -168,7 +168,8 @@ class HFFamily:
     """One Hugging Face family, as the registry knows it.
 
     `model_types` maps each config.json `model_type` the family reads to the `architectures` entry it writes;
-    the IR families it writes are those model types. `load` and `save` are the family's loader and saver
+    the IR families it writes are those model types and `ir_families` (an IR family named otherwise: Blenderbot
+    writes Megatron's T5). `load` and `save` are the family's loader and saver
     (registered under `name` and `aliases`); their docstrings' first paragraphs are what `mconvert plugins`
     shows. `detect` recognises the family's directories (default: an HF directory whose config.json names one of
     `model_types`).
@@ -183,6 +184,7 @@ class HFFamily:
     detect: Callable[[Path], bool] | None = None
     load_options: tuple[str, ...] = ("tokenizer",)
     save_options: tuple[str, ...] = ("max_shard_size", "tokenizer")
+    ir_families: tuple[str, ...] = ()
 
     def is_mine(self, path: Path) -> bool:
         return hf_dir.is_hf_dir(path, tuple(self.model_types))
@@ -218,10 +220,15 @@ def family_of(model_type: str | None) -> HFFamily | None:
     return next((f for f in FAMILIES.values() if model_type in f.model_types), None)
 
 
+def writer_of(ir_family: str) -> HFFamily | None:
+    """The family whose saver writes IR family `ir_family`."""
+    return family_of(ir_family) or next((f for f in FAMILIES.values() if ir_family in f.ir_families), None)
+
+
 def not_my_family(saver: str, family: str) -> ConvertError:
     """The error of a family's saver given another family's model: it names the saver that writes that family."""
     savers()  # every family registered, not only those imported so far
-    owner = family_of(family)
+    owner = writer_of(family)
     hint = (f"use --saver {owner.name} (or --saver hf, which picks it)" if owner
             else f"no Hugging Face saver writes {family} models (`mconvert plugins` lists the savers)")
     return ConvertError(f"the {saver} saver cannot write a {family} model; {hint}")
@@ -246,7 +253,7 @@ def load(path: Path, options: Options) -> ModelIR:
 @register_saver("hf", aliases=("huggingface",), options=("max_shard_size", "tokenizer", "fp8_weights"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Hugging Face directory in the model family's own format (llama_mistral, gpt2_hf, ...)."""
-    family = family_of(ir.config.family)
+    family = writer_of(ir.config.family)
     if family is None:
         raise ConvertError(f"the hf saver cannot write a {ir.config.family} model yet; it writes "
                            f"{', '.join(model_types())}")
