@@ -196,3 +196,30 @@ def test_inconsistent_copies_are_refused(t5_written, tmp_path):
     torch.save(state, file)
     out = run_cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "x", expect_error=True)
     assert "output_layer.bias, the same module under its second name in T5Model) differs from" in out, out
+
+
+def test_the_ir_holds_t5_as_megatron_builds_it():
+    """Only family t5 has an encoder (and at least one layer of it) or an LM head bias; its cross-attention has no
+    key/value groups and its positions are learned."""
+    from mconvert.errors import ConvertError
+    from mconvert.ir.config import ModelConfig
+    from mconvert.ir.names import expected_shapes, num_elements
+
+    shape = dict(num_layers=2, hidden_size=16, ffn_hidden_size=32, num_attention_heads=4, num_query_groups=4,
+                 head_dim=4, vocab_size=10, max_position_embeddings=8, position_embedding="learned", norm="layernorm",
+                 activation="gelu", qkv_bias=True, proj_bias=True, mlp_bias=True, tie_embeddings=True)
+    c = ModelConfig(family="t5", encoder_num_layers=3, lm_head_bias=True, **shape)
+    names = list(expected_shapes(c))
+    assert names[:3] == ["embed.weight", "pos_embed.weight", "encoder.layers.0.attn_norm.weight"]
+    assert "encoder.layers.2.mlp.down.bias" in names and "encoder.layers.0.xattn.q.weight" not in names
+    assert expected_shapes(c)["decoder.layers.1.xattn.k.weight"] == (16, 16) and names[-1] == "lm_head.bias"
+    assert num_elements(c) == sum(torch.Size(s).numel() for s in expected_shapes(c).values())
+    for bad, want in (({"family": "gpt2", "encoder_num_layers": 3}, "only family 't5' (an encoder-decoder) has "
+                                                                     "encoder layers"),
+                      ({"encoder_num_layers": 0}, "only family 't5' (an encoder-decoder) has encoder layers"),
+                      ({"num_query_groups": 2}, "this config has num_query_groups=2"),
+                      ({"position_embedding": "rope"}, "this config has position_embedding='rope'")):
+        with pytest.raises(ConvertError, match=want.replace("(", r"\(").replace(")", r"\)")):
+            ModelConfig(**(shape | {"family": "t5", "encoder_num_layers": 3} | bad))
+    with pytest.raises(ConvertError, match="only the T5 family has a bias on its LM head"):
+        ModelConfig(**(shape | {"family": "gpt2", "lm_head_bias": True}))
