@@ -171,6 +171,9 @@ def test_gpt_and_bert_are_not_read_as_t5(gpt2_dir, tmp_path):
                   expect_error=True)
     assert "holds a Megatron BERT (encoder-only: lm_head.dense, binary_head, pooler or token-type embeddings) " \
            "model, not T5" in out
+    out = run_cli("--loader", "core", "--saver", "core", "--load-dir", tmp_path / "bert", "--save-dir", tmp_path / "x",
+                  expect_error=True)
+    assert "holds a Megatron BERT (encoder-only" in out and "model, not GPT, which the core loader reads" in out
 
 
 def test_transformers_t5_is_refused_with_the_reason(tmp_path):

@@ -218,7 +218,7 @@ def load(path: Path, options: Options) -> ModelIR:
     it_dir, iteration = find_iteration(Path(path))
     files = RankFiles(it_dir)
     names = files.chunk_names()
-    model_kind.refuse_other(files.model(0, 0, 0, names[0]), files.rel((0, 0, 0)), "legacy")
+    model_kind.refuse_other(files.model(0, 0, 0, names[0]), files.rel((0, 0, 0)), "legacy", "gpt")
     order, version = qkv_order(files)
     cached: dict[tuple[int, int, str], dict[str, LazyTensor]] = {}
 

@@ -33,17 +33,20 @@ def _paths(tree: dict, prefix: str = ""):
             yield f"{prefix}{key}"
 
 
-def refuse_other(model: dict | None, where: str, loader: str) -> None:
-    """A GPT loader given T5 (or the T5 loader given GPT or BERT) refuses, saying what the files hold."""
-    found = kind(model) if model is not None else None
-    if loader == "t5" and found in ("gpt", "bert"):
-        what = ("a Megatron BERT (encoder-only: lm_head.dense, binary_head, pooler or token-type embeddings)"
-                if found == "bert" else "a Megatron GPT (decoder-only: no encoder, no cross-attention)")
-        raise ConvertError(f"{where}: holds {what} model, not T5 (encoder-decoder); read it with its own loader "
-                           "(leave --loader out to detect it)")
-    if loader != "t5" and found == "t5":
-        raise ConvertError(f"{where}: holds a Megatron T5 (encoder-decoder: encoder layers, decoder cross-attention, "
-                           f"an LM head bias) model, not GPT, which the {loader} loader reads; use --loader t5 (or "
-                           "leave --loader out)")
+WHAT = {
+    "t5": "a Megatron T5 (encoder-decoder: encoder layers, decoder cross-attention, an LM head bias)",
+    "bert": "a Megatron BERT (encoder-only: lm_head.dense, binary_head, pooler or token-type embeddings)",
+    "gpt": "a Megatron GPT (decoder-only: no encoder, no cross-attention)",
+}
+LOADERS = {"t5": "--loader t5", "gpt": "--loader core or --loader legacy"}
 
 
+def refuse_other(model: dict, where: str, loader: str, expected: str) -> None:
+    """The `loader` reading `expected` models ('gpt', 't5', 'bert') refuses a model dict holding another kind,
+    naming what it holds and which loader reads that."""
+    found = kind(model)
+    if found != expected:
+        how = f"use {LOADERS[found]} (or leave --loader out)" if found in LOADERS else \
+            "read it with its own loader (leave --loader out to detect it)"
+        raise ConvertError(f"{where}: holds {WHAT[found]} model, not {expected.upper()}, which the {loader} loader "
+                           f"reads; {how}")

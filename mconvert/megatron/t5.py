@@ -171,12 +171,14 @@ def config_from_args(args: Any, *, encoder_layers: int, decoder_layers: int, tie
     """The IR config of a T5 from its Megatron args (the stack sizes as the files hold them, checked against the
     args by the caller): the decoder read as a GPT's layers, then the encoder and the LM head bias added."""
     sizes.check_counts(vars(args), ("encoder_num_layers", "decoder_num_layers", "num_layers"), stored, where, "args.")
-    decoder_view = types.SimpleNamespace(**(vars(args) | {"num_layers": decoder_layers, "num_experts": None,
+    if getattr(args, "num_experts", None):
+        raise ConvertError(f"{where}: a T5 with experts (args.num_experts={args.num_experts}) is not read: the IR's "
+                           "T5 has dense layers")
+    decoder_view = types.SimpleNamespace(**(vars(args) | {"num_layers": decoder_layers,
                                                             "untie_embeddings_and_output_weights": not tied}))
     gpt = arguments.config_from_args(decoder_view, vocab_size=vocab, padded_vocab_size=padded, dtype=dtype,
                                      where=where, stored=stored)
-    config = with_where(where, lambda: gpt.replace(family="t5", encoder_num_layers=encoder_layers,
-                                                            lm_head_bias=tied))
+    config = with_where(where, lambda: gpt.replace(family="t5", encoder_num_layers=encoder_layers, lm_head_bias=tied))
     sizes.check_fits(config, stored, where)
     return config
 
@@ -231,7 +233,7 @@ def load(path: Path, options: Options) -> ModelIR:
                            "Megatron-LM with --ckpt-format torch)")
     files = RankFiles(it_dir)
     model = files.model(0, 0, 0, files.chunk_names()[0])
-    model_kind.refuse_other(model, files.rel((0, 0, 0)), "t5")
+    model_kind.refuse_other(model, files.rel((0, 0, 0)), "t5", "t5")
     if files.pp > 1 or files.chunk_names() != [ENTRY]:
         raise ConvertError(f"{it_dir}: T5 over {files.pp} pipeline stages ({', '.join(files.chunk_names())}): "
                            "megatron-core 0.16.1 and 0.19.2 build T5 on one stage only, and older encoder/decoder "

@@ -70,7 +70,7 @@ def load(path: Path, options: Options) -> ModelIR:
     if core.is_dcp_checkpoint(it_dir):
         return load_dcp(it_dir, iteration, options)
     files = RankFiles(it_dir)
-    model_kind.refuse_other(files.model(0, 0, 0, files.chunk_names()[0]), files.rel((0, 0, 0)), "core")
+    model_kind.refuse_other(files.model(0, 0, 0, files.chunk_names()[0]), files.rel((0, 0, 0)), "core", "gpt")
 
     def tensors_of(tp: int, pp: int, ep: int, entry: str) -> dict[str, LazyTensor]:
         idx = (tp, pp, ep)
