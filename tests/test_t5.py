@@ -36,7 +36,7 @@ def t5_written(tmp_path_factory, mcore_python):
     return root
 
 
-def _megatron_logits(python, script_mode: str, specs: list[dict]) -> None:
+def _megatron_logits(python, script_mode: str, specs: list[dict] | dict) -> None:
     run_megatron(python, "t5.py", script_mode, json.dumps(specs))
 
 
@@ -89,6 +89,24 @@ def test_resharded_and_migrated_t5_gives_megatrons_logits(name, t5_written, mcor
     for after in ("after019.pt", "after016.pt"):
         logits = torch.load(tmp_path / after)["logits"]
         assert torch.equal(logits[..., :VOCAB], before["logits"][..., :VOCAB]), after
+
+
+@pytest.mark.parity
+def test_megatron_reads_our_tp2_t5_with_its_own_tensor_parallelism(t5_written, mcore_python, tmp_path):
+    """Megatron-LM 0.19 at TP 2 (two gloo processes, each loading its rank file with load_checkpoint, strict) runs our
+    TP 2 T5 (from its TP 1 save, through the legacy format and back) to the logits it computed at TP 1. Bound: TP 2
+    adds the row-parallel partial sums and the vocabulary-parallel embedding in another order, float32 roundings of
+    ~6e-8 relative on logits below 1, a few dozen of them over 4 layers: ~1e-6 at worst (measured 2e-7); 1e-5
+    leaves a factor 10, while a wrongly split tensor (heads, [k ; v] pairs, vocabulary) moves logits by > 1e-2."""
+    run_cli("-q", "--saver", "legacy", "--tp", "2", "--load-dir", t5_written / "t5_tied", "--save-dir",
+            tmp_path / "legacy")
+    run_cli("-q", "--saver", "core", "--tp", "2", "--load-dir", tmp_path / "legacy", "--save-dir", tmp_path / "tp2")
+    shutil.copy(t5_written / "t5_tied.pt", tmp_path / "tp2.pt")
+    _megatron_logits(mcore_python("0.19"), "load_tp", {"load": str(tmp_path / "tp2"), "out": str(tmp_path / "tp2.pt"),
+                                                       "vocab": VOCAB, "tp": 2})
+    after, before = torch.load(tmp_path / "tp2.pt")["logits"], torch.load(t5_written / "t5_tied.pt")["logits"]
+    assert after.shape[-1] == 512  # padded for TP 2 (a multiple of 128 x 2)
+    torch.testing.assert_close(after[..., :VOCAB], before[..., :VOCAB], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parity

@@ -4,6 +4,7 @@ package, straight into a T5Model built from the stored args), and record the log
 
     python tests/support/megatron_lm/t5.py save OUT_DIR SPEC_JSON     (0.19) [{"name", "flags"}] -> OUT_DIR/<name>
     python tests/support/megatron_lm/t5.py load SPEC_JSON             (0.19) [{"load", "out"}]
+    python tests/support/megatron_lm/t5.py load_tp SPEC_JSON          (0.19) {"load", "out", "tp"}: one process per rank
     python tests/support/megatron_lm/t5.py core016 SPEC_JSON          (0.16) [{"file", "out"}]
 
 The model is what Megatron-LM's pretrain_t5.py builds with the local spec (T5Model, encoder and decoder blocks
@@ -113,6 +114,51 @@ def load(spec_json: str) -> None:
         print(f"loaded {spec['load']} (iteration {iteration})", flush=True)
 
 
+def load_tp(spec_json: str) -> None:
+    """`load` at the checkpoint's own tensor-parallel size: one process per TP rank (gloo, spawned here), each
+    loading its own rank file through Megatron-LM's load_checkpoint; the vocabulary-parallel logits are gathered
+    and rank 0 writes them."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    spec = json.loads(spec_json)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_load_rank, args=(spec, port), nprocs=spec["tp"], join=True)
+
+
+def _load_rank(rank: int, spec: dict, port: int) -> None:
+    import os
+
+    from megatron.training import checkpointing
+
+    os.environ |= {"RANK": str(rank), "WORLD_SIZE": str(spec["tp"]), "LOCAL_RANK": str(rank),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    cpu.patch_cuda()
+    from megatron.training import arguments
+
+    arguments.get_device_arch_version = lambda: 10  # TP > 1 asks the GPU's generation (for a CUDA setting only)
+    torch.distributed.init_process_group(backend="gloo", rank=rank, world_size=spec["tp"])
+    args = cpu.megatron_args(["--load", spec["load"], "--use-checkpoint-args", "--no-load-optim", "--no-load-rng",
+                              "--tokenizer-type", "NullTokenizer", "--vocab-size", str(spec["vocab"]),
+                              "--tensor-model-parallel-size", str(spec["tp"])])
+    cpu.init_parallel(args)
+    model = build_from_args(args)
+    checkpointing.load_checkpoint([model], None, None, strict=True)
+    record = torch.load(spec["out"])
+    local = logits(model, record["enc"], record["dec"]).contiguous()  # [b, t, V_pad / tp]
+    pieces = [torch.empty_like(local) for _ in range(spec["tp"])]
+    torch.distributed.all_gather(pieces, local)
+    if rank == 0:
+        record["logits"] = torch.cat(pieces, dim=-1)
+        torch.save(record, spec["out"])
+        print(f"loaded {spec['load']} at TP {spec['tp']}", flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def core016(spec_json: str) -> None:
     """megatron-core 0.16.1 (no Megatron-LM training package): a T5Model built from the args stored in a
     TP 1, PP 1 `torch` rank file, its `model` entry loaded strictly."""
@@ -142,6 +188,8 @@ def core016(spec_json: str) -> None:
 
 
 def main(command: str, *rest: str) -> None:
+    if command == "load_tp":  # each spawned rank starts its own process group
+        return load_tp(*rest)
     if command == "core016":  # no megatron.training to patch: the CUDA stand-ins alone
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
