@@ -28,6 +28,18 @@ def test_qkv_round_trip(shape):
     assert all(torch.equal(a, b) for a, b in zip(out, (q, k, v)))
 
 
+def test_fuse_kv_is_per_head_and_round_trips():
+    # Megatron T5's cross-attention linear_kv, 2 heads, head_dim 2: rows are [k0 k0 v0 v0 | k1 k1 v1 v1]
+    k, v = torch.tensor([[0.], [1.], [2.], [3.]]), torch.tensor([[10.], [11.], [12.], [13.]])
+    fused = transforms.fuse_kv(k, v, num_heads=2)
+    assert fused.flatten().tolist() == [0, 1, 10, 11, 2, 3, 12, 13]
+    for shape in ((16, 5), (16,)):
+        k, v = torch.randn(shape), torch.randn(shape)
+        assert all(torch.equal(a, b) for a, b in zip(transforms.split_kv(transforms.fuse_kv(k, v, 4), 4), (k, v)))
+    with pytest.raises(ConvertError, match="not a multiple of 2 × 4 heads"):
+        transforms.split_kv(torch.zeros(12, 3), 4)
+
+
 def test_rope_permutation_round_trip_and_layout():
     w = torch.arange(8.).reshape(8, 1)  # one head, head_dim 8
     half = transforms.interleaved_to_half_rope(w, 1)

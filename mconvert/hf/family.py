@@ -14,6 +14,7 @@ this package is a new family (see docs/adding-a-family.md).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from mconvert.ir.tensors import LazyTensor, ModelIR, SourceInfo
 from mconvert.lazy import torch
 from mconvert.options import Options
 from mconvert.progress import Progress
-from mconvert.registry import register_loader, register_saver, savers
+from mconvert.registry import missing_features, register_loader, register_saver, savers
 from mconvert.rules import fp8 as mfp8
 from mconvert.rules.mapping import check_plan, expand, from_ir, take_copies, to_ir, verify_copies
 from mconvert.rules.row_plan import RowPlanner
@@ -167,7 +168,8 @@ class HFFamily:
     """One Hugging Face family, as the registry knows it.
 
     `model_types` maps each config.json `model_type` the family reads to the `architectures` entry it writes;
-    the IR families it writes are those model types. `load` and `save` are the family's loader and saver
+    the IR families it writes are those model types and `ir_families` (an IR family named otherwise: Blenderbot
+    writes Megatron's T5). `load` and `save` are the family's loader and saver
     (registered under `name` and `aliases`); their docstrings' first paragraphs are what `mconvert plugins`
     shows. `detect` recognises the family's directories (default: an HF directory whose config.json names one of
     `model_types`).
@@ -182,6 +184,7 @@ class HFFamily:
     detect: Callable[[Path], bool] | None = None
     load_options: tuple[str, ...] = ("tokenizer",)
     save_options: tuple[str, ...] = ("max_shard_size", "tokenizer")
+    ir_families: tuple[str, ...] = ()
 
     def is_mine(self, path: Path) -> bool:
         return hf_dir.is_hf_dir(path, tuple(self.model_types))
@@ -199,8 +202,16 @@ def register_family(family: HFFamily) -> HFFamily:
     FAMILIES[family.name] = family
     register_loader(family.name, aliases=family.aliases, detect=family.detect or family.is_mine,
                     options=family.load_options)(family.load)
-    register_saver(family.name, aliases=family.aliases, options=family.save_options,
-                   supports=family.supports)(family.save)
+
+    @functools.wraps(family.save)
+    def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
+        if ir.config.is_encoder_decoder and "encoder_decoder" not in family.supports:  # before the family's checks,
+            # which speak of decoder-only models
+            raise ConvertError(f"the {family.name} saver writes a decoder-only model and cannot write this one: "
+                               f"{'; '.join(missing_features(ir.config, family.supports))}")
+        family.save(ir, out, options, progress)
+
+    register_saver(family.name, aliases=family.aliases, options=family.save_options, supports=family.supports)(save)
     return family
 
 
@@ -209,10 +220,15 @@ def family_of(model_type: str | None) -> HFFamily | None:
     return next((f for f in FAMILIES.values() if model_type in f.model_types), None)
 
 
+def writer_of(ir_family: str) -> HFFamily | None:
+    """The family whose saver writes IR family `ir_family`."""
+    return family_of(ir_family) or next((f for f in FAMILIES.values() if ir_family in f.ir_families), None)
+
+
 def not_my_family(saver: str, family: str) -> ConvertError:
     """The error of a family's saver given another family's model: it names the saver that writes that family."""
     savers()  # every family registered, not only those imported so far
-    owner = family_of(family)
+    owner = writer_of(family)
     hint = (f"use --saver {owner.name} (or --saver hf, which picks it)" if owner
             else f"no Hugging Face saver writes {family} models (`mconvert plugins` lists the savers)")
     return ConvertError(f"the {saver} saver cannot write a {family} model; {hint}")
@@ -237,7 +253,7 @@ def load(path: Path, options: Options) -> ModelIR:
 @register_saver("hf", aliases=("huggingface",), options=("max_shard_size", "tokenizer", "fp8_weights"))
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Hugging Face directory in the model family's own format (llama_mistral, gpt2_hf, ...)."""
-    family = family_of(ir.config.family)
+    family = writer_of(ir.config.family)
     if family is None:
         raise ConvertError(f"the hf saver cannot write a {ir.config.family} model yet; it writes "
                            f"{', '.join(model_types())}")

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 from mconvert.ir.dtypes import DType
 
 Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2",
-                 "glm4_moe", "gemma3_text", "gpt_oss"]
+                 "glm4_moe", "gemma3_text", "gpt_oss", "t5"]
 Norm = Literal["rmsnorm", "layernorm"]
 # geglu_tanh: gelu_tanh(gate(x)) * up(x); quick_geglu: GPT-OSS's clamped x * sigmoid(1.702 x) gate
 Activation = Literal["swiglu", "gelu_tanh", "gelu", "geglu_tanh", "quick_geglu"]
@@ -122,6 +122,10 @@ class ModelConfig:
     moe_router_bias: bool = False  # the router's linear has a bias (added to the logits: chooses and weighs)
     glu_linear_offset: float = 0.0  # the gated unit is act(gate) * (up + offset)
     activation_clamp: float | None = None  # gate clamped above at it, up to [-it, it], before the gated unit
+    # Megatron T5 (family "t5", see mconvert/ir/names.py): an encoder of `encoder_num_layers` layers beside the
+    # decoder of `num_layers`, and a bias on the (tied) LM head; 0 / False for every decoder-only family
+    encoder_num_layers: int = 0
+    lm_head_bias: bool = False
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -143,6 +147,7 @@ class ModelConfig:
                                f"{self.num_experts}")
         self._check_moe_layers()
         self._check_window_layers()
+        self._check_encoder_decoder()
         check_model_config(self)  # non-finite or out-of-range numbers (NaN epsilon, negative rope theta, ...)
         check_config(self)  # DeepSeek's fields that contradict each other or the rest
 
@@ -153,6 +158,37 @@ class ModelConfig:
             raise ConvertError(f"full_attention_layers must be distinct layer numbers in [0, {self.num_layers}) in "
                                f"increasing order, got {list(full)}")
         object.__setattr__(self, "full_attention_layers", full)  # a JSON list reads back as the same tuple
+
+    def _check_encoder_decoder(self) -> None:
+        """T5 (encoder-decoder) as Megatron builds it: learned absolute positions, multi-head attention (its
+        cross-attention has no key/value groups), dense layers; and only T5 has an encoder or an LM head bias."""
+        n = self.encoder_num_layers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConvertError(f"encoder_num_layers must be a non-negative integer, got {n!r}")
+        if (self.family == "t5") != (n > 0):
+            raise ConvertError(f"family {self.family!r} with encoder_num_layers={n}: only family 't5' (an "
+                               "encoder-decoder) has encoder layers, and it needs at least one")
+        if self.lm_head_bias and self.family != "t5":
+            raise ConvertError(f"lm_head_bias: only the T5 family has a bias on its LM head, not {self.family!r}")
+        if self.family == "t5":
+            bad = [f"{name}={value!r}" for name, value, ok in (
+                ("position_embedding", self.position_embedding, self.position_embedding == "learned"),
+                ("num_query_groups", self.num_query_groups, self.num_query_groups == self.num_attention_heads),
+                ("num_experts", self.num_experts, not self.is_moe),
+                ("mtp_layers", self.mtp_layers, not self.mtp_layers),
+                ("qk_norm", self.qk_norm, not self.qk_norm),
+                ("sliding_window", self.sliding_window, self.sliding_window is None),
+                ("kv_lora_rank", self.kv_lora_rank, not self.is_mla),
+            ) if not ok]
+            if bad:
+                raise ConvertError(f"a T5 (encoder-decoder) model has learned absolute positions, multi-head "
+                                   f"attention (no key/value groups: cross-attention has none) and dense layers; "
+                                   f"this config has {', '.join(bad)}")
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """T5: an encoder, and a decoder whose layers also attend to the encoder's output (cross-attention)."""
+        return self.encoder_num_layers > 0
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (keys a query sees, itself included), or None for full attention."""

@@ -203,6 +203,10 @@ FEATURES: dict[str, tuple[Callable[[ModelConfig], str], Callable[[ModelConfig], 
     "expert_bias": (lambda c: "expert biases", lambda c: c.is_moe and c.mlp_bias),
     "clamped_glu": (lambda c: f"a gated unit clamped at {c.activation_clamp} with up offset by {c.glu_linear_offset}",
                     lambda c: c.activation_clamp is not None or c.glu_linear_offset != 0.0),
+    # Megatron's T5: which transformers architecture computes it, and why only that one, is in mconvert/hf/blenderbot.py
+    "encoder_decoder": (lambda c: "an encoder-decoder (Megatron T5: an encoder, a decoder with cross-attention, "
+                                  "learned positions shared by both, an LM head bias)",
+                        lambda c: c.is_encoder_decoder),
 }
 
 

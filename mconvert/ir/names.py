@@ -35,6 +35,21 @@ DeepSeek-V3 (see mconvert/ir/features.py; nh heads, dn + dr = head_dim, dv = v_h
     layers.{L}.moe.shared.{gate,up,down}.weight  [f_s, h] / [h, f_s]
     mtp.{M}.{enorm,hnorm,final_norm}.weight  [h]          MTP module M; its transformer layer is layers.{num_layers+M}
     mtp.{M}.eh_proj.weight                [h, 2h]
+
+T5 (encoder-decoder, `encoder_num_layers` > 0): the embeddings (word and learned positions, shared by encoder and
+decoder), then under `encoder.` and `decoder.` each a stack of layers named as above and its own final norm; a
+decoder layer adds cross-attention (queries from the decoder, keys and values from the encoder's output):
+
+    encoder.layers.{L}.{attn_norm,attn.{q,k,v,o},mlp_norm,mlp.{up,down}}.{weight,bias}
+    encoder.final_norm.{weight,bias}      [h]
+    decoder.layers.{L}.{attn_norm,attn.{q,k,v,o}}.{weight,bias}        causal self-attention
+    decoder.layers.{L}.xattn_norm.{weight,bias}                         [h]
+    decoder.layers.{L}.xattn.{q,k,v}.{weight,bias} [nh*hd, h]           k, v applied to the encoder's output
+    decoder.layers.{L}.xattn.o.{weight,bias}       [h, nh*hd] / [h]
+    decoder.layers.{L}.{mlp_norm,mlp.{up,down}}.{weight,bias}
+    decoder.final_norm.{weight,bias}      [h]
+    lm_head.bias                          [V]             lm_head_bias (Megatron T5's LM head)
+    lm_head.weight                        [V, h]          absent when tied to embed.weight
 """
 
 from __future__ import annotations
@@ -134,6 +149,34 @@ def layer_shapes(layer: int, c: ModelConfig) -> dict[str, Shape]:
     return shapes
 
 
+def encoder_decoder_layer_shapes(prefix: str, c: ModelConfig, *, cross: bool) -> dict[str, Shape]:
+    """One T5 layer under `prefix` (`encoder.layers.{L}` or `decoder.layers.{L}`); `cross`: a decoder layer,
+    with cross-attention between self-attention and the MLP."""
+    shapes = norm_shapes(f"{prefix}.attn_norm", c) | attention_shapes(f"{prefix}.attn", c)
+    if cross:
+        shapes |= norm_shapes(f"{prefix}.xattn_norm", c) | attention_shapes(f"{prefix}.xattn", c)
+    return shapes | norm_shapes(f"{prefix}.mlp_norm", c) | mlp_shapes(f"{prefix}.mlp", c, bias=c.mlp_bias)
+
+
+def encoder_decoder_head_shapes(c: ModelConfig) -> dict[str, Shape]:
+    shapes: dict[str, Shape] = {}
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    if c.lm_head_bias:
+        shapes["lm_head.bias"] = (c.vocab_size,)
+    return shapes
+
+
+def _encoder_decoder_shapes(c: ModelConfig) -> dict[str, Shape]:
+    shapes = embedding_shapes(c)
+    for layer in range(c.encoder_num_layers):
+        shapes |= encoder_decoder_layer_shapes(f"encoder.layers.{layer}", c, cross=False)
+    shapes |= norm_shapes("encoder.final_norm", c)
+    for layer in range(c.num_layers):
+        shapes |= encoder_decoder_layer_shapes(f"decoder.layers.{layer}", c, cross=True)
+    return shapes | norm_shapes("decoder.final_norm", c) | encoder_decoder_head_shapes(c)
+
+
 def embedding_shapes(c: ModelConfig) -> dict[str, Shape]:
     shapes: dict[str, Shape] = {"embed.weight": (c.vocab_size, c.hidden_size)}
     if c.position_embedding == "learned":
@@ -157,7 +200,10 @@ def mtp_shapes(module: int, c: ModelConfig) -> dict[str, Shape]:
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, Shape]:
-    """Every IR tensor of the model, in canonical order (embeddings, layers 0..L-1, head, MTP modules)."""
+    """Every IR tensor of the model, in canonical order (embeddings, layers 0..L-1, head, MTP modules; T5: the
+    embeddings, the encoder, the decoder, the head)."""
+    if c.is_encoder_decoder:
+        return _encoder_decoder_shapes(c)
     shapes = embedding_shapes(c)
     for layer in range(c.num_layers):
         shapes |= layer_shapes(layer, c)
@@ -180,6 +226,11 @@ def _elements(shapes: dict[str, Shape]) -> int:
 def num_elements(c: ModelConfig) -> int:
     """The number of values in `expected_shapes(c)`, by arithmetic: nothing is built per layer or per expert, so a
     config claiming a million layers or experts costs nothing to measure (see mconvert.ir.sizes)."""
+    if c.is_encoder_decoder:
+        encoder = _elements(encoder_decoder_layer_shapes("encoder.layers.0", c, cross=False))
+        decoder = _elements(encoder_decoder_layer_shapes("decoder.layers.0", c, cross=True))
+        return (_elements(embedding_shapes(c)) + c.encoder_num_layers * encoder + c.num_layers * decoder
+                + 2 * _elements(norm_shapes("final_norm", c)) + _elements(encoder_decoder_head_shapes(c)))
     layers = c.num_layers + c.mtp_layers  # each MTP module holds one transformer layer (an MoE one in an MoE model)
     moe_layers = c.num_moe_layers + (c.mtp_layers if c.is_moe else 0)
     p = "layers.0"

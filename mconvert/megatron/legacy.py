@@ -51,7 +51,7 @@ from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.lazy import torch
-from mconvert.megatron import arguments, rank_files, rank_plan
+from mconvert.megatron import arguments, model_kind, rank_files, rank_plan
 from mconvert.megatron.rank_files import (
     RankFiles,
     chunks_in_files,
@@ -63,7 +63,7 @@ from mconvert.megatron.rank_files import (
 from mconvert.megatron.rank_files import config as megatron_config
 from mconvert.options import Options
 from mconvert.progress import Progress
-from mconvert.registry import missing_features, register_loader, register_saver
+from mconvert.registry import get_saver, missing_features, register_loader, register_saver
 from mconvert.rules import transforms
 from mconvert.rules.layout import ParallelLayout
 from mconvert.rules.mapping import to_ir, verify_copies
@@ -208,7 +208,8 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
 def is_legacy_checkpoint(path: Path) -> bool:
     """Legacy files nest their weights under `language_model` (core's keys are flat: `decoder.`, `embedding.`)."""
     model = first_model(path)
-    return model is not None and any(k == "language_model" or k.startswith("language_model.") for k in model)
+    return model is not None and any(k == "language_model" or k.startswith("language_model.") for k in model) \
+        and model_kind.kind(model) != "t5"
 
 
 @register_loader("legacy", aliases=("megatron_legacy",), detect=is_legacy_checkpoint,
@@ -217,8 +218,9 @@ def load(path: Path, options: Options) -> ModelIR:
     """Megatron-LM legacy GPT (nested language_model dicts), GPT-2 or Llama style, any checkpoint_version."""
     it_dir, iteration = find_iteration(Path(path))
     files = RankFiles(it_dir)
-    order, version = _qkv_order(files)
     names = files.chunk_names()
+    model_kind.refuse_other(files.model(0, 0, 0, names[0]), files.rel((0, 0, 0)), "legacy", "gpt")
+    order, version = qkv_order(files)
     cached: dict[tuple[int, int, str], dict[str, LazyTensor]] = {}
 
     def tensors_of(tp: int, pp: int, ep: int, entry: str) -> dict[str, LazyTensor]:
@@ -255,7 +257,7 @@ def load(path: Path, options: Options) -> ModelIR:
                    assets)
 
 
-def _qkv_order(files: RankFiles) -> tuple[int, Any]:
+def qkv_order(files: RankFiles) -> tuple[int, Any]:
     """The checkpoint_version every rank file carries (they must agree) and the QKV order it implies."""
     versions = {idx: state.get("checkpoint_version", 0) for idx, state in files.states.items()}
     first = versions[(0, 0, 0)]
@@ -287,9 +289,9 @@ def _canonical_tensors(files: RankFiles, tp: int, pp: int, name: str) -> dict[st
     return out
 
 
-# The IR features (mconvert.ir.features.FEATURES) the legacy model holds: none (its MoE and q/k norms are refused
-# above with their own advice)
-SUPPORTS: frozenset[str] = frozenset()
+# The IR features (mconvert.ir.features.FEATURES) the legacy model holds: T5's encoder-decoder (its MoE and q/k
+# norms are refused above with their own advice)
+SUPPORTS: frozenset[str] = frozenset({"encoder_decoder"})
 
 
 @register_saver("legacy", aliases=("megatron_legacy",),
@@ -299,6 +301,8 @@ SUPPORTS: frozenset[str] = frozenset()
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-LM legacy GPT, `torch` format, checkpoint_version 3.0 (mp_rank_TT[_PPP]/model_optim_rng.pt)."""
     c, layout = ir.config, options.layout
+    if c.is_encoder_decoder:
+        return get_saver("legacy_t5").func(ir, out, options, progress)  # mconvert.megatron.t5
     if c.is_moe:
         raise ConvertError("the legacy saver writes dense models only; save a mixture-of-experts model with "
                            "--saver core")

@@ -22,7 +22,7 @@ from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.features import FEATURES
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.lazy import torch
-from mconvert.megatron import core, mla, rank_files, rank_plan
+from mconvert.megatron import core, mla, model_kind, rank_files, rank_plan
 from mconvert.megatron import dcp as core_dcp
 from mconvert.megatron import moe as core_moe
 from mconvert.megatron.dcp import load_dcp, save_dcp
@@ -39,7 +39,7 @@ from mconvert.megatron.rank_files import (
 from mconvert.megatron.rank_files import config as megatron_config
 from mconvert.options import LAYOUT_OPTIONS, Options
 from mconvert.progress import Progress
-from mconvert.registry import register_loader, register_saver
+from mconvert.registry import get_saver, register_loader, register_saver
 from mconvert.rules.mapping import to_ir, verify_copies
 from mconvert.rules.table import Ctx
 
@@ -55,7 +55,8 @@ def is_core_checkpoint(path: Path) -> bool:
     if core.is_dist_checkpoint(it_dir) or core.is_dcp_checkpoint(it_dir):
         return True
     model = first_model(it_dir)  # core keys are flat (`embedding.`, `decoder.`); legacy ones nest
-    return model is not None and any(k.startswith(("decoder.", "embedding.", "output_layer")) for k in model)
+    return model is not None and any(k.startswith(("decoder.", "embedding.", "output_layer")) for k in model) \
+        and model_kind.kind(model) != "t5"
 
 
 @register_loader("core", aliases=("megatron", "mcore"), detect=is_core_checkpoint,
@@ -69,6 +70,7 @@ def load(path: Path, options: Options) -> ModelIR:
     if core.is_dcp_checkpoint(it_dir):
         return load_dcp(it_dir, iteration, options)
     files = RankFiles(it_dir)
+    model_kind.refuse_other(files.model(0, 0, 0, files.chunk_names()[0]), files.rel((0, 0, 0)), "core", "gpt")
 
     def tensors_of(tp: int, pp: int, ep: int, entry: str) -> dict[str, LazyTensor]:
         idx = (tp, pp, ep)
@@ -147,6 +149,8 @@ def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> t
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`,
     `zarr`, `torch_dcp` or `fsdp_dtensor` (--ckpt-format)."""
+    if ir.config.is_encoder_decoder:
+        return get_saver("core_t5").func(ir, out, options, progress)  # mconvert.megatron.t5
     check_expert_layout(ir, options)
     if options.mtp_layer_name != "transformer_layer" and options.ckpt_format != "torch":
         raise ConvertError(f"--mtp-layer-name {options.mtp_layer_name} is for --ckpt-format torch; megatron-core "

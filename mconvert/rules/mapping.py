@@ -35,7 +35,8 @@ class Row:
 def expand(table: Table, config: ModelConfig, *, layers: Iterable[tuple[int, int]] | None = None,
            experts: Iterable[tuple[int, int]] | None = None, embedding: bool = True, head: bool = True,
            mtp: Iterable[tuple[int, int]] | None = None, ir_names: Iterable[str] | None = None) -> list[Row]:
-    """Concrete rows in file order: embeddings, each layer (with its experts), head, MTP modules.
+    """Concrete rows in file order: embeddings, (T5: the encoder's layers and final norm,) each layer (with its
+    experts), head, MTP modules.
 
     `layers` gives (global, local) layer numbers for the `{L}`/`{l}` templates, `experts` (global, local)
     expert numbers for `{E}`/`{e}` and `mtp` (global, local) MTP module numbers for `{M}`/`{m}`; by default all
@@ -66,6 +67,10 @@ def expand(table: Table, config: ModelConfig, *, layers: Iterable[tuple[int, int
 
     if embedding:
         add(table.embedding)
+    for L in range(config.encoder_num_layers if embedding else 0):  # T5's encoder goes with the embedding
+        add(table.encoder_layer, L=L, l=L)
+    if embedding and config.is_encoder_decoder:
+        add(table.encoder_head)
     for L, l in layers:
         add_layer(table.layer, table.expert, table.expert_stack, L=L, l=l)
     if head:

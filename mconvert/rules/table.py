@@ -66,6 +66,12 @@ QKV = Join(
     lambda ts, ctx: transforms.fuse_qkv(*ts, ctx.config.num_attention_heads, ctx.config.num_query_groups),
     lambda t, ctx: list(transforms.split_qkv(t, ctx.config.num_attention_heads, ctx.config.num_query_groups)),
 )
+# cross-attention keys and values, per head [k ; v] (Megatron T5's linear_kv / key_value)
+KV = Join(
+    "per_head_kv",
+    lambda ts, ctx: transforms.fuse_kv(*ts, ctx.config.num_attention_heads),
+    lambda t, ctx: list(transforms.split_kv(t, ctx.config.num_attention_heads)),
+)
 GATE_UP = Join(
     "gate_up", lambda ts, ctx: transforms.fuse_gate_up(*ts), lambda t, ctx: list(transforms.split_gate_up(t)),
     concat_dim=0,
@@ -204,6 +210,10 @@ class Table:
     """A format's rules in the order its files hold them: embeddings, per-layer, per-expert, head."""
 
     embedding: tuple[Rule, ...] = ()
+    # Encoder-decoder models (T5): the encoder's layers ({L} / {l} count the encoder's own, config.encoder_num_layers)
+    # and what follows them (its final norm), before the decoder's `layer` rules
+    encoder_layer: tuple[Rule, ...] = ()
+    encoder_head: tuple[Rule, ...] = ()
     layer: tuple[Rule, ...] = ()  # templates use {L} (global) / {l} (local to the file)
     expert: tuple[Rule, ...] = ()  # templates also use {E} (global expert) / {e} (local to the EP rank)
     # One tensor per layer holding all of a file's experts: the IR templates (with {E}/{e}) repeat for each

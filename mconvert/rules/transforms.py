@@ -69,6 +69,27 @@ def split_qkv(qkv: Tensor, num_heads: int, num_groups: int) -> tuple[Tensor, Ten
     return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous())
 
 
+def fuse_kv(k: Tensor, v: Tensor, num_heads: int) -> Tensor:
+    """Megatron's cross-attention key/value projection (`linear_kv`, legacy `key_value`): rows per head [k ; v].
+
+        head 0: k_0 | v_0     head 1: k_1 | v_1   …     each block head_dim rows
+    Works on weights `[rows, h]` and biases `[rows]`; TP chunks along dim 0 give each rank whole heads.
+    """
+    rest = k.shape[1:]
+    head_dim = k.shape[0] // num_heads
+    return cat([k.reshape(num_heads, head_dim, *rest), v.reshape(num_heads, head_dim, *rest)], dim=1) \
+        .reshape(-1, *rest)
+
+
+def split_kv(kv: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
+    """Inverse of `fuse_kv`."""
+    rows, rest = kv.shape[0], kv.shape[1:]
+    if rows % (2 * num_heads):
+        raise ConvertError(f"fused key/value has {rows} rows, not a multiple of 2 × {num_heads} heads")
+    pairs = kv.reshape(num_heads, 2, rows // (2 * num_heads), *rest)
+    return pairs[:, 0].reshape(-1, *rest), pairs[:, 1].reshape(-1, *rest)
+
+
 def concat_qkv(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """`[q ; k ; v]` stacked whole along dim 0 (HF GPT-2's c_attn, before its Conv1D transpose)."""
     return cat([q, k, v], dim=0)

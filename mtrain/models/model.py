@@ -299,6 +299,9 @@ class Transformer(nn.Module):
     def __init__(self, c: ModelConfig, *, layers: Iterable[int] | None = None, first: bool = True,
                  last: bool = True):
         super().__init__()
+        if c.is_encoder_decoder:
+            raise TrainError("mtrain builds decoder-only models; this is an encoder-decoder (Megatron T5), which "
+                             "mconvert converts (core, legacy, blenderbot_hf) but mtrain cannot run or train")
         self.config = c
         self.embeds_tokens = first
         # The head of a tied model reads embed.weight, as do the MTP modules: a last stage keeps its own copy.

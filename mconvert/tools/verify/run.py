@@ -144,6 +144,9 @@ def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progre
     start = time.perf_counter()
     ir_a = engine.load(Path(a), settings.options, settings.loader_a)
     ir_b = engine.load(Path(b), settings.options, settings.loader_b)
+    if ir_a.config.is_encoder_decoder or ir_b.config.is_encoder_decoder:
+        raise ConvertError("verify runs decoder-only models (through mtrain's model); an encoder-decoder (Megatron "
+                           "T5) is checked tensor by tensor with `mconvert compare`")
     device = parse_device(settings.device)
     tokens, source = make_tokens(settings, ir_a, ir_b)
     p = plan(ir_a, ir_b, reference_side(settings, a, b, ir_a, ir_b))
