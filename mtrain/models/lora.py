@@ -1,0 +1,157 @@
+"""LoRA adapters on a model's Linear layers, computed as PEFT computes them:
+
+    y = base(x) + scale * lora_B(lora_A(dropout(x)))      lora_A [rank, in], lora_B [out, rank]
+    scale = alpha / rank (rslora: alpha / sqrt(rank)); A Kaiming-uniform(a=sqrt(5)) or N(0, 1/rank), B zero
+
+The adapters are children of the base Linear (`layers.3.attn.q.lora_A.weight`, PEFT's names without its adapter
+name), added by a forward hook, so the base module, its parameter names and the parallel styles applied to it
+stay as they are. Under tensor parallel (attached after the base layer is split): a column-parallel base (q, k, v,
+gate, up) splits B by rows like its weight and keeps A whole; a row-parallel base (o, down) splits A by columns
+and keeps B whole, the rank-sized partial sums reduced before B.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+
+# neutral target -> the Linear's path inside a layer
+TARGET_MODULES = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o",
+                  "gate": "mlp.gate", "up": "mlp.up", "down": "mlp.down"}
+ADAPTER_PARTS = ("lora_A", "lora_B")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What the model needs to know of the adapters: their rank, scale, dropout and targets."""
+
+    rank: int
+    scale: float
+    dropout: float
+    targets: tuple[str, ...]
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is an adapter's (`....lora_A.weight`, `....lora_B.weight`)."""
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
+def target_of(name: str) -> str:
+    """The adapted Linear's weight name of an adapter parameter: `layers.0.attn.q.lora_A.weight` ->
+    `layers.0.attn.q.weight`."""
+    return name.rsplit(".", 2)[0] + ".weight"
+
+
+def adapter_shapes(base_shapes: dict[str, tuple[int, ...]], spec: LoraSpec) -> dict[str, tuple[int, ...]]:
+    """Adapter parameter name -> shape, for the targeted Linear weights among `base_shapes` (model names)."""
+    out = {}
+    suffixes = tuple(f".{TARGET_MODULES[t]}.weight" for t in spec.targets)
+    for name, shape in base_shapes.items():
+        if name.startswith("layers.") and name.endswith(suffixes) and len(shape) == 2:
+            stem = name.removesuffix(".weight")
+            out[f"{stem}.lora_A.weight"] = (spec.rank, shape[1])
+            out[f"{stem}.lora_B.weight"] = (shape[0], spec.rank)
+    return out
+
+
+def initial_adapters(shapes: dict[str, tuple[int, ...]], seed: int, init: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """PEFT's initialization, the same whatever the layout (one generator per tensor, seeded from (seed, name)):
+    A Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)) (or N(0, 1/rank) for `gaussian`), B zero,
+    so the adapted model starts as the base."""
+    for name, shape in shapes.items():
+        if ".lora_B." in name:
+            yield name, torch.zeros(shape)
+            continue
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if init == "gaussian":
+            yield name, torch.randn(shape, generator=g) / shape[0]
+        else:
+            bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(1/3) * sqrt(3 / fan_in)
+            yield name, (torch.rand(shape, generator=g) * 2 - 1) * bound
+
+
+def attach(block: nn.Module, spec: LoraSpec, mesh: DeviceMesh | None = None, sequence_parallel: bool = False) -> None:
+    """Add the adapters to the targeted Linear layers of one transformer layer (on the meta device, after tensor
+    parallel and before FSDP) and freeze every base parameter of it."""
+    for p in block.parameters():
+        p.requires_grad_(False)
+    for target in spec.targets:
+        base = block.get_submodule(TARGET_MODULES[target]) if _has(block, TARGET_MODULES[target]) else None
+        if not isinstance(base, nn.Linear):
+            continue  # a layer without it (an MoE layer's MLP): checked over the whole model by the trainer
+        out_features, in_features = _global_shape(base.weight)
+        base.lora_A = nn.Linear(in_features, spec.rank, bias=False, device="meta")
+        base.lora_B = nn.Linear(spec.rank, out_features, bias=False, device="meta")
+        base.lora_scale, base.lora_dropout = spec.scale, spec.dropout
+        base.lora_output = None
+        if isinstance(base.weight, DTensor):
+            _split_like_base(base, mesh, sequence_parallel)
+        base.register_forward_hook(_add_adapter)
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _global_shape(weight: torch.Tensor) -> tuple[int, int]:
+    return tuple(weight.shape)  # a DTensor's shape is the global one
+
+
+def _split_like_base(base: nn.Linear, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Column-parallel base (weight Shard(0)): A whole, B Shard(0). Row-parallel (Shard(1)): A Shard(1), B whole,
+    and the output laid out as the base's (split over the sequence with sequence parallel)."""
+    column = base.weight.placements[0] == Shard(0)
+    placements: dict[str, Placement] = {"lora_A": Replicate() if column else Shard(1),
+                                        "lora_B": Shard(0) if column else Replicate()}
+    for part, placement in placements.items():
+        linear = getattr(base, part)
+        linear.weight = nn.Parameter(distribute_tensor(linear.weight, mesh, [placement], src_data_rank=None))
+    if not column:
+        base.lora_output = Shard(1) if sequence_parallel else Replicate()
+
+
+def _add_adapter(base: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    x = args[0]
+    A, B = base.lora_A.weight, base.lora_B.weight
+    if base.lora_dropout and base.training:
+        x = _dropout(x, base.lora_dropout)
+    if not isinstance(A, DTensor):  # one process, or FSDP alone (its unsharded parameters are plain tensors)
+        x = x.to_local() if isinstance(x, DTensor) else x
+        return output + F.linear(F.linear(x, A), B) * base.lora_scale
+    if base.lora_output is None:  # column-parallel: x whole (Replicate), the output split like the base's
+        y = F.linear(F.linear(x, A), B)  # Shard(-1)
+        return output + y.to_local() * base.lora_scale
+    h = F.linear(x, A)  # x split on features (Shard(-1)) and A on columns: partial sums (B, T, rank)
+    if h.placements[0] != Replicate():
+        h = h.redistribute(h.device_mesh, [Replicate()])  # an all-reduce of rank-sized vectors
+    y = F.linear(h, B).redistribute(h.device_mesh, [base.lora_output])
+    return output + y.to_local() * base.lora_scale
+
+
+def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout on this rank's values (tensor-parallel ranks draw the same numbers: the trainer seeds them alike)."""
+    if not isinstance(x, DTensor):
+        return F.dropout(x, p, training=True)
+    local = F.dropout(x.to_local(), p, training=True)
+    return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
+
+
+def merged_weight(weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B A computed in float32 (float64 stays float64), cast back to W's dtype: the merged export.
+    The product and sum are those PEFT's merge_and_unload computes (W + (B @ A) * scale)."""
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    delta = (B.to(dtype) @ A.to(dtype)) * scale
+    return (weight.to(dtype) + delta).to(weight.dtype)
+
