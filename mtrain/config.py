@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mconvert.errors import ConvertError
+from mconvert.ir.adapter import TARGETS
 from mconvert.ir.config import ModelConfig
 from mtrain.config_ranges import check_ranges
 from mtrain.errors import TrainError
@@ -128,7 +129,7 @@ class LoggingConfig:
     peak_tflops: float | None = opt(None, "per-device peak TFLOP/s for MFU (null: known GPUs; CPU: FLOP/s)")
 
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the neutral names of the Linear layers adapted
+LORA_TARGETS = tuple(TARGETS)  # the neutral names of the Linear layers adapted
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
 
 

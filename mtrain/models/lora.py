@@ -23,10 +23,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-# neutral target -> the Linear's path inside a layer
-TARGET_MODULES = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o",
-                  "gate": "mlp.gate", "up": "mlp.up", "down": "mlp.down"}
-ADAPTER_PARTS = ("lora_A", "lora_B")
+from mconvert.ir.adapter import TARGETS
+
+TARGET_MODULES = TARGETS  # neutral target -> the Linear's path inside a layer
 
 
 @dataclass(frozen=True)
@@ -146,12 +145,3 @@ def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
         return F.dropout(x, p, training=True)
     local = F.dropout(x.to_local(), p, training=True)
     return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
-
-
-def merged_weight(weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
-    """W + scale * B A computed in float32 (float64 stays float64), cast back to W's dtype: the merged export.
-    The product and sum are those PEFT's merge_and_unload computes (W + (B @ A) * scale)."""
-    dtype = torch.promote_types(weight.dtype, torch.float32)
-    delta = (B.to(dtype) @ A.to(dtype)) * scale
-    return (weight.to(dtype) + delta).to(weight.dtype)
-
