@@ -14,6 +14,7 @@ the base again and refuses it, naming the tensors, when any differs: adapters on
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -24,9 +25,11 @@ import torch.distributed as dist
 
 from mconvert import engine
 from mconvert.errors import ConvertError
+from mconvert.ir.adapter import LoraAdapter, check_fits
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
+from mconvert.registry import get_adapter
 from mtrain.config import LoraConfig, build_section, validate_lora
 from mtrain.errors import TrainError
 from mtrain.models import lora as lora_adapters
@@ -68,6 +71,39 @@ def check_same_settings(given: LoraConfig, saved: LoraConfig, where: str) -> Non
     if differ:
         raise TrainError(f"{', '.join(differ)}: cannot change when resuming the LoRA run in {where}; leave the lora "
                          "section as the run had it, or start a new run in an empty checkpoint.dir")
+
+
+def read_adapter(path: Path, base: ModelIR) -> LoraAdapter:
+    """The PEFT adapter `path` (lora.from) for `base`, refused unless it fits it (names and shapes) and computes
+    plain LoRA (mconvert/hf/peft.py)."""
+    try:
+        adapter = get_adapter("peft").func(path, base)
+        check_fits(base, adapter, f"lora.from {path}")
+    except ConvertError as e:
+        raise TrainError(f"lora.from: {e}" if not str(e).startswith("lora.from") else str(e)) from None
+    return adapter
+
+
+def config_from_adapter(given: LoraConfig, adapter: LoraAdapter) -> LoraConfig:
+    """The run's LoRA settings with lora.from: the adapter's rank, alpha, rslora and targets (lora.rank, when given,
+    must agree); dropout and init stay the config's."""
+    if given.rank not in (0, adapter.rank):
+        raise TrainError(f"lora.rank {given.rank} contradicts lora.from {given.from_}, whose adapters have rank "
+                         f"{adapter.rank}; leave lora.rank out (or 0) to take the adapter's")
+    if given.targets is not None and tuple(given.targets) != tuple(adapter.targets):
+        raise TrainError(f"lora.targets {','.join(given.targets)} contradicts lora.from {given.from_}, which adapts "
+                         f"{','.join(adapter.targets)}; leave lora.targets out to take the adapter's")
+    return dataclasses.replace(given, rank=adapter.rank, alpha=adapter.alpha, rslora=adapter.rslora,
+                               targets=tuple(adapter.targets))
+
+
+def adapter_weights(adapter: LoraAdapter, names) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapter's tensors under the model's names (`layers.0.attn.q.lora_A.weight`), only those in `names`."""
+    for weight, (A, B) in adapter.tensors.items():
+        stem = weight.removesuffix(".weight")
+        for part, t in (("lora_A", A), ("lora_B", B)):
+            if f"{stem}.{part}.weight" in names:
+                yield f"{stem}.{part}.weight", t.load()
 
 
 def check_targets(config: ModelConfig, spec: lora_adapters.LoraSpec) -> dict[str, tuple[int, ...]]:

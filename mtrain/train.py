@@ -108,7 +108,7 @@ class Trainer:
             if self.finished_message:
                 return  # nothing to build: run() says so
         self.model_config = model_config
-        self.lora = self._lora(resume, model_config)
+        self.lora = self._lora(resume, model_config, source)
         self.lora_meta: dict | None = None  # the checkpoint's `lora` entry, once the base is loaded
         self.tokenizer, self.tokenizer_from = self._tokenizer(resume, source)
         if self.tokenizer:
@@ -163,6 +163,9 @@ class Trainer:
                                                   lora_run.gathered(digests))
                 weights.load_full_weights(self.parts, lora_adapters.initial_adapters(
                     {n: s for n, s in self.adapter_shapes.items() if n in names}, t.seed, self.lora.init))
+                if self.lora_start is not None:  # layers the adapter leaves out keep B = 0: the adapter's function
+                    weights.load_full_weights(self.parts, lora_run.adapter_weights(self.lora_start, names))
+                    self.out(f"LoRA adapters from {self.config.lora.from_}")
             else:
                 weights.load_full_weights(self.parts, weights.ir_weights(source, weights.local_names(self.parts)))
             self.out(f"finetuning from {source.source.path} ({source.source.format}); step 0, fresh optimizer")
@@ -243,10 +246,11 @@ class Trainer:
                              "finetune from (mtrain finetune --load PATH)")
         return c.model, None
 
-    def _lora(self, resume: Path | None, model_config: ModelConfig) -> LoraConfig | None:
-        """The run's adapters (None: every weight trains): the config's for a new finetune, the checkpoint's when
-        resuming (the config may repeat them, not change them)."""
+    def _lora(self, resume: Path | None, model_config: ModelConfig, source: ModelIR | None) -> LoraConfig | None:
+        """The run's adapters (None: every weight trains): the config's for a new finetune (a PEFT adapter's with
+        lora.from), the checkpoint's when resuming (the config may repeat them, not change them)."""
         c, given = self.config, self.config.lora
+        self.lora_start = None  # the PEFT adapter a finetune starts from (lora.from)
         if resume is not None:
             saved = checkpoint.read_meta(resume).get("lora")
             if saved is None:
@@ -259,12 +263,12 @@ class Trainer:
             lora_run.check_same_settings(given, lora, str(resume))
         elif not given.enabled:
             return None
-        elif given.from_ is not None:
-            raise TrainError("lora.from: starting from a PEFT adapter is not supported yet; convert with mconvert "
-                             "--merge-adapter, or train new adapters (lora.rank)")
         elif not c.checkpoint.finetune:
             raise TrainError(f"lora.rank {given.rank}: LoRA adapts a base model, and this run has none; give one "
                              "with mtrain finetune --load BASE (or checkpoint.finetune)")
+        elif given.from_ is not None:
+            self.lora_start = lora_run.read_adapter(Path(given.from_), source)
+            lora = lora_run.config_from_adapter(given, self.lora_start)
         else:
             lora = given
         self.adapter_shapes = lora_run.check_targets(model_config, lora_run.spec_of(lora))

@@ -25,7 +25,7 @@ from mconvert.ir.adapter import TARGETS, LoraAdapter
 from mconvert.ir.tensors import LazyTensor, ModelIR
 from mconvert.options import Options
 from mconvert.progress import Progress
-from mconvert.registry import register_saver
+from mconvert.registry import register_adapter, register_saver
 from mconvert.rules.table import IDENTITY, Table
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -114,6 +114,7 @@ def read_config(path: Path) -> dict:
     return config
 
 
+@register_adapter("peft")
 def read_adapter(path: Path, ir: ModelIR) -> LoraAdapter:
     """The PEFT adapter at `path` for the base `ir`: its tensors under the IR names of the weights they adapt.
     A name the base's family has no module for, or a tensor PEFT would not write, is refused by name (the shapes
