@@ -157,7 +157,7 @@ class LoraConfig:
 
     @property
     def scale(self) -> float:
-        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)  # PEFT's
 
 
 @dataclass(frozen=True, kw_only=True)

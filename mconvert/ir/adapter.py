@@ -11,6 +11,7 @@ weight at a time: in float32 (float64 stays float64), then cast to the base weig
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,7 @@ class LoraAdapter:
 
     @property
     def scale(self) -> float:
-        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)  # PEFT's
 
     @property
     def targets(self) -> list[str]:

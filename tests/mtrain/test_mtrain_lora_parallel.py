@@ -1,8 +1,9 @@
 """LoRA under parallel layouts trains like one process: the same losses, adapter gradients and adapter weights.
 
 One 2-rank launch runs TP2 (q, k, v, gate, up column-parallel: B split by rows; o, down row-parallel: A split by
-columns), TP2 with sequence parallel, PP2 and FSDP over DP2, each on the same Hugging Face base with adapters on
-every Linear of the layers; the one-process run in float64 and float32 (tests/mtrain/parity.py) sets the bounds.
+columns), TP2 with sequence parallel, PP2, FSDP and DDP over DP2 and CP2, each on the same Hugging Face base with
+adapters on every Linear of the layers; the one-process run in float64 and float32 (tests/mtrain/parity.py) sets
+the bounds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tests.support.training import losses_and_valid as _losses_and_valid
 
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}
 LAYOUTS = {"tp2": {"tp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True}, "pp2": {"pp": 2},
-           "fsdp2": {"dp_mode": "fsdp"}}
+           "fsdp2": {"dp_mode": "fsdp"}, "ddp2": {"dp_mode": "ddp"}, "cp2": {"cp": 2}}
 
 
 @pytest.fixture(scope="module")
