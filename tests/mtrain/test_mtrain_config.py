@@ -210,9 +210,9 @@ def test_help_names_only_fields_that_exist():
     import re
 
     from mtrain.cli import main
-    from mtrain.config import SECTIONS
+    from mtrain.config import SECTIONS, field_key
 
-    real = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    real = {f"{s}.{field_key(f.name)}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
     import mtrain.cli
 
     root = Path(__file__).resolve().parents[2]
