@@ -41,9 +41,10 @@ def spec_of(lora: LoraConfig) -> lora_adapters.LoraSpec:
 
 
 def meta_of(lora: LoraConfig, base: str, loader: str | None, digests: dict[str, str]) -> dict:
-    """The checkpoint's `lora` entry (see the module docstring)."""
+    """The checkpoint's `lora` entry (see the module docstring); a base given by hub id stays an id."""
+    where = str(Path(base).resolve()) if Path(base).exists() else base
     return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.target_names),
-            "rslora": lora.rslora, "init": lora.init, "base": str(Path(base).resolve()), "base_loader": loader,
+            "rslora": lora.rslora, "init": lora.init, "base": where, "base_loader": loader,
             "base_identity": identity(digests), "base_tensors": dict(sorted(digests.items()))}
 
 

@@ -125,3 +125,30 @@ def test_lora_needs_a_base_and_targets_the_model_has(corpus):  # noqa: F811
                                          r"attn.v Linear layer \(multi-latent attention has no separate q/k/v\)"):
         lora_run.check_targets(ModelConfig(**TINY_DEEPSEEK), LoraSpec(4, 2.0, 0.0, ("q", "k", "v", "o")))
     assert math.isclose(from_dict({"lora": {"rank": 16, "alpha": 8, "rslora": True}}).lora.scale, 2.0)
+
+
+def test_dropout_acts_in_training_only(corpus, base):  # noqa: F811
+    trainer = quiet(lora_config(corpus, base, lora=LORA | {"dropout": 0.5}, train={"steps": 1}))
+    trainer.run()  # one step: B is no longer zero, so the adapters' dropout shows in the outputs
+    tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trainer.model.train()
+        assert not torch.equal(trainer.model(tokens), trainer.model(tokens))
+        trainer.model.eval()
+        assert torch.equal(trainer.model(tokens), trainer.model(tokens))
+
+
+def test_merge_is_computed_in_float32_and_cast_once():
+    """A bfloat16 base: W + scale * B A rounded once from float32 (PEFT rounds the product to bfloat16 first, then
+    the sum: within one bfloat16 ulp of ours, not always equal)."""
+    from mconvert.ir.adapter import merge_weight
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=g).bfloat16()
+    a, b = torch.randn(4, 32, generator=g), torch.randn(64, 4, generator=g) * 0.01
+    got = merge_weight(w, a, b, 2.0)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, (w.float() + (b @ a) * 2.0).bfloat16())
+    peft_way = w + ((b @ a) * 2.0).bfloat16()
+    assert not torch.equal(got, peft_way)  # the double rounding shows on some entries
+    assert torch.equal(merge_weight(w.float(), a, b, 2.0), w.float() + (b @ a) * 2.0)

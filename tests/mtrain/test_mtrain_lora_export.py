@@ -83,6 +83,9 @@ def test_the_run_loads_directly_as_the_trained_model(lora_run, corpus):  # noqa:
     trainer.close()
     out = mtrain("generate", "--load", lora_run / "run", "--prompt", "hello", "--greedy", "--max-new-tokens", "4")
     assert out.strip()
+    evaluate = ["evaluate", "--data", corpus, "--seq-len", "32", "--max-samples", "4", "--load"]
+    # the run and its merged export hold the same bytes: the same loss
+    assert mtrain(*evaluate, lora_run / "run") == mtrain(*evaluate, lora_run / "merged")
 
 
 def test_a_changed_base_is_refused_when_exporting(lora_run, tmp_path):

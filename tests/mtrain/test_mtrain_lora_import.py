@@ -11,9 +11,9 @@ import torch
 from mtrain.errors import TrainError
 from mtrain.inference import load_model
 from mtrain.train import Trainer
-from tests.support.cli import run_cli
+from tests.support.cli import mtrain, run_cli
 from tests.support.models import make_hf, save_hf
-from tests.support.training import tiny_config
+from tests.support.training import RUN, tiny_config
 
 peft = pytest.importorskip("peft")
 
@@ -58,6 +58,9 @@ def test_a_finetune_continues_from_a_peft_adapter(adapter, corpus):  # noqa: F81
         torch.testing.assert_close(trainer.model(TOKENS), model.eval()(TOKENS).logits, atol=1e-5, rtol=1e-5)
     result = trainer.run()
     assert result.losses[2] != result.losses[1]
+    out = mtrain("finetune", "--load", base, "--lora.from", tmp / "adapter", "--data.paths", corpus,
+                 "--train.steps", "1", "--checkpoint.dir", tmp / "cli", *RUN)
+    assert f"LoRA adapters from {tmp / 'adapter'}" in out and "LoRA: rank 4, alpha 8 (scale 2) on q,v,down" in out
 
 
 def edited(tmp, name, **changes):
