@@ -1,9 +1,9 @@
 """LoRA under parallel layouts trains like one process: the same losses, adapter gradients and adapter weights.
 
 One 2-rank launch runs TP2 (q, k, v, gate, up column-parallel: B split by rows; o, down row-parallel: A split by
-columns), TP2 with sequence parallel, PP2, FSDP and DDP over DP2 and CP2, each on the same Hugging Face base with
-adapters on every Linear of the layers; the one-process run in float64 and float32 (tests/mtrain/parity.py) sets
-the bounds.
+columns), TP2 with sequence parallel, PP2, FSDP and DDP over DP2 and CP2, each on the same Hugging Face Llama with
+adapters on every Linear of the layers, and EP2 on a Mixtral with adapters on its attention (the experts frozen);
+the one-process run in float64 and float32 (tests/mtrain/parity.py) sets the bounds.
 """
 
 from __future__ import annotations
@@ -24,27 +24,33 @@ LAYOUTS = {"tp2": {"tp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True}, "pp
            "fsdp2": {"dp_mode": "fsdp"}, "ddp2": {"dp_mode": "ddp"}, "cp2": {"cp": 2}}
 
 
+# a Mixtral base under expert parallel: the adapters on its attention, the frozen experts' all-to-all in between
+MOE_LAYOUTS = {"ep2_mixtral": {"ep": 2}}
+
+
 @pytest.fixture(scope="module")
 def lora_runs(corpus, tmp_path_factory):  # noqa: F811
     tmp = tmp_path_factory.mktemp("lora_parallel")
-    base = save_hf("llama", tmp / "base", seed=3)
-    raw = config_raw(corpus, None, checkpoint={"finetune": str(base)}, lora=LORA)
-    specs = [{"config": with_sections(raw, parallel=parallel), "out": str(tmp / f"{name}.json"),
-              "record": str(tmp / name), "grads_at": [1, STEPS]} for name, parallel in LAYOUTS.items()]
+    raws = {"llama": config_raw(corpus, None, checkpoint={"finetune": str(save_hf("llama", tmp / "base", seed=3))},
+                                lora=LORA),
+            "mixtral": config_raw(corpus, None, checkpoint={"finetune": str(save_hf("mixtral", tmp / "moe", seed=3))},
+                                  lora={"rank": 4, "alpha": 8.0})}
+    layouts = {name: ("llama", p) for name, p in LAYOUTS.items()} | {n: ("mixtral", p) for n, p in MOE_LAYOUTS.items()}
+    specs = [{"config": with_sections(raws[base], parallel=parallel), "out": str(tmp / f"{name}.json"),
+              "record": str(tmp / name), "grads_at": [1, STEPS]} for name, (base, parallel) in layouts.items()]
     launch(specs, tmp, nproc=2, name="lora")
-    reference = RecordingTrainer.reference(from_dict(raw), grads_at=(1, STEPS))
-    return {name: (_losses_and_valid(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))))
-            for name in LAYOUTS}, reference
+    references = {base: RecordingTrainer.reference(from_dict(raw), grads_at=(1, STEPS)) for base, raw in raws.items()}
+    return {name: (_losses_and_valid(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))),
+                   references[base]) for name, (base, _) in layouts.items()}
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [*LAYOUTS, *MOE_LAYOUTS])
 def test_lora_layouts_match_one_process(lora_runs, name):
     """Bounds from float32's own error (tests/mtrain/parity.py): a layout sums the same products in another order.
     At step 1 B is zero, so every A gradient is exactly zero in any layout (a zero bound: equal to the bit); the
     frozen base has no gradients and ends exactly where it started, in every layout."""
-    runs, reference = lora_runs
-    (got_losses, got_valid), record = runs[name]
+    (got_losses, got_valid), record, reference = lora_runs[name]
     reference.check_losses(got_losses)
     reference.check_losses(got_valid, "valid")
     for where in (("grads", 1), ("grads", STEPS), ("weights",)):
@@ -65,8 +71,7 @@ def test_lora_layouts_match_one_process(lora_runs, name):
 def test_lora_adapters_split_as_their_base_layers(lora_runs, name):
     """Column-parallel bases (q, up) split B by rows and keep A whole; row-parallel ones (o, down) split A by
     columns and keep B whole (hidden 64, ffn 96, q 64 rows, rank 4, tp 2)."""
-    runs, _ = lora_runs
-    local = runs[name][1]["ranks"][0]
+    local = lora_runs[name][1]["ranks"][0]
     assert local["layers.0.attn.q.lora_A.weight"][0] == [4, 64]
     assert local["layers.0.attn.q.lora_B.weight"][0] == [32, 4]
     assert local["layers.0.mlp.up.lora_B.weight"][0] == [48, 4]
