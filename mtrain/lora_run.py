@@ -65,6 +65,9 @@ def check_same_settings(given: LoraConfig, saved: LoraConfig, where: str) -> Non
     """A resumed LoRA run keeps its adapters' shape and meaning: a different rank, alpha or targets is refused."""
     if not given.enabled:
         return
+    if given.from_ is not None:  # the adapter's settings are the run's: only those given besides may contradict
+        given = dataclasses.replace(given, rank=given.rank or saved.rank, alpha=saved.alpha, rslora=saved.rslora,
+                                    targets=given.targets or saved.targets)
     fields = ("rank", "alpha", "targets", "rslora")
     differ = [f"lora.{k} ({getattr(saved, k)!r} in the checkpoint, {getattr(given, k)!r} given)" for k in fields
               if getattr(given, k) != getattr(saved, k) and not (k == "targets" and given.targets is None

@@ -61,6 +61,9 @@ def test_a_finetune_continues_from_a_peft_adapter(adapter, corpus):  # noqa: F81
     out = mtrain("finetune", "--load", base, "--lora.from", tmp / "adapter", "--data.paths", corpus,
                  "--train.steps", "1", "--checkpoint.dir", tmp / "cli", *RUN)
     assert f"LoRA adapters from {tmp / 'adapter'}" in out and "LoRA: rank 4, alpha 8 (scale 2) on q,v,down" in out
+    out = mtrain("finetune", "--load", base, "--lora.from", tmp / "adapter", "--data.paths", corpus,
+                 "--train.steps", "2", "--checkpoint.dir", tmp / "cli", *RUN)  # the same command resumes the run
+    assert f"resumed from {tmp / 'cli' / 'step_0000001'} at step 1" in out
 
 
 def edited(tmp, name, **changes):
