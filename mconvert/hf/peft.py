@@ -141,6 +141,9 @@ def read_adapter(path: Path, ir: ModelIR) -> LoraAdapter:
             info.shape, info.dtype_name, lambda key=key: reader.get(key), f"{f.name}:{key}")
     if unknown:
         shown = ", ".join(unknown[:3]) + (f" … ({len(unknown) - 3} more)" if len(unknown) > 3 else "")
+        if any(".experts." in k for k in unknown):
+            raise ConvertError(f"{f}: {shown}: LoRA on the experts of MoE layers is not supported (adapters on the "
+                               "attention and dense MLP projections are)")
         raise ConvertError(f"{f}: {shown}: not a LoRA weight of a module the {ir.config.family} base has (an adapter "
                            "for another base?)")
     half = [n for n, p in pairs.items() if len(p) != 2]

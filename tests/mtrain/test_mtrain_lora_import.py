@@ -120,3 +120,43 @@ def test_an_adapter_for_another_base_is_refused(adapter, tmp_path, corpus):  # n
                             lora={"from": str(tmp / "adapter"), "rank": 8}), out=lambda _: None)
     model, _ = load_model(tmp / "base")  # the base itself is untouched by all of this
     assert model is not None
+
+
+FAMILY_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                  "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                  "qwen3_moe": ["q_proj", "v_proj"],
+                  "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                  "gemma3_text": ["q_proj", "v_proj", "gate_proj"]}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TARGETS))
+def test_peft_names_of_each_family_round_trip(family, tmp_path):
+    """An adapter PEFT writes for the family, read (--merge-adapter) and written again by the peft saver: the same
+    tensor names, shapes and values, and the same target_modules, so PEFT loads ours where it loads its own."""
+    from safetensors.torch import load_file
+
+    base = save_hf(family, tmp_path / "base", seed=1)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(make_hf(family, seed=1), peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=FAMILY_TARGETS[family], init_lora_weights=False, task_type="CAUSAL_LM"))
+    model.save_pretrained(tmp_path / "theirs")
+    run_cli("--saver", "peft", "--load-dir", base, "--merge-adapter", tmp_path / "theirs", "--save-dir",
+            tmp_path / "ours")
+    theirs, ours = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("theirs", "ours"))
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    config = {d: json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("theirs", "ours")}
+    assert config["ours"]["target_modules"] == sorted(config["theirs"]["target_modules"])
+    peft.PeftModel.from_pretrained(make_hf(family, seed=1), tmp_path / "ours")  # loads without a missing key
+
+
+def test_an_adapter_on_moe_experts_is_refused(tmp_path):
+    """PEFT's target down_proj reaches transformers 5's fused experts of a Qwen3-MoE layer too: not built here."""
+    base = save_hf("qwen3_moe", tmp_path / "base", seed=1)
+    peft.get_peft_model(make_hf("qwen3_moe", seed=1), peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["down_proj"], task_type="CAUSAL_LM")).save_pretrained(tmp_path / "a")
+    out = run_cli("--saver", "core", "--load-dir", base, "--merge-adapter", tmp_path / "a", "--save-dir",
+                  tmp_path / "x", expect_error=True)
+    assert out.startswith(f"Error: {tmp_path / 'a' / 'adapter_model.safetensors'}: ")
+    assert "mlp.experts.lora_A.weight" in out
+    assert out.rstrip().endswith(": LoRA on the experts of MoE layers is not supported (adapters on the attention "
+                                 "and dense MLP projections are)")
