@@ -123,8 +123,10 @@ def _lora_ir(step_dir: Path, meta: dict, config, options: Options) -> ModelIR:
     pairs = {target_of(n): (lazy(n), lazy(n.replace(".lora_A.", ".lora_B."))) for n in stored if ".lora_A." in n}
     adapter = LoraAdapter(lora.rank, lora.alpha, pairs, rslora=lora.rslora, dropout=lora.dropout, base=base_path)
     dtype = base.config.dtype
-    ir = ModelIR(config.replace(dtype=dtype), checked, _source(step_dir, meta),
-                 _assets(step_dir, options) or base.assets)
+    source = _source(step_dir, meta)
+    source.notes.append(f"a LoRA run (rank {lora.rank}, alpha {lora.alpha:g} on {','.join(lora.target_names)}): "
+                        f"its base {base_path} with the adapters merged (float32, cast to {dtype})")
+    ir = ModelIR(config.replace(dtype=dtype), checked, source, _assets(step_dir, options) or base.assets)
     return merged(ir, adapter, f"{step_dir}")
 
 
