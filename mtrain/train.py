@@ -261,6 +261,13 @@ class Trainer:
                 return None
             lora = lora_run.config_of(saved, str(resume / checkpoint.META_FILE))
             lora_run.check_same_settings(given, lora, str(resume))
+            # the base, read now (headers only): its shapes bound the model mtrain.json describes before it is built
+            self.lora_base = lora_run.load_base(saved["base"], saved.get("base_loader"))
+            shapes = state_dict_adapter.model_shapes(model_config)
+            if _ir_model_shapes(self.lora_base) != shapes:
+                raise TrainError(f"{resume / checkpoint.META_FILE}: its model config does not describe the base "
+                                 f"{saved['base']} its adapters were trained on ({weights.describe(model_config)} "
+                                 f"there, {weights.describe(self.lora_base.config)} in the base)")
         elif not given.enabled:
             return None
         elif not c.checkpoint.finetune:
@@ -277,7 +284,7 @@ class Trainer:
     def _load_lora_base(self, resume: Path) -> None:
         """A resumed LoRA run's frozen base, read again from where the checkpoint says and checked to be the same."""
         saved = checkpoint.read_meta(resume)["lora"]
-        base = lora_run.load_base(saved["base"], saved.get("base_loader"))
+        base = self.lora_base
         weights.check_shapes(self.model, _ir_model_shapes(base), f"the LoRA run's base {saved['base']}")
         digests: dict[str, str] = {}
         weights.load_full_weights(self.parts, lora_run.hashed_weights(base, weights.local_names(self.parts), digests))

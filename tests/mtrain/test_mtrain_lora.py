@@ -152,3 +152,17 @@ def test_merge_is_computed_in_float32_and_cast_once():
     peft_way = w + ((b @ a) * 2.0).bfloat16()
     assert not torch.equal(got, peft_way)  # the double rounding shows on some entries
     assert torch.equal(merge_weight(w.float(), a, b, 2.0), w.float() + (b @ a) * 2.0)
+
+
+def test_a_model_config_its_base_contradicts_is_refused_before_anything_is_built(corpus, base, tmp_path):  # noqa: F811
+    """A LoRA checkpoint holds no base weights to bound its mtrain.json's sizes: the base, read first, does."""
+    import json
+
+    quiet(lora_config(corpus, base, tmp_path / "run", train={"steps": 4, "exit_after_steps": 1})).run()
+    meta_file = tmp_path / "run" / "step_0000001" / "mtrain.json"
+    meta = json.loads(meta_file.read_text())
+    meta["model_config"]["num_layers"] = 100_000
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(TrainError, match=r"mtrain.json: its model config does not describe the base .* \(llama, "
+                                         r"100000 layers, .* there, llama, 2 layers, .* in the base\)$"):
+        quiet(lora_config(corpus, base, tmp_path / "run", train={"steps": 4}))
