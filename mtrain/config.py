@@ -129,7 +129,7 @@ class LoggingConfig:
     peak_tflops: float | None = opt(None, "per-device peak TFLOP/s for MFU (null: known GPUs; CPU: FLOP/s)")
 
 
-LORA_TARGETS = tuple(TARGETS)  # the neutral names of the Linear layers adapted
+LORA_TARGETS = (*TARGETS, "experts")  # the neutral names of the Linear layers adapted; experts: every MoE expert's
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
 
 
@@ -141,7 +141,7 @@ class LoraConfig:
     rank: int = opt(0, "adapter rank (0: no LoRA, every weight trains)")
     alpha: float = opt(16.0, "scale = alpha / rank (alpha / sqrt(rank) with rslora)")
     dropout: float = opt(0.0, "dropout on the adapters' input in training")
-    targets: tuple[str, ...] | None = opt(None, "layers adapted, of q,k,v,o,gate,up,down (null: q,k,v,o)")
+    targets: tuple[str, ...] | None = opt(None, "of q,k,v,o,gate,up,down,experts (null: q,k,v,o)")
     rslora: bool = opt(False, "rank-stabilized scale alpha / sqrt(rank)")
     init: Literal["kaiming", "gaussian"] = opt(
         "kaiming", "A: Kaiming-uniform (PEFT's default) or N(0, 1/rank); B: zero")
@@ -514,7 +514,7 @@ def validate_lora(lora: LoraConfig) -> None:
     unknown = [t for t in lora.targets or () if t not in LORA_TARGETS]
     if unknown:
         raise TrainError(f"lora.targets: unknown target(s) {', '.join(unknown)}; valid targets: "
-                         f"{', '.join(LORA_TARGETS)} (the experts of MoE layers are not adapted yet)")
+                         f"{', '.join(LORA_TARGETS)}")
     if lora.targets is not None and (not lora.targets or len(set(lora.targets)) != len(lora.targets)):
         raise TrainError(f"lora.targets must name each target once, got {list(lora.targets)}")
 

@@ -121,6 +121,15 @@ def _lora_ir(step_dir: Path, meta: dict, config, options: Options) -> ModelIR:
                           f"{step_dir.name}:{prefix}{name}")
 
     pairs = {target_of(n): (lazy(n), lazy(n.replace(".lora_A.", ".lora_B."))) for n in stored if ".lora_A." in n}
+    cache = LoadCache(max_items=2)
+    for n in (n for n in stored if n.endswith("_A") and ".lora_A." not in n):  # experts: [E, rank, in], stacked
+        stem, leaf = n.rsplit(".", 1)  # layers.L.moe.experts, lora_gate_A
+        weight = leaf.removeprefix("lora_").removesuffix("_A")
+        stacks = (lazy(n), lazy(f"{stem}.lora_{weight}_B"))
+        for e in range(stacks[0].shape[0]):
+            pairs[f"{stem}.{e}.{weight}.weight"] = tuple(
+                LazyTensor(t.shape[1:], t.dtype_name, lambda t=t, e=e: cache.get(t.origin, t.load)[e].clone(),
+                           f"{t.origin}[{e}]") for t in stacks)
     adapter = LoraAdapter(lora.rank, lora.alpha, pairs, rslora=lora.rslora, dropout=lora.dropout, base=base_path)
     dtype = base.config.dtype
     source = _source(step_dir, meta)

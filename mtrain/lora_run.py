@@ -113,8 +113,12 @@ def adapter_weights(adapter: LoraAdapter, names) -> Iterator[tuple[str, torch.Te
 def check_targets(config: ModelConfig, spec: lora_adapters.LoraSpec) -> dict[str, tuple[int, ...]]:
     """The adapters' names and shapes; a target the model has no Linear layer for is refused by name."""
     shapes = adapter_shapes(config, spec)
-    found = {lora_adapters.target_of(n).split(".", 2)[2].removesuffix(".weight") for n in shapes}
-    missing = [t for t in spec.targets if lora_adapters.TARGET_MODULES[t] not in found]
+    if "experts" in spec.targets and not config.is_moe:
+        raise TrainError(f"lora.targets experts: this model ({config.family}) has no MoE layers; adapt others of "
+                         f"{', '.join(lora_adapters.TARGET_MODULES)}")
+    found = {lora_adapters.target_of(n).split(".", 2)[2].removesuffix(".weight") for n in shapes
+             if n.endswith(".weight")}
+    missing = [t for t in spec.targets if t != "experts" and lora_adapters.TARGET_MODULES[t] not in found]
     if missing:
         what = "multi-latent attention has no separate q/k/v" if config.is_mla else "no layer has it"
         raise TrainError(f"lora.targets {', '.join(missing)}: this model ({config.family}) has no "

@@ -119,6 +119,9 @@ class Trainer:
         check_positions(model_config, config.data.seq_len, "data.seq_len")
         dims = self.dims = ParallelDims.from_config(config.parallel, self.env.world)
         dims.check_model(model_config)
+        if self.lora and "experts" in self.lora.target_names and dims.tp > 1:
+            raise TrainError("lora.targets experts with parallel.tp > 1 (expert tensor parallel): not built yet; "
+                             "adapt the experts under expert and data parallel, or leave experts out of lora.targets")
         dims.check_batches(config.data.seq_len, t.global_batch_size, t.micro_batch_size)
         e = config.eval  # the data first: a wrong path fails before any weights are read
         samples = {"train": t.steps * t.global_batch_size, "valid": e.steps * t.global_batch_size if e.interval else 0}

@@ -57,6 +57,9 @@ def modules(family: str) -> dict[str, str]:
 def _layer_and_target(ir_name: str) -> tuple[int, str]:
     m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", ir_name)
     target = next((t for t, module in TARGETS.items() if m and module == m[2]), None)
+    if ".moe.experts." in ir_name:
+        raise ConvertError(f"PEFT adapters: {ir_name}: adapters of MoE experts are not written in PEFT's format "
+                           "(transformers' fused expert weights are no Linear modules); export the merged model")
     if target is None:
         raise ConvertError(f"PEFT adapters: {ir_name} is not a weight LoRA adapts here")
     return int(m[1]), target

@@ -42,9 +42,10 @@ class LoraAdapter:
 
     @property
     def targets(self) -> list[str]:
-        """The neutral targets adapted, in TARGETS order."""
+        """The neutral targets adapted, in TARGETS order, then `experts` (per-expert adapters of MoE layers)."""
         found = {name.split(".", 2)[2].removesuffix(".weight") for name in self.tensors}
-        return [t for t, module in TARGETS.items() if module in found]
+        experts = ["experts"] if any(".moe.experts." in name for name in self.tensors) else []
+        return [t for t, module in TARGETS.items() if module in found] + experts
 
 
 def merge_weight(weight, A, B, scale: float):

@@ -5,7 +5,10 @@
 
 The adapters are children of the base Linear (`layers.3.attn.q.lora_A.weight`, PEFT's names without its adapter
 name), added by a forward hook, so the base module, its parameter names and the parallel styles applied to it
-stay as they are. Under tensor parallel (attached after the base layer is split): a column-parallel base (q, k, v,
+stay as they are. The experts of an MoE layer (target `experts`) get one adapter per expert and projection, stacked
+like their weights (`layers.3.moe.experts.lora_gate_A` [E, rank, h], `lora_gate_B` [E, f, rank], `lora_down_A`
+[E, rank, f], `lora_down_B` [E, h, rank]; models/moe.py adds them), split over expert-parallel ranks like the
+experts. Under tensor parallel (attached after the base layer is split): a column-parallel base (q, k, v,
 gate, up) splits B by rows like its weight and keeps A whole; a row-parallel base (o, down) splits A by columns
 and keeps B whole, the rank-sized partial sums reduced before B.
 """
@@ -38,9 +41,12 @@ class LoraSpec:
     targets: tuple[str, ...]
 
 
+EXPERT_ADAPTERS = {f"lora_{w}_{p}": w for w in ("gate", "up", "down") for p in "AB"}  # -> the stacked weight
+
+
 def is_adapter(name: str) -> bool:
-    """Whether a parameter name is an adapter's (`....lora_A.weight`, `....lora_B.weight`)."""
-    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+    """Whether a parameter name is an adapter's (`....lora_A.weight`, `....lora_B.weight`, `...experts.lora_up_A`)."""
+    return name.endswith((".lora_A.weight", ".lora_B.weight")) or name.rsplit(".", 1)[-1] in EXPERT_ADAPTERS
 
 
 def target_of(name: str) -> str:
@@ -52,12 +58,17 @@ def target_of(name: str) -> str:
 def adapter_shapes(base_shapes: dict[str, tuple[int, ...]], spec: LoraSpec) -> dict[str, tuple[int, ...]]:
     """Adapter parameter name -> shape, for the targeted Linear weights among `base_shapes` (model names)."""
     out = {}
-    suffixes = tuple(f".{TARGET_MODULES[t]}.weight" for t in spec.targets)
+    suffixes = tuple(f".{TARGET_MODULES[t]}.weight" for t in spec.targets if t in TARGET_MODULES)
+    experts = tuple(f".moe.experts.{w}" for w in ("gate", "up", "down")) if "experts" in spec.targets else ()
     for name, shape in base_shapes.items():
-        if name.startswith("layers.") and name.endswith(suffixes) and len(shape) == 2:
+        if name.startswith("layers.") and suffixes and name.endswith(suffixes) and len(shape) == 2:
             stem = name.removesuffix(".weight")
             out[f"{stem}.lora_A.weight"] = (spec.rank, shape[1])
             out[f"{stem}.lora_B.weight"] = (shape[0], spec.rank)
+        elif experts and name.endswith(experts):  # stacked [E, out, in]
+            stem, weight = name.rsplit(".", 1)
+            out[f"{stem}.lora_{weight}_A"] = (shape[0], spec.rank, shape[2])
+            out[f"{stem}.lora_{weight}_B"] = (shape[0], shape[1], spec.rank)
     return out
 
 
@@ -65,15 +76,15 @@ def initial_adapters(shapes: dict[str, tuple[int, ...]], seed: int, init: str) -
     """PEFT's initialization, the same whatever the layout (one generator per tensor, seeded from (seed, name)):
     A Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)) (or N(0, 1/rank) for `gaussian`), B zero,
     so the adapted model starts as the base."""
-    for name, shape in shapes.items():
-        if ".lora_B." in name:
+    for name, shape in shapes.items():  # A: [rank, in] ([E, rank, in] for experts); B: [out, rank]
+        if name.endswith(("lora_B.weight", "_B")):
             yield name, torch.zeros(shape)
             continue
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if init == "gaussian":
-            yield name, torch.randn(shape, generator=g) / shape[0]
+            yield name, torch.randn(shape, generator=g) / shape[-2]
         else:
-            bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(1/3) * sqrt(3 / fan_in)
+            bound = 1.0 / math.sqrt(shape[-1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(1/3) * sqrt(3 / fan_in)
             yield name, (torch.rand(shape, generator=g) * 2 - 1) * bound
 
 
@@ -82,7 +93,9 @@ def attach(block: nn.Module, spec: LoraSpec, mesh: DeviceMesh | None = None, seq
     parallel and before FSDP) and freeze every base parameter of it."""
     for p in block.parameters():
         p.requires_grad_(False)
-    for target in spec.targets:
+    if "experts" in spec.targets and hasattr(block, "moe"):
+        attach_experts(block.moe.experts, spec)
+    for target in (t for t in spec.targets if t in TARGET_MODULES):
         base = block.get_submodule(TARGET_MODULES[target]) if _has(block, TARGET_MODULES[target]) else None
         if not isinstance(base, nn.Linear):
             continue  # a layer without it (an MoE layer's MLP): checked over the whole model by the trainer
@@ -94,6 +107,20 @@ def attach(block: nn.Module, spec: LoraSpec, mesh: DeviceMesh | None = None, seq
         if isinstance(base.weight, DTensor):
             _split_like_base(base, mesh, sequence_parallel)
         base.register_forward_hook(_add_adapter)
+
+
+def attach_experts(experts: nn.Module, spec: LoraSpec) -> None:
+    """Stacked per-expert adapters beside the stacked expert weights (split over expert-parallel ranks as they are;
+    the trainer refuses expert tensor parallel with them)."""
+    for weight in ("gate", "up", "down"):
+        base = getattr(experts, weight)
+        n, out_features, in_features = base.shape
+        for part, shape in (("A", (n, spec.rank, in_features)), ("B", (n, out_features, spec.rank))):
+            p = torch.empty(shape, device="meta")
+            if isinstance(base, DTensor):
+                p = distribute_tensor(p, base.device_mesh, base.placements, src_data_rank=None)
+            setattr(experts, f"lora_{weight}_{part}", nn.Parameter(p))
+    experts.lora_scale = spec.scale
 
 
 def _has(module: nn.Module, path: str) -> bool:

@@ -97,9 +97,8 @@ BAD_SETTINGS = [
     ({"rank": 4, "alpha": -2}, "lora.alpha must be a finite number > 0 (scale = alpha / rank), got -2.0"),
     ({"rank": -1}, "lora.rank must be >= 0 (0: no LoRA), got -1"),
     ({"rank": 4, "dropout": 1.0}, "lora.dropout must be in [0, 1), got 1.0"),
-    ({"rank": 4, "targets": ["q", "experts", "lm_head"]},
-     "lora.targets: unknown target(s) experts, lm_head; valid targets: q, k, v, o, gate, up, down (the experts of MoE "
-     "layers are not adapted yet)"),
+    ({"rank": 4, "targets": ["q", "router", "lm_head"]},
+     "lora.targets: unknown target(s) router, lm_head; valid targets: q, k, v, o, gate, up, down, experts"),
     ({"rank": 4, "targets": ["q", "q"]}, "lora.targets must name each target once, got ['q', 'q']"),
 ]
 

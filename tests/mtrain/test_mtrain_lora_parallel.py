@@ -2,7 +2,7 @@
 
 One 2-rank launch runs TP2 (q, k, v, gate, up column-parallel: B split by rows; o, down row-parallel: A split by
 columns), TP2 with sequence parallel, PP2, FSDP and DDP over DP2 and CP2, each on the same Hugging Face Llama with
-adapters on every Linear of the layers, and EP2 on a Mixtral with adapters on its attention (the experts frozen);
+adapters on every Linear of the layers, and EP2 on a Mixtral with adapters on its attention and per expert;
 the one-process run in float64 and float32 (tests/mtrain/parity.py) sets the bounds.
 """
 
@@ -24,7 +24,8 @@ LAYOUTS = {"tp2": {"tp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True}, "pp
            "fsdp2": {"dp_mode": "fsdp"}, "ddp2": {"dp_mode": "ddp"}, "cp2": {"cp": 2}}
 
 
-# a Mixtral base under expert parallel: the adapters on its attention, the frozen experts' all-to-all in between
+# a Mixtral base under expert parallel: adapters on its attention and on every expert (split over the ranks as the
+# experts are), the experts' all-to-all in between
 MOE_LAYOUTS = {"ep2_mixtral": {"ep": 2}}
 
 
@@ -34,11 +35,14 @@ def lora_runs(corpus, tmp_path_factory):  # noqa: F811
     raws = {"llama": config_raw(corpus, None, checkpoint={"finetune": str(save_hf("llama", tmp / "base", seed=3))},
                                 lora=LORA),
             "mixtral": config_raw(corpus, None, checkpoint={"finetune": str(save_hf("mixtral", tmp / "moe", seed=3))},
-                                  lora={"rank": 4, "alpha": 8.0})}
+                                  lora={"rank": 4, "alpha": 8.0, "targets": ["q", "o", "experts"]})}
     layouts = {name: ("llama", p) for name, p in LAYOUTS.items()} | {n: ("mixtral", p) for n, p in MOE_LAYOUTS.items()}
     specs = [{"config": with_sections(raws[base], parallel=parallel), "out": str(tmp / f"{name}.json"),
               "record": str(tmp / name), "grads_at": [1, STEPS]} for name, (base, parallel) in layouts.items()]
+    # per-expert adapters under expert tensor parallel are not built: refused before anything is
+    specs.append({"config": with_sections(raws["mixtral"], parallel={"tp": 2}), "error": str(tmp / "etp.json")})
     launch(specs, tmp, nproc=2, name="lora")
+    (tmp / "etp.json").rename(tmp / "refused_etp.json")
     references = {base: RecordingTrainer.reference(from_dict(raw), grads_at=(1, STEPS)) for base, raw in raws.items()}
     return {name: (_losses_and_valid(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))),
                    references[base]) for name, (base, _) in layouts.items()}
@@ -79,3 +83,12 @@ def test_lora_adapters_split_as_their_base_layers(lora_runs, name):
     assert local["layers.0.attn.o.lora_B.weight"][0] == [64, 4]
     assert local["layers.0.mlp.down.lora_A.weight"][0] == [4, 48]
     assert torch.Size(local["layers.0.mlp.down.lora_B.weight"][0]) == torch.Size([64, 4])
+
+
+def test_expert_adapters_under_expert_tensor_parallel_are_refused(lora_runs, tmp_path_factory):
+    import json
+
+    path = next(tmp_path_factory.getbasetemp().glob("lora_parallel*/refused_etp.json"))
+    assert json.loads(path.read_text())["error"] == (
+        "lora.targets experts with parallel.tp > 1 (expert tensor parallel): not built yet; adapt the experts under "
+        "expert and data parallel, or leave experts out of lora.targets")
