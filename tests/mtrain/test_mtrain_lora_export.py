@@ -108,3 +108,31 @@ def test_peft_saver_refusals(lora_run, tmp_path):
     assert "holds none: give a LoRA run of mtrain (lora.rank > 0)" in out
     with pytest.raises(ConvertError, match=r"^PEFT adapters: the gpt2 family is not supported \(its HF layout fuses"):
         peft_format.modules("gpt2")
+
+
+@pytest.mark.parity
+def test_expert_adapters_merge_into_each_expert(corpus, tmp_path):  # noqa: F811
+    """Per-expert adapters (target experts) on a Mixtral: the merged export (each expert's W + s B_e A_e) run by
+    transformers computes the trainer's adapted model (bound as above: float32 logits, other sum orders); PEFT has
+    no Linear module for transformers' fused experts, so the peft saver refuses them by name."""
+    base = save_hf("mixtral", tmp_path / "base", seed=3)
+    args = ["--load", base, "--data.paths", corpus, "--checkpoint.dir", tmp_path / "run", "--lora.rank", "4",
+            "--lora.targets", "q,experts", *RUN]
+    mtrain("finetune", *args, "--train.steps", "2")
+    run_cli("--saver", "mixtral_hf", "--load-dir", tmp_path / "run", "--save-dir", tmp_path / "merged")
+    trainer = Trainer(from_dict({
+        "data": {"paths": [corpus], "seq_len": 32, "split": "90,10,0"},
+        "train": {"steps": 3, "micro_batch_size": 2, "global_batch_size": 8},
+        "checkpoint": {"dir": str(tmp_path / "run"), "finetune": str(base)},
+        "lora": {"rank": 4, "targets": ["q", "experts"]}}), out=lambda _: None)
+    trainer.model.eval()
+    with torch.no_grad():
+        got, want = hf_model(tmp_path / "merged")(TOKENS).logits, trainer.model(TOKENS)
+        before = hf_model(base)(TOKENS).logits
+    trainer.close()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (got - before).abs().max() > 1e-4  # the adapters moved it
+    out = run_cli("--loader", "mtrain", "--saver", "peft", "--load-dir", tmp_path / "run", "--save-dir",
+                  tmp_path / "adapter", expect_error=True)
+    assert out.startswith("Error: PEFT adapters: layers.0.moe.experts.0.gate.weight: adapters of MoE experts are not "
+                          "written in PEFT's format")
