@@ -99,7 +99,7 @@ def attach(block: nn.Module, spec: LoraSpec, mesh: DeviceMesh | None = None, seq
         base = block.get_submodule(TARGET_MODULES[target]) if _has(block, TARGET_MODULES[target]) else None
         if not isinstance(base, nn.Linear):
             continue  # a layer without it (an MoE layer's MLP): checked over the whole model by the trainer
-        out_features, in_features = _global_shape(base.weight)
+        out_features, in_features = base.weight.shape  # a DTensor's shape is the global one
         base.lora_A = nn.Linear(in_features, spec.rank, bias=False, device="meta")
         base.lora_B = nn.Linear(spec.rank, out_features, bias=False, device="meta")
         base.lora_scale, base.lora_dropout = spec.scale, spec.dropout
@@ -120,7 +120,7 @@ def attach_experts(experts: nn.Module, spec: LoraSpec) -> None:
             if isinstance(base, DTensor):
                 p = distribute_tensor(p, base.device_mesh, base.placements, src_data_rank=None)
             setattr(experts, f"lora_{weight}_{part}", nn.Parameter(p))
-    experts.lora_scale = spec.scale
+    experts.lora_scale, experts.lora_dropout = spec.scale, spec.dropout
 
 
 def _has(module: nn.Module, path: str) -> bool:
@@ -129,10 +129,6 @@ def _has(module: nn.Module, path: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def _global_shape(weight: torch.Tensor) -> tuple[int, int]:
-    return tuple(weight.shape)  # a DTensor's shape is the global one
 
 
 def _split_like_base(base: nn.Linear, mesh: DeviceMesh, sequence_parallel: bool) -> None:

@@ -69,7 +69,8 @@ class GroupedExperts(nn.Module):
 
     def _lora(self, dtype: torch.dtype) -> _ExpertAdapters:
         return _ExpertAdapters({n: _local(getattr(self, f"lora_{n}")).to(dtype) for n in
-                                ("gate_A", "gate_B", "up_A", "up_B", "down_A", "down_B")}, self.lora_scale)
+                                ("gate_A", "gate_B", "up_A", "up_B", "down_A", "down_B")}, self.lora_scale,
+                               self.lora_dropout if self.training else 0.0)
 
     def add_down_bias(self, y: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """y (the summed outputs, grouped by expert) plus each row's expert's down bias (expert tensor parallel)."""
@@ -80,12 +81,13 @@ class GroupedExperts(nn.Module):
 
 
 class _ExpertAdapters:
-    """The local experts' stacked LoRA adapters: `add(weight, e, x)` is scale * x A[e]^T B[e]^T."""
+    """The local experts' stacked LoRA adapters: `add(weight, e, x)` is scale * dropout(x) A[e]^T B[e]^T."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], scale: float):
-        self.tensors, self.scale = tensors, scale
+    def __init__(self, tensors: dict[str, torch.Tensor], scale: float, dropout: float):
+        self.tensors, self.scale, self.dropout = tensors, scale, dropout
 
     def add(self, weight: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        x = F.dropout(x, self.dropout) if self.dropout else x
         return (x @ self.tensors[f"{weight}_A"][e].T) @ self.tensors[f"{weight}_B"][e].T * self.scale
 
 
