@@ -123,6 +123,7 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
     ir = plugin.func(path, options)
     ir.check()
     if options.merge_adapter is not None:  # checked against the base's names and shapes, merged lazily
+        contained.check_tree(Path(options.merge_adapter))  # held to its directory, as a checkpoint is
         adapter = get_adapter("peft").func(Path(options.merge_adapter), ir)
         ir = merged(ir, adapter, f"--merge-adapter {options.merge_adapter}")
     if options.skip_mtp:

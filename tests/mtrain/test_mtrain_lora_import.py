@@ -160,3 +160,15 @@ def test_an_adapter_on_moe_experts_is_refused(tmp_path):
     assert "mlp.experts.lora_A.weight" in out
     assert out.rstrip().endswith(": LoRA on the experts of MoE layers is not supported (adapters on the attention "
                                  "and dense MLP projections are)")
+
+
+def test_an_adapter_linking_out_of_its_directory_is_refused(adapter, tmp_path):
+    tmp, base, _ = adapter
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "adapter_config.json").write_bytes((tmp / "adapter" / "adapter_config.json").read_bytes())
+    (linked / "adapter_model.safetensors").symlink_to(tmp / "adapter" / "adapter_model.safetensors")
+    out = run_cli("--saver", "core", "--load-dir", base, "--merge-adapter", linked, "--save-dir", tmp_path / "x",
+                  expect_error=True)
+    assert out.startswith(f"Error: {linked}: adapter_model.safetensors is a symbolic link to "
+                          f"{tmp / 'adapter' / 'adapter_model.safetensors'}, outside the checkpoint directory")
