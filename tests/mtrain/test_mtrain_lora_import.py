@@ -172,3 +172,17 @@ def test_an_adapter_linking_out_of_its_directory_is_refused(adapter, tmp_path):
                   expect_error=True)
     assert out.startswith(f"Error: {linked}: adapter_model.safetensors is a symbolic link to "
                           f"{tmp / 'adapter' / 'adapter_model.safetensors'}, outside the checkpoint directory")
+
+
+@pytest.mark.parity
+def test_an_rslora_adapter_merges_as_peft_merges_it(tmp_path):
+    """use_rslora: scale alpha / sqrt(r) (math.sqrt, as PEFT): the merge equals PEFT's to the bit (float32)."""
+    base = save_hf("llama", tmp_path / "base", seed=2)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(make_hf("llama", seed=2), peft.LoraConfig(
+        r=8, lora_alpha=5, use_rslora=True, target_modules=["k_proj", "up_proj"], init_lora_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    run_cli("--saver", "llama_mistral", "--load-dir", base, "--merge-adapter", tmp_path / "adapter", "--save-dir",
+            tmp_path / "ours")
+    model.merge_and_unload().save_pretrained(tmp_path / "theirs")
+    assert run_cli("compare", tmp_path / "ours", tmp_path / "theirs").rstrip().endswith("tensors bit-identical")
