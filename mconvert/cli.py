@@ -132,6 +132,9 @@ def _fail_cleanly(func):
               help="Saver core, --ckpt-format torch: the key of an MTP module's layer (mtp.layers.M.NAME.*). "
               "megatron-core 0.16 names it transformer_layer, 0.19 mtp_model_layer (its torch_dist "
               "checkpoints keep transformer_layer, which this saver always writes there). Both are read.")
+@click.option("--merge-adapter", type=click.Path(path_type=Path), help="A PEFT LoRA adapter directory "
+              "(adapter_config.json + adapter_model.safetensors) merged into the model on the way: W + scale * B A in "
+              "float32, cast to W's dtype. Refused unless it fits the source model.")
 @click.option("--force", is_flag=True, help="Replace an existing, non-empty --save-dir.")
 @click.option("--verify", "verify_output", is_flag=True,
               help="Before moving the output into place, run it and the source on the same tokens (as `mconvert "
@@ -262,6 +265,7 @@ def _options(o: dict):
         skip_mtp=o["skip_mtp"],
         mtp_layer_name=o["mtp_layer_name"],
         fp8_weights=o["fp8_weights"],
+        merge_adapter=o["merge_adapter"],
     )
 
 

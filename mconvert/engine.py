@@ -21,10 +21,11 @@ from pathlib import Path
 from mconvert import staging, workers
 from mconvert.errors import ConvertError
 from mconvert.io import contained, hf_dir
+from mconvert.ir.adapter import merged
 from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
 from mconvert.progress import QUIET, Progress
-from mconvert.registry import Plugin, detect_loader, get_loader, get_saver
+from mconvert.registry import Plugin, detect_loader, get_adapter, get_loader, get_saver
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,10 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
     plugin = resolve_loader(loader, path)
     ir = plugin.func(path, options)
     ir.check()
+    if options.merge_adapter is not None:  # checked against the base's names and shapes, merged lazily
+        contained.check_tree(Path(options.merge_adapter))  # held to its directory, as a checkpoint is
+        adapter = get_adapter("peft").func(Path(options.merge_adapter), ir)
+        ir = merged(ir, adapter, f"--merge-adapter {options.merge_adapter}")
     if options.skip_mtp:
         ir = ir.without_mtp()
     if options.dtype:  # every tensor: a checkpoint may mix dtypes (bf16 weights, fp32 norms)

@@ -35,6 +35,7 @@ class Plugin:
 
 _LOADERS: dict[str, Plugin] = {}
 _SAVERS: dict[str, Plugin] = {}
+_ADAPTERS: dict[str, Plugin] = {}  # readers of adapter formats: func(path, base ir) -> ir.adapter.LoraAdapter
 _loaded: set[str] = set()  # the kinds ("loader", "saver") whose plugins are imported
 BUILTIN = ("mconvert.hf", "mconvert.megatron")  # packages each of whose modules may register plugins
 
@@ -62,6 +63,18 @@ def register_saver(name: str, *, aliases=(), options=(), supports=None):
     """Register a saver `func(ir, out_dir, options, progress)` under `name`; `supports` declares which of the IR's
     features (`mconvert.ir.features.FEATURES`) its format holds (see `missing_features`)."""
     return _register(_SAVERS, "saver", name, aliases, None, options, supports)
+
+
+def register_adapter(name: str):
+    """Register a reader `func(path, base_ir) -> LoraAdapter` of an adapter format under `name`."""
+    return _register(_ADAPTERS, "adapter", name, (), None, ())
+
+
+def get_adapter(name: str) -> Plugin:
+    _load_plugins("adapter")
+    if name not in _ADAPTERS:
+        raise ConvertError(f"unknown adapter format {name!r}; valid: {', '.join(names(_ADAPTERS))}")
+    return _ADAPTERS[name]
 
 
 def _load_plugins(kind: str) -> None:

@@ -5,7 +5,7 @@
         .metadata, __{rank}_0.distcp  DCP: model.* (parameters, unsharded names) and optimizer.* (AdamW state
                                       by parameter name: optimizer.state.{name}.exp_avg, …)
         mtrain.json                   format, step, consumed samples, world size, parallel layout, model config,
-                                      training config
+                                      training config; a LoRA run's adapters and base (lora_run.py)
         rng/rank_00000.pt             each rank's RNG states (torch, numpy, python)
         tokenizer/                    the tokenizer files the run trained with (data.tokenizer, else the
                                       finetuned checkpoint's or the resumed run's)
@@ -17,6 +17,8 @@ a `.partial` directory (removed by the next save) and the previous checkpoint un
 DCP stores every tensor whole (each rank writes its shards), so a checkpoint loads under any layout: other data,
 tensor, pipeline, expert or context parallel sizes. Each rank passes its part(s) of the model (pipeline stages);
 a tensor held by several ranks (replicas, the tied embedding's copy on the last stage) is written once.
+A LoRA run's checkpoint holds its adapters alone (model.*.lora_A.weight, model.*.lora_B.weight): the frozen base is
+referenced by mtrain.json, not copied.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from mconvert.errors import ConvertError
+from mconvert.errors import ConvertError, mismatch
 from mconvert.io import hf_dir
 from mconvert.io.contained import check_tree, inside, open_inside, real_path
 from mconvert.io.dcp import DcpReader, read_metadata
@@ -50,6 +52,7 @@ from mconvert.ir.config import ModelConfig
 from mconvert.staging import fsync_path
 from mtrain import safe_dcp, weights
 from mtrain.errors import TrainError
+from mtrain.models.lora import is_adapter
 from mtrain.optim import Optimizers
 
 FORMAT = "mtrain"
@@ -172,6 +175,8 @@ def model_config(path: Path, meta: dict) -> ModelConfig:
         config = ModelConfig.from_dict(meta["model_config"])
     except ConvertError as e:
         raise ConvertError(f"{where}: {e}") from None
+    if meta.get("lora") is not None:
+        return config  # a LoRA checkpoint holds adapters alone: its base's reader checks the sizes against its files
     reader = DcpReader(Path(path))  # allow-listed; the values are bounded by the bytes on disk
     sizes.check_fits(config, reader.values_bound(k for k in reader.tensors if k.startswith(MODEL_PREFIX)), where)
     return config
@@ -212,7 +217,7 @@ class Checkpointer:
 
     def save(self, state: TrainState, parts: list[nn.Module], optimizers: Optimizers, model_config: ModelConfig,
              config: dict, tokenizer: dict[str, bytes] | None = None, layout: dict | None = None,
-             tokenizer_from: str | None = None) -> Path:
+             tokenizer_from: str | None = None, lora: dict | None = None) -> Path:
         """Write a checkpoint of every rank's shards (a collective: all ranks call it); `tokenizer`: the tokenizer
         files (name -> contents) the run trained with, written into it, and `tokenizer_from` where they came from."""
         name = step_name(state.step)
@@ -235,6 +240,8 @@ class Checkpointer:
                             model_config=model_config.to_dict(), config=config,
                             tokenizer="tokenizer" if tokenizer else None,
                             tokenizer_from=tokenizer_from if tokenizer else None)
+                if lora is not None:
+                    meta["lora"] = lora
                 _write_synced(partial / META_FILE, json.dumps(meta, indent=2))
                 if tokenizer:
                     (partial / "tokenizer").mkdir()
@@ -265,13 +272,14 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path, parts: list[nn.Module], optimizers: Optimizers | None,
-             layout: dict | None = None) -> TrainState:
+             layout: dict | None = None, adapters: dict[str, tuple[int, ...]] | None = None) -> TrainState:
         """Restore model (and optimizer, RNG) from `path`, whatever the layout that wrote it. The RNG states are
         restored only under the layout that saved them (each rank's state belongs to its place in the layout).
 
         Every byte is read through an allow-list (see mtrain.safe_dcp). A checkpoint that cannot be read
         (truncated, corrupt, tampered with) is refused, naming its step and how to resume from the one before;
-        a checkpoint of another model is refused by `weights.check_shapes`."""
+        a checkpoint of another model is refused by `weights.check_shapes` (of other `adapters`: by their names and
+        shapes, those of a LoRA run's whole model)."""
         try:
             check_tree(path)
             meta = read_meta(path)
@@ -280,7 +288,10 @@ class Checkpointer:
             reader = safe_dcp.SafeReader(path)
         except ConvertError as e:
             raise unreadable(path, e) from None
-        weights.check_shapes(parts[0], stored_shapes(path), f"checkpoint {path}")
+        if adapters is None:
+            weights.check_shapes(parts[0], stored_shapes(path), f"checkpoint {path}")
+        else:
+            check_adapters(stored_shapes(path), adapters, f"checkpoint {path}")
         if optimizers is not None and meta["version"] < 2:
             raise TrainError(f"checkpoint {path} (mtrain format version 1) keeps its optimizer state in the older "
                              "layout; finetune from it (mtrain finetune --load) instead of resuming")
@@ -296,7 +307,8 @@ class Checkpointer:
             raise unreadable(path, e) from None
         for part in parts:
             own = get_model_state_dict(part)
-            set_model_state_dict(part, {k: state_dict["model"][k] for k in own})
+            set_model_state_dict(part, {k: state_dict["model"][k] for k in own if k in state_dict["model"]},
+                                 options=StateDictOptions(strict=adapters is None))
         if optimizers is not None:
             optimizers.load_state_dict(state_dict["optimizer"])
         rng = path / "rng" / f"rank_{_rank():05d}.pt"
@@ -310,11 +322,24 @@ class Checkpointer:
 
 
 def model_state(parts: list[nn.Module]) -> dict:
-    """The parameters of this rank's parts under their model names (DTensor shards stay sharded)."""
+    """The parameters of this rank's parts under their model names (DTensor shards stay sharded); of a model with
+    LoRA adapters, the adapters alone (the frozen base is referenced, not saved)."""
     out: dict = {}
     for part in parts:
         out.update(get_model_state_dict(part))
+    if any(is_adapter(k) for k in out):
+        out = {k: v for k, v in out.items() if is_adapter(k)}
     return out
+
+
+def check_adapters(stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], where: str) -> None:
+    """The adapters a LoRA checkpoint holds against those of the run resuming it: one error listing them all."""
+    missing = [n for n in expected if n not in stored]
+    extra = [n for n in stored if n not in expected]
+    wrong = [f"{n} is {list(stored[n])} in the checkpoint, the run has {list(shape)}"
+             for n, shape in expected.items() if n in stored and tuple(stored[n]) != tuple(shape)]
+    if missing or extra or wrong:
+        raise TrainError(f"{where} does not hold this run's LoRA adapters: " + mismatch(missing, extra, wrong))
 
 
 def _save_rng(path: Path) -> None:

@@ -1,7 +1,7 @@
 """One typed configuration: a YAML / TOML / JSON file plus `--section.field value` overrides.
 
 Sections (SECTION_HELP says what each holds): model (mconvert's ModelConfig), data, train, optim, eval,
-checkpoint, parallel, logging. Every field carries one line of meaning; `mtrain config` prints them all with
+checkpoint, parallel, logging, lora. Every field carries one line of meaning; `mtrain config` prints them all with
 their types and defaults (mtrain/config_doc.py). Unknown sections and fields are errors that list the valid ones;
 values are checked against the field types.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mconvert.errors import ConvertError
+from mconvert.ir.adapter import TARGETS
 from mconvert.ir.config import ModelConfig
 from mtrain.config_ranges import check_ranges
 from mtrain.errors import TrainError
@@ -127,6 +129,37 @@ class LoggingConfig:
     peak_tflops: float | None = opt(None, "per-device peak TFLOP/s for MFU (null: known GPUs; CPU: FLOP/s)")
 
 
+LORA_TARGETS = (*TARGETS, "experts")  # the neutral names of the Linear layers adapted; experts: every MoE expert's
+DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA (Hu et al. 2021, as PEFT computes it): y = W x + scale * B A dropout(x), A [rank, in], B [out, rank];
+    the base weights are frozen. `from_` is written `from` in files and on the command line."""
+
+    rank: int = opt(0, "adapter rank (0: no LoRA, every weight trains)")
+    alpha: float = opt(16.0, "scale = alpha / rank (alpha / sqrt(rank) with rslora)")
+    dropout: float = opt(0.0, "dropout on the adapters' input in training")
+    targets: tuple[str, ...] | None = opt(None, "of q,k,v,o,gate,up,down,experts (null: q,k,v,o)")
+    rslora: bool = opt(False, "rank-stabilized scale alpha / sqrt(rank)")
+    init: Literal["kaiming", "gaussian"] = opt(
+        "kaiming", "A: Kaiming-uniform (PEFT's default) or N(0, 1/rank); B: zero")
+    from_: str | None = opt(None, "start from this PEFT adapter directory (its rank, alpha, targets)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0 or self.from_ is not None
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        return self.targets if self.targets is not None else DEFAULT_LORA_TARGETS
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)  # PEFT's
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelConfig | None = None
@@ -137,6 +170,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # finetuning: the model section's fields, applied to the checkpoint's config (apply_model_changes)
     model_changes: dict[str, Any] = field(default_factory=dict)
 
@@ -154,7 +188,7 @@ class Config:
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainSection, "optim": OptimConfig,
                              "eval": EvalConfig, "checkpoint": CheckpointConfig, "parallel": ParallelConfig,
-                             "logging": LoggingConfig}
+                             "logging": LoggingConfig, "lora": LoraConfig}
 SECTION_HELP = {
     "model": "the architecture (mconvert's ModelConfig); from the checkpoint when finetuning or resuming",
     "data": "dataset prefixes and blend weights, split, sequence length, tokenizer",
@@ -164,6 +198,7 @@ SECTION_HELP = {
     "checkpoint": "where and how often to save, what to finetune from",
     "parallel": "the layout: data (FSDP2/DDP), tensor (+sequence), pipeline (+virtual stages), expert, context",
     "logging": "progress lines, TensorBoard, Weights & Biases",
+    "lora": "low-rank adapters on a frozen base (finetuning): rank, alpha, targets, a PEFT adapter to start from",
 }
 
 
@@ -331,12 +366,19 @@ def apply_model_changes(base: ModelConfig, changes: dict[str, Any], where: str) 
         raise TrainError(f"config section model: {e}") from None
 
 
+def field_key(name: str) -> str:
+    """A field's name in files and on the command line: `from_` (a Python keyword otherwise) is `from`."""
+    return name.removesuffix("_")
+
+
 def build_section(cls: type, section: str, values: dict[str, Any]):
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    keys = {field_key(name): name for name in fields}
+    values = {keys.get(k, k): v for k, v in values.items()}
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise TrainError(f"unknown config field(s) {', '.join(f'{section}.{u}' for u in unknown)}; "
-                         f"valid fields of {section}: {', '.join(fields)}")
+                         f"valid fields of {section}: {', '.join(keys)}")
     hints = typing.get_type_hints(cls)
     kwargs = {name: coerce(value, hints[name], f"{section}.{name}") for name, value in values.items()}
     try:
@@ -455,6 +497,26 @@ def validate(c: Config) -> None:
     if c.logging.peak_tflops is not None and not c.logging.peak_tflops > 0:
         raise TrainError(f"logging.peak_tflops must be positive (per-device peak TFLOP/s), got {c.logging.peak_tflops}")
     validate_parallel(c.parallel)
+    validate_lora(c.lora)
+
+
+def validate_lora(lora: LoraConfig) -> None:
+    """LoRA settings that cannot describe an adapter, refused by name."""
+    if lora.rank < 0:
+        raise TrainError(f"lora.rank must be >= 0 (0: no LoRA), got {lora.rank}")
+    if lora.rank == 0 and lora.from_ is None and lora.targets is not None:
+        raise TrainError(f"lora.targets {','.join(lora.targets)} is set but lora.rank is 0 (no LoRA): set lora.rank "
+                         "to the adapters' rank, or leave lora.targets out")
+    if not (math.isfinite(lora.alpha) and lora.alpha > 0):
+        raise TrainError(f"lora.alpha must be a finite number > 0 (scale = alpha / rank), got {lora.alpha}")
+    if not (0 <= lora.dropout < 1):
+        raise TrainError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    unknown = [t for t in lora.targets or () if t not in LORA_TARGETS]
+    if unknown:
+        raise TrainError(f"lora.targets: unknown target(s) {', '.join(unknown)}; valid targets: "
+                         f"{', '.join(LORA_TARGETS)}")
+    if lora.targets is not None and (not lora.targets or len(set(lora.targets)) != len(lora.targets)):
+        raise TrainError(f"lora.targets must name each target once, got {list(lora.targets)}")
 
 
 def check_positions(model: ModelConfig, seq_len: int, what: str) -> None:

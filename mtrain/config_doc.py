@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from mconvert.ir.config import ModelConfig
-from mtrain.config import SECTION_HELP, SECTIONS, Config
+from mtrain.config import SECTION_HELP, SECTIONS, Config, field_key
 
 MODEL_HELP = {
     "family": "model family (HF / Megatron naming of exports)",
@@ -106,7 +106,7 @@ def reference(config: Config | None = None) -> str:
                 value = getattr(current, f.name)
             else:
                 value = None if required else f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            entry = f"  {f.name}: {_yaml(value)}"
+            entry = f"  {field_key(f.name)}: {_yaml(value)}"
             entry = f"{entry:<{max(VALUE_COLUMN, len(entry) + 1)}}# "  # a long name still gets a space before #
             kind, need = type_name(hints[f.name]), ", required" if required else ""
             line = f"{entry}{kind}{need}: {field_help(cls, f)}"

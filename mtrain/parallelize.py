@@ -5,6 +5,7 @@
             tensor/sequence parallel (parallel/tensor_parallel.py)
             expert parallel and expert tensor parallel (parallel/expert_parallel.py)
             context parallel (parallel/context_parallel.py)
+            LoRA adapters, split like their base layers; the base frozen (models/lora.py)
             activation recomputation, torch.compile (each layer, or the whole stage)
             FSDP2 over the "dp_cp" ranks (or DDP for data parallelism alone)
             to_empty(device), init_buffers()
@@ -26,6 +27,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 
 from mconvert.ir.config import ModelConfig
+from mtrain.models import lora as lora_adapters
 from mtrain.models.model import SequenceShard, Transformer
 from mtrain.models.moe import MoE
 from mtrain.parallel.context_parallel import apply_context_parallel
@@ -74,8 +76,10 @@ class ParallelModel:
 
 def build_parallel_model(config: ModelConfig, dims: ParallelDims, mesh: DeviceMesh | None, *, device: torch.device,
                          dp_mode: DPMode = "fsdp", precision: Precision = "fp32", recompute: Recompute = "none",
-                         compile_mode: CompileMode = "none", moe_capacity_factor: float | None = None) -> ParallelModel:
-    """This rank's parallelized parts with uninitialized weights (fp32) and initialized buffers on `device`."""
+                         compile_mode: CompileMode = "none", moe_capacity_factor: float | None = None,
+                         lora: lora_adapters.LoraSpec | None = None) -> ParallelModel:
+    """This rank's parallelized parts with uninitialized weights (fp32) and initialized buffers on `device`; with
+    `lora`, adapters on the frozen base."""
     coords = Coords.of(mesh)
     if dims.pp > 1:
         stages = build_stages(config, dims, coords.pp)
@@ -95,6 +99,8 @@ def build_parallel_model(config: ModelConfig, dims: ParallelDims, mesh: DeviceMe
                 apply_expert_parallel(m, mesh, dims.ep, dims.tp)
         if dims.cp > 1:
             apply_context_parallel(part, mesh["cp"])
+        if lora is not None:
+            apply_lora(part, lora, mesh["tp"] if dims.tp > 1 else None, dims.sequence_parallel)
         apply_recompute(part, recompute)
         apply_compile(part, compile_mode)
         if mesh is not None and mesh["dp_cp"].size() > 1:
@@ -127,6 +133,15 @@ def build_model(config: ModelConfig, *, device: torch.device, mesh: DeviceMesh |
     model.to_empty(device=device)
     model.init_buffers()
     return model
+
+
+def apply_lora(part: Transformer, spec: lora_adapters.LoraSpec, tp_mesh: DeviceMesh | None,
+               sequence_parallel: bool) -> None:
+    """Freeze every base parameter of `part` (no gradients, no optimizer state) and add the adapters."""
+    for p in part.parameters():
+        p.requires_grad_(False)
+    for block in part.layers.values():
+        lora_adapters.attach(block, spec, tp_mesh, sequence_parallel)
 
 
 def apply_recompute(model: Transformer, mode: Recompute) -> None:

@@ -18,6 +18,7 @@ compute the same loss from vocab-sharded logits, and pipeline micro-batches are 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import time
@@ -37,12 +38,13 @@ from mconvert.io import hf_dir
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
-from mtrain import checkpoint, cpu_memory, distributed, flops, precision, run_lock, weights
-from mtrain.config import Config, apply_model_changes, check_positions, dump
+from mtrain import checkpoint, cpu_memory, distributed, flops, lora_run, precision, run_lock, weights
+from mtrain.config import Config, LoraConfig, apply_model_changes, check_positions, dump
 from mtrain.data.loader import RankBatches, build_splits, describe_data
 from mtrain.errors import TrainError
 from mtrain.expert_bias import ExpertBiasUpdater
 from mtrain.metrics import Metrics, build_sinks
+from mtrain.models import lora as lora_adapters
 from mtrain.models import moe, mtp, state_dict_adapter
 from mtrain.optim import Optimizers, lr_at
 from mtrain.parallel import dp_mode, grads
@@ -106,6 +108,8 @@ class Trainer:
             if self.finished_message:
                 return  # nothing to build: run() says so
         self.model_config = model_config
+        self.lora = self._lora(resume, model_config, source)
+        self.lora_meta: dict | None = None  # the checkpoint's `lora` entry, once the base is loaded
         self.tokenizer, self.tokenizer_from = self._tokenizer(resume, source)
         if self.tokenizer:
             self.out(f"tokenizer: {', '.join(self.tokenizer)} from {self.tokenizer_from} (copied into checkpoints)")
@@ -115,6 +119,9 @@ class Trainer:
         check_positions(model_config, config.data.seq_len, "data.seq_len")
         dims = self.dims = ParallelDims.from_config(config.parallel, self.env.world)
         dims.check_model(model_config)
+        if self.lora and "experts" in self.lora.target_names and dims.tp > 1:
+            raise TrainError("lora.targets experts with parallel.tp > 1 (expert tensor parallel): not built yet; "
+                             "adapt the experts under expert and data parallel, or leave experts out of lora.targets")
         dims.check_batches(config.data.seq_len, t.global_batch_size, t.micro_batch_size)
         e = config.eval  # the data first: a wrong path fails before any weights are read
         samples = {"train": t.steps * t.global_batch_size, "valid": e.steps * t.global_batch_size if e.interval else 0}
@@ -130,7 +137,8 @@ class Trainer:
         self.parallel = build_parallel_model(
             model_config, dims, mesh, device=self.env.device, dp_mode=self.dp_mode,
             precision=self.precision, recompute=t.recompute, compile_mode=t.compile,
-            moe_capacity_factor=t.moe_capacity_factor)
+            moe_capacity_factor=t.moe_capacity_factor,
+            lora=lora_run.spec_of(self.lora) if self.lora else None)
         self.parts = self.parallel.parts
         self.model = self.parts[0]  # the whole model without pipeline parallel
         self.coords = self.parallel.coords
@@ -138,14 +146,31 @@ class Trainer:
         torch.manual_seed(t.seed + self.coords.dp * dims.cp + self.coords.cp)
         self.optimizer = Optimizers(self.parts, config.optim)
         self.state = checkpoint.TrainState()
-        if resume is not None:
+        if resume is not None and self.lora:
+            self._load_lora_base(resume)
+            self.state = self.checkpointer.load(resume, self.parts, self.optimizer, dims.to_dict(),
+                                                adapters=self.adapter_shapes)
+            self.out(f"resumed from {resume} at step {self.state.step} ({self.state.consumed_samples} samples)")
+        elif resume is not None:
             self.state = self.checkpointer.load(resume, self.parts, self.optimizer, dims.to_dict())
             self.out(f"resumed from {resume} at step {self.state.step} ({self.state.consumed_samples} samples)")
             for note in resume_notes(checkpoint.read_meta(resume), config, dims.to_dict(), self.env.world):
                 self.out("  " + note)
         elif source is not None:
             weights.check_shapes(self.model, _ir_model_shapes(source), f"checkpoint {source.source.path}")
-            weights.load_full_weights(self.parts, weights.ir_weights(source, weights.local_names(self.parts)))
+            if self.lora:
+                digests: dict[str, str] = {}
+                names = weights.local_names(self.parts)
+                weights.load_full_weights(self.parts, lora_run.hashed_weights(source, names, digests))
+                self.lora_meta = lora_run.meta_of(self.lora, config.checkpoint.finetune, config.checkpoint.loader,
+                                                  lora_run.gathered(digests))
+                weights.load_full_weights(self.parts, lora_adapters.initial_adapters(
+                    {n: s for n, s in self.adapter_shapes.items() if n in names}, t.seed, self.lora.init))
+                if self.lora_start is not None:  # layers the adapter leaves out keep B = 0: the adapter's function
+                    weights.load_full_weights(self.parts, lora_run.adapter_weights(self.lora_start, names))
+                    self.out(f"LoRA adapters from {self.config.lora.from_}")
+            else:
+                weights.load_full_weights(self.parts, weights.ir_weights(source, weights.local_names(self.parts)))
             self.out(f"finetuning from {source.source.path} ({source.source.format}); step 0, fresh optimizer")
         else:
             weights.load_full_weights(self.parts, weights.random_init(model_config, t.seed, t.init_std,
@@ -153,6 +178,10 @@ class Trainer:
         mode = self.dp_mode if dims.dp > 1 else "single"
         self.out(f"model: {weights.describe(model_config)}; {_num_params(model_config):,} parameters; "
                  f"{self.env.world} rank(s): {dims.describe()} (data parallel: {mode})")
+        if self.lora:
+            trained = sum(math.prod(s) for s in self.adapter_shapes.values())
+            self.out(f"LoRA: rank {self.lora.rank}, alpha {self.lora.alpha:g} (scale {self.lora.scale:g}) on "
+                     f"{','.join(self.lora.target_names)}: {trained:,} trained parameters, the base frozen")
 
         self.batches = RankBatches(splits["train"], global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                                    rank=self.coords.dp, world=dims.dp, vocab_size=model_config.vocab_size,
@@ -219,6 +248,52 @@ class Trainer:
             raise TrainError("no model: give a `model` section in the config (pretraining), or a checkpoint to "
                              "finetune from (mtrain finetune --load PATH)")
         return c.model, None
+
+    def _lora(self, resume: Path | None, model_config: ModelConfig, source: ModelIR | None) -> LoraConfig | None:
+        """The run's adapters (None: every weight trains): the config's for a new finetune (a PEFT adapter's with
+        lora.from), the checkpoint's when resuming (the config may repeat them, not change them)."""
+        c, given = self.config, self.config.lora
+        self.lora_start = None  # the PEFT adapter a finetune starts from (lora.from)
+        if resume is not None:
+            saved = checkpoint.read_meta(resume).get("lora")
+            if saved is None:
+                if given.enabled:
+                    raise TrainError(f"lora.rank {given.rank}: checkpoint.dir {c.checkpoint.dir} holds a run that "
+                                     f"trains every weight (latest checkpoint {resume.name}), not a LoRA run; give "
+                                     "an empty checkpoint.dir to start a LoRA finetune")
+                return None
+            lora = lora_run.config_of(saved, str(resume / checkpoint.META_FILE))
+            lora_run.check_same_settings(given, lora, str(resume))
+            # the base, read now (headers only): its shapes bound the model mtrain.json describes before it is built
+            self.lora_base = lora_run.load_base(saved["base"], saved.get("base_loader"))
+            shapes = state_dict_adapter.model_shapes(model_config)
+            if _ir_model_shapes(self.lora_base) != shapes:
+                raise TrainError(f"{resume / checkpoint.META_FILE}: its model config does not describe the base "
+                                 f"{saved['base']} its adapters were trained on ({weights.describe(model_config)} "
+                                 f"there, {weights.describe(self.lora_base.config)} in the base)")
+        elif not given.enabled:
+            return None
+        elif not c.checkpoint.finetune:
+            raise TrainError(f"lora.rank {given.rank}: LoRA adapts a base model, and this run has none; give one "
+                             "with mtrain finetune --load BASE (or checkpoint.finetune)")
+        elif given.from_ is not None:
+            self.lora_start = lora_run.read_adapter(Path(given.from_), source)
+            lora = lora_run.config_from_adapter(given, self.lora_start)
+        else:
+            lora = given
+        self.adapter_shapes = lora_run.check_targets(model_config, lora_run.spec_of(lora))
+        return lora
+
+    def _load_lora_base(self, resume: Path) -> None:
+        """A resumed LoRA run's frozen base, read again from where the checkpoint says and checked to be the same."""
+        saved = checkpoint.read_meta(resume)["lora"]
+        base = self.lora_base
+        weights.check_shapes(self.model, _ir_model_shapes(base), f"the LoRA run's base {saved['base']}")
+        digests: dict[str, str] = {}
+        weights.load_full_weights(self.parts, lora_run.hashed_weights(base, weights.local_names(self.parts), digests))
+        lora_run.check_base(saved["base_tensors"], lora_run.gathered(digests), saved["base"],
+                            f"the LoRA checkpoint {resume}")
+        self.lora_meta = saved
 
     def _tokenizer(self, resume: Path | None, source: ModelIR | None) -> tuple[dict[str, bytes], str | None]:
         """The tokenizer files the run trains with, and where they come from: data.tokenizer, else the finetuned
@@ -446,7 +521,7 @@ class Trainer:
     def _save(self) -> Path:
         path = self.checkpointer.save(self.state, self.parts, self.optimizer, self.model_config,
                                       self.config.to_dict(), self.tokenizer, self.dims.to_dict(),
-                                      self.tokenizer_from)
+                                      self.tokenizer_from, lora=self.lora_meta)
         self.out(f"saved checkpoint {path}")
         return path
 

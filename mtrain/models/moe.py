@@ -50,15 +50,27 @@ class GroupedExperts(nn.Module):
         if bias:
             gate_b, up_b, down_b = (_local(w).to(x.dtype) for w in (self.gate_bias, self.up_bias, self.down_bias))
         outputs = []
+        lora = self._lora(x.dtype) if hasattr(self, "lora_gate_A") else None
         # Experts without tokens still run (on 0 rows), so every shard has a gradient, if only zeros.
         for e, chunk in enumerate(torch.split(x, tokens_per_expert.tolist())):
             if bias:
-                hidden = self.unit(F.linear(chunk, gate[e], gate_b[e]), F.linear(chunk, up[e], up_b[e]))
-                outputs.append(F.linear(hidden, down[e], None if self.down_bias_after_sum else down_b[e]))
+                g, u = F.linear(chunk, gate[e], gate_b[e]), F.linear(chunk, up[e], up_b[e])
             else:
-                hidden = self.unit(chunk @ gate[e].T, chunk @ up[e].T)  # (n_e, f)
-                outputs.append(hidden @ down[e].T)  # (n_e, h)
+                g, u = chunk @ gate[e].T, chunk @ up[e].T  # (n_e, f)
+            if lora is not None:  # LoRA (models/lora.py): + scale * B A x, per expert
+                g, u = g + lora.add("gate", e, chunk), u + lora.add("up", e, chunk)
+            hidden = self.unit(g, u)
+            if bias:
+                y = F.linear(hidden, down[e], None if self.down_bias_after_sum else down_b[e])
+            else:
+                y = hidden @ down[e].T  # (n_e, h)
+            outputs.append(y if lora is None else y + lora.add("down", e, hidden))
         return torch.cat(outputs)
+
+    def _lora(self, dtype: torch.dtype) -> _ExpertAdapters:
+        return _ExpertAdapters({n: _local(getattr(self, f"lora_{n}")).to(dtype) for n in
+                                ("gate_A", "gate_B", "up_A", "up_B", "down_A", "down_B")}, self.lora_scale,
+                               self.lora_dropout if self.training else 0.0)
 
     def add_down_bias(self, y: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """y (the summed outputs, grouped by expert) plus each row's expert's down bias (expert tensor parallel)."""
@@ -66,6 +78,17 @@ class GroupedExperts(nn.Module):
             return y
         bias = _local(self.down_bias).to(y.dtype)  # (E_local, h)
         return y + bias.repeat_interleave(tokens_per_expert.to(bias.device), dim=0)
+
+
+class _ExpertAdapters:
+    """The local experts' stacked LoRA adapters: `add(weight, e, x)` is scale * dropout(x) A[e]^T B[e]^T."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], scale: float, dropout: float):
+        self.tensors, self.scale, self.dropout = tensors, scale, dropout
+
+    def add(self, weight: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        x = F.dropout(x, self.dropout) if self.dropout else x
+        return (x @ self.tensors[f"{weight}_A"][e].T) @ self.tensors[f"{weight}_B"][e].T * self.scale
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,8 @@ def to_dtype(parts, optimizer, dtype: torch.dtype) -> None:
     params = [p for part in parts for p in part.parameters()]
     assert not any(isinstance(p, DTensor) for p in params), "one process only"
     held = [p for group in optimizer.param_groups for p in group["params"]]
-    assert {id(p) for p in held} == {id(p) for p in params} and not any(o.state for o in optimizer.optimizers)
+    trained = [p for p in params if p.requires_grad]  # all, but the frozen base of a LoRA run
+    assert {id(p) for p in held} == {id(p) for p in trained} and not any(o.state for o in optimizer.optimizers)
     for part in parts:
         for module in part.modules():
             for p in module.parameters(recurse=False):

@@ -72,7 +72,7 @@ def test_unknown_field_in_a_file(tmp_path):
 def test_unknown_section(tmp_path):
     assert error(text="trainer: {steps: 3}\n", tmp_path=tmp_path) == (
         "unknown config section(s): trainer; valid sections: model, data, train, optim, eval, checkpoint, "
-        "parallel, logging")
+        "parallel, logging, lora")
 
 
 def test_unknown_model_field(tmp_path):
@@ -89,7 +89,7 @@ def test_unknown_model_field(tmp_path):
      "train.global_batch_size 6 is not a multiple of train.micro_batch_size 4"),
     (["--data.paths", "a,b", "--data.weights", "1"], "data.weights has 1 entries for 2 data.paths"),
     (["train.steps", "3"], "unexpected argument 'train.steps': overrides look like --section.field VALUE "
-                           "(sections: model, data, train, optim, eval, checkpoint, parallel, logging)"),
+                           "(sections: model, data, train, optim, eval, checkpoint, parallel, logging, lora)"),
     (["--train.steps"], "--train.steps needs a value"),
 ])
 def test_bad_values(override, message):
@@ -161,11 +161,12 @@ def test_lists_parse_the_same_for_every_list_field():
     lists = list(_fields_of_type(lambda h: _list_item(h) is not None))
     assert {(s, n) for s, n, _ in lists} >= {("data", "paths"), ("data", "weights"), ("model", "eos_token_id")}
     for section, name, hint in lists:
-        want = samples[_list_item(hint)]
+        want = {("lora", "targets"): ("q", "v")}.get((section, name)) or samples[_list_item(hint)]
         extra = {("data", "weights"): ["--data.paths", "p,q"],  # what makes each list valid
                  ("model", "dense_layers"): ["--model.num_layers", "6", "--model.num_experts", "4",
                                              "--model.moe_top_k", "2", "--model.moe_ffn_hidden_size", "32"],
                  ("model", "full_attention_layers"): ["--model.num_layers", "6"],
+                 ("lora", "targets"): ["--lora.rank", "4"],
                  }.get((section, name), [])
         for text in (",".join(map(str, want)), "[" + ", ".join(map(str, want)) + "]"):
             c = load_config(None, MODEL + extra + [f"--{section}.{name}", text])
@@ -209,9 +210,9 @@ def test_help_names_only_fields_that_exist():
     import re
 
     from mtrain.cli import main
-    from mtrain.config import SECTIONS
+    from mtrain.config import SECTIONS, field_key
 
-    real = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    real = {f"{s}.{field_key(f.name)}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
     import mtrain.cli
 
     root = Path(__file__).resolve().parents[2]
@@ -225,13 +226,13 @@ def test_help_names_only_fields_that_exist():
 def test_mtrain_config_lists_every_section_and_field():
     import dataclasses
 
-    from mtrain.config import SECTIONS
+    from mtrain.config import SECTIONS, field_key
 
     out = _mtrain("config")
     for section, cls in SECTIONS.items():
         assert f"\n{section}:  # " in out
         for f in dataclasses.fields(cls):
-            assert f"\n  {f.name}: " in out, f"{section}.{f.name}"
+            assert f"\n  {field_key(f.name)}: " in out, f"{section}.{f.name}"
     assert "  seq_len: 1024                   # int: tokens per sample" in out
     assert "  precision: fp32                 # fp32 | bf16 | auto: " in out
     assert "  weights: null                   # list of float | null: " in out
