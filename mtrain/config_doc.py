@@ -67,6 +67,8 @@ MODEL_HELP = {
     "moe_router_scaling_factor": "MoE: the routed experts' weights are scaled by it",
     "mtp_layers": "multi-token-prediction modules after the last layer",
     "rotary_percent": "fraction of each query/key head rotary turns (GLM-4.5: 0.5)",
+    "encoder_num_layers": "layers of the encoder stack of an encoder-decoder (Megatron T5); 0 for decoder-only",
+    "lm_head_bias": "a bias on the output layer (Megatron T5)",
     "sandwich_norms": "norms of the attention and MLP outputs before the residual adds (Gemma)",
     "norm_zero_centered": "norms scale by (1 + weight) (Gemma; Megatron apply_layernorm_1p)",
     "embedding_multiplier": "token embeddings times this (Gemma: sqrt(hidden_size))",
