@@ -64,7 +64,7 @@ from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.lazy import torch
-from mconvert.megatron import arguments, core, rank_files
+from mconvert.megatron import arguments, bridge_config, core, rank_files
 from mconvert.megatron import mla as mla_keys
 from mconvert.megatron.swiglu_halves import HALF_KEY, halves
 from mconvert.options import Options
@@ -312,13 +312,36 @@ def read_common(it_dir: Path, store) -> dict[str, Any]:
     else:
         raise ConvertError(f"{it_dir}: neither {COMMON_FILE} nor a {COMMON_STATE} entry: "
                            "cannot find the checkpoint's args")
-    if not isinstance(common, dict) or common.get("args") is None:
-        raise ConvertError(f"{it_dir}: the common state has no 'args'; cannot tell the model shape")
+    if not isinstance(common, dict):
+        raise ConvertError(f"{it_dir}: the common state is a {type(common).__name__}, not a dict")
+    if common.get("args") is None:
+        args, found = _args_from_config_file(it_dir)
+        common = dict(common, args=args, config_from=found)
     if not hasattr(common["args"], "__dict__"):
         raise ConvertError(f"{it_dir}: 'args' is a {type(common['args']).__name__}, not a namespace of Megatron "
                            "arguments")
     check_integers(vars(common["args"]), MEGATRON_INTEGERS, str(it_dir), "args.")
     return common
+
+
+def config_file(it_dir: Path) -> Path | None:
+    """Megatron-Bridge's `iter_*/run_config.yaml`, or NeMo 2's `context/model.yaml` beside `weights/`."""
+    if (it_dir / bridge_config.RUN_CONFIG).is_file():
+        return it_dir / bridge_config.RUN_CONFIG
+    if it_dir.name == bridge_config.NEMO_WEIGHTS and (it_dir.parent / "context").is_dir():
+        return it_dir.parent / "context"
+    return None
+
+
+def _args_from_config_file(it_dir: Path) -> tuple[Any, str]:
+    """Megatron-LM args from the model config Megatron-Bridge or NeMo 2 keep instead (see bridge_config)."""
+    found = config_file(it_dir)
+    if found is None:
+        raise ConvertError(f"{it_dir}: the common state has no 'args' and there is no {bridge_config.RUN_CONFIG} "
+                           "(Megatron-Bridge) or context/model.yaml (NeMo 2); cannot tell the model shape")
+    model = bridge_config.bridge_model(found) if found.is_file() else bridge_config.nemo_model(found.parent)
+    where = found if found.is_file() else found.parent / bridge_config.NEMO_MODEL_YAML
+    return bridge_config.args_from_provider(model, str(where)), str(where.relative_to(it_dir.parent))
 
 
 def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
@@ -367,6 +390,8 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
               "transformer_impl": impl if config.is_moe or config.is_mla else "any",
               "layers": "one key per layer" if per_layer else "stacked",
               "common": "common.pt" if (it_dir / COMMON_FILE).is_file() else COMMON_STATE}
+    if common.get("config_from"):  # Megatron-Bridge or NeMo 2: no Megatron-LM args
+        layout["config"] = common["config_from"]
     if singleton:
         layout["singleton_local_shards"] = True
     if getattr(store, "manifest", None) is not None:
