@@ -206,3 +206,61 @@ def padded_rows(model: dict[str, Any]) -> int | None:
     multiple = int(model.get("make_vocab_size_divisible_by") or 128) * int(model.get("tensor_model_parallel_size")
                                                                             or 1)
     return -(-vocab // multiple) * multiple
+
+
+# ---- writing ----------------------------------------------------------------------------------------------------
+GPT_PROVIDER = f"{BRIDGE}gpt_provider.GPTModelProvider"
+MLA_PROVIDER = f"{BRIDGE}mla_provider.MLAModelProvider"
+MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mscale",
+            "mscale_all_dim", "beta_fast", "beta_slow", "original_max_position_embeddings")
+# Megatron-LM's parallel sizes are the writing run's; Bridge loads with its own (export: all 1)
+NOT_WRITTEN = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+               "make_vocab_size_divisible_by")
+LAYER_SPECS = {"local": f"{BRIDGE}gpt_provider.local_layer_spec", "te": f"{BRIDGE}gpt_provider.default_layer_spec"}
+
+
+def run_config(args: argparse.Namespace, impl: str) -> dict[str, Any]:
+    """The run_config.yaml Megatron-Bridge reads for a checkpoint with these Megatron-LM `args`.
+
+    The vocabulary: Bridge builds `vocab_size` rows, padded (should_pad_vocab) to a multiple of
+    make_vocab_size_divisible_by x its tensor-parallel size. The rows stored are Megatron-LM's padding for the
+    writing run's TP, so the multiple recorded is divisible_by x that TP, and Bridge at TP 1 (its export) builds
+    exactly the stored rows. Bridge's export writes every row it holds: only an unpadded vocabulary
+    (`--make-vocab-size-divisible-by 1`, or a vocabulary that is already a multiple) gives back the HF model.
+    """
+    a = vars(args)
+    mla = bool(a.get("multi_latent_attention"))
+    model: dict[str, Any] = {"_target_": MLA_PROVIDER if mla else GPT_PROVIDER}
+    for name in SAME:
+        if a.get(name) is not None and name not in NOT_WRITTEN and (mla or name not in MLA_ONLY):
+            model[name] = list(a[name]) if isinstance(a[name], tuple) else a[name]
+    model |= {field: a[arg] for field, arg in RENAMED.items() if a.get(arg) is not None}
+    model["num_query_groups"] = a["num_query_groups"] if a.get("group_query_attention") else a["num_attention_heads"]
+    model["share_embeddings_and_output_weights"] = not a.get("untie_embeddings_and_output_weights", False)
+    gated = bool(a.get("swiglu") or a.get("quick_geglu") or a.get("gated_linear_unit"))
+    activation = "torch.nn.functional.silu" if a.get("swiglu") else \
+        "megatron.core.activations.quick_gelu" if a.get("quick_geglu") else \
+        "megatron.core.activations.fast_gelu" if a.get("openai_gelu") else "torch.nn.functional.gelu"
+    model |= {"gated_linear_unit": gated, "activation_func": {"_target_": activation, "_call_": False}}
+    dtype = str(a.get("params_dtype", "torch.float32"))
+    model |= {"params_dtype": {"_target_": dtype, "_call_": False}, "bf16": bool(a.get("bf16")),
+              "fp16": bool(a.get("fp16"))}
+    padded, vocab = int(a["padded_vocab_size"]), int(a["vocab_size"])
+    multiple = int(a.get("make_vocab_size_divisible_by") or 1) * int(a.get("tensor_model_parallel_size") or 1)
+    model |= {"vocab_size": vocab, "should_pad_vocab": padded != vocab,
+              "make_vocab_size_divisible_by": multiple if padded != vocab else 1}
+    if not mla:
+        model["transformer_layer_spec"] = {"_target_": LAYER_SPECS[impl], "_call_": False}
+    out: dict[str, Any] = {"model": model,
+                           "checkpoint": {"ckpt_format": a.get("ckpt_format", "torch_dist"), "save_optim": False,
+                                          "save_rng": False, "fully_parallel_save": True}}
+    if a.get("tokenizer_model"):
+        out["tokenizer"] = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(a["tokenizer_model"])}
+    return out
+
+
+def write_run_config(path: Path, args: argparse.Namespace, impl: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# Megatron-Bridge's model provider config, written by mconvert (Megatron-LM's args are in the "
+                "common state)\n")
+        yaml.safe_dump(run_config(args, impl), f, sort_keys=True)

@@ -315,7 +315,7 @@ def read_common(it_dir: Path, store) -> dict[str, Any]:
     if not isinstance(common, dict):
         raise ConvertError(f"{it_dir}: the common state is a {type(common).__name__}, not a dict")
     if common.get("args") is None:
-        args, found = _args_from_config_file(it_dir)
+        args, found = _args_from_config_file(it_dir, manifest)
         common = dict(common, args=args, config_from=found)
     if not hasattr(common["args"], "__dict__"):
         raise ConvertError(f"{it_dir}: 'args' is a {type(common['args']).__name__}, not a namespace of Megatron "
@@ -333,12 +333,14 @@ def config_file(it_dir: Path) -> Path | None:
     return None
 
 
-def _args_from_config_file(it_dir: Path) -> tuple[Any, str]:
+def _args_from_config_file(it_dir: Path, manifest) -> tuple[Any, str]:
     """Megatron-LM args from the model config Megatron-Bridge or NeMo 2 keep instead (see bridge_config)."""
     found = config_file(it_dir)
     if found is None:
         raise ConvertError(f"{it_dir}: the common state has no 'args' and there is no {bridge_config.RUN_CONFIG} "
                            "(Megatron-Bridge) or context/model.yaml (NeMo 2); cannot tell the model shape")
+    if manifest is not None and found.is_file():
+        manifest.check_file(found.name)
     model = bridge_config.bridge_model(found) if found.is_file() else bridge_config.nemo_model(found.parent)
     where = found if found.is_file() else found.parent / bridge_config.NEMO_MODEL_YAML
     return bridge_config.args_from_provider(model, str(where)), str(where.relative_to(it_dir.parent))
@@ -440,6 +442,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     def finish(results: list) -> None:
         hashed = write_dcp_metadata(results) if backend == "torch_dist" else {}
         torch_save(common, it_dir / COMMON_FILE, background=False)
+        bridge_config.write_run_config(it_dir / bridge_config.RUN_CONFIG, args, options.transformer_impl)
         hf_dir.write_json(it_dir / core.METADATA_JSON, metadata_json(backend))
         if backend == "torch_dist":  # megatron-core verifies it with --verify-integrity
             write_manifest(it_dir, known=hashed)  # the .distcp files hashed by the workers that wrote them
