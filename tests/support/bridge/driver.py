@@ -76,20 +76,24 @@ def patch_cpu() -> None:
         self.moe_grouped_gemm = False
         self.moe_token_dispatcher_type = "allgather"
         self.moe_shared_expert_overlap = False
+        self.moe_permute_fusion = False
+        self.moe_router_fusion = False
         self.gradient_accumulation_fusion = False
         self.bias_activation_fusion = False
         self.masked_softmax_fusion = False
         self.persist_layer_norm = False
         self.apply_rope_fusion = False
         self.bias_dropout_fusion = False
-        if self.multi_latent_attention:
-            self.transformer_layer_spec = lambda config, **_: _local_mla_spec(config)
-        else:
-            self.transformer_layer_spec = gpt_provider.local_layer_spec
 
     def provide(self, *args, **kwargs):
+        # the local spec while the model is built; the recorded one (run_config.yaml) stays what Bridge chose
         cpu_settings(self)
-        return original_provide(self, *args, **kwargs)
+        recorded = self.transformer_layer_spec
+        self.transformer_layer_spec = _local_spec
+        try:
+            return original_provide(self, *args, **kwargs)
+        finally:
+            self.transformer_layer_spec = recorded
 
     def finalize(original):
         def run(self, *args, **kwargs):
@@ -99,10 +103,7 @@ def patch_cpu() -> None:
 
     for cls in (gpt_provider.GPTModelProvider, mla_provider.MLAModelProvider):
         cls.provide = provide
-        if "finalize" in vars(cls):
-            cls.finalize = finalize(cls.finalize)
-    if "finalize" not in vars(gpt_provider.GPTModelProvider):
-        gpt_provider.GPTModelProvider.finalize = finalize(gpt_provider.GPTModelProvider.finalize)
+        cls.finalize = finalize(cls.finalize)  # MLA's resolves to the MLA TransformerConfig's own
     original_mtp = gpt_layer_specs.get_gpt_mtp_block_spec
     gpt_provider_mtp = gpt_provider.mtp_block_spec
 
@@ -113,26 +114,30 @@ def patch_cpu() -> None:
         return original_mtp(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
 
     gpt_provider.mtp_block_spec = mtp_block_spec
+    _dot_product_attention_without_latent_channels()
     del gpt_provider_mtp
 
 
-def _local_mla_spec(config):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.identity_op import IdentityOp
+def _local_spec(config, vp_stage=None):
+    """megatron-core's local spec, layer by layer as its TE block spec would be (dense layers among MoE ones)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=config.qk_layernorm, multi_latent_attention=True,
-                                    normalization=config.normalization)
-    # megatron-core 0.19.2's local DotProductAttention takes no k_channels (multi_latent_attention.py:214); the
-    # core attention holds no parameter, and conversion never runs it
-    spec.submodules.self_attention.submodules.core_attention = _NoCoreAttention
-    del IdentityOp
-    return spec
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization,
+                                      vp_stage=vp_stage)
 
 
-class _NoCoreAttention(torch.nn.Module):
-    def __init__(self, *args, **kwargs):
-        super().__init__()
+def _dot_product_attention_without_latent_channels() -> None:
+    """megatron-core 0.19.2's local DotProductAttention takes no k_channels / v_channels, which multi-latent
+    attention passes (multi_latent_attention.py:214); it holds no parameter and conversion never runs it."""
+    from megatron.core.transformer import dot_product_attention
+
+    cls = dot_product_attention.DotProductAttention
+    original = cls.__init__
+
+    def init(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original(self, *args, **kwargs)
+
+    cls.__init__ = init
 
 
 def start_process_group() -> None:
