@@ -22,6 +22,7 @@ import yaml
 from mconvert import engine
 from mconvert.io.torch_pickle import safe_load
 from mconvert.options import Options
+from mtrain.inference import load_model
 from tests.support.cli import run_cli
 from tests.support.compare import assert_same_files, assert_same_tensors, ir_tensors
 from tests.support.models import make_deepseek, make_hf_model
@@ -64,6 +65,15 @@ def test_run_config_alone_says_the_whole_model(family, hf_model, tmp_path):
     same_model(src, tmp_path / "dist")
     assert "config=iter_0000001/run_config.yaml" in run_cli("inspect", tmp_path / "dist")
     assert it_dir.is_dir()
+
+
+def test_mtrain_loads_a_bridge_checkpoint(bridge_like, llama_dir):
+    """mtrain's `--load` path (mtrain.inference.load_model) on the Bridge-like checkpoint: the same model as from
+    the HF source, so the same logits exactly (same weights, same code, same order of operations)."""
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = (load_model(path)[0](tokens) for path in (bridge_like, llama_dir))
+    assert torch.equal(got, want)
 
 
 @pytest.fixture(scope="module")
