@@ -13,13 +13,16 @@ import json
 import os
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import yaml
 
 from mconvert import engine
+from mconvert.io.dcp import DcpReader
 from mconvert.io.torch_pickle import safe_load
 from mconvert.options import Options
 from mtrain.inference import load_model
@@ -151,6 +154,21 @@ def test_nemo2_reads_its_config_from_context_model_yaml(bridge_like, llama_dir, 
     out = nemo2(bridge_like, tmp_path)
     assert "config=context/model.yaml" in run_cli("inspect", out)
     same_model(llama_dir, out)
+
+
+def test_nemo2_weights_under_the_module_prefix(bridge_like, llama_dir, tmp_path):
+    """NeMo 2 keeps the model under its MegatronParallel wrapper's name: `module.decoder.layers…`."""
+    out = nemo2(bridge_like, tmp_path)
+    store = DcpReader(out / "weights")
+    state = {f"module.{k}": store.read(k) for k in store.tensors}
+    prefixed = tmp_path / "prefixed"
+    shutil.copytree(out / "context", prefixed / "context")
+    with warnings.catch_warnings():  # one process, no process group: what is meant here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(prefixed / "weights"))
+    for name in ("metadata.json", "common.pt"):
+        shutil.copy(out / "weights" / name, prefixed / "weights" / name)
+    same_model(llama_dir, prefixed)
 
 
 def test_nemo2_refusals(bridge_like, tmp_path):

@@ -346,9 +346,34 @@ def _args_from_config_file(it_dir: Path, manifest) -> tuple[Any, str]:
     return bridge_config.args_from_provider(model, str(where)), str(where.relative_to(it_dir.parent))
 
 
+NEMO_PREFIX = "module."  # NeMo 2 saves the model under its MegatronParallel wrapper's name
+
+
+class Unprefixed:
+    """A store whose every tensor key starts with `prefix` (NeMo 2's `module.`), seen without it."""
+
+    def __init__(self, store, prefix: str) -> None:
+        self._store, self._prefix = store, prefix
+        self.tensors = {k[len(prefix):]: v for k, v in store.tensors.items()}
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def read(self, key: str, index=()):
+        return self._store.read(self._prefix + key, index)
+
+    def read_blocks(self, key: str, index=()):
+        return self._store.read_blocks(self._prefix + key, index)
+
+    def values_bound(self, keys) -> int:
+        return self._store.values_bound([self._prefix + k for k in keys])
+
+
 def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     store, backend = open_store(it_dir)
     common = read_common(it_dir, store)
+    if backend == "torch_dist" and store.tensors and all(k.startswith(NEMO_PREFIX) for k in store.tensors):
+        store = Unprefixed(store, NEMO_PREFIX)
     args = common["args"]
     embed_key = "embedding.word_embeddings.weight"
     if embed_key not in store.tensors:
