@@ -194,6 +194,7 @@ def args_from_provider(model: dict[str, Any], where: str) -> argparse.Namespace:
                            "mconvert carries")
     if model.get("multi_latent_attention") is None and _target(model) and "MLA" in _target(model).split(".")[-1]:
         args["multi_latent_attention"] = True
+    args["padded_vocab_size"] = padded_rows(model)  # the rows Bridge builds, as Megatron-LM's args record them
     return argparse.Namespace(**args)
 
 

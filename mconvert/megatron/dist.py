@@ -380,6 +380,10 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
         raise ConvertError(f"{it_dir}: no {embed_key} in the checkpoint")
     shape, dtype = _shape_dtype(store, embed_key)
     padded = shape[0]
+    if common.get("config_from") and args.padded_vocab_size not in (None, padded):
+        raise ConvertError(f"{it_dir.parent / common['config_from']}: vocab_size {args.vocab_size} (should_pad_vocab, "
+                           f"make_vocab_size_divisible_by) makes {args.padded_vocab_size} embedding rows, the "
+                           f"checkpoint stores {padded}")
     notes: list[str] = []
     # --tokenizer, iter_*/tokenizer or args.tokenizer_model
     assets = rank_files.tokenizer(options, it_dir, args, notes)
