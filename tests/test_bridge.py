@@ -30,6 +30,7 @@ from tests.support.cli import run_cli
 from tests.support.compare import assert_same_files, assert_same_tensors, ir_tensors
 from tests.support.models import make_deepseek, make_hf_model
 from tests.support.paths import REPO
+from tests.support.refusals import convert_refused, refused
 
 BRIDGE_ENV = REPO / ".venv-bridge-0.6"
 DRIVER = REPO / "tests" / "support" / "bridge" / "driver.py"
@@ -100,10 +101,9 @@ def test_yaml_tags_are_refused_by_name_and_never_run(bridge_like, tmp_path):
     mark = tmp_path / "ran"
     out = crafted(bridge_like, tmp_path, lambda t: t.replace(
         "model:\n", f"model:\n  pwn: !!python/object/apply:os.system ['touch {mark}']\n"))
-    error = run_cli("--saver", "hf", "--load-dir", out, "--save-dir", tmp_path / "hf", expect_error=True)
-    assert "YAML tag tag:yaml.org,2002:python/object/apply:os.system (line" in error
-    assert "is refused: the config is read as plain data" in error
-    assert not mark.exists() and not (tmp_path / "hf").exists()
+    convert_refused(out, tmp_path, culprits=("run_config.yaml: YAML tag tag:yaml.org,2002:python/object/apply:"
+                                             "os.system (line", "is refused: the config is read as plain data"))
+    assert not mark.exists()
 
 
 @pytest.mark.parametrize(("edit", "expected"), [
@@ -123,10 +123,8 @@ def test_yaml_tags_are_refused_by_name_and_never_run(bridge_like, tmp_path):
     (lambda t: "[1, 2", "not valid YAML"),
 ])
 def test_crafted_run_configs_are_refused_by_name(bridge_like, tmp_path, edit, expected):
-    out = crafted(bridge_like, tmp_path, edit)
-    error = run_cli("inspect", out, expect_error=True)
-    assert expected in error, error
-    assert "Traceback" not in error
+    convert_refused(crafted(bridge_like, tmp_path, edit), tmp_path, culprits=("run_config.yaml", expected),
+                    saver="hf")
 
 
 def test_padding_recorded_so_bridge_builds_the_stored_rows(llama_dir, tmp_path):
@@ -189,12 +187,12 @@ def test_nemo2_weights_under_the_module_prefix(bridge_like, llama_dir, tmp_path)
 
 def test_nemo2_refusals(bridge_like, tmp_path):
     out = nemo2(bridge_like, tmp_path, target="subprocess.Popen")
-    error = run_cli("inspect", out, expect_error=True)
-    assert "model _target_ 'subprocess.Popen' is not a provider mconvert maps by name" in error
+    convert_refused(out, tmp_path, culprits=("context/model.yaml", "model _target_ 'subprocess.Popen' is not a "
+                                             "provider mconvert maps by name"))
     (out / "context" / "model.yaml").unlink()
     (out / "context" / "io.json").write_text(json.dumps({"root": {"type": {"name": "LlamaModel"}}}))
-    error = run_cli("inspect", out, expect_error=True)
-    assert "io.json but no context/model.yaml: mconvert reads the model config from model.yaml only" in error
+    refused(run_cli("inspect", out, expect_error=True),
+            "io.json but no context/model.yaml: mconvert reads the model config from model.yaml only")
 
 
 # ---- with Megatron-Bridge itself --------------------------------------------------------------------------------
