@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from mconvert.errors import ConvertError
+from mconvert.megatron.arguments import EXTRAS_ARG
 
 RUN_CONFIG = "run_config.yaml"
 NEMO_MODEL_YAML = Path("context") / "model.yaml"
@@ -260,7 +261,16 @@ def run_config(args: argparse.Namespace, impl: str) -> dict[str, Any]:
     return out
 
 
+def expressible(args: argparse.Namespace) -> bool:
+    """Can a Bridge GPT/MLA provider build this model? Not when it needs what megatron-core's GPT model cannot
+    compute (Gemma 3's sandwich norms, soft-capping, ...: kept in Megatron-LM's args only, see arguments.py)."""
+    return not getattr(args, EXTRAS_ARG, None)
+
+
 def write_run_config(path: Path, args: argparse.Namespace, impl: str) -> None:
+    """run_config.yaml for Megatron-Bridge, unless the model is not one a provider can build (then none)."""
+    if not expressible(args):
+        return
     with open(path, "w", encoding="utf-8") as f:
         f.write("# Megatron-Bridge's model provider config, written by mconvert (Megatron-LM's args are in the "
                 "common state)\n")
