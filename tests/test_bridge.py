@@ -129,6 +129,8 @@ def test_yaml_tags_are_refused_by_name_and_never_run(bridge_like, tmp_path):
      "model.init_method names _target_ 'subprocess.Popen', which is refused"),
     (lambda t: t.replace("model:\n", "model: 3\nx:\n"), "no 'model:' mapping"),
     (lambda t: "[1, 2", "not valid YAML"),
+    (lambda t: "[" * 100_000 + "]" * 100_000, "nested too deeply for a model config"),
+    (lambda t: t + "x: " + "-" * (17 << 20) + "\n", "a model config is far smaller"),
 ])
 def test_crafted_run_configs_are_refused_by_name(bridge_like, tmp_path, edit, expected):
     convert_refused(crafted(bridge_like, tmp_path, edit), tmp_path, culprits=("run_config.yaml", expected),
@@ -149,6 +151,14 @@ def test_padding_recorded_so_bridge_builds_the_stored_rows(llama_dir, tmp_path):
     error = run_cli("inspect", tmp_path / "dist", expect_error=True)
     assert "run_config.yaml: vocab_size 300 (should_pad_vocab, make_vocab_size_divisible_by) makes 384 embedding " \
            "rows, the checkpoint stores 512" in error
+
+
+def test_an_alias_bomb_is_walked_once(bridge_like, tmp_path):
+    """YAML aliases share one list many times (2**40 paths here): each list is checked once, and the model still
+    reads (the bomb sits in a field mconvert does not use)."""
+    bomb = "  bomb:\n    l0: &l0 [a, a]\n" + "".join(f"    l{i}: &l{i} [*l{i - 1}, *l{i - 1}]\n" for i in range(1, 41))
+    out = crafted(bridge_like, tmp_path, lambda t: t.replace("model:\n", "model:\n" + bomb))
+    assert "family" in run_cli("inspect", out)
 
 
 def test_no_args_and_no_run_config_is_one_error(bridge_like, tmp_path):

@@ -98,13 +98,21 @@ def _refuse_tag(loader: _Loader, tag_suffix: str, node: yaml.Node) -> Any:
 _Loader.add_multi_constructor("", _refuse_tag)
 
 
+MAX_CONFIG_BYTES = 16 << 20  # Bridge's run_config.yaml is ~30 KiB
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     """A YAML mapping of plain data: any YAML tag beyond the standard scalars and collections is refused."""
     try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConvertError(f"{path}: {path.stat().st_size} bytes; a model config is far smaller (at most "
+                               f"{MAX_CONFIG_BYTES} bytes are read)")
         with open(path, encoding="utf-8") as f:
             loaded = yaml.load(f, Loader=_Loader)  # noqa: S506 (a SafeLoader refusing every other tag)
     except yaml.YAMLError as e:
         raise ConvertError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConvertError(f"{path}: nested too deeply for a model config") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConvertError(f"{path}: cannot read: {e}") from None
     if not isinstance(loaded, dict):
@@ -145,22 +153,27 @@ def _check_provider(model: dict, path: Path, allowed, what: str) -> None:
     if not isinstance(target, str) or not allowed(target):
         raise ConvertError(f"{path}: model _target_ {target!r} is not a provider mconvert maps by name (it reads "
                            f"{what}; nothing named in the file is imported or run)")
+    seen: set[int] = set()
     for key, value in model.items():
-        _check_targets(value, f"model.{key}", path)
+        _check_targets(value, f"model.{key}", path, seen)
 
 
-def _check_targets(value: Any, where: str, path: Path) -> None:
-    """Every `_target_` inside a field names inert library code (TARGET_PREFIXES), else it is refused by name."""
+def _check_targets(value: Any, where: str, path: Path, seen: set[int]) -> None:
+    """Every `_target_` inside a field names inert library code (TARGET_PREFIXES), else it is refused by name.
+    Each mapping or list is visited once: YAML aliases share them, so a walk of every path could be exponential."""
+    if not isinstance(value, (dict, list)) or id(value) in seen:
+        return
+    seen.add(id(value))
     if isinstance(value, dict):
         target = value.get("_target_")
         if target is not None and (not isinstance(target, str) or not target.startswith(TARGET_PREFIXES)):
             raise ConvertError(f"{path}: {where} names _target_ {target!r}, which is refused: field values may name "
                                f"only {', '.join(p + '*' for p in TARGET_PREFIXES)} (and are never imported)")
         for k, v in value.items():
-            _check_targets(v, f"{where}.{k}", path)
-    elif isinstance(value, list):
+            _check_targets(v, f"{where}.{k}", path, seen)
+    else:
         for i, v in enumerate(value):
-            _check_targets(v, f"{where}[{i}]", path)
+            _check_targets(v, f"{where}[{i}]", path, seen)
 
 
 def _target(value: Any) -> str | None:
