@@ -66,7 +66,6 @@ def patch_cpu() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     from megatron.bridge.models import gpt_provider, mla_provider, model_provider
     from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.transformer.attention import SelfAttention  # noqa: F401
 
     model_provider.model_parallel_cuda_manual_seed = lambda *a, **k: None
     original_provide = gpt_provider.GPTModelProvider.provide
@@ -105,7 +104,6 @@ def patch_cpu() -> None:
         cls.provide = provide
         cls.finalize = finalize(cls.finalize)  # MLA's resolves to the MLA TransformerConfig's own
     original_mtp = gpt_layer_specs.get_gpt_mtp_block_spec
-    gpt_provider_mtp = gpt_provider.mtp_block_spec
 
     def mtp_block_spec(config, vp_stage=None):  # gpt_provider.py hard-codes use_transformer_engine=True
         if not getattr(config, "mtp_num_layers", None):
@@ -115,7 +113,6 @@ def patch_cpu() -> None:
 
     gpt_provider.mtp_block_spec = mtp_block_spec
     _dot_product_attention_without_latent_channels()
-    del gpt_provider_mtp
 
 
 def _local_spec(config, vp_stage=None):
