@@ -109,7 +109,8 @@ def test_integrity_manifest_on_our_torch_dist(llama_dir, tmp_path):
     assert manifest["algorithm"] == "sha256"
     assert manifest["files"] == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
                                  for p in sorted(it.iterdir()) if p.is_file() and p.name != "integrity.json"}
-    assert "integrity=5 files (SHA-256, verified as read)" in run_cli("inspect", tmp_path / "d", "--no-tensors")
+    # .metadata, two .distcp files, common.pt, metadata.json and run_config.yaml (for Megatron-Bridge)
+    assert "integrity=6 files (SHA-256, verified as read)" in run_cli("inspect", tmp_path / "d", "--no-tensors")
     common = it / "common.pt"  # verified before it is unpickled
     common.write_bytes(common.read_bytes() + b"\0")
     out = run_cli("inspect", tmp_path / "d", expect_error=True)

@@ -64,7 +64,7 @@ from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.lazy import torch
-from mconvert.megatron import arguments, core, rank_files
+from mconvert.megatron import arguments, bridge_config, core, rank_files
 from mconvert.megatron import mla as mla_keys
 from mconvert.megatron.swiglu_halves import HALF_KEY, halves
 from mconvert.options import Options
@@ -312,8 +312,11 @@ def read_common(it_dir: Path, store) -> dict[str, Any]:
     else:
         raise ConvertError(f"{it_dir}: neither {COMMON_FILE} nor a {COMMON_STATE} entry: "
                            "cannot find the checkpoint's args")
-    if not isinstance(common, dict) or common.get("args") is None:
-        raise ConvertError(f"{it_dir}: the common state has no 'args'; cannot tell the model shape")
+    if not isinstance(common, dict):
+        raise ConvertError(f"{it_dir}: the common state is a {type(common).__name__}, not a dict")
+    if common.get("args") is None:
+        args, found = _args_from_config_file(it_dir, manifest)
+        common = dict(common, args=args, config_from=found)
     if not hasattr(common["args"], "__dict__"):
         raise ConvertError(f"{it_dir}: 'args' is a {type(common['args']).__name__}, not a namespace of Megatron "
                            "arguments")
@@ -321,15 +324,66 @@ def read_common(it_dir: Path, store) -> dict[str, Any]:
     return common
 
 
+def config_file(it_dir: Path) -> Path | None:
+    """Megatron-Bridge's `iter_*/run_config.yaml`, or NeMo 2's `context/model.yaml` beside `weights/`."""
+    if (it_dir / bridge_config.RUN_CONFIG).is_file():
+        return it_dir / bridge_config.RUN_CONFIG
+    if it_dir.name == bridge_config.NEMO_WEIGHTS and (it_dir.parent / "context").is_dir():
+        return it_dir.parent / "context"
+    return None
+
+
+def _args_from_config_file(it_dir: Path, manifest) -> tuple[Any, str]:
+    """Megatron-LM args from the model config Megatron-Bridge or NeMo 2 keep instead (see bridge_config)."""
+    found = config_file(it_dir)
+    if found is None:
+        raise ConvertError(f"{it_dir}: the common state has no 'args' and there is no {bridge_config.RUN_CONFIG} "
+                           "(Megatron-Bridge) or context/model.yaml (NeMo 2); cannot tell the model shape")
+    if manifest is not None and found.is_file():
+        manifest.check_file(found.name)
+    model = bridge_config.bridge_model(found) if found.is_file() else bridge_config.nemo_model(found.parent)
+    where = found if found.is_file() else found.parent / bridge_config.NEMO_MODEL_YAML
+    return bridge_config.args_from_provider(model, str(where)), str(where.relative_to(it_dir.parent))
+
+
+NEMO_PREFIX = "module."  # NeMo 2 saves the model under its MegatronParallel wrapper's name
+
+
+class Unprefixed:
+    """A store whose every tensor key starts with `prefix` (NeMo 2's `module.`), seen without it."""
+
+    def __init__(self, store, prefix: str) -> None:
+        self._store, self._prefix = store, prefix
+        self.tensors = {k[len(prefix):]: v for k, v in store.tensors.items()}
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def read(self, key: str, index=()):
+        return self._store.read(self._prefix + key, index)
+
+    def read_blocks(self, key: str, index=()):
+        return self._store.read_blocks(self._prefix + key, index)
+
+    def values_bound(self, keys) -> int:
+        return self._store.values_bound([self._prefix + k for k in keys])
+
+
 def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     store, backend = open_store(it_dir)
     common = read_common(it_dir, store)
+    if backend == "torch_dist" and store.tensors and all(k.startswith(NEMO_PREFIX) for k in store.tensors):
+        store = Unprefixed(store, NEMO_PREFIX)
     args = common["args"]
     embed_key = "embedding.word_embeddings.weight"
     if embed_key not in store.tensors:
         raise ConvertError(f"{it_dir}: no {embed_key} in the checkpoint")
     shape, dtype = _shape_dtype(store, embed_key)
     padded = shape[0]
+    if common.get("config_from") and args.padded_vocab_size not in (None, padded):
+        raise ConvertError(f"{it_dir.parent / common['config_from']}: vocab_size {args.vocab_size} (should_pad_vocab, "
+                           f"make_vocab_size_divisible_by) makes {args.padded_vocab_size} embedding rows, the "
+                           f"checkpoint stores {padded}")
     notes: list[str] = []
     # --tokenizer, iter_*/tokenizer or args.tokenizer_model
     assets = rank_files.tokenizer(options, it_dir, args, notes)
@@ -367,6 +421,8 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
               "transformer_impl": impl if config.is_moe or config.is_mla else "any",
               "layers": "one key per layer" if per_layer else "stacked",
               "common": "common.pt" if (it_dir / COMMON_FILE).is_file() else COMMON_STATE}
+    if common.get("config_from"):  # Megatron-Bridge or NeMo 2: no Megatron-LM args
+        layout["config"] = common["config_from"]
     if singleton:
         layout["singleton_local_shards"] = True
     if getattr(store, "manifest", None) is not None:
@@ -415,6 +471,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     def finish(results: list) -> None:
         hashed = write_dcp_metadata(results) if backend == "torch_dist" else {}
         torch_save(common, it_dir / COMMON_FILE, background=False)
+        bridge_config.write_run_config(it_dir / bridge_config.RUN_CONFIG, args, options.transformer_impl)
         hf_dir.write_json(it_dir / core.METADATA_JSON, metadata_json(backend))
         if backend == "torch_dist":  # megatron-core verifies it with --verify-integrity
             write_manifest(it_dir, known=hashed)  # the .distcp files hashed by the workers that wrote them

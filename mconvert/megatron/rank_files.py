@@ -56,8 +56,15 @@ def find_iteration(path: Path) -> tuple[Path, int | None]:
     if _rank_dirs(path) or core.is_dist_checkpoint(path) or core.is_dcp_checkpoint(path):
         m = re.fullmatch(r"iter_(\d{7})", path.name)
         return path, int(m.group(1)) if m else None
+    if is_nemo2(path):
+        return path / "weights", None
     raise ConvertError(f"{path}: not a Megatron checkpoint: no {core.TRACKER}, no mp_rank_* folders, no "
-                       "metadata.json and no .metadata")
+                       "metadata.json, no .metadata and no NeMo 2 context/ + weights/")
+
+
+def is_nemo2(path: Path) -> bool:
+    """A NeMo 2 checkpoint: `context/` (the model config) beside `weights/` (a torch_dist checkpoint)."""
+    return (path / "context").is_dir() and core.is_dist_checkpoint(path / "weights")
 
 
 def _rank_dirs(path: Path) -> list[Path]:
@@ -76,7 +83,7 @@ def has_markers(path: Path) -> bool:
     Megatron DCP directory)?"""
     path = Path(path)
     return (path / core.TRACKER).is_file() or bool(_rank_dirs(path)) or core.is_dist_checkpoint(path) or \
-        core.is_dcp_checkpoint(path)
+        core.is_dcp_checkpoint(path) or is_nemo2(path)
 
 
 def first_model(path: Path) -> dict | None:

@@ -1,0 +1,244 @@
+"""Megatron-Bridge (`iter_*/run_config.yaml`) and NeMo 2 (`context/` + `weights/`) checkpoints, both ways.
+
+Without Megatron-Bridge: our torch_dist output with Megatron-LM's args removed from its common state is what
+Bridge writes (its config only in run_config.yaml), so reading it back checks that the run_config.yaml we write
+says the whole model, family by family; crafted configs check that nothing in them runs. With Bridge's own
+environment (scripts/bridge_env.sh), Bridge exports our output and we read Bridge's import, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+
+from mconvert import engine
+from mconvert.io.dcp import DcpReader
+from mconvert.io.torch_pickle import safe_load
+from mconvert.options import Options
+from mtrain.inference import load_model
+from tests.support.cli import run_cli
+from tests.support.compare import assert_same_files, assert_same_tensors, ir_tensors
+from tests.support.models import make_deepseek, make_hf_model
+from tests.support.paths import REPO
+from tests.support.refusals import convert_refused, refused
+
+BRIDGE_ENV = REPO / ".venv-bridge-0.6"
+DRIVER = REPO / "tests" / "support" / "bridge" / "driver.py"
+NEMO_LLAMA = "nemo.collections.llm.gpt.model.llama.Llama31Config8B"
+
+
+def to_dist(src: Path, out: Path, *extra: str) -> Path:
+    run_cli("--saver", "core", "--ckpt-format", "torch_dist", *extra, "--load-dir", src, "--save-dir", out)
+    return out / "iter_0000001"
+
+
+def without_args(it_dir: Path) -> Path:
+    """Megatron-LM's args taken out of the common state, as Megatron-Bridge saves it; the integrity manifest goes
+    too (its digest of common.pt no longer holds)."""
+    common = safe_load(it_dir / "common.pt", mmap=False)
+    del common["args"]
+    torch.save(common, it_dir / "common.pt")
+    (it_dir / "integrity.json").unlink()
+    return it_dir
+
+
+def same_model(a: Path, b: Path) -> None:
+    """Same tensors bit for bit, and the same config but for what Megatron-LM's args alone carry (special token
+    ids), the padding (the HF side has none) and an absent auxiliary loss (None in HF, 0.0 in Megatron)."""
+    assert_same_tensors(ir_tensors(a), ir_tensors(b))
+    ca, cb = engine.load(a, Options()).config, engine.load(b, Options()).config
+    unsaid = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None, padded_vocab_size=None)
+    assert dataclasses.replace(ca, **unsaid, moe_aux_loss_coeff=ca.moe_aux_loss_coeff or 0.0) == \
+        dataclasses.replace(cb, **unsaid, moe_aux_loss_coeff=cb.moe_aux_loss_coeff or 0.0)  # None: no aux loss
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3",
+                                    "glm4_moe", "gpt_oss"])
+def test_run_config_alone_says_the_whole_model(family, hf_model, tmp_path):
+    src = hf_model(family)
+    it_dir = without_args(to_dist(src, tmp_path / "dist"))
+    same_model(src, tmp_path / "dist")
+    assert "config=iter_0000001/run_config.yaml" in run_cli("inspect", tmp_path / "dist")
+    assert it_dir.is_dir()
+
+
+def test_mtrain_loads_a_bridge_checkpoint(bridge_like, llama_dir):
+    """mtrain's `--load` path (mtrain.inference.load_model) on the Bridge-like checkpoint: the same model as from
+    the HF source, so the same logits exactly (same weights, same code, same order of operations)."""
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = (load_model(path)[0](tokens) for path in (bridge_like, llama_dir))
+    assert torch.equal(got, want)
+
+
+def test_no_run_config_for_what_no_provider_builds(hf_model, tmp_path):
+    """Gemma 3's sandwich norms and soft-capping are beyond megatron-core's GPT model (Megatron-LM's args keep them
+    for mconvert): a Bridge provider would build another model, so no run_config.yaml is written."""
+    it_dir = to_dist(hf_model("gemma3_text"), tmp_path / "dist")
+    assert not (it_dir / "run_config.yaml").exists() and (it_dir / "common.pt").is_file()
+
+
+@pytest.fixture(scope="module")
+def bridge_like(tmp_path_factory, hf_model) -> Path:
+    """The tiny Llama as Megatron-Bridge keeps it: torch_dist, config in run_config.yaml only."""
+    out = tmp_path_factory.mktemp("bridge_like") / "dist"
+    without_args(to_dist(hf_model("llama"), out))
+    return out
+
+
+def crafted(bridge_like: Path, tmp_path: Path, edit) -> Path:
+    """A copy of `bridge_like` whose run_config.yaml text is `edit(text)`."""
+    out = tmp_path / "crafted"
+    shutil.copytree(bridge_like, out)
+    path = out / "iter_0000001" / "run_config.yaml"
+    path.write_text(edit(path.read_text()))
+    return out
+
+
+def test_yaml_tags_are_refused_by_name_and_never_run(bridge_like, tmp_path):
+    mark = tmp_path / "ran"
+    out = crafted(bridge_like, tmp_path, lambda t: t.replace(
+        "model:\n", f"model:\n  pwn: !!python/object/apply:os.system ['touch {mark}']\n"))
+    convert_refused(out, tmp_path, culprits=("run_config.yaml: YAML tag tag:yaml.org,2002:python/object/apply:"
+                                             "os.system (line", "is refused: the config is read as plain data"))
+    assert not mark.exists()
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    (lambda t: t.replace("megatron.bridge.models.gpt_provider.GPTModelProvider", "os.system"),
+     "model _target_ 'os.system' is not a provider mconvert maps by name"),
+    (lambda t: t.replace("megatron.bridge.models.gpt_provider.GPTModelProvider",
+                         "megatron.bridge.models.foo.FooModelProvider"),
+     "model _target_ 'megatron.bridge.models.foo.FooModelProvider' is not a provider mconvert maps by name"),
+    (lambda t: t.replace("_target_: torch.nn.functional.silu", "_target_: builtins.exec"),
+     "model.activation_func names _target_ 'builtins.exec', which is refused"),
+    (lambda t: t.replace("_target_: torch.nn.functional.silu", "_target_: torch.nn.functional.relu"),
+     "model.activation_func 'torch.nn.functional.relu' is not an activation mconvert knows"),
+    (lambda t: t.replace("  ffn_hidden_size: 128\n", "  init_method: {_target_: subprocess.Popen, _args_: [ls]}\n"
+                         "  ffn_hidden_size: 128\n"),
+     "model.init_method names _target_ 'subprocess.Popen', which is refused"),
+    (lambda t: t.replace("model:\n", "model: 3\nx:\n"), "no 'model:' mapping"),
+    (lambda t: "[1, 2", "not valid YAML"),
+    (lambda t: "[" * 100_000 + "]" * 100_000, "nested too deeply for a model config"),
+    (lambda t: t + "x: " + "-" * (17 << 20) + "\n", "a model config is far smaller"),
+])
+def test_crafted_run_configs_are_refused_by_name(bridge_like, tmp_path, edit, expected):
+    convert_refused(crafted(bridge_like, tmp_path, edit), tmp_path, culprits=("run_config.yaml", expected),
+                    saver="hf")
+
+
+def test_padding_recorded_so_bridge_builds_the_stored_rows(llama_dir, tmp_path):
+    """--tp 2 pads 300 rows to 512 (a multiple of 128 x 2); the run_config.yaml records should_pad_vocab and the
+    multiple 256, so Bridge at TP 1 (its export) builds 512 rows too (checked with Bridge itself while writing
+    this; its export then holds all 512 rows). Read back, the recorded rows are checked against the stored ones."""
+    it_dir = without_args(to_dist(llama_dir, tmp_path / "dist", "--tp", "2"))
+    model = yaml.safe_load((it_dir / "run_config.yaml").read_text())["model"]
+    assert (model["vocab_size"], model["should_pad_vocab"], model["make_vocab_size_divisible_by"]) == (300, True, 256)
+    assert engine.load(tmp_path / "dist", Options()).config.padded_vocab_size == 512
+    text = (it_dir / "run_config.yaml").read_text()
+    (it_dir / "run_config.yaml").write_text(text.replace("make_vocab_size_divisible_by: 256",
+                                                         "make_vocab_size_divisible_by: 128"))
+    error = run_cli("inspect", tmp_path / "dist", expect_error=True)
+    assert "run_config.yaml: vocab_size 300 (should_pad_vocab, make_vocab_size_divisible_by) makes 384 embedding " \
+           "rows, the checkpoint stores 512" in error
+
+
+def test_an_alias_bomb_is_walked_once(bridge_like, tmp_path):
+    """YAML aliases share one list many times (2**40 paths here): each list is checked once, and the model still
+    reads (the bomb sits in a field mconvert does not use)."""
+    bomb = "  bomb:\n    l0: &l0 [a, a]\n" + "".join(f"    l{i}: &l{i} [*l{i - 1}, *l{i - 1}]\n" for i in range(1, 41))
+    out = crafted(bridge_like, tmp_path, lambda t: t.replace("model:\n", "model:\n" + bomb))
+    assert "family" in run_cli("inspect", out)
+
+
+def test_no_args_and_no_run_config_is_one_error(bridge_like, tmp_path):
+    out = crafted(bridge_like, tmp_path, lambda t: t)
+    (out / "iter_0000001" / "run_config.yaml").unlink()
+    error = run_cli("inspect", out, expect_error=True)
+    assert "the common state has no 'args' and there is no run_config.yaml (Megatron-Bridge) or " \
+           "context/model.yaml (NeMo 2)" in error
+
+
+def nemo2(bridge_like: Path, tmp_path: Path, target: str = NEMO_LLAMA) -> Path:
+    """A NeMo 2 checkpoint of the tiny Llama: weights/ (torch_dist) and context/model.yaml (the model's config)."""
+    out = tmp_path / "nemo2"
+    shutil.copytree(bridge_like / "iter_0000001", out / "weights")
+    model = yaml.safe_load((out / "weights" / "run_config.yaml").read_text())["model"]
+    (out / "weights" / "run_config.yaml").unlink()
+    (out / "context").mkdir()
+    model["_target_"] = target
+    (out / "context" / "model.yaml").write_text(yaml.safe_dump(
+        {"_target_": "nemo.collections.llm.gpt.model.llama.LlamaModel", "config": model}))
+    return out
+
+
+def test_nemo2_reads_its_config_from_context_model_yaml(bridge_like, llama_dir, tmp_path):
+    out = nemo2(bridge_like, tmp_path)
+    assert "config=context/model.yaml" in run_cli("inspect", out)
+    same_model(llama_dir, out)
+
+
+def test_nemo2_weights_under_the_module_prefix(bridge_like, llama_dir, tmp_path):
+    """NeMo 2 keeps the model under its MegatronParallel wrapper's name: `module.decoder.layers…`."""
+    out = nemo2(bridge_like, tmp_path)
+    store = DcpReader(out / "weights")
+    state = {f"module.{k}": store.read(k) for k in store.tensors}
+    prefixed = tmp_path / "prefixed"
+    shutil.copytree(out / "context", prefixed / "context")
+    with warnings.catch_warnings():  # one process, no process group: what is meant here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(prefixed / "weights"))
+    for name in ("metadata.json", "common.pt"):
+        shutil.copy(out / "weights" / name, prefixed / "weights" / name)
+    same_model(llama_dir, prefixed)
+
+
+def test_nemo2_refusals(bridge_like, tmp_path):
+    out = nemo2(bridge_like, tmp_path, target="subprocess.Popen")
+    convert_refused(out, tmp_path, culprits=("context/model.yaml", "model _target_ 'subprocess.Popen' is not a "
+                                             "provider mconvert maps by name"))
+    (out / "context" / "model.yaml").unlink()
+    (out / "context" / "io.json").write_text(json.dumps({"root": {"type": {"name": "LlamaModel"}}}))
+    refused(run_cli("inspect", out, expect_error=True),
+            "io.json but no context/model.yaml: mconvert reads the model config from model.yaml only")
+
+
+# ---- with Megatron-Bridge itself --------------------------------------------------------------------------------
+
+def bridge(*args: str | Path, cwd: Path) -> None:
+    """Megatron-Bridge 0.6.2 run by tests/support/bridge/driver.py in its own environment."""
+    if not (BRIDGE_ENV / ".mconvert-env").is_file():
+        pytest.skip("Megatron-Bridge environment not built: run `bash scripts/bridge_env.sh`")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([BRIDGE_ENV / "bin" / "python", "-W", "ignore", DRIVER, *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_bridge_exports_our_torch_dist_bit_for_bit(llama_dir, tmp_path):
+    """Bridge's AutoBridge.export_ckpt of our plain torch_dist output (no padding: Bridge exports every row it
+    holds) gives back the HF model's tensors."""
+    to_dist(llama_dir, tmp_path / "dist", "--make-vocab-size-divisible-by", "1")
+    bridge("export", tmp_path / "dist", llama_dir, tmp_path / "exported", cwd=tmp_path)
+    assert_same_files(llama_dir, tmp_path / "exported")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_we_read_what_bridge_imports(family, tmp_path):
+    """Bridge's AutoBridge.import_ckpt: DeepSeek-V3 (MLA, sigmoid group routing, shared experts, a dense first
+    layer, an MTP module) and Qwen3-MoE (every layer with experts: Bridge 0.6 ignores decoder_sparse_step) read
+    back bit for bit."""
+    src = make_deepseek(tmp_path / "hf", mtp=1) if family == "deepseek_v3" else \
+        make_hf_model(tmp_path / "hf", "qwen3_moe", decoder_sparse_step=1, seed=2)
+    bridge("import", src, tmp_path / "bridge", cwd=tmp_path)
+    assert_same_tensors(ir_tensors(src), ir_tensors(tmp_path / "bridge"))
