@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from mconvert.errors import ConvertError
+from mconvert.io.torch_archive import is_tensor
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
-from mconvert.lazy import torch
 from mconvert.megatron import arguments, rank_files, rank_plan
 from mconvert.megatron.rank_files import (
     RankFiles,
@@ -233,7 +233,7 @@ def load(path: Path, options: Options) -> ModelIR:
     padded = first[embed_key].shape[0] * files.tp
     notes: list[str] = []
     assets = tokenizer(options, it_dir, files.args, notes)
-    config, config_notes = megatron_config(files.args, options, padded, dtype_name(first[embed_key].dtype), it_dir,
+    config, config_notes = megatron_config(files.args, options, padded, dtype_name(first[embed_key].dtype_name), it_dir,
                                            assets, files.stored_elements())
     notes += config_notes
     if order < 2 and config.num_query_groups != config.num_attention_heads:
@@ -273,13 +273,13 @@ def _canonical_tensors(files: RankFiles, tp: int, pp: int, name: str) -> dict[st
         raise ConvertError(f"{files.rel((tp, pp, 0))}: {name!r} is a {type(model).__name__}, expected a dict")
     out: dict[str, LazyTensor] = {}
     for key, value in flatten(model).items():
-        if not isinstance(value, torch.Tensor):
+        if not is_tensor(value):
             continue  # `_extra_state` None and the like
         canon = canonical(key)
         if canon in out:
             raise ConvertError(f"{files.rel((tp, pp, 0))}: {key} and {out[canon].origin.rsplit(':', 1)[1]} name "
                                "the same tensor (two naming generations mixed in one file)")
-        out[canon] = LazyTensor.of(value, f"{files.rel((tp, pp, 0))}:{name}.{key}")
+        out[canon] = files.lazy((tp, pp, 0), value, f"{files.rel((tp, pp, 0))}:{name}.{key}", blocks=False)
     return out
 
 
