@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import shutil
+import struct
 import subprocess
 import sys
 import types
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +137,50 @@ def test_a_global_off_the_allow_list_is_refused(tmp_path):
         torch_archive.read(path)
     with pytest.raises(ConvertError, match="refusing to unpickle"):
         torch_archive.load(path)
+
+
+def _poke(rank_file: Path, key: str, index: int, value: float) -> None:
+    """Write `value` (float32) over element `index` of tensor `key` of a rank file, in place."""
+    where = torch_archive.read(rank_file)["model"][key].file_bytes()
+    with open(rank_file, "r+b") as f:
+        f.seek(where.offset + 4 * index)
+        f.write(struct.pack("<f", value))
+
+
+def _both_ways(path: Path, monkeypatch) -> tuple[str, str]:
+    def report() -> str:
+        try:
+            return describe(path, None, Options())
+        except ConvertError as e:
+            return f"Error: {e}"
+    light = report()
+    with monkeypatch.context() as m:
+        m.setattr(torch_archive, "read", lambda *a, **k: (_ for _ in ()).throw(torch_archive.Unreadable("forced")))
+        return light, report()
+
+
+def test_non_finite_values_in_pieces_and_replicas_are_counted_as_with_torch(tmp_path, monkeypatch):
+    """NaN in a TP piece of a fused QKV and Inf in both replicas of a norm: counted from the files (no torch) as
+    torch counts them; replicas that differ are refused as torch's reading refuses them."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "llama_gqa/core_tp2pp2", root)
+    it = root / "iter_0000001"
+    _poke(it / "mp_rank_01_000/model_optim_rng.pt", "decoder.layers.0.self_attention.linear_qkv.weight", 5,
+          float("nan"))
+    for tp in ("00", "01"):
+        _poke(it / f"mp_rank_{tp}_001/model_optim_rng.pt", "decoder.final_layernorm.weight", 3, float("-inf"))
+    light, real = _both_ways(root, monkeypatch)
+    assert "values:      non-finite values in 2 of" in light and "final_norm.weight (1 Inf)" in light
+    assert light == real
+    _poke(it / "mp_rank_01_001/model_optim_rng.pt", "decoder.final_layernorm.weight", 3, 1.0)  # replicas differ
+    light, real = _both_ways(root, monkeypatch)
+    assert light.startswith("Error:") and "replicated tensor differs" in light and light == real
+
+
+def test_inspect_of_a_core_checkpoint_imports_no_torch():
+    code = ("import sys; from pathlib import Path; from mconvert.options import Options; "
+            "from mconvert.tools.inspect import describe; "
+            f"describe(Path({str(FIXTURES / 'llama_gqa/core_tp2pp2')!r}), None, Options()); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
