@@ -133,11 +133,17 @@ def _per_head_pieces(pieces, ctx: Ctx):
 
 # Column-parallel QKV whose rows, on each TP rank, are in the order of `ctx.qkv_version` (checkpoint_version
 # 0 or 1; from version 2 on the order is core's grouped one, a plain column split).
-_QKV_V0_V1 = Shard("column_legacy_qkv", _legacy_qkv_pieces, _per_head_pieces)
+def _by_head_shape(shape: tuple[int, ...], ctx: Ctx) -> list[tuple[int, ...]] | None:
+    """A column split whose pieces hold whole heads (their rows reordered within each piece, shapes unchanged)."""
+    return COLUMN.shape(shape, ctx) if ctx.config.num_attention_heads % ctx.tp == 0 else None
+
+
+_QKV_V0_V1 = Shard("column_legacy_qkv", _legacy_qkv_pieces, _per_head_pieces, shape=_by_head_shape)
 LEGACY_QKV = Shard(
     "column_qkv_by_version",
     lambda t, ctx: (COLUMN if ctx.qkv_version >= 2 else _QKV_V0_V1).shard(t, ctx),
     lambda ps, ctx: (COLUMN if ctx.qkv_version >= 2 else _QKV_V0_V1).unshard(ps, ctx),
+    shape=_by_head_shape,
 )
 
 # The key table, relative to one chunk's model dict (`{l}` local to the chunk).

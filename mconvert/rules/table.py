@@ -66,10 +66,11 @@ Shape = tuple[int, ...]
 
 
 def _rows_joined(shapes: list[Shape], ctx: Ctx) -> Shape | None:
-    """Matrices one after another along rows (grouped QKV regroups rows but keeps their count)."""
-    if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
+    """Tensors one after another along rows, the other dimensions equal (grouped QKV regroups rows but keeps their
+    count; biases too)."""
+    if any(not s or s[1:] != shapes[0][1:] for s in shapes):
         return None
-    return sum(s[0] for s in shapes), shapes[0][1]
+    return sum(s[0] for s in shapes), *shapes[0][1:]
 
 
 def _vocab_padded(shapes: list[Shape], ctx: Ctx) -> Shape | None:
