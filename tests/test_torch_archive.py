@@ -123,20 +123,31 @@ class _Evil:
         return (os.system, ("true",))
 
 
-def test_a_global_off_the_allow_list_is_refused(tmp_path):
-    path = tmp_path / "evil.pt"
+def _with_pickle(path: Path, data: bytes) -> Path:
+    """A torch.save archive at `path` whose data.pkl is replaced by `data`."""
     torch.save({"model": {}, "args": argparse.Namespace(x=1)}, path)
-    with zipfile.ZipFile(path) as z:  # the same archive with the pickle replaced by one naming os.system
+    with zipfile.ZipFile(path) as z:
         entries = {i.filename: z.read(i) for i in z.infolist()}
-    pkl = next(n for n in entries if n.endswith("/data.pkl"))
-    entries[pkl] = pickle.dumps({"model": {}, "args": _Evil()}, protocol=2)
+    entries[next(n for n in entries if n.endswith("/data.pkl"))] = data
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
-        for n, data in entries.items():
-            z.writestr(n, data)
+        for n, content in entries.items():
+            z.writestr(n, content)
+    return path
+
+
+def test_a_global_off_the_allow_list_is_refused(tmp_path):
+    path = _with_pickle(tmp_path / "evil.pt", pickle.dumps({"model": {}, "args": _Evil()}, protocol=2))
     with pytest.raises(torch_archive.Unreadable, match="global (os|posix).system"):
         torch_archive.read(path)
     with pytest.raises(ConvertError, match="refusing to unpickle"):
         torch_archive.load(path)
+
+
+def test_state_is_set_only_on_the_records_a_pickle_makes(tmp_path):
+    """BUILD on an allowed but shared object (an enum member of signal.Signals) would change it process-wide."""
+    data = b"\x80\x02csignal\nSignals\nK\x0f\x85R}X\x01\x00\x00\x00xK\x01sb."  # Signals(15) with state {x: 1}
+    with pytest.raises(torch_archive.Unreadable, match="state set on a Signals"):
+        torch_archive.read(_with_pickle(tmp_path / "build.pt", data))
 
 
 def _poke(rank_file: Path, key: str, index: int, value: float) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from mconvert.errors import ConvertError
-from mconvert.io.torch_pickle import STAND_INS, _ReadWindow, _stand_in, safe_load
+from mconvert.io.torch_pickle import STAND_INS, StandIn, _ReadWindow, _stand_in, safe_load
 from mconvert.ir import dtypes
 from mconvert.ir.blocks import FileBytes
 from mconvert.lazy import torch
@@ -153,10 +153,23 @@ _PLAIN = {
 _STAND_INS = dict(_stand_in(name)[::-1] for name in STAND_INS + NUMPY_STAND_INS)
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(pickle._Unpickler):
+    """pickle's Python unpickler (whose opcodes can be overridden) with the allow-list; BUILD (setting an object's
+    state) only on the plain records that take it, not on shared objects such as enum members."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def __init__(self, data: bytes, records: dict[str, tuple[int, int]], path: str, identity) -> None:
         super().__init__(io.BytesIO(data))
         self.records, self.rebuild = records, _rebuild_tensor(path, identity)
+
+    def load_build(self) -> None:
+        if not isinstance(self.stack[-2], (argparse.Namespace, types.SimpleNamespace, StandIn, collections.OrderedDict,
+                                           io.BytesIO)):
+            raise Unreadable(f"state set on a {type(self.stack[-2]).__name__}")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
     def find_class(self, module: str, name: str):
         key = (module, name)
