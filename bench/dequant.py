@@ -7,8 +7,10 @@ releases: DeepSeek-V3's FP8 expert weights ([2048, 7168] gate/up and [7168, 2048
 ragged one (the [18432, 7168] dense fc1 less a row and a column), GPT-OSS-120B's MXFP4 experts (gate_up
 [E, 5760, 90, 16] and down [E, 2880, 90, 16] codes; --experts of them). Each case runs mconvert's dequantization
 and the element-wise formula (tests/support/quantized.py, what mconvert did before) interleaved, round by round;
-the medians are printed with the ratio. "alloc" is what allocating and first touching an output of that size
-costs alone (the kernel's page faults), a floor under any implementation that returns a new tensor.
+the medians are printed with the ratio. Rates are output bytes per CPU second of the process (user + sys: the
+page faults of a new output count, the time other jobs hold the core does not). "alloc" is what allocating and
+first touching an output of that size costs alone (the kernel's page faults), a floor under any implementation
+that returns a new tensor.
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ def mxfp4_case(experts: int, rows: int, seed: int):
 
 
 def timed(fn) -> float:
-    start = time.perf_counter()
+    """CPU seconds of this (one-threaded) process running `fn`: on a shared machine wall time also counts the
+    time other jobs held the core."""
+    start = time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def main() -> None:
@@ -73,7 +77,7 @@ def main() -> None:
                 rates[name]["formula"].append(nbytes / timed(slow) / 1e9)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n.split(' [')[0]} {v['mconvert'][-1]:.2f}"
                                                            for n, v in rates.items()), flush=True)
-    print(f"\nGB/s of output (bfloat16) per thread, medians of {args.rounds} rounds:")
+    print(f"\nGB/s of output (bfloat16) per CPU second of one thread, medians of {args.rounds} rounds:")
     print(f"{'case':<34} {'mconvert':>9} {'formula':>9} {'ratio':>7} {'alloc':>7}")
     for name, v in rates.items():
         fast, alloc = statistics.median(v["mconvert"]), statistics.median(v["alloc"])

@@ -40,7 +40,7 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple
     return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
 
 
-CHUNK = 1 << 20  # elements dequantized at a time (at most one block row): temporaries of a few MiB
+CHUNK = 1 << 18  # elements dequantized at a time (at most one block row): temporaries of a few MiB
 
 
 @functools.cache
