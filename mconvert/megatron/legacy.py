@@ -134,8 +134,12 @@ def _per_head_pieces(pieces, ctx: Ctx):
 # Column-parallel QKV whose rows, on each TP rank, are in the order of `ctx.qkv_version` (checkpoint_version
 # 0 or 1; from version 2 on the order is core's grouped one, a plain column split).
 def _by_head_shape(shape: tuple[int, ...], ctx: Ctx) -> list[tuple[int, ...]] | None:
-    """A column split whose pieces hold whole heads (their rows reordered within each piece, shapes unchanged)."""
-    return COLUMN.shape(shape, ctx) if ctx.config.num_attention_heads % ctx.tp == 0 else None
+    """A column split whose pieces hold whole heads (their rows reordered within each piece, shapes unchanged;
+    versions 0 and 1 order q, k and v per head, which needs as many key/value heads as query heads)."""
+    c = ctx.config
+    if c.num_attention_heads % ctx.tp or (ctx.qkv_version < 2 and c.num_query_groups != c.num_attention_heads):
+        return None
+    return COLUMN.shape(shape, ctx)
 
 
 _QKV_V0_V1 = Shard("column_legacy_qkv", _legacy_qkv_pieces, _per_head_pieces, shape=_by_head_shape)
