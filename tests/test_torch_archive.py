@@ -195,3 +195,14 @@ def test_inspect_of_a_core_checkpoint_imports_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+def test_what_this_reader_does_not_read_goes_to_torch(tmp_path):
+    """A pre-zip (legacy serialization) file is read by torch, tensors and all."""
+    path = tmp_path / "old.pt"
+    value = {"model": {"w": torch.arange(6.0).view(2, 3)}, "args": argparse.Namespace(num_layers=2)}
+    torch.save(value, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(torch_archive.Unreadable):
+        torch_archive.read(path)
+    loaded = torch_archive.load(path)
+    assert torch.equal(loaded["model"]["w"], value["model"]["w"]) and loaded["args"].num_layers == 2
