@@ -135,7 +135,7 @@ def plan(args) -> None:
           f"{largest / GB:.1f} GB; every EP rank's files repeat the dense weights)")
     print(f"peak   largest streaming step: {step / GB:.2f} GB ({step_key}: its IR tensors + pieces); largest "
           f"layer {layer / GB:.2f} GB (what a layer-at-a-time converter holds); dequantization adds one "
-          f"{fp8.STRIPE_ROWS}-row float32 stripe (<= {fp8.STRIPE_ROWS * 18432 * 4 / 2**20:.0f} MiB)")
+          f"float32 chunk ({fp8.CHUNK * 4 / 2**20:.0f} MiB, or one row where a row is longer)")
     print(f"{'disk GB/s':>10} {'-> torch_dist':>14} {'-> torch layout':>16}   (read + write on one disk)")
     for bw in args.disk_gbps:
         print(f"{bw:>10g} {(read + ir) / (bw * GB) / 60:11.0f} min {(read + written) / (bw * GB) / 60:13.0f} min")

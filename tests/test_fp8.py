@@ -19,13 +19,9 @@ from mconvert.tools.verify.run import verify
 from tests.support.cli import run_cli
 from tests.support.compare import hf_logits, ir_tensors
 from tests.support.models import make_deepseek
+from tests.support.quantized import fp8_dequantize
 
 BLOCK = (16, 16)  # DeepSeek uses 128 x 128; small blocks give the tiny model several per weight
-
-
-def reference_dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    full = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:q.shape[0], :q.shape[1]]
-    return (q.float() * full).bfloat16()
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -38,7 +34,7 @@ def test_dequantize_is_the_blockwise_product_and_quantize_its_near_inverse(shape
     q, s = fp8.quantize(w)
     assert q.dtype == torch.float8_e4m3fn and tuple(s.shape) == fp8.scale_shape(shape) and s.dtype == torch.float32
     d = fp8.dequantize(q, s)
-    assert torch.equal(d, reference_dequantize(q, s, fp8.BLOCK))
+    assert torch.equal(d, fp8_dequantize(q, s, fp8.BLOCK))
     # e4m3 keeps 3 mantissa bits: each value within 1/16 of itself (plus the smallest step near zero)
     assert ((d.float() - w.float()).abs() <= w.float().abs() / 16 + s.max() * 2 ** -9).all()
     q2, s2 = fp8.quantize(d)
@@ -75,8 +71,8 @@ def test_fp8_weights_are_dequantized_lazily_one_tensor_at_a_time(fp8_dir, monkey
     q_up = ir["layers.1.attn.q_up.weight"].load()
     assert len(calls) == 1 and q_up.dtype == torch.bfloat16
     raw = load_file(fp8_dir / "model.safetensors")
-    want = reference_dequantize(raw["model.layers.1.mlp.experts.3.down_proj.weight"],
-                                raw["model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"], BLOCK)
+    want = fp8_dequantize(raw["model.layers.1.mlp.experts.3.down_proj.weight"],
+                          raw["model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"], BLOCK)
     assert torch.equal(ir["layers.1.moe.experts.3.down.weight"].load(), want)
     assert ir["layers.1.moe.router.weight"].dtype == torch.bfloat16  # never quantized
     assert ir["layers.1.moe.router.expert_bias"].dtype == torch.float32
@@ -106,7 +102,7 @@ def test_fp8_export_reproduces_the_fp8_bytes(fp8_dir, tmp_path):
     source = {}
     for key, value in weights.items():
         if value.dtype == torch.float8_e4m3fn:  # requantize the test model in DeepSeek's 128x128 blocks
-            bf16 = reference_dequantize(value, load_file(fp8_dir / "model.safetensors")[key + "_scale_inv"], BLOCK)
+            bf16 = fp8_dequantize(value, load_file(fp8_dir / "model.safetensors")[key + "_scale_inv"], BLOCK)
             source[key], source[key + "_scale_inv"] = fp8.quantize(bf16)
         else:
             source[key] = value

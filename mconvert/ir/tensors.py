@@ -33,6 +33,16 @@ from mconvert.ir.names import expected_shapes
 
 
 @dataclass(frozen=True, eq=False)
+class Elements:
+    """The stored tensors whose elements, unchanged and of the same dtype, make up a tensor: TP pieces joined,
+    split or with padding rows dropped (a subset of their elements). `replicas`: each piece is the whole tensor,
+    and reading it checks that they are equal."""
+
+    pieces: tuple[LazyTensor, ...]
+    replicas: bool = False
+
+
+@dataclass(frozen=True, eq=False)
 class LazyTensor:
     """A tensor known by shape and dtype whose bytes are read by `load()` only when needed.
 
@@ -41,7 +51,8 @@ class LazyTensor:
     writers want. `file_bytes`, when the loader knows it from a header, says where the whole tensor lies in a file,
     unchanged and row-major: `mconvert inspect` then reads the values without torch. `fp8_block` is set on a
     weight stored FP8 block-quantized and dequantized on load (see `mconvert.rules.fp8`): its (rows, cols) block;
-    `verify` rounds the other checkpoint's tensor the same way.
+    `verify` rounds the other checkpoint's tensor the same way. `elements_of`, when a loader knows, names the stored
+    tensors this one only rearranges (see `Elements`): `inspect` counts NaN/Inf in them, without torch.
 
     The dtype is kept by name (`dtype_name`, "bfloat16"; a torch.dtype given is stored as its name) so that
     headers are read and names mapped without importing torch; `dtype` is the torch.dtype.
@@ -54,6 +65,7 @@ class LazyTensor:
     blocks: Callable[[], Blocks] | None = field(default=None, repr=False)
     file_bytes: FileBytes | None = field(default=None, repr=False)
     fp8_block: tuple[int, int] | None = None
+    elements_of: Elements | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype_name", dtypes.name_of(self.dtype_name))

@@ -46,11 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from mconvert.errors import ConvertError
-from mconvert.ir.blocks import Blocks
+from mconvert.io.torch_archive import is_tensor
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
-from mconvert.lazy import torch
 from mconvert.megatron import arguments, model_kind, rank_files, rank_plan
 from mconvert.megatron.rank_files import (
     RankFiles,
@@ -134,11 +133,21 @@ def _per_head_pieces(pieces, ctx: Ctx):
 
 # Column-parallel QKV whose rows, on each TP rank, are in the order of `ctx.qkv_version` (checkpoint_version
 # 0 or 1; from version 2 on the order is core's grouped one, a plain column split).
-_QKV_V0_V1 = Shard("column_legacy_qkv", _legacy_qkv_pieces, _per_head_pieces)
+def _by_head_shape(shape: tuple[int, ...], ctx: Ctx) -> list[tuple[int, ...]] | None:
+    """A column split whose pieces hold whole heads (their rows reordered within each piece, shapes unchanged;
+    versions 0 and 1 order q, k and v per head, which needs as many key/value heads as query heads)."""
+    c = ctx.config
+    if c.num_attention_heads % ctx.tp or (ctx.qkv_version < 2 and c.num_query_groups != c.num_attention_heads):
+        return None
+    return COLUMN.shape(shape, ctx)
+
+
+_QKV_V0_V1 = Shard("column_legacy_qkv", _legacy_qkv_pieces, _per_head_pieces, shape=_by_head_shape)
 LEGACY_QKV = Shard(
     "column_qkv_by_version",
     lambda t, ctx: (COLUMN if ctx.qkv_version >= 2 else _QKV_V0_V1).shard(t, ctx),
     lambda ps, ctx: (COLUMN if ctx.qkv_version >= 2 else _QKV_V0_V1).unshard(ps, ctx),
+    shape=_by_head_shape,
 )
 
 # The key table, relative to one chunk's model dict (`{l}` local to the chunk).
@@ -236,7 +245,7 @@ def load(path: Path, options: Options) -> ModelIR:
     padded = first[embed_key].shape[0] * files.tp
     notes: list[str] = []
     assets = tokenizer(options, it_dir, files.args, notes)
-    config, config_notes = megatron_config(files.args, options, padded, dtype_name(first[embed_key].dtype), it_dir,
+    config, config_notes = megatron_config(files.args, options, padded, dtype_name(first[embed_key].dtype_name), it_dir,
                                            assets, files.stored_elements())
     notes += config_notes
     if order < 2 and config.num_query_groups != config.num_attention_heads:
@@ -276,16 +285,14 @@ def _canonical_tensors(files: RankFiles, tp: int, pp: int, name: str) -> dict[st
         raise ConvertError(f"{files.rel((tp, pp, 0))}: {name!r} is a {type(model).__name__}, expected a dict")
     out: dict[str, LazyTensor] = {}
     for key, value in flatten(model).items():
-        if not isinstance(value, torch.Tensor):
+        if not is_tensor(value):
             continue  # `_extra_state` None and the like
         canon = canonical(key)
         if canon in out:
             raise ConvertError(f"{files.rel((tp, pp, 0))}: {key} and {out[canon].origin.rsplit(':', 1)[1]} name "
                                "the same tensor (two naming generations mixed in one file)")
-        # the bytes are the file's own (FileBytes): rows that go out unchanged are copied file to file
-        out[canon] = LazyTensor(tuple(value.shape), value.dtype, lambda v=value: v,
-                                f"{files.rel((tp, pp, 0))}:{name}.{key}",
-                                lambda v=value: Blocks.of(v, files.source((tp, pp, 0), v)))
+        # rows that go out unchanged are copied file to file (the lazy tensor knows where its bytes lie)
+        out[canon] = files.lazy((tp, pp, 0), value, f"{files.rel((tp, pp, 0))}:{name}.{key}")
     return out
 
 

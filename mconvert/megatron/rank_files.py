@@ -18,11 +18,12 @@ from typing import Any
 
 from mconvert import workers
 from mconvert.errors import ConvertError, format_names
-from mconvert.io import hf_dir
+from mconvert.io import hf_dir, torch_archive
 from mconvert.io.contained import inside
-from mconvert.io.torch_pickle import file_sources, safe_load
+from mconvert.io.torch_archive import Mapped, StoredTensor, dtype_of, is_tensor
+from mconvert.io.torch_pickle import file_sources
 from mconvert.io.torch_zip import TorchFileWriter
-from mconvert.ir.blocks import FileBytes
+from mconvert.ir.blocks import Blocks, FileBytes
 from mconvert.ir.checks import MEGATRON_INTEGERS, check_integers
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import LazyTensor, ModelIR
@@ -98,7 +99,7 @@ def first_model(path: Path) -> dict | None:
     file = dirs[0] / core.CHECKPOINT_FILE
     if not file.is_file():
         raise ConvertError(f"{dirs[0]}: no {core.CHECKPOINT_FILE}")
-    state = safe_load(file)
+    state = torch_archive.load(file)
     model = state.get("model", state.get("model0")) if isinstance(state, dict) else None
     if not isinstance(model, dict):
         raise ConvertError(f"{file}: expected a dict with a 'model' (or 'model0') dict of tensors")
@@ -145,12 +146,13 @@ class RankFiles:
         self.states = {idx: first if self.files[idx].parent == dirs[0] else self._load(self.files[idx].parent)
                        for idx in self.files}
         self._sources: dict[tuple[int, int, int], dict[int, FileBytes]] = {}
+        self._mapped = Mapped()
         self.it_dir = it_dir
         check_same_save(self)
 
     @staticmethod
     def _load(d: Path) -> dict[str, Any]:
-        state = safe_load(d / core.CHECKPOINT_FILE)
+        state = torch_archive.load(d / core.CHECKPOINT_FILE)
         if not isinstance(state, dict):
             raise ConvertError(f"{d / core.CHECKPOINT_FILE}: expected a dict, found {type(state).__name__}")
         return state
@@ -170,6 +172,18 @@ class RankFiles:
             raise ConvertError(f"{self.files[(tp, pp, ep)]}: no {name!r} entry (other ranks have it)")
         return state[name]
 
+    def lazy(self, idx: tuple[int, int, int], value: Any, origin: str, *, blocks: bool = True) -> LazyTensor:
+        """A tensor of rank file `idx` (a `StoredTensor` read without torch, or a mapped torch.Tensor) as a lazy
+        tensor: viewed in the file's map when asked for, with the bytes' place in the file when they lie there
+        unchanged (`blocks`: for writers, `file_bytes`: for `inspect`)."""
+        if isinstance(value, StoredTensor):
+            where = value.file_bytes()
+            return LazyTensor(value.shape, value.dtype_name, lambda: self._mapped.tensor(value), origin,
+                              (lambda: Blocks.of(self._mapped.tensor(value), where)) if blocks else None,
+                              file_bytes=where)
+        return LazyTensor(tuple(value.shape), value.dtype, lambda: value, origin,
+                          (lambda: Blocks.of(value, self.source(idx, value))) if blocks else None)
+
     def source(self, idx: tuple[int, int, int], tensor: torch.Tensor) -> FileBytes | None:
         """Where `tensor` (of rank file `idx`) has its bytes in the file, unchanged (see `file_sources`)."""
         if idx not in self._sources:
@@ -180,8 +194,8 @@ class RankFiles:
         """The values of every tensor in the model entries of every rank file (TP pieces each counted)."""
 
         def count(value: Any) -> int:
-            if isinstance(value, torch.Tensor):
-                return value.numel()
+            if is_tensor(value):
+                return value.numel if isinstance(value, StoredTensor) else value.numel()
             return sum(count(v) for v in value.values()) if isinstance(value, dict) else 0
 
         return sum(count(state.get(name)) for state in self.states.values() for name in self.chunk_names())
@@ -222,7 +236,9 @@ def _comparable(args: Any) -> dict[str, Any]:
 
 
 def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+    if is_tensor(a) or is_tensor(b):
+        if isinstance(a, StoredTensor) or isinstance(b, StoredTensor):
+            return isinstance(a, StoredTensor) and isinstance(b, StoredTensor) and _same_stored(a, b)
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
             bool(torch.equal(a, b))
     try:
@@ -231,6 +247,16 @@ def _same(a: Any, b: Any) -> bool:
     except Exception:  # e.g. numpy arrays: compare what they show
         pass
     return type(a) is type(b) and repr(a) == repr(b)  # stand-ins (no ==), NaN
+
+
+def _same_stored(a: StoredTensor, b: StoredTensor) -> bool:
+    """The same shape, dtype and storage bytes (read from the files: a tensor in `args` is small)."""
+    def raw(t: StoredTensor) -> bytes:
+        with open(t.path, "rb") as f:
+            f.seek(t.data_offset)
+            return f.read(t.storage_nbytes)
+    return (a.shape, a.stride, a.storage_offset, a.dtype_name) == (b.shape, b.stride, b.storage_offset, b.dtype_name) \
+        and raw(a) == raw(b)
 
 
 def _check_distinct(paths: list[Path]) -> None:
@@ -330,7 +356,7 @@ def config(args: Any, options: Options, padded: int, dtype: str, it_dir: Path,
     checked against the number of `values` the checkpoint's tensors hold (mconvert.ir.sizes)."""
     vocab, notes = arguments.true_vocab_size(args, options.true_vocab_size, assets, padded, where=str(it_dir))
     stored = getattr(args, "params_dtype", None)
-    if isinstance(stored, torch.dtype) and stored != getattr(torch, dtype):
+    if dtype_of(stored) not in (None, dtype):
         notes.append(f"args.params_dtype is {stored} but the tensors are {dtype}; using the tensors' dtype")
     config = arguments.config_from_args(args, vocab_size=vocab, padded_vocab_size=padded, dtype=dtype,
                                         where=str(it_dir), stored=values)

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from mconvert.errors import ConvertError
+from mconvert.io.torch_archive import is_tensor
 from mconvert.ir import sizes
 from mconvert.ir.checks import with_where
 from mconvert.ir.config import ModelConfig
@@ -310,15 +311,15 @@ def _check_layer_args(args: Any, encoder: int, decoder: int, is_legacy: bool, wh
 
 def _core_tensors(files: RankFiles, tp: int) -> dict[str, LazyTensor]:
     idx = (tp, 0, 0)
-    return {k: LazyTensor.of(v, f"{files.rel(idx)}:{ENTRY}.{k}") for k, v in files.model(tp, 0, 0, ENTRY).items()
-            if isinstance(v, torch.Tensor)}
+    return {k: files.lazy(idx, v, f"{files.rel(idx)}:{ENTRY}.{k}") for k, v in files.model(tp, 0, 0, ENTRY).items()
+            if is_tensor(v)}
 
 
 def _legacy_tensors(files: RankFiles, tp: int) -> dict[str, LazyTensor]:
     idx = (tp, 0, 0)
     out: dict[str, LazyTensor] = {}
     for key, value in legacy.flatten(files.model(tp, 0, 0, ENTRY)).items():
-        if not isinstance(value, torch.Tensor):
+        if not is_tensor(value):
             continue
         canon = legacy.canonical(key)
         for pattern, replacement in LEGACY_ALIASES:
@@ -326,7 +327,7 @@ def _legacy_tensors(files: RankFiles, tp: int) -> dict[str, LazyTensor]:
         if canon in out:
             raise ConvertError(f"{files.rel(idx)}: {key} and another key name the same tensor {canon} (two naming "
                                "generations mixed in one file)")
-        out[canon] = LazyTensor.of(value, f"{files.rel(idx)}:{ENTRY}.{key}")
+        out[canon] = files.lazy(idx, value, f"{files.rel(idx)}:{ENTRY}.{key}")
     return out
 
 

@@ -17,11 +17,9 @@ import re
 from pathlib import Path
 
 from mconvert.errors import ConvertError
-from mconvert.ir.blocks import Blocks
-from mconvert.ir.dtypes import dtype_name
+from mconvert.io.torch_archive import is_tensor
 from mconvert.ir.features import FEATURES
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
-from mconvert.lazy import torch
 from mconvert.megatron import core, mla, model_kind, rank_files, rank_plan
 from mconvert.megatron import dcp as core_dcp
 from mconvert.megatron import moe as core_moe
@@ -76,7 +74,7 @@ def load(path: Path, options: Options) -> ModelIR:
         idx = (tp, pp, ep)
         out: dict[str, LazyTensor] = {}
         for k, v in files.model(tp, pp, ep, entry).items():
-            if not isinstance(v, torch.Tensor):
+            if not is_tensor(v):
                 continue
             # megatron-core 0.19 stores an MTP module's layer as mtp_model_layer: read under the table's one name
             key = mla.mtp_layer_named(k, "transformer_layer")
@@ -84,8 +82,7 @@ def load(path: Path, options: Options) -> ModelIR:
                 names = sorted({key, mla.mtp_layer_named(key, "mtp_model_layer")})
                 raise ConvertError(f"{files.rel(idx)}: {entry} holds both {names[1]} and {names[0]} (one MTP layer "
                                    f"under both of megatron-core's names)")
-            out[key] = LazyTensor(tuple(v.shape), v.dtype, lambda v=v: v, f"{files.rel(idx)}:{entry}.{k}",
-                                  lambda v=v: Blocks.of(v, files.source(idx, v)))
+            out[key] = files.lazy(idx, v, f"{files.rel(idx)}:{entry}.{k}")
         return out
 
     chunks = chunks_in_files(files, LAYER_KEY, tensors_of)
@@ -96,11 +93,11 @@ def load(path: Path, options: Options) -> ModelIR:
     embed_key = "embedding.word_embeddings.weight"
     if embed_key not in first_model:
         raise ConvertError(f"{files.rel((0, 0, 0))}: no {embed_key} in the first pipeline stage")
-    embed = first_model[embed_key]
+    embed = files.lazy((0, 0, 0), first_model[embed_key], embed_key, blocks=False)
     padded = embed.shape[0] * files.tp
     notes: list[str] = []
     assets = tokenizer(options, it_dir, files.args, notes)
-    config, config_notes = megatron_config(files.args, options, padded, dtype_name(embed.dtype), it_dir, assets,
+    config, config_notes = megatron_config(files.args, options, padded, embed.dtype_name, it_dir, assets,
                                            files.stored_elements())
     notes += config_notes
     expert_layout, etp = _experts(files, names, config, notes) if config.is_moe else (None, files.tp)
@@ -127,7 +124,7 @@ def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> t
                            "experts")
     local = config.num_experts // files.ep
     shapes = {k: tuple(t.shape) for pp in range(files.pp) for name in chunks
-              for k, t in files.model(0, pp, 0, name).items() if isinstance(t, torch.Tensor)}
+              for k, t in files.model(0, pp, 0, name).items() if is_tensor(t)}
     layout = core_moe.detect_layout(shapes, str(files.it_dir))
     etp = core_moe.detect_expert_tp(shapes, layout, ffn=config.expert_ffn_hidden_size, local_experts=local,
                                     where=files.rel((0, 0, 0))) if layout else None

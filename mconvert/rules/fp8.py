@@ -6,13 +6,14 @@ A quantized linear weight W [out, in] is stored as two tensors:
     X.weight_scale_inv  [ceil(out/128), ceil(in/128)]      float32         s, one per 128 x 128 block
 
 and W = q * s block by block (despite its name, `scale_inv` is the dequantization multiplier). Reading turns each
-pair into one lazy bfloat16 tensor, dequantized when a saver asks for it, 1024 rows at a time: no separate pass,
-and memory beyond the output tensor is one stripe of 1024 rows in float32 (STRIPE_ROWS). Writing takes
+pair into one lazy bfloat16 tensor, dequantized when a saver asks for it, a chunk of rows at a time: no separate
+pass, and memory beyond the output tensor is one chunk in float32 (CHUNK elements). Writing takes
 s = amax(|block|) / 448 (the largest e4m3 value) and q = W / s rounded to e4m3.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 from mconvert.errors import ConvertError
@@ -39,26 +40,55 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple
     return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
 
 
-STRIPE_ROWS = 1024  # rows dequantized at a time: a float32 stripe of at most 1024 x in
+CHUNK = 1 << 18  # elements dequantized at a time (at most one block row): temporaries of a few MiB
+
+
+@functools.cache
+def _pair_table() -> torch.Tensor:
+    """float32 values of every pair of e4m3 bytes, as one int64 per pair: entry `lo | hi << 8` holds (value of lo,
+    value of hi), in memory order (little-endian), so one gather turns two bytes into two floats. The values are
+    torch's own float8_e4m3fn -> float32 conversion (NaN encodings included), so a lookup is bit for bit the same
+    as `q.float()`."""
+    one = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(dtypes.to_torch(FP8_NAME)).float()
+    pair = torch.arange(1 << 16, dtype=torch.int64)
+    return torch.stack([one[pair & 0xFF], one[pair >> 8]], dim=1).contiguous().view(torch.int64).view(-1)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK,
                dtype: torch.dtype | str = "bfloat16") -> torch.Tensor:
-    """W = q * s per block, in float32, stored as `dtype`; a stripe of rows at a time (three passes over it:
-    to float32, scale in place, to `dtype`)."""
+    """W = q * s per block, in float32, stored as `dtype`. A chunk of whole rows of one row block at a time: its
+    bytes two by two through `_pair_table` (one gather per two values), multiplied in place by the block row's
+    scales (a view, nothing repeated), then cast into the output. The same float32 product as `q.float() * s`
+    element by element, so the same bits."""
     rows, cols = q.shape
     br, bc = block
     out = torch.empty(rows, cols, dtype=dtypes.to_torch(dtypes.name_of(dtype)))
-    step = br * max(1, STRIPE_ROWS // br)
-    for start in range(0, rows, step):
-        stop = min(start + step, rows)
-        x = q[start:stop].float()
-        s = scale[start // br:math.ceil(stop / br)].float().repeat_interleave(br, dim=0)[:stop - start]  # (r, nb)
-        if cols % bc == 0:
-            x.view(stop - start, cols // bc, bc).mul_(s[:, :, None])
-        else:
-            x.mul_(s.repeat_interleave(bc, dim=1)[:, :cols])
-        out[start:stop].copy_(x)
+    if not out.numel():
+        return out
+    codes = q.view(torch.uint8) if q.dtype != torch.uint8 else q
+    table, full = _pair_table(), cols // bc * bc
+    step = max(1, min(br, CHUNK // cols))
+    size = step * cols + 1  # one spare byte: an odd count still reads whole pairs
+    raw = torch.zeros(size + 1, dtype=torch.uint8)[:size + size % 2]  # even length, viewed as 16-bit pairs
+    index = torch.empty(raw.numel() // 2, dtype=torch.int32)
+    pairs = torch.empty(raw.numel() // 2, dtype=torch.int64)
+    values = pairs.view(torch.float32)
+    flat = out.view(-1)
+    for block_row in range(math.ceil(rows / br)):
+        s = scale[block_row].float()  # (cols / bc rounded up,)
+        for start in range(block_row * br, min(rows, (block_row + 1) * br), step):
+            stop = min(start + step, rows, (block_row + 1) * br)
+            n = (stop - start) * cols
+            m = (n + 1) // 2  # pairs
+            raw[:n].view(stop - start, cols).copy_(codes[start:stop])
+            index[:m].copy_(raw[:2 * m].view(torch.uint16))
+            torch.index_select(table, 0, index[:m], out=pairs[:m])
+            x = values[:n].view(stop - start, cols)
+            if full:
+                x[:, :full].unflatten(1, (full // bc, bc)).mul_(s[:full // bc, None])
+            if full < cols:  # a ragged last block column
+                x[:, full:].mul_(s[-1])
+            flat[start * cols:stop * cols].copy_(values[:n])
     return out
 
 

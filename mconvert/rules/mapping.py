@@ -9,6 +9,7 @@ saver writes from. Sharded formats (Megatron) build on the same rows with their 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from mconvert.ir import dtypes
 from mconvert.ir.blocks import Blocks
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.names import expected_shapes
-from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR
+from mconvert.ir.tensors import Elements, LazyTensor, LoadCache, ModelIR
 from mconvert.lazy import torch
 from mconvert.rules import transforms
 from mconvert.rules.row_plan import RowPlanner
@@ -110,19 +111,24 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
             out[row.ir[0]] = pieces[0]  # stored as is: no copy, no cache
             continue
         origin = _origin(pieces, row.rule.shard is REPLICATE)
-        moves_rows = planner.moves_rows(row.rule, "backward", [p.shape for p in pieces])
+        # whether the rule only moves rows is probed (with torch) when blocks are first asked for, not here
+        moves_rows = functools.cache(lambda row=row, pieces=pieces: planner.moves_rows(row.rule, "backward",
+                                                                                        [p.shape for p in pieces]))
+        moved = row.rule.join.shape is not None and row.rule.shard.shape is not None  # elements only rearranged
+        elements = Elements(tuple(pieces), row.rule.shard is REPLICATE and len(pieces) > 1) if moved else None
         for i, name in enumerate(row.ir):
 
             def thunk(row=row, pieces=pieces, i=i):
                 return cache.part(row.key, i, lambda: row.rule.backward([p.load() for p in pieces], ctx))
 
-            def blocks(row=row, pieces=pieces, i=i, thunk=thunk):
-                found = planner.backward(row.rule, [p.load_blocks() for p in pieces])
+            def blocks(row=row, pieces=pieces, i=i, thunk=thunk, moves_rows=moves_rows):
+                found = planner.backward(row.rule, [p.load_blocks() for p in pieces]) if moves_rows() else None
                 return Blocks.of(thunk()) if found is None else found[i]
 
             kept = len(pieces) == 1 and len(row.ir) == 1 and tuple(shapes[i]) == tuple(pieces[0].shape)
-            out[name] = LazyTensor(shapes[i], pieces[0].dtype_name, thunk, origin, blocks if moves_rows else None,
-                                   fp8_block=pieces[0].fp8_block if kept else None)  # rows moved within a block
+            out[name] = LazyTensor(shapes[i], pieces[0].dtype_name, thunk, origin, blocks,
+                                   fp8_block=pieces[0].fp8_block if kept else None,  # rows moved within a block
+                                   elements_of=elements)
     order = {name: i for i, name in enumerate(want_shapes)}  # canonical IR order, whatever the file order
     return dict(sorted(out.items(), key=lambda item: order.get(item[0], len(order))))
 
@@ -152,6 +158,8 @@ def _ir_shapes_of(row: Row, pieces: list[LazyTensor], ctx: Ctx, want: dict) -> l
     shown = " + ".join(f"{p.origin} {list(p.shape)}" for p in pieces[:4])
     if len(pieces) == 1 and row.rule.join is IDENTITY and row.rule.shard is REPLICATE:
         shapes = [tuple(pieces[0].shape)]  # = backward([piece]): replicated([p]) is p, the identity split [p]
+    elif (by_arithmetic := _arithmetic_shapes(row, pieces, ctx, want)) is not None:
+        shapes = by_arithmetic
     else:
         try:
             parts = row.rule.backward([torch.empty(p.shape, device="meta") for p in pieces], ctx)
@@ -166,6 +174,19 @@ def _ir_shapes_of(row: Row, pieces: list[LazyTensor], ctx: Ctx, want: dict) -> l
             raise ConvertError(f"{shown} gives {name} of shape {list(shape)}, but the config implies "
                                f"{list(want[name])}: the config contradicts the tensors")
     return shapes
+
+
+def _arithmetic_shapes(row: Row, pieces: list[LazyTensor], ctx: Ctx, want: dict) -> list[tuple[int, ...]] | None:
+    """The IR shapes the config implies, when the rule's shape arithmetic (`Join.shape`, `Shard.shape`) turns
+    them into exactly the pieces' shapes: the rule is a bijection, so the pieces hold those tensors (no torch
+    needed). None otherwise: the meta computation then says what does not fit."""
+    join, shard = row.rule.join.shape, row.rule.shard.shape
+    if join is None or shard is None or any(n not in want for n in row.ir):
+        return None
+    shapes = [tuple(want[n]) for n in row.ir]
+    whole = join(shapes, ctx)
+    split = shard(whole, ctx) if whole is not None else None
+    return shapes if split is not None and split == [tuple(p.shape) for p in pieces] else None
 
 
 @dataclass(frozen=True)

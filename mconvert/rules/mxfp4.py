@@ -8,10 +8,12 @@ A quantized stack of expert weights W [n, in, out] (what the model multiplies by
 Code c is FP4_VALUES[c] (sign bit 3, then e2m1); value = FP4_VALUES[c] * 2**(s - 127); each of the n experts'
 [out, in] matrix is transposed to [in, out] (transformers' `convert_moe_packed_tensors`). Every value is a small
 integer times a power of two, exact in bfloat16 and float32 alike. Reading turns each pair into one lazy tensor of
-the stored shape's meaning, dequantized one expert at a time.
+the stored shape's meaning, dequantized a chunk of rows at a time.
 """
 
 from __future__ import annotations
+
+import functools
 
 from mconvert.errors import ConvertError
 from mconvert.ir import dtypes
@@ -24,19 +26,46 @@ FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, 
 EXPONENT_BIAS = 127
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | str = "bfloat16") -> torch.Tensor:
-    """[n, out, g, 16] codes and [n, out, g] scales -> [n, g*32, out] in `dtype`, one expert at a time."""
-    n, rows, groups, _ = blocks.shape
+CHUNK = 1 << 18  # bytes dequantized at a time: temporaries of a few MiB
+_PAIR_INTS = {2: "int32", 4: "int64"}  # a pair of values of this many bytes each, as one integer
+
+
+@functools.cache
+def _pair_table(dtype: str) -> torch.Tensor:
+    """The values of every (scale byte, code byte) in `dtype`: entry `s << 8 | c` holds (value of the low nibble,
+    value of the high nibble) times 2**(s - 127); one integer per pair where one is wide enough (else rows of two),
+    so one gather turns a byte and its scale into two values. Computed by `torch.ldexp` in float32 and cast, as
+    the element-wise formula is, so a lookup gives the same bits (a scale of 255 makes 0 * inf: NaN)."""
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    out = torch.empty(n, groups * GROUP, rows, dtype=dtypes.to_torch(dtypes.name_of(dtype)))
+    entry = torch.arange(1 << 16, dtype=torch.int64)
+    code, exponent = entry & 0xFF, (entry >> 8).to(torch.int32) - EXPONENT_BIAS
+    values = torch.ldexp(torch.stack([lut[code & 0x0F], lut[code >> 4]], dim=1), exponent[:, None])
+    values = values.to(dtypes.to_torch(dtype)).contiguous()
+    wide = _PAIR_INTS.get(values.element_size())
+    return values.view(dtypes.to_torch(wide)).view(-1) if wide else values
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | str = "bfloat16") -> torch.Tensor:
+    """[n, out, g, 16] codes and [n, out, g] scales -> [n, g*32, out] in `dtype`: a transposed view of the
+    contiguous [n, out, g*32] the codes are stored as, so each expert's [out, in] matrix (what the IR holds) is
+    contiguous and nothing is transposed here. A chunk of rows at a time, each byte with its scale through
+    `_pair_table`: one gather per two values, written straight into the output."""
+    n, rows, groups, _ = blocks.shape
+    name = dtypes.name_of(dtype)
+    out = torch.empty(n, rows, groups * GROUP, dtype=dtypes.to_torch(name))
+    table = _pair_table(name)
+    pairs = out.view(-1).view(table.dtype) if table.dim() == 1 else out.view(-1, 2)  # one entry per code byte
+    step = max(1, CHUNK // max(1, groups * GROUP // 2))
+    index = torch.empty(min(step, rows), groups, GROUP // 2, dtype=torch.int32)
     for e in range(n):
-        codes = blocks[e].to(torch.int64)
-        values = torch.empty(rows, groups, GROUP, dtype=torch.float32)
-        values[..., 0::2] = lut[codes & 0x0F]
-        values[..., 1::2] = lut[codes >> 4]
-        values = torch.ldexp(values, scales[e].to(torch.int32)[..., None] - EXPONENT_BIAS)
-        out[e].copy_(values.view(rows, groups * GROUP).t())
-    return out
+        for start in range(0, rows, step):
+            stop = min(start + step, rows)
+            at = index[:stop - start]
+            at.copy_(blocks[e, start:stop])
+            at.add_(scales[e, start:stop].to(torch.int32).mul_(256)[..., None])  # s << 8 | code
+            first = (e * rows + start) * groups * GROUP // 2
+            torch.index_select(table, 0, at.view(-1), out=pairs[first:first + at.numel()])
+    return out.transpose(1, 2)
 
 
 def dequantized(source: dict[str, LazyTensor], dtype: str = "bfloat16") -> tuple[dict[str, LazyTensor], int]:

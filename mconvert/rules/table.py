@@ -57,14 +57,34 @@ class Join:
     join: Callable[[list[Tensor], Ctx], Tensor]
     split: Callable[[Tensor, Ctx], list[Tensor]]
     concat_dim: int | None = None
+    # For a join that only moves elements: the joined shape of IR shapes, by arithmetic (None where they do not
+    # join). Loaders then know shapes without torch, and `inspect` counts NaN/Inf in the stored pieces.
+    shape: Callable[[list[Shape], Ctx], Shape | None] | None = None
 
 
-IDENTITY = Join("identity", lambda ts, ctx: ts[0], lambda t, ctx: [t])
+Shape = tuple[int, ...]
+
+
+def _rows_joined(shapes: list[Shape], ctx: Ctx) -> Shape | None:
+    """Tensors one after another along rows, the other dimensions equal (grouped QKV regroups rows but keeps their
+    count; biases too)."""
+    if any(not s or s[1:] != shapes[0][1:] for s in shapes):
+        return None
+    return sum(s[0] for s in shapes), *shapes[0][1:]
+
+
+def _vocab_padded(shapes: list[Shape], ctx: Ctx) -> Shape | None:
+    s = shapes[0]
+    return (ctx.padded_vocab_size, *s[1:]) if s and ctx.padded_vocab_size >= s[0] else None
+
+
+IDENTITY = Join("identity", lambda ts, ctx: ts[0], lambda t, ctx: [t], shape=lambda shapes, ctx: shapes[0])
 TRANSPOSE = Join("transpose", lambda ts, ctx: transforms.transpose(ts[0]), lambda t, ctx: [transforms.transpose(t)])
 QKV = Join(
     "grouped_qkv",
     lambda ts, ctx: transforms.fuse_qkv(*ts, ctx.config.num_attention_heads, ctx.config.num_query_groups),
     lambda t, ctx: list(transforms.split_qkv(t, ctx.config.num_attention_heads, ctx.config.num_query_groups)),
+    shape=_rows_joined,
 )
 # cross-attention keys and values, per head [k ; v] (Megatron T5's linear_kv / key_value)
 KV = Join(
@@ -74,12 +94,13 @@ KV = Join(
 )
 GATE_UP = Join(
     "gate_up", lambda ts, ctx: transforms.fuse_gate_up(*ts), lambda t, ctx: list(transforms.split_gate_up(t)),
-    concat_dim=0,
+    concat_dim=0, shape=_rows_joined,
 )
 VOCAB = Join(
     "vocab_pad",
     lambda ts, ctx: transforms.pad_vocab(ts[0], ctx.padded_vocab_size),
     lambda t, ctx: [transforms.unpad_vocab(t, ctx.config.vocab_size)],
+    shape=_vocab_padded,
 )
 
 
@@ -90,6 +111,9 @@ class Shard:
     name: str
     shard: Callable[[Tensor, Ctx], list[Tensor]]
     unshard: Callable[[list[Tensor], Ctx], Tensor]
+    # For a shard that only moves elements: the pieces' shapes of a whole one, by arithmetic (None where it does
+    # not split evenly); see `Join.shape`.
+    shape: Callable[[Shape, Ctx], list[Shape] | None] | None = None
 
 
 def chunks(t: Tensor, n: int, dim: int) -> list[Tensor]:
@@ -130,10 +154,21 @@ def cat_pieces(pieces: list[Tensor], dim: int) -> Tensor:
     return transforms.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
 
 
-REPLICATE = Shard("replicate", lambda t, ctx: [t] * ctx.tp, lambda ps, ctx: replicated(ps))
-COLUMN = Shard("column", lambda t, ctx: chunks(t, ctx.tp, 0), lambda ps, ctx: cat_pieces(ps, 0))
-ROW = Shard("row", lambda t, ctx: chunks(t, ctx.tp, 1), lambda ps, ctx: cat_pieces(ps, 1))
-GATED_COLUMN = Shard("gated_column", lambda t, ctx: gated_chunks(t, ctx.tp), lambda ps, ctx: gated_unchunk(ps))
+def _split(dim: int, parts: int = 1) -> Callable[[Shape, Ctx], list[Shape] | None]:
+    """Pieces of `ctx.tp` equal parts along `dim`, each of `parts` runs (gated: gate and up) that split evenly."""
+    def shape(s: Shape, ctx: Ctx) -> list[Shape] | None:
+        if len(s) <= dim or s[dim] % (parts * ctx.tp):
+            return None
+        return [(*s[:dim], s[dim] // ctx.tp, *s[dim + 1:])] * ctx.tp
+    return shape
+
+
+REPLICATE = Shard("replicate", lambda t, ctx: [t] * ctx.tp, lambda ps, ctx: replicated(ps),
+                  shape=lambda s, ctx: [s] * ctx.tp)
+COLUMN = Shard("column", lambda t, ctx: chunks(t, ctx.tp, 0), lambda ps, ctx: cat_pieces(ps, 0), shape=_split(0))
+ROW = Shard("row", lambda t, ctx: chunks(t, ctx.tp, 1), lambda ps, ctx: cat_pieces(ps, 1), shape=_split(1))
+GATED_COLUMN = Shard("gated_column", lambda t, ctx: gated_chunks(t, ctx.tp), lambda ps, ctx: gated_unchunk(ps),
+                     shape=_split(0, parts=2))
 
 
 LayerKind = Literal["dense", "moe"]

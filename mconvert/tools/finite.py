@@ -34,7 +34,31 @@ def count(t: LazyTensor) -> tuple[int, int] | None:
     """(NaN, Inf) in `t`, or None when it is not floating point."""
     if t.file_bytes is not None and t.dtype_name in BIT_PATTERNS:
         return count_file(t.file_bytes, t.dtype_name, t.numel)
+    if _finite_pieces(t):
+        return 0, 0
     return count_tensor(t.load())
+
+
+def _finite_pieces(t: LazyTensor) -> bool:
+    """Are the stored tensors `t` rearranges (`LazyTensor.elements_of`) all finite, read from their files? Then
+    so is `t`, a subset of their elements. Replicas must also hold the same bytes (reading `t` would check that;
+    where they differ, `t` is loaded and says so). False when anything is not known this way: `t` is then
+    loaded and counted."""
+    found = t.elements_of
+    if found is None or t.dtype_name not in BIT_PATTERNS or \
+            any(p.file_bytes is None or p.dtype_name != t.dtype_name for p in found.pieces):
+        return False
+    if found.replicas and len({_raw(p.file_bytes, p.nbytes) for p in found.pieces}) != 1:
+        return False
+    return all(count_file(p.file_bytes, p.dtype_name, p.numel) == (0, 0) for p in found.pieces)
+
+
+def _raw(where: FileBytes, nbytes: int) -> bytes:
+    if FileBytes.identity_of(os.stat(where.path)) != where.identity:
+        raise ConvertError(f"{where.path}: the file changed since its header was read")
+    with open(where.path, "rb") as f:
+        f.seek(where.offset)
+        return f.read(nbytes)
 
 
 def count_tensor(t: torch.Tensor) -> tuple[int, int] | None:
