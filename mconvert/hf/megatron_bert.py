@@ -185,6 +185,7 @@ def load(path: Path, options: Options) -> ModelIR:
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Hugging Face Megatron BERT (MegatronBertForPreTraining with a binary head, else MegatronBertForMaskedLM):
     safetensors, config, tokenizer."""
+    check_expressible(ir.config)  # before the zero token-type row is added
     save_hf(with_token_types(ir), out, options, progress, table=TABLE, config_to_hf=config_to_hf,
             where="saver megatron_bert_hf")
 
