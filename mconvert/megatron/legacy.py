@@ -242,6 +242,11 @@ def load(path: Path, options: Options) -> ModelIR:
     """Megatron-LM legacy GPT (nested language_model dicts), GPT-2 or Llama style, any checkpoint_version."""
     it_dir, iteration = find_iteration(Path(path))
     files = RankFiles(it_dir)
+    model = first_model(Path(path))
+    if model is not None and not is_legacy_checkpoint(Path(path)):
+        kind = "BertModel" if any(k.startswith("encoder.") for k in model) else "GPTModel"
+        raise ConvertError(f"{it_dir}: a megatron-core {kind} (flat keys such as {next(iter(model))}), not a "
+                           "Megatron-LM legacy model (nested language_model); read it with --loader core")
     order, version = _qkv_order(files)
     names = files.chunk_names()
     cached: dict[tuple[int, int, str], dict[str, LazyTensor]] = {}
