@@ -96,8 +96,8 @@ def test_bert_is_refused_as_gpt_and_gpt_as_bert(tmp_path):
     run_cli("--saver", "core", "--load-dir", bert, "--save-dir", tmp_path / "core")
     out = run_cli("--saver", "gpt2_hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "x",
                   expect_error=True)
-    assert "a BERT encoder (megatron_bert: bidirectional attention, an MLM head) (core or megatron_bert_hf can " \
-           "hold it)" in out
+    assert "a BERT encoder (megatron_bert: bidirectional attention, an MLM head) (bert_hf or core or legacy or " \
+           "megatron_bert_hf can hold it)" in out
     out = run_cli("--saver", "legacy", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "x",
                   expect_error=True)
     assert "a BERT encoder" in out
