@@ -99,6 +99,7 @@ ALIASES = tuple((re.compile(p), r) for p, r in (
     (r"\.input_norm\.", ".input_layernorm."),
     (r"\.post_attention_norm\.", ".post_attention_layernorm."),
     (r"^language_model\.encoder\.final_norm\.", "language_model.encoder.final_layernorm."),
+    (r"^lm_head\.norm\.", "lm_head.layernorm."),  # BERT's MLM head, the later legacy model's name
 ))
 
 # Not weights: module extra state (None, or TE's FP8 metadata) and rotary frequencies rebuilt from args.
