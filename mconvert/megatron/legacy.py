@@ -240,7 +240,8 @@ def is_legacy_checkpoint(path: Path) -> bool:
 @register_loader("legacy", aliases=("megatron_legacy",), detect=is_legacy_checkpoint,
                  options=("true_vocab_size", "tokenizer"))
 def load(path: Path, options: Options) -> ModelIR:
-    """Megatron-LM legacy GPT (nested language_model dicts), GPT-2 or Llama style, any checkpoint_version."""
+    """Megatron-LM legacy GPT (nested language_model dicts), GPT-2 or Llama style, and BERT, any
+    checkpoint_version."""
     it_dir, iteration = find_iteration(Path(path))
     files = RankFiles(it_dir)
     model = first_model(Path(path))
@@ -342,7 +343,7 @@ def _bert_problems(c: ModelConfig) -> list[str]:
                          "iteration"),
                 supports=SUPPORTS)
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
-    """Megatron-LM legacy GPT, `torch` format, checkpoint_version 3.0 (mp_rank_TT[_PPP]/model_optim_rng.pt)."""
+    """Megatron-LM legacy GPT or BERT, `torch` format, checkpoint_version 3.0 (mp_rank_TT[_PPP]/model_optim_rng.pt)."""
     c, layout = ir.config, options.layout
     if c.is_moe:
         raise ConvertError("the legacy saver writes dense models only; save a mixture-of-experts model with "

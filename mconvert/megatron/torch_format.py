@@ -63,7 +63,7 @@ def is_core_checkpoint(path: Path) -> bool:
                  options=("true_vocab_size", "tokenizer"))
 def load(path: Path, options: Options) -> ModelIR:
     """Megatron-core GPT: `torch` (local or Transformer-Engine names), `torch_dist`, `zarr`, `torch_dcp` or
-    `fsdp_dtensor`, detected."""
+    `fsdp_dtensor`, detected; BertModel in `torch` or `torch_dist`."""
     it_dir, iteration = find_iteration(Path(path))
     if core.is_dist_checkpoint(it_dir):
         return load_dist(it_dir, iteration, options)
@@ -157,7 +157,7 @@ def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> t
                 supports=frozenset(FEATURES) - {"post_norm"})  # torch_dcp, fsdp_dtensor refuse MTP modules themselves
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`,
-    `zarr`, `torch_dcp` or `fsdp_dtensor` (--ckpt-format)."""
+    `zarr`, `torch_dcp` or `fsdp_dtensor` (--ckpt-format); BertModel in `torch` or `torch_dist`."""
     check_expert_layout(ir, options)
     if options.mtp_layer_name != "transformer_layer" and options.ckpt_format != "torch":
         raise ConvertError(f"--mtp-layer-name {options.mtp_layer_name} is for --ckpt-format torch; megatron-core "
