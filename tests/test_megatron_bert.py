@@ -20,7 +20,7 @@ from tests.support.bert import (
     megatron_core_bert_logits,
 )
 from tests.support.cli import run_cli
-from tests.support.compare import assert_same_files, assert_same_hf_config
+from tests.support.compare import assert_same_files, assert_same_hf_config, assert_same_tensors, ir_tensors
 from tests.support.models import make_hf_model, random_ir
 
 TINY_BERT = dict(family="megatron_bert", num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -132,3 +132,23 @@ def test_what_megatron_core_bert_cannot_hold_is_refused(tmp_path):
     out = run_cli("--saver", "core", "--ckpt-format", "torch_dcp", "--load-dir", tmp_path / "hf", "--save-dir",
                   tmp_path / "x", expect_error=True)
     assert "saver core: a BERT model in --ckpt-format torch_dcp" in out
+
+
+def test_older_transformers_copies_are_checked(tmp_path):
+    """Older transformers stored the tied decoder (`cls.predictions.decoder.{weight,bias}`, copies of the word
+    embedding and of `cls.predictions.bias`) and the position_ids buffer: read the same, and a copy that differs
+    from its original is refused rather than dropped."""
+    from safetensors.torch import load_file, save_file
+
+    src = make_megatron_bert(tmp_path / "hf", binary_head=False)
+    want = ir_tensors(src)
+    weights = load_file(src / "model.safetensors")
+    old = weights | {"cls.predictions.decoder.weight": weights["bert.embeddings.word_embeddings.weight"].clone(),
+                     "cls.predictions.decoder.bias": weights["cls.predictions.bias"].clone(),
+                     "bert.embeddings.position_ids": torch.arange(64)[None]}
+    save_file(old, src / "model.safetensors", metadata={"format": "pt"})
+    assert_same_tensors(want, ir_tensors(src))
+    old["cls.predictions.decoder.bias"][0] += 1
+    save_file(old, src / "model.safetensors", metadata={"format": "pt"})
+    out = run_cli("--saver", "core", "--load-dir", src, "--save-dir", tmp_path / "x", expect_error=True)
+    assert "cls.predictions.decoder.bias: this copy of lm_head.bias (kept for older transformers) differs" in out
