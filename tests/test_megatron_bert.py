@@ -31,14 +31,15 @@ TINY_BERT = dict(family="megatron_bert", num_layers=2, hidden_size=32, ffn_hidde
 
 @pytest.mark.parametrize("binary_head, layout", [
     (True, ["--tp", "2", "--pp", "2"]),
-    (False, ["--tp", "1", "--pp", "2", "--transformer-impl", "te"]),
+    (False, ["--tp", "1", "--pp", "2", "--vpp", "2", "--transformer-impl", "te"]),
     (True, ["--tp", "2", "--pp", "1", "--transformer-impl", "te"]),
     (True, ["--ckpt-format", "torch_dist", "--transformer-impl", "te"]),
     (False, ["--ckpt-format", "torch_dist"]),
 ])
 def test_hf_megatron_bert_round_trips_through_core(tmp_path, binary_head, layout):
     """MegatronBertForPreTraining (pooler, binary head) and ...ForMaskedLM through megatron-core's BertModel
-    layouts (local and Transformer Engine names, the vocabulary padded and split with the output bias) and back:
+    layouts (local and Transformer Engine names, virtual pipeline chunks, torch_dist, the vocabulary padded and
+    split with the output bias) and back:
     every tensor bit-identical, the same config."""
     src = make_megatron_bert(tmp_path / "hf", binary_head=binary_head, seed=3)
     run_cli("--saver", "core", *layout, "--load-dir", src, "--save-dir", tmp_path / "core")
