@@ -384,8 +384,10 @@ def verify_command(a: Path, b: Path, loader_a, loader_b, true_vocab_size, per_la
 @main.command()
 def plugins() -> None:
     """List the loaders and savers (built in and installed through entry points)."""
-    for title, items in (("loaders", registry.loaders()), ("savers", registry.savers())):
+    groups = (("loaders", registry.loaders()), ("savers", registry.savers()))
+    width = max(16, *(len(p.name) + 2 for _, items in groups for p in items))
+    for title, items in groups:
         click.echo(f"{title}:")
         for p in items:
             alias = f" (aliases: {', '.join(p.aliases)})" if p.aliases else ""
-            click.echo(f"  {p.name:<16}{p.help}{alias}")
+            click.echo(f"  {p.name:<{width}}{p.help}{alias}")

@@ -26,7 +26,9 @@ HF_INTEGERS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_att
                # DeepSeek-V3/V2
                "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
                "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "first_k_dense_replace",
-               "num_nextn_predict_layers", "moe_layer_freq")
+               "num_nextn_predict_layers", "moe_layer_freq",
+               # BERT
+               "type_vocab_size")
 MEGATRON_INTEGERS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                      "kv_channels", "max_position_embeddings", "seq_length", "num_experts", "moe_router_topk",
                      "moe_ffn_hidden_size", "padded_vocab_size", "vocab_size", "orig_vocab_size",

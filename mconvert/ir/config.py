@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 from mconvert.ir.dtypes import DType
 
 Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2",
-                 "glm4_moe", "gemma3_text", "gpt_oss", "t5"]
+                 "glm4_moe", "gemma3_text", "gpt_oss", "t5", "megatron_bert", "bert"]
+# BERT encoders: bidirectional attention, an MLM head (see mconvert/ir/features.py); "bert" is HF's post-LN BERT
+BERT_FAMILIES = ("megatron_bert", "bert")
 Norm = Literal["rmsnorm", "layernorm"]
 # geglu_tanh: gelu_tanh(gate(x)) * up(x); quick_geglu: GPT-OSS's clamped x * sigmoid(1.702 x) gate
 Activation = Literal["swiglu", "gelu_tanh", "gelu", "geglu_tanh", "quick_geglu"]
@@ -123,9 +125,18 @@ class ModelConfig:
     glu_linear_offset: float = 0.0  # the gated unit is act(gate) * (up + offset)
     activation_clamp: float | None = None  # gate clamped above at it, up to [-it, it], before the gated unit
     # Megatron T5 (family "t5", see mconvert/ir/names.py): an encoder of `encoder_num_layers` layers beside the
-    # decoder of `num_layers`, and a bias on the (tied) LM head; 0 / False for every decoder-only family
+    # decoder of `num_layers` (0 for every other family); its LM head has a bias (lm_head_bias, below)
     encoder_num_layers: int = 0
-    lm_head_bias: bool = False
+    # BERT (families in BERT_FAMILIES; see mconvert/ir/features.py for the model they describe and names.py for the
+    # tensors; the defaults describe every other family)
+    num_tokentypes: int = 0  # token-type (segment) embeddings added to the input; 0: none
+    pooler: bool = False  # tanh(pooler(h[:, 0])): the pooled output of the first token
+    binary_head: bool = False  # next-sentence (binary) logits from the pooled output; needs the pooler
+    post_norm: bool = False  # post-LN layers and a norm of the embeddings, no final norm (HF "bert" only)
+    lm_head_bias: bool = False  # a bias on the LM head's logits (every BERT and T5 has one)
+    # the activation of the MLM head's transform: Megatron's BertLMHead always computes exact gelu, whatever the
+    # MLP's (its fused bias-GELU computes the tanh approximation); transformers' uses hidden_act for both
+    mlm_head_activation: Activation = "gelu"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -148,6 +159,7 @@ class ModelConfig:
         self._check_moe_layers()
         self._check_window_layers()
         self._check_encoder_decoder()
+        self._check_bert()
         check_model_config(self)  # non-finite or out-of-range numbers (NaN epsilon, negative rope theta, ...)
         check_config(self)  # DeepSeek's fields that contradict each other or the rest
 
@@ -168,8 +180,9 @@ class ModelConfig:
         if (self.family == "t5") != (n > 0):
             raise ConvertError(f"family {self.family!r} with encoder_num_layers={n}: only family 't5' (an "
                                "encoder-decoder) has encoder layers, and it needs at least one")
-        if self.lm_head_bias and self.family != "t5":
-            raise ConvertError(f"lm_head_bias: only the T5 family has a bias on its LM head, not {self.family!r}")
+        if self.lm_head_bias and self.family != "t5" and not self.is_bert:
+            raise ConvertError(f"lm_head_bias: only T5 and BERT families have a bias on their LM head, not "
+                               f"{self.family!r}")
         if self.family == "t5":
             bad = [f"{name}={value!r}" for name, value, ok in (
                 ("position_embedding", self.position_embedding, self.position_embedding == "learned"),
@@ -189,6 +202,43 @@ class ModelConfig:
     def is_encoder_decoder(self) -> bool:
         """T5: an encoder, and a decoder whose layers also attend to the encoder's output (cross-attention)."""
         return self.encoder_num_layers > 0
+    def _check_bert(self) -> None:
+        """BERT as Megatron and transformers build it: learned absolute positions, LayerNorm, a dense ungated MLP,
+        multi-head attention, a biased LM head; BERT's own fields on BERT families only."""
+        n = self.num_tokentypes
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConvertError(f"num_tokentypes must be a non-negative integer, got {n!r}")
+        bert = {"num_tokentypes": n > 0, "pooler": self.pooler, "binary_head": self.binary_head,
+                "post_norm": self.post_norm, "mlm_head_activation": self.mlm_head_activation != "gelu"}
+        if not self.is_bert:
+            if set_ := [name for name, on in bert.items() if on]:
+                raise ConvertError(f"{', '.join(set_)} describe BERT encoders (families {', '.join(BERT_FAMILIES)}), "
+                                   f"not family {self.family!r}")
+            return
+        bad = [f"{name}={value!r}" for name, value, ok in (
+            ("position_embedding", self.position_embedding, self.position_embedding == "learned"),
+            ("norm", self.norm, self.norm == "layernorm"),
+            ("activation", self.activation, not self.gated),
+            ("mlm_head_activation", self.mlm_head_activation, self.mlm_head_activation in ("gelu", "gelu_tanh")),
+            ("num_experts", self.num_experts, not self.is_moe),
+            ("kv_lora_rank", self.kv_lora_rank, not self.is_mla),
+            ("sliding_window", self.sliding_window, self.sliding_window is None),
+            ("mtp_layers", self.mtp_layers, not self.mtp_layers),
+            ("qk_norm", self.qk_norm, not self.qk_norm),
+            ("lm_head_bias", self.lm_head_bias, self.lm_head_bias),
+            ("post_norm", self.post_norm, self.post_norm == (self.family == "bert")),
+            ("binary_head", self.binary_head, self.pooler or not self.binary_head),
+        ) if not ok]
+        if bad:
+            raise ConvertError(f"a BERT encoder (family {self.family!r}) has learned absolute positions, LayerNorm, "
+                               "an ungated dense MLP, multi-head attention, a biased LM head, post-LN layers exactly "
+                               "in family 'bert', and a binary head only with the pooler; this config has "
+                               + ", ".join(bad))
+
+    @property
+    def is_bert(self) -> bool:
+        """A BERT encoder: bidirectional attention over the unpadded tokens, an MLM head (mconvert.ir.features)."""
+        return self.family in BERT_FAMILIES
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (keys a query sees, itself included), or None for full attention."""
@@ -296,6 +346,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "family": get_args(Family),
     "norm": get_args(Norm),
     "activation": get_args(Activation),
+    "mlm_head_activation": get_args(Activation),
     "position_embedding": get_args(PositionEmbedding),
     "dtype": get_args(DType),
     "moe_router_score": get_args(RouterScore),

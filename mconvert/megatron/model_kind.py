@@ -38,15 +38,16 @@ WHAT = {
     "bert": "a Megatron BERT (encoder-only: lm_head.dense, binary_head, pooler or token-type embeddings)",
     "gpt": "a Megatron GPT (decoder-only: no encoder, no cross-attention)",
 }
-LOADERS = {"t5": "--loader t5", "gpt": "--loader core or --loader legacy"}
+LOADERS = {"t5": "--loader t5", "gpt": "--loader core or --loader legacy", "bert": "--loader core or --loader legacy"}
 
 
-def refuse_other(model: dict, where: str, loader: str, expected: str) -> None:
-    """The `loader` reading `expected` models ('gpt', 't5', 'bert') refuses a model dict holding another kind,
-    naming what it holds and which loader reads that."""
+def refuse_other(model: dict, where: str, loader: str, expected: str | tuple[str, ...]) -> None:
+    """The `loader` reading `expected` models (one or several of 'gpt', 't5', 'bert') refuses a model dict holding
+    another kind, naming what it holds and which loader reads that."""
+    expected = (expected,) if isinstance(expected, str) else tuple(expected)
     found = kind(model)
-    if found != expected:
+    if found not in expected:
         how = f"use {LOADERS[found]} (or leave --loader out)" if found in LOADERS else \
             "read it with its own loader (leave --loader out to detect it)"
-        raise ConvertError(f"{where}: holds {WHAT[found]} model, not {expected.upper()}, which the {loader} loader "
-                           f"reads; {how}")
+        raise ConvertError(f"{where}: holds {WHAT[found]} model, not {' or '.join(e.upper() for e in expected)}, "
+                           f"which the {loader} loader reads; {how}")

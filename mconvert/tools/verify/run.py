@@ -147,6 +147,10 @@ def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progre
     if ir_a.config.is_encoder_decoder or ir_b.config.is_encoder_decoder:
         raise ConvertError("verify runs decoder-only models (through mtrain's model); an encoder-decoder (Megatron "
                            "T5) is checked tensor by tensor with `mconvert compare`")
+    for label, ir in (("A", ir_a), ("B", ir_b)):
+        if ir.config.is_bert:  # mtrain's GPT model would run it causally, without its token types and MLM head
+            raise ConvertError(f"{label}: a BERT encoder ({ir.config.family}); verify runs decoder-only (GPT) models "
+                               "and would compute another architecture; compare its tensors with `mconvert compare`")
     device = parse_device(settings.device)
     tokens, source = make_tokens(settings, ir_a, ir_b)
     p = plan(ir_a, ir_b, reference_side(settings, a, b, ir_a, ir_b))
