@@ -119,6 +119,21 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MLMConfig:
+    """BERT: what the IR config does not (yet) say, and Megatron's masking settings (mtrain/data/bert_dataset.py)."""
+
+    enabled: bool = opt(False, "train a BERT encoder on masked tokens (model: learned, layernorm, tied)")
+    nsp: bool = opt(True, "next-sentence prediction: the binary head and its loss")
+    num_tokentypes: int = opt(2, "token-type (segment) embeddings (0: none)")
+    masking_probability: float = opt(0.15, "share of a sample's tokens predicted (80% [MASK], 10% random)")
+    short_seq_prob: float = opt(0.1, "share of samples given a random shorter length")
+    cls_id: int | None = opt(None, "id of [CLS] (null: the tokenizer's)")
+    sep_id: int | None = opt(None, "id of [SEP] (null: the tokenizer's)")
+    mask_id: int | None = opt(None, "id of [MASK] (null: the tokenizer's)")
+    pad_id: int | None = opt(None, "id of [PAD] (null: the tokenizer's)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     interval: int = opt(10, "progress line every N steps (loss: their mean)")
     tensorboard_dir: str | None = opt(None, "TensorBoard scalars here (mconvert[train] extra)")
@@ -137,6 +152,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    mlm: MLMConfig = field(default_factory=MLMConfig)
     # finetuning: the model section's fields, applied to the checkpoint's config (apply_model_changes)
     model_changes: dict[str, Any] = field(default_factory=dict)
 
@@ -154,7 +170,7 @@ class Config:
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainSection, "optim": OptimConfig,
                              "eval": EvalConfig, "checkpoint": CheckpointConfig, "parallel": ParallelConfig,
-                             "logging": LoggingConfig}
+                             "logging": LoggingConfig, "mlm": MLMConfig}
 SECTION_HELP = {
     "model": "the architecture (mconvert's ModelConfig); from the checkpoint when finetuning or resuming",
     "data": "dataset prefixes and blend weights, split, sequence length, tokenizer",
@@ -164,6 +180,7 @@ SECTION_HELP = {
     "checkpoint": "where and how often to save, what to finetune from",
     "parallel": "the layout: data (FSDP2/DDP), tensor (+sequence), pipeline (+virtual stages), expert, context",
     "logging": "progress lines, TensorBoard, Weights & Biases",
+    "mlm": "BERT: masked-LM (+ next-sentence) pretraining, Megatron's masking",
 }
 
 

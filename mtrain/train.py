@@ -39,11 +39,12 @@ from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
 from mtrain import checkpoint, cpu_memory, distributed, flops, precision, run_lock, weights
 from mtrain.config import Config, apply_model_changes, check_positions, dump
-from mtrain.data.loader import RankBatches, build_splits, describe_data
+from mtrain.data.bert_dataset import split_batch
+from mtrain.data.loader import RankBatches, build_splits, describe_data, masking_config, next_token_batch
 from mtrain.errors import TrainError
 from mtrain.expert_bias import ExpertBiasUpdater
 from mtrain.metrics import Metrics, build_sinks
-from mtrain.models import moe, mtp, state_dict_adapter
+from mtrain.models import bert, moe, mtp, state_dict_adapter
 from mtrain.optim import Optimizers, lr_at
 from mtrain.parallel import dp_mode, grads
 from mtrain.parallel.context_parallel import split_sequence
@@ -118,19 +119,24 @@ class Trainer:
         dims.check_batches(config.data.seq_len, t.global_batch_size, t.micro_batch_size)
         e = config.eval  # the data first: a wrong path fails before any weights are read
         samples = {"train": t.steps * t.global_batch_size, "valid": e.steps * t.global_batch_size if e.interval else 0}
-        splits = build_splits(config.data, samples)
+        self.bert = bert.BertSpec(config.mlm.num_tokentypes, config.mlm.nsp) if config.mlm.enabled else None
+        masking = masking_config(config.data, config.mlm, model_config.vocab_size, config.data.tokenizer) \
+            if self.bert else None
+        self.collate = split_batch if self.bert else next_token_batch
+        splits = build_splits(config.data, samples, masking)
         if self.env.is_main:
-            for line in describe_data(config.data, samples):
+            for line in describe_data(config.data, samples, bert=self.bert is not None):
                 self.out(line)
         mesh = dims.build_mesh(self.env.device.type)
         self.precision = precision.resolve(t.precision, self.env.device, self.env.world, self.out)
-        self.dp_mode, line = dp_mode.resolve(config.parallel.dp_mode, dims, self.env.device, _num_params(model_config))
+        self.dp_mode, line = dp_mode.resolve(config.parallel.dp_mode, dims, self.env.device,
+                                             _num_params(model_config, self.bert))
         if line:
             self.out(line)
         self.parallel = build_parallel_model(
             model_config, dims, mesh, device=self.env.device, dp_mode=self.dp_mode,
             precision=self.precision, recompute=t.recompute, compile_mode=t.compile,
-            moe_capacity_factor=t.moe_capacity_factor)
+            moe_capacity_factor=t.moe_capacity_factor, bert=self.bert)
         self.parts = self.parallel.parts
         self.model = self.parts[0]  # the whole model without pipeline parallel
         self.coords = self.parallel.coords
@@ -148,15 +154,17 @@ class Trainer:
             weights.load_full_weights(self.parts, weights.ir_weights(source, weights.local_names(self.parts)))
             self.out(f"finetuning from {source.source.path} ({source.source.format}); step 0, fresh optimizer")
         else:
+            extra = bert.bert_tensors(model_config, self.bert) if self.bert else None
             weights.load_full_weights(self.parts, weights.random_init(model_config, t.seed, t.init_std,
-                                                                      weights.local_names(self.parts)))
+                                                                      weights.local_names(self.parts), extra))
         mode = self.dp_mode if dims.dp > 1 else "single"
-        self.out(f"model: {weights.describe(model_config)}; {_num_params(model_config):,} parameters; "
+        kind = f"BERT ({'MLM + NSP' if self.bert.binary_head else 'MLM'}) on " if self.bert else ""
+        self.out(f"model: {kind}{weights.describe(model_config)}; {_num_params(model_config, self.bert):,} parameters; "
                  f"{self.env.world} rank(s): {dims.describe()} (data parallel: {mode})")
 
         self.batches = RankBatches(splits["train"], global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                                    rank=self.coords.dp, world=dims.dp, vocab_size=model_config.vocab_size,
-                                   consumed_samples=self.state.consumed_samples)
+                                   consumed_samples=self.state.consumed_samples, collate=self.collate)
         self.valid = splits["valid"]
         for part in self.parts:
             moe.set_aux_loss_scale(part, 1.0 / self.batches.micro_batches)
@@ -309,6 +317,8 @@ class Trainer:
         """The language-model loss; given the `whole` sequences' labels in training, the MTP modules' loss joins its
         gradient (models/mtp.py)."""
         with self._autocast():
+            if self.bert:
+                return bert.bert_loss(self.model(inputs), labels)
             logits = self.model(inputs, labels=whole) if self.model_config.mtp_layers else self.model(inputs)
         return self._cross_entropy(logits, labels)
 
@@ -366,7 +376,8 @@ class Trainer:
         for part in self.parts:
             part.eval()
         batches = RankBatches(self.valid, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
-                              rank=self.coords.dp, world=self.dims.dp, vocab_size=self.model_config.vocab_size)
+                              rank=self.coords.dp, world=self.dims.dp, vocab_size=self.model_config.vocab_size,
+                              collate=self.collate)
         total, count = 0.0, 0
         for _ in range(self.config.eval.steps):
             micro = batches.next()
@@ -491,9 +502,10 @@ def _ir_model_shapes(ir: ModelIR) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _num_params(c: ModelConfig) -> int:
+def _num_params(c: ModelConfig, spec: bert.BertSpec | None = None) -> int:
     total = 0
-    for shape in state_dict_adapter.model_shapes(c).values():
+    extra = bert.bert_tensors(c, spec) if spec else {}
+    for shape in (state_dict_adapter.model_shapes(c) | extra).values():
         n = 1
         for s in shape:
             n *= s

@@ -46,11 +46,12 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def random_init(c: ModelConfig, seed: int, std: float = 0.02, names: Collection[str] | None = None
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+def random_init(c: ModelConfig, seed: int, std: float = 0.02, names: Collection[str] | None = None,
+                extra: dict[str, tuple[int, ...]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Megatron's scheme: N(0, std) weights, N(0, std/sqrt(2L)) for the projections that feed the residual
-    stream (attention output, MLP down), norms at 1 (zero-centered ones at 0), biases at 0. Only `names` when given."""
-    for name, shape in state_dict_adapter.model_shapes(c).items():
+    stream (attention output, MLP down), norms at 1 (zero-centered ones at 0), biases at 0. Only `names` when given;
+    `extra` parameters (name: shape) besides the IR's too (BERT's heads)."""
+    for name, shape in (state_dict_adapter.model_shapes(c) | (extra or {})).items():
         if names is not None and name not in names:
             continue
         if name.endswith("bias"):

@@ -1,0 +1,177 @@
+"""BERT samples, Megatron's way: sentence pairs (next-sentence prediction) with masked-LM labels.
+
+An indexed dataset's documents hold one or more sequences, the sentences (`mtrain preprocess` writes one per
+document; `IndexedDatasetWriter.add_document(sentences=...)` several). For the documents of one split:
+
+  1. sample index (Megatron's `build_mapping`): each epoch walks the documents in order, skipping those with fewer
+     than `min_sentences` sentences (2 with NSP, else 1) and those of several sentences with one longer than 512
+     tokens; a sample gathers consecutive sentences until it reaches its target length (seq_len - 3, or with
+     probability `short_seq_prob` a random length in [2, seq_len - 3]) while at least two sentences remain, or
+     until the document ends. Samples are (first sentence, end sentence, target length); whole epochs are taken
+     until there are enough, then the samples are shuffled (seeded).
+  2. a sample (Megatron's `BERTMaskedWordPieceDataset.__getitem__`, its own RandomState(seed + index)):
+     with NSP, the sentences split at a random pivot into A | B, swapped with probability 1/2 (is_random = 1);
+     the longer of A and B loses a token at a random end until both fit the target; then
+         tokens = [CLS] A [SEP] B [SEP]   types = 0 for [CLS] A [SEP], 1 for B [SEP]   (without NSP: [CLS] A [SEP])
+  3. masking (Megatron's `_create_masked_lm_predictions`, unigrams, whole-word masking off): every token but
+     [CLS] and [SEP] is a candidate; the candidates are shuffled and the first
+         n = min(p * target, max(1, round(p * len(tokens))))        p = masking_probability (0.15)
+     are predicted; each becomes [MASK] with probability 0.8, a uniformly random vocabulary id with 0.1, and
+     stays itself with 0.1. Labels are the original ids at the predicted positions, IGNORE elsewhere.
+  4. padding to seq_len with [PAD] (the padding mask is 0 there; attention ignores those keys).
+
+`BertDataset[i]` is one int64 array of shape (5, seq_len): tokens, token types, padding mask (1 = a real token),
+labels, and the NSP label (is_random, repeated along the row), so batches stack like the GPT samples do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mtrain.data.indexed import IndexedDataset
+from mtrain.errors import TrainError
+
+IGNORE = -100  # label of positions that are not predicted (cross entropy's ignore_index)
+LONG_SENTENCE = 512  # Megatron: a document with several sentences and one this long is skipped
+ROWS = ("tokens", "types", "padding_mask", "labels", "is_random")
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    cls: int
+    sep: int
+    mask: int
+    pad: int
+
+
+@dataclass(frozen=True)
+class MaskingConfig:
+    seq_len: int
+    vocab_size: int  # random replacements are drawn from [0, vocab_size)
+    special: SpecialTokens
+    nsp: bool = True
+    masking_probability: float = 0.15
+    short_seq_prob: float = 0.1
+    seed: int = 1234
+
+
+def _target_length(rng: np.random.RandomState, short_ratio: int, max_length: int) -> int:
+    """Megatron's get_target_sample_len: max_length, or with probability 1/short_ratio 2 + r % (max_length - 1)."""
+    if short_ratio == 0:
+        return max_length
+    r = int(rng.randint(0, 2**32, dtype=np.uint64))
+    return 2 + r % (max_length - 1) if r % short_ratio == 0 else max_length
+
+
+def build_sample_index(document_bounds: np.ndarray, sizes: np.ndarray, documents: np.ndarray, num_samples: int,
+                       max_length: int, short_seq_prob: float, seed: int, min_sentences: int) -> np.ndarray:
+    """(samples, 3) int64 rows (first sentence, end sentence, target length), whole epochs over `documents` until
+    there are at least `num_samples`, shuffled. `document_bounds[d]:document_bounds[d + 1]` are d's sentences."""
+    rng = np.random.RandomState(seed)
+    short_ratio = int(round(1.0 / short_seq_prob)) if short_seq_prob > 0 else 0
+    rows: list[tuple[int, int, int]] = []
+    while len(rows) < num_samples:
+        before = len(rows)
+        for d in documents:
+            first, last = int(document_bounds[d]), int(document_bounds[d + 1])
+            remain = last - first
+            if remain < min_sentences or (remain > 1 and (sizes[first:last] > LONG_SENTENCE).any()):
+                continue
+            start, length, count = first, 0, 0
+            target = _target_length(rng, short_ratio, max_length)
+            for s in range(first, last):
+                length, count, remain = length + int(sizes[s]), count + 1, remain - 1
+                if (length >= target and remain > 1 and count >= min_sentences) or remain == 0:
+                    rows.append((start, s + 1, target))
+                    start, length, count = s + 1, 0, 0
+                    target = _target_length(rng, short_ratio, max_length)
+        if len(rows) == before:
+            raise TrainError(f"no BERT sample can be made: every document has fewer than {min_sentences} "
+                             "sentence(s) or a long sentence (> 512 tokens) among several"
+                             + (" (next-sentence prediction needs documents of two or more sentences: "
+                                "preprocess with sentences split, or set mlm.nsp false)" if min_sentences > 1
+                                else ""))
+    index = np.asarray(rows, dtype=np.int64)
+    return index[np.random.RandomState(seed + 1).permutation(len(index))]
+
+
+def mask_tokens(tokens: list[int], target: int, cfg: MaskingConfig, rng: np.random.RandomState
+                ) -> tuple[list[int], list[int], list[int]]:
+    """(masked tokens, predicted positions ascending, their original ids): step 3 of the module docstring."""
+    special = (cfg.special.cls, cfg.special.sep)
+    candidates = [i for i, t in enumerate(tokens) if t not in special]
+    n = min(cfg.masking_probability * target, max(1, int(round(len(tokens) * cfg.masking_probability))))
+    rng.shuffle(candidates)
+    out, chosen = list(tokens), []
+    for i in candidates:
+        if len(chosen) >= n:
+            break
+        if rng.random_sample() < 0.8:
+            out[i] = cfg.special.mask
+        elif rng.random_sample() >= 0.5:
+            out[i] = int(rng.randint(0, cfg.vocab_size))
+        chosen.append(i)
+    chosen.sort()
+    return out, chosen, [tokens[i] for i in chosen]
+
+
+def make_sample(sentences: list[np.ndarray], target: int, cfg: MaskingConfig, rng: np.random.RandomState
+                ) -> np.ndarray:
+    """The (5, seq_len) sample of these sentences: steps 2-4 of the module docstring."""
+    pivot, is_random = len(sentences), 0
+    if cfg.nsp:
+        pivot = int(rng.randint(1, len(sentences))) if len(sentences) >= 3 else 1
+        is_random = int(rng.random_sample() < 0.5)
+    a = [int(t) for s in sentences[:pivot] for t in s]
+    b = [int(t) for s in sentences[pivot:] for t in s]
+    if is_random:
+        a, b = b, a
+    while len(a) + len(b) > target:
+        part = a if len(a) > len(b) else b
+        del part[0 if rng.random_sample() < 0.5 else -1]
+    sp = cfg.special
+    tokens = [sp.cls, *a, sp.sep] + ([*b, sp.sep] if b else [])
+    types = [0] * (len(a) + 2) + [1] * (len(b) + 1 if b else 0)
+    tokens, positions, labels = mask_tokens(tokens, target, cfg, rng)
+    out = np.zeros((len(ROWS), cfg.seq_len), dtype=np.int64)
+    out[0, :] = sp.pad
+    out[0, :len(tokens)] = tokens
+    out[1, :len(types)] = types
+    out[2, :len(tokens)] = 1
+    out[3, :] = IGNORE
+    out[3, positions] = labels
+    out[4, :] = is_random
+    return out
+
+
+class BertDataset:
+    """BERT samples of `documents` (document numbers of an indexed dataset), at least `num_samples` of them."""
+
+    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, cfg: MaskingConfig, num_samples: int,
+                 name: str = "train"):
+        if cfg.seq_len < 5:
+            raise TrainError(f"data.seq_len {cfg.seq_len} is too short for BERT: [CLS], [SEP] x2 and two tokens")
+        if len(documents) == 0:
+            raise TrainError(f"the {name} split of {indexed.prefix} has no documents")
+        self.indexed, self.cfg = indexed, cfg
+        self.sample_index = build_sample_index(
+            indexed.document_indices, indexed.sequence_lengths, documents, num_samples, cfg.seq_len - 3,
+            cfg.short_seq_prob, cfg.seed, 2 if cfg.nsp else 1)
+
+    def __len__(self) -> int:
+        return len(self.sample_index)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        first, end, target = (int(x) for x in self.sample_index[i])
+        rng = np.random.RandomState((self.cfg.seed + i) % 2**32)
+        return make_sample([self.indexed.get(s) for s in range(first, end)], target, self.cfg, rng)
+
+
+def split_batch(rows: np.ndarray):
+    """A stacked (B, 5, T) batch as (inputs (B, 3, T): tokens, types, padding mask; labels (B, T + 1): the MLM
+    labels, then the NSP label)."""
+    batch = torch.from_numpy(np.ascontiguousarray(rows))
+    return batch[:, :3], torch.cat([batch[:, 3], batch[:, 4, :1]], dim=1)
