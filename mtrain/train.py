@@ -76,6 +76,7 @@ class Trainer:
         self.stop = stop
         self.metrics = None
         self.finished_message: str | None = None
+        self.bert_eval: dict[str, float] = {}  # BERT: the last validation's MLM loss, NSP loss and accuracy
         self.run_lock: run_lock.RunLock | None = None
         self.env = distributed.init()
         self.out = out if self.env.is_main else (lambda _: None)
@@ -379,6 +380,7 @@ class Trainer:
                               rank=self.coords.dp, world=self.dims.dp, vocab_size=self.model_config.vocab_size,
                               collate=self.collate)
         total, count = 0.0, 0
+        sums: dict[str, float] = {}  # BERT's MLM loss, NSP loss and accuracy (bert_eval)
         for _ in range(self.config.eval.steps):
             micro = batches.next()
             if self.schedule is not None:
@@ -387,9 +389,25 @@ class Trainer:
                 continue
             for inputs, labels in micro:
                 with self._loss_context():
-                    total += _value(self._loss(*self._local_tokens(inputs, labels)))
+                    if self.bert:
+                        total += self._bert_eval(*self._local_tokens(inputs, labels), sums)
+                    else:
+                        total += _value(self._loss(*self._local_tokens(inputs, labels)))
                 count += 1
+        self.bert_eval = {k: self._mean_loss(v / count, True) for k, v in sums.items()}
         return self._mean_loss(total / count, has_loss=self.parallel.has_last_stage)
+
+    def _bert_eval(self, inputs: torch.Tensor, labels: torch.Tensor, sums: dict[str, float]) -> float:
+        """One BERT validation micro-batch's loss; its MLM loss, NSP loss and NSP accuracy are added to `sums`."""
+        with self._autocast():
+            output = self.model(inputs)
+        mlm, nsp = bert.bert_losses(output, labels)
+        parts = {"mlm loss": _value(mlm)}
+        if nsp is not None:
+            parts |= {"nsp loss": _value(nsp), "nsp accuracy": bert.nsp_correct(output, labels) / len(labels)}
+        for k, v in parts.items():
+            sums[k] = sums.get(k, 0.0) + v
+        return parts["mlm loss"] + parts.get("nsp loss", 0.0)
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -452,6 +470,8 @@ class Trainer:
     def _validate(self, step: int) -> float:
         loss = self.evaluate()
         self.metrics.validation(step, loss)
+        if self.bert_eval:
+            self.out(f"validation at step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in self.bert_eval.items()))
         return loss
 
     def _save(self) -> Path:

@@ -104,18 +104,31 @@ class BertModel(Transformer):
         return logits, nsp
 
 
-def bert_loss(output: tuple[torch.Tensor, torch.Tensor | None], labels: torch.Tensor) -> torch.Tensor:
-    """MLM cross entropy over the labelled positions (+ the NSP cross entropy); labels (B, T + 1) as split_batch
-    makes them. In fp32 at least (a float64 model stays float64)."""
+def bert_losses(output: tuple[torch.Tensor, torch.Tensor | None], labels: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(MLM cross entropy over the labelled positions, NSP cross entropy or None); labels (B, T + 1) as
+    split_batch makes them. In fp32 at least (a float64 model stays float64)."""
     logits, nsp = output
     dtype = torch.promote_types(logits.dtype, torch.float32)
     loss = F.cross_entropy(logits.flatten(0, 1).to(dtype), labels[:, :-1].flatten(), ignore_index=IGNORE)
     if nsp is None:
-        return loss
+        return loss, None
     nsp_loss = F.cross_entropy(nsp.to(dtype), labels[:, -1])
-    if isinstance(loss, DTensor):
+    if isinstance(loss, DTensor):  # under loss_parallel the MLM loss is a replicated DTensor
         nsp_loss = DTensor.from_local(nsp_loss, loss.device_mesh, [Replicate()], run_check=False)
-    return loss + nsp_loss
+    return loss, nsp_loss
+
+
+def bert_loss(output: tuple[torch.Tensor, torch.Tensor | None], labels: torch.Tensor) -> torch.Tensor:
+    """The training loss: MLM loss + NSP loss (bert_losses)."""
+    mlm, nsp = bert_losses(output, labels)
+    return mlm if nsp is None else mlm + nsp
+
+
+def nsp_correct(output: tuple[torch.Tensor, torch.Tensor | None], labels: torch.Tensor) -> int:
+    """How many samples the NSP head classifies right (0 without it)."""
+    nsp = output[1]
+    return 0 if nsp is None else int((nsp.argmax(-1) == labels[:, -1]).sum())
 
 
 @dataclass

@@ -1,0 +1,234 @@
+"""BERT in mtrain: Megatron's masking and sentence pairs (mtrain/data/bert_dataset.py), the bidirectional encoder
+with its MLM and NSP heads (mtrain/models/bert.py), training that learns, validation's MLM/NSP figures, resuming,
+and tensor (+sequence) and data parallel runs like one process (the bounds of tests/mtrain/parity.py).
+
+The corpus (tests/support/bert_corpus.py) is written sentence by sentence, as BERT's data is: a noisy Markov chain, so
+a masked word is predictable from its neighbours.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mconvert.ir.config import ModelConfig
+from mtrain import weights
+from mtrain.config import from_dict
+from mtrain.data.bert_dataset import IGNORE, BertDataset, MaskingConfig, SpecialTokens, split_batch
+from mtrain.data.indexed import IndexedDataset, IndexedDatasetWriter
+from mtrain.errors import TrainError
+from mtrain.models.bert import BertModel, BertSpec, bert_tensors
+from mtrain.train import Trainer
+from tests.mtrain.recording import RecordingTrainer, merge
+from tests.support.bert_corpus import CLS, MASK, PAD, SEP, SPECIAL, TINY_BERT, VOCAB, build_bert_corpus
+from tests.support.launch import launch, with_sections
+from tests.support.training import STEPS, check_tensors, losses_and_valid
+
+SEQ = 32
+MASKING = MaskingConfig(seq_len=SEQ, vocab_size=VOCAB, special=SpecialTokens(cls=CLS, sep=SEP, mask=MASK, pad=PAD))
+
+
+@pytest.fixture(scope="module")
+def bert_corpus(tmp_path_factory) -> str:
+    return build_bert_corpus(tmp_path_factory.mktemp("bert_corpus"))
+
+
+def raw_config(prefix: str, **sections) -> dict:
+    raw = {"model": dict(TINY_BERT), "data": {"paths": [prefix], "seq_len": SEQ, "split": "90,10,0"},
+           "train": {"steps": STEPS, "micro_batch_size": 2, "global_batch_size": 8},
+           "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2}, "eval": {"interval": 2, "steps": 1},
+           "logging": {"interval": 1000}, "mlm": {"enabled": True, **SPECIAL}}
+    return with_sections(raw, **sections)
+
+
+def numbered_sentences(tmp_path) -> IndexedDataset:
+    """Documents of 2-6 sentences whose tokens are all 4 + the sentence's number in its document (so a sample's
+    original tokens say which sentences it holds and in which order)."""
+    rng = np.random.RandomState(0)
+    writer = IndexedDatasetWriter(tmp_path / "numbered", np.uint16)
+    for _ in range(300):
+        writer.add_document(sentences=[[4 + j] * rng.randint(2, 9) for j in range(rng.randint(2, 7))])
+    writer.finalize()
+    return IndexedDataset(tmp_path / "numbered")
+
+
+def originals(sample: np.ndarray) -> np.ndarray:
+    """The tokens before masking: the labels where a token was predicted."""
+    return np.where(sample[3] != IGNORE, sample[3], sample[0])
+
+
+def test_masking_follows_megatron(tmp_path):
+    """Per sample exactly min(ceil(n), candidates) tokens are predicted, n = min(0.15 x target, max(1, round(0.15 x
+    length))), never [CLS], [SEP] or padding; of the predicted ones 80% become [MASK], 10% a random id, 10% stay.
+    Over N predictions each share lies within 4.5 binomial standard deviations sqrt(p (1 - p) / N) of its p (a
+    fixed seed: the same draw every run; 4.5 sigma leaves a true rule a 1e-5 chance of failing on a new seed). A
+    random id equals the original with probability 1/V, so "kept" is 0.1 + 0.1/V and "random" 0.1 - 0.1/V."""
+    ds = BertDataset(numbered_sentences(tmp_path), np.arange(300), MASKING, 2000)
+    masked = kept = random = 0
+    for i in range(2000):
+        sample, (_, _, target) = ds[i], ds.sample_index[i]
+        tokens, types, padding, labels = sample[:4]
+        length = int(padding.sum())
+        assert padding[:length].all() and not padding[length:].any() and (tokens[length:] == PAD).all()
+        original = originals(sample)[:length]
+        assert original[0] == CLS and original[-1] == SEP and length <= target + 3
+        candidates = int(((original != CLS) & (original != SEP)).sum())
+        n = min(0.15 * target, max(1, round(0.15 * length)))
+        predicted = labels != IGNORE
+        assert int(predicted.sum()) == min(math.ceil(n), candidates), i
+        assert not predicted[~np.isin(np.arange(SEQ), np.flatnonzero((original != CLS) & (original != SEP)))].any()
+        masked += int((tokens[predicted] == MASK).sum())
+        kept += int((tokens[predicted] == labels[predicted]).sum())
+        random += int(((tokens[predicted] != MASK) & (tokens[predicted] != labels[predicted])).sum())
+    total = masked + kept + random
+    for count, p in ((masked, 0.8), (kept, 0.1 + 0.1 / VOCAB), (random, 0.1 - 0.1 / VOCAB)):
+        assert abs(count / total - p) <= 4.5 * math.sqrt(p * (1 - p) / total), (count, total, p)
+
+
+def test_sentence_pairs_are_next_or_swapped(tmp_path):
+    """With NSP: [CLS] A [SEP] B [SEP], types 0 up to the first [SEP] and 1 after; A's sentences come before B's in
+    the document unless is_random, when they are swapped (about half the samples: within 4.5 binomial
+    standard deviations). Without NSP: [CLS] A [SEP] of one or more sentences, types 0."""
+    indexed = numbered_sentences(tmp_path)
+    ds = BertDataset(indexed, np.arange(300), MASKING, 1000)
+    swapped = 0
+    for i in range(1000):
+        sample = ds[i]
+        original, types, length = originals(sample), sample[1], int(sample[2].sum())
+        seps = np.flatnonzero(original[:length] == SEP)
+        assert len(seps) == 2 and seps[1] == length - 1
+        assert (types[:seps[0] + 1] == 0).all() and (types[seps[0] + 1:length] == 1).all()
+        a, b = set(original[1:seps[0]]), set(original[seps[0] + 1:length - 1])
+        assert a and b and not a & b
+        is_random = sample[4, 0]
+        assert (sample[4] == is_random).all()
+        first, second = (b, a) if is_random else (a, b)
+        assert max(first) < min(second)  # truncation may drop a whole short sentence at either end of A or B
+        swapped += int(is_random)
+    assert abs(swapped / 1000 - 0.5) <= 4.5 * math.sqrt(0.25 / 1000)
+    single = BertDataset(indexed, np.arange(300), MaskingConfig(**{**MASKING.__dict__, "nsp": False}), 100)
+    for i in range(100):
+        sample = single[i]
+        assert (sample[1] == 0).all() and (sample[4] == 0).all()
+        assert int((originals(sample) == SEP).sum()) == 1
+
+
+def test_sample_index_takes_whole_documents_in_order(tmp_path):
+    """Every sample's sentences are consecutive ones of one document, at least two with NSP; the target lengths are
+    seq_len - 3, or with probability 0.1 a shorter one; samples are a seeded shuffle (the same for the same seed)."""
+    indexed = numbered_sentences(tmp_path)
+    ds = BertDataset(indexed, np.arange(300), MASKING, 500)
+    bounds = indexed.document_indices
+    for first, end, target in ds.sample_index:
+        doc = int(np.searchsorted(bounds, first, side="right") - 1)
+        assert end <= bounds[doc + 1] and end - first >= 2 and 2 <= target <= SEQ - 3
+    short = float((ds.sample_index[:, 2] < SEQ - 3).mean())
+    assert 0 < short < 0.25
+    again = BertDataset(indexed, np.arange(300), MASKING, 500)
+    assert (again.sample_index == ds.sample_index).all() and (again[7] == ds[7]).all()
+    with pytest.raises(TrainError, match="next-sentence prediction needs documents of two or more sentences"):
+        writer = IndexedDatasetWriter(tmp_path / "one", np.uint16)
+        writer.add_document([5, 6, 7])
+        writer.finalize()
+        BertDataset(IndexedDataset(tmp_path / "one"), np.arange(1), MASKING, 4)
+
+
+def tiny_model(binary_head: bool = True) -> BertModel:
+    c = ModelConfig(**TINY_BERT)
+    spec = BertSpec(2, binary_head)
+    model = BertModel(c, spec)
+    weights.load_full_weights(model, weights.random_init(c, 1, 0.02, None, bert_tensors(c, spec)))
+    return model.eval()
+
+
+def test_attention_is_bidirectional_and_padding_is_unseen():
+    """A token changes the outputs at positions before it (no causal mask); a padding position's token and type
+    change nothing at the real positions (its key is masked), exactly."""
+    model = tiny_model()
+    rng = np.random.RandomState(0)
+    tokens = np.concatenate([[CLS], rng.randint(4, VOCAB, 10), [SEP], [PAD] * 4])
+    inputs = torch.tensor(np.stack([tokens, np.zeros(16, int), (tokens != PAD).astype(int)]))[None]
+    with torch.no_grad():
+        logits, nsp = model(inputs)
+        later = inputs.clone()
+        later[0, 0, 9] = 5 if int(later[0, 0, 9]) != 5 else 6
+        assert not torch.equal(model(later)[0][0, :9], logits[0, :9])
+        padded = inputs.clone()
+        padded[0, 0, 12:] = 40
+        padded[0, 1, 12:] = 1
+        other, other_nsp = model(padded)
+    assert torch.equal(other[0, :12], logits[0, :12]) and torch.equal(other_nsp, nsp)
+
+
+def test_bert_learns_and_validates(bert_corpus, tmp_path):
+    """Masked-LM training on the Markov corpus lowers the validation MLM loss from about ln(V) (a uniform guess)
+    by more than 0.3 nats between steps 50 and 200 (measured: 0.54; the rule predicts 80% of the words, so the
+    optimum is below 2 and the loss is still falling fast there); validation reports MLM loss, NSP loss and
+    accuracy; a resumed run continues with the same losses as an uninterrupted one (the same samples, weights and
+    optimizer state: the same arithmetic in one process, equal bit for bit)."""
+    raw = raw_config(bert_corpus, train={"steps": 200, "micro_batch_size": 8, "global_batch_size": 16},
+                     optim={"lr": 4e-3, "min_lr": 4e-3, "warmup_steps": 10, "weight_decay": 0.0, "beta2": 0.999},
+                     eval={"interval": 50, "steps": 4}, mlm={"nsp": False})
+    lines: list[str] = []
+    result = Trainer(from_dict(raw), out=lines.append).run()
+    assert abs(result.valid_losses[50] - math.log(VOCAB)) < 0.5
+    assert result.valid_losses[200] < result.valid_losses[50] - 0.3, result.valid_losses
+    assert any(line.startswith("validation at step 200: mlm loss") for line in lines)
+
+    nsp = raw_config(bert_corpus, train={"steps": 4}, checkpoint={"dir": str(tmp_path / "run"), "interval": 2})
+    whole = Trainer(from_dict(with_sections(nsp, checkpoint={"dir": str(tmp_path / "whole")}))).run()
+    trainer = Trainer(from_dict(with_sections(nsp, train={"exit_after_steps": 2})))
+    trainer.run()
+    assert set(trainer.bert_eval) == {"mlm loss", "nsp loss", "nsp accuracy"}
+    assert 0 <= trainer.bert_eval["nsp accuracy"] <= 1
+    resumed = Trainer(from_dict(nsp)).run()
+    assert resumed.resumed_from is not None and resumed.losses == {s: whole.losses[s] for s in (3, 4)}
+
+
+def test_bert_refusals(bert_corpus):
+    """What BERT cannot train under, or without, is refused by name before any step."""
+    with pytest.raises(TrainError, match="mlm.mask_id"):
+        Trainer(from_dict(raw_config(bert_corpus, mlm={"mask_id": None}))).run()
+    with pytest.raises(TrainError, match="model.position_embedding is 'rope'"):
+        Trainer(from_dict(raw_config(bert_corpus, model={"position_embedding": "rope"}))).run()
+    with pytest.raises(TrainError, match="mlm.cls_id 99 is outside"):
+        Trainer(from_dict(raw_config(bert_corpus, mlm={"cls_id": 99}))).run()
+
+
+def test_split_batch_packs_inputs_and_labels():
+    rows = np.arange(2 * 5 * 4).reshape(2, 5, 4)
+    inputs, labels = split_batch(rows)
+    assert inputs.shape == (2, 3, 4) and labels.shape == (2, 5)
+    assert torch.equal(labels[:, :4], torch.from_numpy(rows[:, 3])) and torch.equal(labels[:, 4],
+                                                                                   torch.from_numpy(rows[:, 4, 0]))
+
+
+LAYOUTS = {"bert_tp2": {"tp": 2}, "bert_tp2_sp": {"tp": 2, "sequence_parallel": True}, "bert_dp2": {}}
+
+
+@pytest.fixture(scope="module")
+def runs(bert_corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bert_parallel")
+    raw = raw_config(bert_corpus)
+    specs = [{"config": with_sections(raw, parallel=parallel), "out": str(tmp / f"{name}.json"),
+              "record": str(tmp / name), "grads_at": [1, STEPS]} for name, parallel in LAYOUTS.items()]
+    launch(specs, tmp, nproc=2, name="bert")
+    reference = RecordingTrainer.reference(from_dict(raw), grads_at=(1, STEPS))
+    return {name: (losses_and_valid(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))), reference)
+            for name in LAYOUTS}
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_trains_like_one_process(runs, name):
+    """MLM + NSP losses (training and validation), gradients at the first and last step and final weights of each
+    layout within parity.Reference's bounds: the layout is one process's function with its sums in another order
+    (vocab-sharded logits and the loss over them, partial products all-reduced, DDP's averaged gradients), so it
+    must be as close to the float64 run as float32's own reordered runs are (K = 8 times their error, parity.py)."""
+    (got, got_valid), record, reference = runs[name]
+    reference.check_losses(got)
+    reference.check_losses(got_valid, "valid")
+    check_tensors(name, record, reference)
