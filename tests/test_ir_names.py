@@ -1,9 +1,11 @@
 """Pin the IR vocabulary: the exact tensor names per family (a change here is a format change)."""
 
 import math
+import re
 
 import pytest
 
+from mconvert.errors import ConvertError
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.names import expected_shapes, num_elements
 
@@ -128,6 +130,41 @@ COUNTED = {"llama": dict(family="llama", num_layers=3),
                                                                            moe_shared_expert_ffn_hidden_size=None,
                                                                            moe_router_score="softmax",
                                                                            moe_router_expert_bias=False)}
+BERT = dict(family="megatron_bert", norm="layernorm", activation="gelu", position_embedding="learned", qkv_bias=True,
+            proj_bias=True, mlp_bias=True, tie_embeddings=True, num_query_groups=2, lm_head_bias=True,
+            num_tokentypes=2, pooler=True, binary_head=True)
+COUNTED |= {"megatron_bert": BERT, "bert_post_ln_untied": BERT | dict(family="bert", post_norm=True,
+                                                                       tie_embeddings=False, binary_head=False)}
+
+
+def test_bert_names():
+    """Megatron BERT (pre-LN): token types beside the embeddings; pooler, binary head, MLM transform and LM-head
+    bias after the final norm; HF's post-LN BERT: a norm of the embeddings and none after the last layer."""
+    got = names(**BERT)
+    assert got[:3] == ["embed.weight", "pos_embed.weight", "token_type_embed.weight"]
+    assert got[got.index("final_norm.weight"):] == [
+        "final_norm.weight", "final_norm.bias", "pooler.weight", "pooler.bias", "nsp_head.weight", "nsp_head.bias",
+        "mlm_head.dense.weight", "mlm_head.dense.bias", "mlm_head.norm.weight", "mlm_head.norm.bias", "lm_head.bias"]
+    post = names(**(BERT | dict(family="bert", post_norm=True, num_tokentypes=0, pooler=False, binary_head=False)))
+    assert post[:4] == ["embed.weight", "pos_embed.weight", "embed_norm.weight", "embed_norm.bias"]
+    assert "final_norm.weight" not in post and post[-5:] == [
+        "mlm_head.dense.weight", "mlm_head.dense.bias", "mlm_head.norm.weight", "mlm_head.norm.bias", "lm_head.bias"]
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(family="llama", num_tokentypes=2), "num_tokentypes describe BERT encoders"),
+    (dict(family="gpt2", norm="layernorm", position_embedding="learned", activation="gelu", pooler=True),
+     "pooler describe BERT encoders"),
+    (BERT | dict(post_norm=True), "post_norm=True"),
+    (BERT | dict(family="bert"), "post_norm=False"),
+    (BERT | dict(pooler=False), "binary_head=True"),
+    (BERT | dict(lm_head_bias=False), "lm_head_bias=False"),
+    (BERT | dict(activation="swiglu"), "activation='swiglu'"),
+    (BERT | dict(num_tokentypes=-1), "num_tokentypes must be a non-negative integer"),
+])
+def test_bert_fields_are_checked(fields, says):
+    with pytest.raises(ConvertError, match=re.escape(says)):
+        ModelConfig(**(BASE | fields))
 
 
 @pytest.mark.parametrize("name", list(COUNTED))

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 from mconvert.ir.dtypes import DType
 
 Family = Literal["llama", "mistral", "mixtral", "gpt2", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2",
-                 "glm4_moe", "gemma3_text", "gpt_oss"]
+                 "glm4_moe", "gemma3_text", "gpt_oss", "megatron_bert", "bert"]
+# BERT encoders: bidirectional attention, an MLM head (see mconvert/ir/features.py); "bert" is HF's post-LN BERT
+BERT_FAMILIES = ("megatron_bert", "bert")
 Norm = Literal["rmsnorm", "layernorm"]
 # geglu_tanh: gelu_tanh(gate(x)) * up(x); quick_geglu: GPT-OSS's clamped x * sigmoid(1.702 x) gate
 Activation = Literal["swiglu", "gelu_tanh", "gelu", "geglu_tanh", "quick_geglu"]
@@ -122,6 +124,13 @@ class ModelConfig:
     moe_router_bias: bool = False  # the router's linear has a bias (added to the logits: chooses and weighs)
     glu_linear_offset: float = 0.0  # the gated unit is act(gate) * (up + offset)
     activation_clamp: float | None = None  # gate clamped above at it, up to [-it, it], before the gated unit
+    # BERT (families in BERT_FAMILIES; see mconvert/ir/features.py for the model they describe and names.py for the
+    # tensors; the defaults describe every other family)
+    num_tokentypes: int = 0  # token-type (segment) embeddings added to the input; 0: none
+    pooler: bool = False  # tanh(pooler(h[:, 0])): the pooled output of the first token
+    binary_head: bool = False  # next-sentence (binary) logits from the pooled output; needs the pooler
+    post_norm: bool = False  # post-LN layers and a norm of the embeddings, no final norm (HF "bert" only)
+    lm_head_bias: bool = False  # a bias on the LM head's logits (every BERT has one)
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -143,6 +152,7 @@ class ModelConfig:
                                f"{self.num_experts}")
         self._check_moe_layers()
         self._check_window_layers()
+        self._check_bert()
         check_model_config(self)  # non-finite or out-of-range numbers (NaN epsilon, negative rope theta, ...)
         check_config(self)  # DeepSeek's fields that contradict each other or the rest
 
@@ -153,6 +163,43 @@ class ModelConfig:
             raise ConvertError(f"full_attention_layers must be distinct layer numbers in [0, {self.num_layers}) in "
                                f"increasing order, got {list(full)}")
         object.__setattr__(self, "full_attention_layers", full)  # a JSON list reads back as the same tuple
+
+    def _check_bert(self) -> None:
+        """BERT as Megatron and transformers build it: learned absolute positions, LayerNorm, a dense ungated MLP,
+        multi-head attention, a biased LM head; BERT's own fields on BERT families only."""
+        n = self.num_tokentypes
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConvertError(f"num_tokentypes must be a non-negative integer, got {n!r}")
+        bert = {"num_tokentypes": n > 0, "pooler": self.pooler, "binary_head": self.binary_head,
+                "post_norm": self.post_norm}
+        if not self.is_bert:
+            if set_ := [name for name, on in bert.items() if on]:
+                raise ConvertError(f"{', '.join(set_)} describe BERT encoders (families {', '.join(BERT_FAMILIES)}), "
+                                   f"not family {self.family!r}")
+            return
+        bad = [f"{name}={value!r}" for name, value, ok in (
+            ("position_embedding", self.position_embedding, self.position_embedding == "learned"),
+            ("norm", self.norm, self.norm == "layernorm"),
+            ("activation", self.activation, not self.gated),
+            ("num_experts", self.num_experts, not self.is_moe),
+            ("kv_lora_rank", self.kv_lora_rank, not self.is_mla),
+            ("sliding_window", self.sliding_window, self.sliding_window is None),
+            ("mtp_layers", self.mtp_layers, not self.mtp_layers),
+            ("qk_norm", self.qk_norm, not self.qk_norm),
+            ("lm_head_bias", self.lm_head_bias, self.lm_head_bias),
+            ("post_norm", self.post_norm, self.post_norm == (self.family == "bert")),
+            ("binary_head", self.binary_head, self.pooler or not self.binary_head),
+        ) if not ok]
+        if bad:
+            raise ConvertError(f"a BERT encoder (family {self.family!r}) has learned absolute positions, LayerNorm, "
+                               "an ungated dense MLP, multi-head attention, a biased LM head, post-LN layers exactly "
+                               "in family 'bert', and a binary head only with the pooler; this config has "
+                               + ", ".join(bad))
+
+    @property
+    def is_bert(self) -> bool:
+        """A BERT encoder: bidirectional attention over the unpadded tokens, an MLM head (mconvert.ir.features)."""
+        return self.family in BERT_FAMILIES
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (keys a query sees, itself included), or None for full attention."""

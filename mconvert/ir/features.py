@@ -55,6 +55,18 @@ Gemma 3 (each a declared feature below; transformers' Gemma3ForCausalLM is the m
     logits = cap * tanh(logits / cap)               final_logit_softcap
     rope:   a windowed layer (sliding_window, not in full_attention_layers) rotates with local_rope_theta and no
             scaling when it is set; the other layers with rope_theta and rope_scaling
+
+BERT (families megatron_bert and bert; megatron-core's BertModel and transformers' MegatronBert / Bert are the
+meaning), with tokens t, token types y (zeros when not given), positions p and `act` the model's activation:
+
+    h = embed(t) + pos_embed(p) + token_type_embed(y)     token_type_embed with num_tokentypes > 0
+    post_norm (HF "bert"):  h = embed_norm(h); per layer h = attn_norm(h + attn(h)); h = mlp_norm(h + mlp(h));
+                            no final norm
+    otherwise (pre-LN):     per layer as a GPT layer, then h = final_norm(h)
+    attention:  bidirectional: every query sees every key the padding mask keeps (no causal mask)
+    mlm logits = lm_head(mlm_head.norm(act(mlm_head.dense(h)))) + lm_head.bias       lm_head tied to embed or not
+    pooled     = tanh(pooler(h[:, 0]))                     pooler
+    nsp logits = nsp_head(pooled)                          binary_head (logit 0: "is the next sentence")
 """
 
 from __future__ import annotations
@@ -203,6 +215,8 @@ FEATURES: dict[str, tuple[Callable[[ModelConfig], str], Callable[[ModelConfig], 
     "expert_bias": (lambda c: "expert biases", lambda c: c.is_moe and c.mlp_bias),
     "clamped_glu": (lambda c: f"a gated unit clamped at {c.activation_clamp} with up offset by {c.glu_linear_offset}",
                     lambda c: c.activation_clamp is not None or c.glu_linear_offset != 0.0),
+    "bert": (lambda c: f"a BERT encoder ({c.family}: bidirectional attention, an MLM head)", lambda c: c.is_bert),
+    "post_norm": (lambda c: "post-LN layers (a norm after each residual add)", lambda c: c.post_norm),
 }
 
 

@@ -35,6 +35,19 @@ DeepSeek-V3 (see mconvert/ir/features.py; nh heads, dn + dr = head_dim, dv = v_h
     layers.{L}.moe.shared.{gate,up,down}.weight  [f_s, h] / [h, f_s]
     mtp.{M}.{enorm,hnorm,final_norm}.weight  [h]          MTP module M; its transformer layer is layers.{num_layers+M}
     mtp.{M}.eh_proj.weight                [h, 2h]
+
+BERT (families megatron_bert and bert, see mconvert/ir/features.py; T = num_tokentypes). The layers are named as
+above (attention and MLP biased, LayerNorm); with post_norm (HF "bert") attn_norm / mlp_norm are the norms after
+each residual add, embed_norm normalizes the summed embeddings and there is no final_norm:
+
+    token_type_embed.weight               [T, h]          num_tokentypes > 0: added to the word and position ones
+    embed_norm.{weight,bias}              [h]             post_norm only
+    pooler.{weight,bias}                  [h, h] / [h]    pooler: tanh(pooler(h[:, 0]))
+    nsp_head.{weight,bias}                [2, h] / [2]    binary_head: next-sentence logits from the pooled output
+    mlm_head.dense.{weight,bias}          [h, h] / [h]    the MLM head's transform: mlm_head.norm(act(dense(h)))
+    mlm_head.norm.{weight,bias}           [h]
+    lm_head.bias                          [V]             lm_head_bias: logits = lm_head(transformed) + bias
+    lm_head.weight                        [V, h]          absent when tied to embed.weight (as BERTs usually are)
 """
 
 from __future__ import annotations
@@ -138,13 +151,28 @@ def embedding_shapes(c: ModelConfig) -> dict[str, Shape]:
     shapes: dict[str, Shape] = {"embed.weight": (c.vocab_size, c.hidden_size)}
     if c.position_embedding == "learned":
         shapes["pos_embed.weight"] = (c.max_position_embeddings, c.hidden_size)
+    if c.num_tokentypes:
+        shapes["token_type_embed.weight"] = (c.num_tokentypes, c.hidden_size)
+    if c.post_norm:
+        shapes |= norm_shapes("embed_norm", c)
     return shapes
 
 
 def head_shapes(c: ModelConfig) -> dict[str, Shape]:
-    shapes = norm_shapes("final_norm", c)
+    """The tensors after the last layer: the final norm (not with post_norm), BERT's pooler, binary head and MLM
+    transform, the LM head's weight (untied) and bias."""
+    h = c.hidden_size
+    shapes = {} if c.post_norm else norm_shapes("final_norm", c)
+    if c.pooler:
+        shapes |= {"pooler.weight": (h, h), "pooler.bias": (h,)}
+    if c.binary_head:
+        shapes |= {"nsp_head.weight": (2, h), "nsp_head.bias": (2,)}
+    if c.is_bert:
+        shapes |= {"mlm_head.dense.weight": (h, h), "mlm_head.dense.bias": (h,)} | norm_shapes("mlm_head.norm", c)
     if not c.tie_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    if c.lm_head_bias:
+        shapes["lm_head.bias"] = (c.vocab_size,)
     return shapes
 
 

@@ -143,7 +143,7 @@ def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> t
 @register_saver("core", aliases=("megatron", "mcore"),
                 options=(*LAYOUT_OPTIONS, "transformer_impl", "expert_layout", "ckpt_format",
                          "make_vocab_size_divisible_by", "iteration", "mtp_layer_name"),
-                supports=frozenset(FEATURES))  # torch_dcp and fsdp_dtensor refuse MTP modules themselves
+                supports=frozenset(FEATURES) - {"post_norm"})  # torch_dcp, fsdp_dtensor refuse MTP modules themselves
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`,
     `zarr`, `torch_dcp` or `fsdp_dtensor` (--ckpt-format)."""
