@@ -120,11 +120,9 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class MLMConfig:
-    """BERT: what the IR config does not (yet) say, and Megatron's masking settings (mtrain/data/bert_dataset.py)."""
+    """BERT models (families megatron_bert, bert): Megatron's masking (mtrain/data/bert_dataset.py); next-sentence
+    prediction follows the model's binary_head."""
 
-    enabled: bool = opt(False, "train a BERT encoder on masked tokens (model: learned, layernorm, tied)")
-    nsp: bool = opt(True, "next-sentence prediction: the binary head and its loss")
-    num_tokentypes: int = opt(2, "token-type (segment) embeddings (0: none)")
     masking_probability: float = opt(0.15, "share of a sample's tokens predicted (80% [MASK], 10% random)")
     short_seq_prob: float = opt(0.1, "share of samples given a random shorter length")
     cls_id: int | None = opt(None, "id of [CLS] (null: the tokenizer's)")
@@ -180,7 +178,7 @@ SECTION_HELP = {
     "checkpoint": "where and how often to save, what to finetune from",
     "parallel": "the layout: data (FSDP2/DDP), tensor (+sequence), pipeline (+virtual stages), expert, context",
     "logging": "progress lines, TensorBoard, Weights & Biases",
-    "mlm": "BERT: masked-LM (+ next-sentence) pretraining, Megatron's masking",
+    "mlm": "BERT models: masked-LM samples (+ sentence pairs with binary_head), Megatron's masking",
 }
 
 

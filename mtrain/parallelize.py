@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mconvert.ir.config import ModelConfig
 from mtrain.errors import TrainError
-from mtrain.models.bert import BertModel, BertSpec
+from mtrain.models.bert import BertModel
 from mtrain.models.model import SequenceShard, Transformer
 from mtrain.models.moe import MoE
 from mtrain.parallel.context_parallel import apply_context_parallel
@@ -76,19 +76,19 @@ class ParallelModel:
 
 def build_parallel_model(config: ModelConfig, dims: ParallelDims, mesh: DeviceMesh | None, *, device: torch.device,
                          dp_mode: DPMode = "fsdp", precision: Precision = "fp32", recompute: Recompute = "none",
-                         compile_mode: CompileMode = "none", moe_capacity_factor: float | None = None,
-                         bert: BertSpec | None = None) -> ParallelModel:
-    """This rank's parallelized parts with uninitialized weights (fp32) and initialized buffers on `device`; a
-    BERT encoder (models/bert.py) with `bert`."""
+                         compile_mode: CompileMode = "none", moe_capacity_factor: float | None = None
+                         ) -> ParallelModel:
+    """This rank's parallelized parts with uninitialized weights (fp32) and initialized buffers on `device` (a BERT
+    encoder, models/bert.py, for the BERT families)."""
     coords = Coords.of(mesh)
-    if bert is not None and (dims.pp > 1 or dims.cp > 1):
-        raise TrainError(f"BERT (mlm.enabled) trains under data and tensor (+sequence) parallelism; parallel.pp "
+    if config.is_bert and (dims.pp > 1 or dims.cp > 1):
+        raise TrainError(f"BERT ({config.family}) trains under data and tensor (+sequence) parallelism; parallel.pp "
                          f"{dims.pp} and parallel.cp {dims.cp} must be 1")
     if dims.pp > 1:
         stages = build_stages(config, dims, coords.pp)
     else:
         with torch.device("meta"):
-            stages = [(0, BertModel(config, bert) if bert is not None else Transformer(config))]
+            stages = [(0, BertModel(config) if config.is_bert else Transformer(config))]
     sharded_experts = config.is_moe and (dims.ep > 1 or dims.tp > 1)
     for _, part in stages:
         part.sequence = SequenceShard(cp=dims.cp, cp_rank=coords.cp, sp=dims.tp if dims.sequence_parallel else 1)

@@ -120,24 +120,23 @@ class Trainer:
         dims.check_batches(config.data.seq_len, t.global_batch_size, t.micro_batch_size)
         e = config.eval  # the data first: a wrong path fails before any weights are read
         samples = {"train": t.steps * t.global_batch_size, "valid": e.steps * t.global_batch_size if e.interval else 0}
-        self.bert = bert.BertSpec(config.mlm.num_tokentypes, config.mlm.nsp) if config.mlm.enabled else None
-        masking = masking_config(config.data, config.mlm, model_config.vocab_size, config.data.tokenizer) \
-            if self.bert else None
+        self.bert = model_config.is_bert  # masked-LM samples, BertModel (models/bert.py)
+        masking = masking_config(config.data, config.mlm, model_config.vocab_size, config.data.tokenizer,
+                                 model_config.binary_head) if self.bert else None
         self.collate = split_batch if self.bert else next_token_batch
         splits = build_splits(config.data, samples, masking)
         if self.env.is_main:
-            for line in describe_data(config.data, samples, bert=self.bert is not None):
+            for line in describe_data(config.data, samples, bert=self.bert):
                 self.out(line)
         mesh = dims.build_mesh(self.env.device.type)
         self.precision = precision.resolve(t.precision, self.env.device, self.env.world, self.out)
-        self.dp_mode, line = dp_mode.resolve(config.parallel.dp_mode, dims, self.env.device,
-                                             _num_params(model_config, self.bert))
+        self.dp_mode, line = dp_mode.resolve(config.parallel.dp_mode, dims, self.env.device, _num_params(model_config))
         if line:
             self.out(line)
         self.parallel = build_parallel_model(
             model_config, dims, mesh, device=self.env.device, dp_mode=self.dp_mode,
             precision=self.precision, recompute=t.recompute, compile_mode=t.compile,
-            moe_capacity_factor=t.moe_capacity_factor, bert=self.bert)
+            moe_capacity_factor=t.moe_capacity_factor)
         self.parts = self.parallel.parts
         self.model = self.parts[0]  # the whole model without pipeline parallel
         self.coords = self.parallel.coords
@@ -155,12 +154,10 @@ class Trainer:
             weights.load_full_weights(self.parts, weights.ir_weights(source, weights.local_names(self.parts)))
             self.out(f"finetuning from {source.source.path} ({source.source.format}); step 0, fresh optimizer")
         else:
-            extra = bert.bert_tensors(model_config, self.bert) if self.bert else None
             weights.load_full_weights(self.parts, weights.random_init(model_config, t.seed, t.init_std,
-                                                                      weights.local_names(self.parts), extra))
+                                                                      weights.local_names(self.parts)))
         mode = self.dp_mode if dims.dp > 1 else "single"
-        kind = f"BERT ({'MLM + NSP' if self.bert.binary_head else 'MLM'}) on " if self.bert else ""
-        self.out(f"model: {kind}{weights.describe(model_config)}; {_num_params(model_config, self.bert):,} parameters; "
+        self.out(f"model: {weights.describe(model_config)}; {_num_params(model_config):,} parameters; "
                  f"{self.env.world} rank(s): {dims.describe()} (data parallel: {mode})")
 
         self.batches = RankBatches(splits["train"], global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
@@ -522,10 +519,9 @@ def _ir_model_shapes(ir: ModelIR) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _num_params(c: ModelConfig, spec: bert.BertSpec | None = None) -> int:
+def _num_params(c: ModelConfig) -> int:
     total = 0
-    extra = bert.bert_tensors(c, spec) if spec else {}
-    for shape in (state_dict_adapter.model_shapes(c) | extra).values():
+    for shape in state_dict_adapter.model_shapes(c).values():
         n = 1
         for s in shape:
             n *= s

@@ -21,7 +21,6 @@ from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import ModelIR
 from mtrain.errors import TrainError
 from mtrain.models import state_dict_adapter
-from mtrain.models.bert import BertModel, bert_tensors
 
 # Wrappers that insert a component into parameter names: activation checkpointing, torch.compile, DDP.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -47,12 +46,11 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def random_init(c: ModelConfig, seed: int, std: float = 0.02, names: Collection[str] | None = None,
-                extra: dict[str, tuple[int, ...]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def random_init(c: ModelConfig, seed: int, std: float = 0.02, names: Collection[str] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
     """Megatron's scheme: N(0, std) weights, N(0, std/sqrt(2L)) for the projections that feed the residual
-    stream (attention output, MLP down), norms at 1 (zero-centered ones at 0), biases at 0. Only `names` when given;
-    `extra` parameters (name: shape) besides the IR's too (BERT's heads)."""
-    for name, shape in (state_dict_adapter.model_shapes(c) | (extra or {})).items():
+    stream (attention output, MLP down), norms at 1 (zero-centered ones at 0), biases at 0. Only `names` when given."""
+    for name, shape in state_dict_adapter.model_shapes(c).items():
         if names is not None and name not in names:
             continue
         if name.endswith("bias"):
@@ -73,7 +71,7 @@ def ir_weights(ir: ModelIR, names: Collection[str] | None = None) -> Iterator[tu
 def check_shapes(model: nn.Module, shapes: dict[str, tuple[int, ...]], where: str) -> None:
     """One error listing every missing, unexpected and misshapen tensor of `where` against the whole model
     (`model` may be one pipeline stage: the expected names and shapes come from its config)."""
-    params = state_dict_adapter.model_shapes(model_config(model)) | bert_shapes(model)
+    params = state_dict_adapter.model_shapes(model_config(model))
     missing = [n for n in params if n not in shapes]
     extra = [n for n in shapes if n not in params]
     wrong = [f"{n} is {list(shapes[n])} in the checkpoint, the model has {list(shape)}"
@@ -103,14 +101,6 @@ def load_full_weights(parts: nn.Module | list[nn.Module], tensors: Iterable[tupl
                 if isinstance(p, DTensor):
                     value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
                 p.copy_(value)
-
-
-def bert_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """A BERT model's parameters beyond the IR's (its heads and token types; models/bert.py), else none."""
-    for m in model.modules():
-        if isinstance(m, BertModel):
-            return bert_tensors(m.config, m.spec)
-    return {}
 
 
 def model_config(model: nn.Module) -> ModelConfig:

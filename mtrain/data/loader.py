@@ -57,8 +57,10 @@ def build_splits(cfg: DataConfig, num_samples: dict[str, int], masking: MaskingC
     return out
 
 
-def masking_config(data: DataConfig, mlm: MLMConfig, vocab_size: int, tokenizer: str | None) -> MaskingConfig:
-    """BERT's masking settings; each special id from mlm.*_id or else the tokenizer's [CLS], [SEP], [MASK], [PAD]."""
+def masking_config(data: DataConfig, mlm: MLMConfig, vocab_size: int, tokenizer: str | None, nsp: bool
+                   ) -> MaskingConfig:
+    """BERT's masking settings (sentence pairs with `nsp`); each special id from mlm.*_id or else the tokenizer's
+    [CLS], [SEP], [MASK], [PAD]."""
     ids, missing = {}, []
     tok = load_tokenizer(tokenizer) if tokenizer else None
     for name, token in (("cls", "[CLS]"), ("sep", "[SEP]"), ("mask", "[MASK]"), ("pad", "[PAD]")):
@@ -72,7 +74,7 @@ def masking_config(data: DataConfig, mlm: MLMConfig, vocab_size: int, tokenizer:
         where = f"the tokenizer {tokenizer} has no such tokens" if tok else "data.tokenizer is not set"
         raise TrainError(f"BERT needs the special token ids {', '.join(missing)}: {where}; give them in the mlm "
                          "section")
-    return MaskingConfig(seq_len=data.seq_len, vocab_size=vocab_size, special=SpecialTokens(**ids), nsp=mlm.nsp,
+    return MaskingConfig(seq_len=data.seq_len, vocab_size=vocab_size, special=SpecialTokens(**ids), nsp=nsp,
                          masking_probability=mlm.masking_probability, short_seq_prob=mlm.short_seq_prob,
                          seed=data.seed)
 

@@ -1,15 +1,16 @@
-"""BERT (Megatron's pre-LN encoder) with its masked-LM head and the optional next-sentence-prediction head.
+"""BERT encoders (IR families megatron_bert and bert) with their MLM head, pooler and next-sentence head.
 
     inputs (B, 3, T): tokens, token types, padding mask (1 = a real token)
-    h = embed(tokens) + pos_embed(positions) + token_type_embed(types)
-    layers["0"] … layers["L-1"]: the decoder's pre-norm Blocks, attention bidirectional (padding keys masked)
-    h = final_norm(h)
-    MLM logits (B, T, V) = linear(layernorm(gelu(dense(h))), embed.weight) + bias     (the decoder tied, as Megatron)
-    NSP logits (B, 2)    = nsp_head(tanh(pooler(h[:, 0])))                          (with the binary head only)
+    h = embed(tokens) + pos_embed(positions) [+ token_type_embed(types)]      [then embed_norm: post_norm]
+    layers["0"] … layers["L-1"]: bidirectional attention (padding keys masked), Megatron's pre-LN Blocks, or
+        HF BERT's post-LN ones (post_norm: h = attn_norm(h + attn(h)); h = mlp_norm(h + mlp(h)))
+    h = final_norm(h)                                                          (pre-LN only)
+    MLM logits (B, T, V) = lm_head(mlm_head.norm(act(mlm_head.dense(h)))) + lm_head.bias   (lm_head: embed when tied)
+    NSP logits (B, 2)    = nsp_head(tanh(pooler(h[:, 0])))                     (binary_head)
 
-The layers, embeddings and final norm are the Transformer's (norm layernorm, activation gelu, learned positions,
-biases on, tied embeddings). The BERT-only tensors are named, until the IR has BERT names, by BERT_TENSORS below
-(mtrain's own placeholders); `BertSpec` holds what the IR config does not yet say (token types, binary head).
+Parameters are the IR's names (mconvert/ir/names.py, the meaning in mconvert/ir/features.py). `whole_sequence` is
+applied to the hidden states before the heads: tensor parallel with sequence parallel gathers the sequence there
+(parallel/tensor_parallel.py); one process leaves them as they are.
 
 Loss (Megatron's pretrain_bert): the mean cross entropy over the predicted (masked) positions of a micro-batch,
 plus, with the binary head, the mean NSP cross entropy over its samples.
@@ -26,81 +27,77 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from mconvert.ir.config import ModelConfig
 from mtrain.data.bert_dataset import IGNORE
-from mtrain.errors import TrainError
-from mtrain.models.model import LayerContext, Transformer, make_norm
-
-
-@dataclass(frozen=True)
-class BertSpec:
-    """What a BERT model has beyond the IR config: token types (0: none) and the binary (NSP) head."""
-
-    num_tokentypes: int = 2
-    binary_head: bool = True
-
-
-def bert_tensors(c: ModelConfig, spec: BertSpec) -> dict[str, tuple[int, ...]]:
-    """The BERT-only parameters (placeholder names) and their full shapes."""
-    h = c.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {}
-    if spec.num_tokentypes:
-        shapes["token_type_embed.weight"] = (spec.num_tokentypes, h)
-    shapes |= {"mlm_head.dense.weight": (h, h), "mlm_head.dense.bias": (h,), "mlm_head.norm.weight": (h,),
-               "mlm_head.norm.bias": (h,), "mlm_head.bias": (c.vocab_size,)}
-    if spec.binary_head:
-        shapes |= {"pooler.weight": (h, h), "pooler.bias": (h,), "nsp_head.weight": (2, h), "nsp_head.bias": (2,)}
-    return shapes
-
-
-def check_config(c: ModelConfig) -> None:
-    """BERT's architecture in IR terms: anything else is refused by name."""
-    wanted = {"position_embedding": "learned", "norm": "layernorm", "tie_embeddings": True, "num_experts": None,
-              "mtp_layers": 0, "sliding_window": None}
-    wrong = [f"model.{k} is {getattr(c, k)!r} (BERT needs {v!r})" for k, v in wanted.items() if getattr(c, k) != v]
-    if wrong:
-        raise TrainError("a BERT model (mlm.enabled): " + "; ".join(wrong))
+from mtrain.models.model import Block, LayerContext, Transformer, make_norm
 
 
 class MLMHead(nn.Module):
-    """dense -> gelu -> layernorm; the output layer is the word embedding plus this head's own `bias`."""
+    """The MLM head's transform: norm(act(dense(h))), act the model's (GELU)."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
+        self.approximate = "tanh" if c.activation == "gelu_tanh" else "none"
         self.dense = nn.Linear(c.hidden_size, c.hidden_size)
         self.norm = make_norm(c)
-        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.norm(F.gelu(self.dense(h)))
+        return self.norm(F.gelu(self.dense(h), approximate=self.approximate))
+
+
+class OutputBias(nn.Module):
+    """The LM head's bias alone (`lm_head.bias`) when its weight is the tied embedding."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(size))
+
+
+class PostNormBlock(Block):
+    """HF BERT's post-LN layer: h = attn_norm(h + attn(h)); h = mlp_norm(h + mlp(h))."""
+
+    def forward(self, h: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        h = self.attn_norm(h + self.attn(h, ctx))
+        return self.mlp_norm(h + self.mlp(h))
 
 
 class BertModel(Transformer):
-    def __init__(self, c: ModelConfig, spec: BertSpec):
-        check_config(c)
+    def __init__(self, c: ModelConfig):
         super().__init__(c)
-        self.spec = spec
-        self.token_type_embed = nn.Embedding(spec.num_tokentypes, c.hidden_size) if spec.num_tokentypes else None
+        if c.post_norm:
+            self.layers = nn.ModuleDict({key: PostNormBlock(c, int(key)) for key in self.layers})
+            self.embed_norm = make_norm(c)
+            self.final_norm = nn.Identity()  # none in post-LN BERT (kept: the trainer's mark of a last stage)
+        self.token_type_embed = nn.Embedding(c.num_tokentypes, c.hidden_size) if c.num_tokentypes else None
         self.mlm_head = MLMHead(c)
-        self.pooler = nn.Linear(c.hidden_size, c.hidden_size) if spec.binary_head else None
-        self.nsp_head = nn.Linear(c.hidden_size, 2) if spec.binary_head else None
+        if not c.tie_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=c.lm_head_bias)
+        elif c.lm_head_bias:
+            self.lm_head = OutputBias(c.vocab_size)
+        self.pooler = nn.Linear(c.hidden_size, c.hidden_size) if c.pooler else None
+        self.nsp_head = nn.Linear(c.hidden_size, 2) if c.binary_head else None
+        self.whole_sequence = lambda h: h
 
     def forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """inputs (B, 3, T) -> (MLM logits (B, T, V), NSP logits (B, 2) or None). Under sequence parallel the
-        embeddings are this rank's part of the sequence (tensor_parallel.py); the key mask is the whole one's."""
+        embeddings and layers hold this rank's part of the sequence; the key mask is the whole one's."""
         tokens, types, padding = inputs[:, 0], inputs[:, 1], inputs[:, 2]
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.embed(tokens) + self.pos_embed(positions)
         if self.token_type_embed is not None:
             h = h + self.token_type_embed(types)
+        if self.config.post_norm:
+            h = self.embed_norm(h)
         ctx = LayerContext(None, positions, None, causal=False, key_mask=padding.bool()[:, None, None, :])
         for layer in self.layers.values():
             h = layer(h, ctx)
-        h = self.final_norm(h)  # whole sequences from here on (tensor_parallel.py gathers them)
+        h = self.whole_sequence(self.final_norm(h))
         x = self.mlm_head(h)
-        weight = self.embed.weight
+        weight = self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
         if isinstance(weight, DTensor):  # vocab-split rows: vocab-sharded logits, never gathered
             x = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
-        logits = F.linear(x, weight) + self.mlm_head.bias
-        nsp = self.nsp_head(torch.tanh(self.pooler(h[:, 0]))) if self.pooler is not None else None
+        logits = F.linear(x, weight)
+        if self.config.lm_head_bias:
+            logits = logits + self.lm_head.bias
+        nsp = self.nsp_head(torch.tanh(self.pooler(h[:, 0]))) if self.nsp_head is not None else None
         return logits, nsp
 
 

@@ -96,9 +96,11 @@ def apply_tensor_parallel(part: Transformer, mesh: DeviceMesh, sequence_parallel
     if part.pos_embed is not None:  # (T, h): the sequence is dim 0 here
         plan["pos_embed"] = RowwiseParallel(input_layouts=Replicate(),
                                             output_layouts=Shard(0) if sequence_parallel else Replicate())
-    if part.final_norm is not None:
+    if part.final_norm is not None and not isinstance(part.final_norm, nn.Identity):  # post-LN BERT has none
         plan["final_norm"] = norm()
-    if part.lm_head is not None:
+    if hasattr(part, "embed_norm"):  # post-LN BERT's norm of the summed embeddings
+        plan["embed_norm"] = norm()
+    if part.lm_head is not None and not isinstance(part, BertModel):
         plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(part, mesh, plan)
     for module in (part.mtp or {}).values():  # position-wise, on the hidden states' part of the sequence
@@ -114,19 +116,19 @@ def apply_tensor_parallel(part: Transformer, mesh: DeviceMesh, sequence_parallel
 
 
 def _parallelize_bert_heads(part: BertModel, mesh: DeviceMesh, seq: Placement) -> None:
-    """BERT: token types replicated; after the final norm the whole sequences on every rank, the MLM head's
-    transform, pooler and NSP head replicated, the decoder (the row-split embedding) and its bias split over the
-    vocabulary: vocab-sharded logits."""
+    """BERT: token types replicated; before the heads the whole sequences on every rank (`whole_sequence`), the MLM
+    head's transform, pooler and NSP head replicated, the LM head (the embedding's row-split weight when tied, else
+    its own) and its bias split over the vocabulary: vocab-sharded logits."""
     plan: dict[str, ParallelStyle] = {"mlm_head.dense": ReplicateParallel(), "mlm_head.norm": ReplicateParallel()}
     if part.token_type_embed is not None:
         plan["token_type_embed"] = ReplicatedEmbedding(seq)
-    if part.pooler is not None:
-        plan |= {"pooler": ReplicateParallel(), "nsp_head": ReplicateParallel()}
+    plan |= {name: ReplicateParallel() for name in ("pooler", "nsp_head") if getattr(part, name) is not None}
     parallelize_module(part, mesh, plan)
-    bias = part.mlm_head.bias
-    part.mlm_head.bias = nn.Parameter(distribute_tensor(bias.data, mesh, [Shard(0)], src_data_rank=None),
-                                      requires_grad=bias.requires_grad)
-    part.final_norm.register_forward_hook(lambda m, i, out: regather(out, mesh, seq))
+    if part.lm_head is not None:  # F.linear reads its weight (rows split) and bias (split alike) directly
+        for name, p in list(part.lm_head.named_parameters(recurse=False)):
+            setattr(part.lm_head, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)], src_data_rank=None),
+                                                     requires_grad=p.requires_grad))
+    part.whole_sequence = lambda h: regather(h, mesh, seq)
 
 
 def _parallelize_block(block: Block, mesh: DeviceMesh, sequence_parallel: bool) -> None:

@@ -8,6 +8,7 @@ a masked word is predictable from its neighbours.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -20,7 +21,7 @@ from mtrain.config import from_dict
 from mtrain.data.bert_dataset import IGNORE, BertDataset, MaskingConfig, SpecialTokens, split_batch
 from mtrain.data.indexed import IndexedDataset, IndexedDatasetWriter
 from mtrain.errors import TrainError
-from mtrain.models.bert import BertModel, BertSpec, bert_tensors
+from mtrain.models.bert import BertModel
 from mtrain.train import Trainer
 from tests.mtrain.recording import RecordingTrainer, merge
 from tests.support.bert_corpus import CLS, MASK, PAD, SEP, SPECIAL, TINY_BERT, VOCAB, build_bert_corpus
@@ -40,7 +41,7 @@ def raw_config(prefix: str, **sections) -> dict:
     raw = {"model": dict(TINY_BERT), "data": {"paths": [prefix], "seq_len": SEQ, "split": "90,10,0"},
            "train": {"steps": STEPS, "micro_batch_size": 2, "global_batch_size": 8},
            "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2}, "eval": {"interval": 2, "steps": 1},
-           "logging": {"interval": 1000}, "mlm": {"enabled": True, **SPECIAL}}
+           "logging": {"interval": 1000}, "mlm": SPECIAL}
     return with_sections(raw, **sections)
 
 
@@ -136,11 +137,10 @@ def test_sample_index_takes_whole_documents_in_order(tmp_path):
         BertDataset(IndexedDataset(tmp_path / "one"), np.arange(1), MASKING, 4)
 
 
-def tiny_model(binary_head: bool = True) -> BertModel:
-    c = ModelConfig(**TINY_BERT)
-    spec = BertSpec(2, binary_head)
-    model = BertModel(c, spec)
-    weights.load_full_weights(model, weights.random_init(c, 1, 0.02, None, bert_tensors(c, spec)))
+def tiny_model(**fields) -> BertModel:
+    c = ModelConfig(**(TINY_BERT | fields))
+    model = BertModel(c)
+    weights.load_full_weights(model, weights.random_init(c, 1, 0.02))
     return model.eval()
 
 
@@ -171,7 +171,7 @@ def test_bert_learns_and_validates(bert_corpus, tmp_path):
     optimizer state: the same arithmetic in one process, equal bit for bit)."""
     raw = raw_config(bert_corpus, train={"steps": 200, "micro_batch_size": 8, "global_batch_size": 16},
                      optim={"lr": 4e-3, "min_lr": 4e-3, "warmup_steps": 10, "weight_decay": 0.0, "beta2": 0.999},
-                     eval={"interval": 50, "steps": 4}, mlm={"nsp": False})
+                     eval={"interval": 50, "steps": 4}, model={"binary_head": False})
     lines: list[str] = []
     result = Trainer(from_dict(raw), out=lines.append).run()
     assert abs(result.valid_losses[50] - math.log(VOCAB)) < 0.5
@@ -192,8 +192,6 @@ def test_bert_refusals(bert_corpus):
     """What BERT cannot train under, or without, is refused by name before any step."""
     with pytest.raises(TrainError, match="mlm.mask_id"):
         Trainer(from_dict(raw_config(bert_corpus, mlm={"mask_id": None}))).run()
-    with pytest.raises(TrainError, match="model.position_embedding is 'rope'"):
-        Trainer(from_dict(raw_config(bert_corpus, model={"position_embedding": "rope"}))).run()
     with pytest.raises(TrainError, match="mlm.cls_id 99 is outside"):
         Trainer(from_dict(raw_config(bert_corpus, mlm={"cls_id": 99}))).run()
 
@@ -215,10 +213,12 @@ def runs(bert_corpus, tmp_path_factory):
     raw = raw_config(bert_corpus)
     specs = [{"config": with_sections(raw, parallel=parallel), "out": str(tmp / f"{name}.json"),
               "record": str(tmp / name), "grads_at": [1, STEPS]} for name, parallel in LAYOUTS.items()]
+    specs.append({"config": with_sections(raw, parallel={"pp": 2}), "error": str(tmp / "pp2.json")})
     launch(specs, tmp, nproc=2, name="bert")
     reference = RecordingTrainer.reference(from_dict(raw), grads_at=(1, STEPS))
-    return {name: (losses_and_valid(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))), reference)
-            for name in LAYOUTS}
+    out = {name: (losses_and_valid(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))), reference)
+           for name in LAYOUTS}
+    return out | {"pp2 error": json.loads((tmp / "pp2.json").read_text())["error"]}
 
 
 @pytest.mark.parity
@@ -232,3 +232,8 @@ def test_layout_trains_like_one_process(runs, name):
     reference.check_losses(got)
     reference.check_losses(got_valid, "valid")
     check_tensors(name, record, reference)
+
+
+def test_pipeline_parallel_is_refused_by_name(runs):
+    says = "BERT (megatron_bert) trains under data and tensor (+sequence) parallelism; parallel.pp 2"
+    assert says in runs["pp2 error"]

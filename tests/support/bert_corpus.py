@@ -12,11 +12,12 @@ from mtrain.data.indexed import IndexedDatasetWriter
 VOCAB = 64
 PAD, CLS, SEP, MASK = 0, 1, 2, 3  # the special ids; words are 4 … 63
 SPECIAL = {"pad_id": PAD, "cls_id": CLS, "sep_id": SEP, "mask_id": MASK}
-# A BERT in IR terms: learned positions, layernorm, gelu, biases, the decoder tied to the embedding
-TINY_BERT = dict(family="gpt2", num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+# Megatron's BERT (pre-LN, the LM head tied to the embedding, token types, pooler and NSP head)
+TINY_BERT = dict(family="megatron_bert", num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                  num_query_groups=4, head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, norm="layernorm",
                  norm_eps=1e-12, activation="gelu", position_embedding="learned", qkv_bias=True, proj_bias=True,
-                 mlp_bias=True, tie_embeddings=True)
+                 mlp_bias=True, tie_embeddings=True, lm_head_bias=True, num_tokentypes=2, pooler=True,
+                 binary_head=True)
 
 
 def build_bert_corpus(root: Path, documents: int = 120, seed: int = 0) -> str:
