@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -237,3 +238,67 @@ def test_layout_trains_like_one_process(runs, name):
 def test_pipeline_parallel_is_refused_by_name(runs):
     says = "BERT (megatron_bert) trains under data and tensor (+sequence) parallelism; parallel.pp 2"
     assert says in runs["pp2 error"]
+
+
+_HF_NAMES = [  # transformers' (MegatronBert | Bert)ForPreTraining -> IR names (HF's post-LN norms in parentheses)
+    (r"bert\.embeddings\.word_embeddings", "embed"), (r"bert\.embeddings\.position_embeddings", "pos_embed"),
+    (r"bert\.embeddings\.token_type_embeddings", "token_type_embed"), (r"bert\.embeddings\.LayerNorm", "embed_norm"),
+    (r"bert\.encoder\.layer\.(\d+)\.attention\.(ln|output\.LayerNorm)", r"layers.\1.attn_norm"),
+    (r"bert\.encoder\.layer\.(\d+)\.attention\.self\.query", r"layers.\1.attn.q"),
+    (r"bert\.encoder\.layer\.(\d+)\.attention\.self\.key", r"layers.\1.attn.k"),
+    (r"bert\.encoder\.layer\.(\d+)\.attention\.self\.value", r"layers.\1.attn.v"),
+    (r"bert\.encoder\.layer\.(\d+)\.attention\.output\.dense", r"layers.\1.attn.o"),
+    (r"bert\.encoder\.layer\.(\d+)\.(ln|output\.LayerNorm)", r"layers.\1.mlp_norm"),
+    (r"bert\.encoder\.layer\.(\d+)\.intermediate\.dense", r"layers.\1.mlp.up"),
+    (r"bert\.encoder\.layer\.(\d+)\.output\.dense", r"layers.\1.mlp.down"),
+    (r"bert\.encoder\.ln", "final_norm"), (r"bert\.pooler\.dense", "pooler"),
+    (r"cls\.predictions\.transform\.dense", "mlm_head.dense"),
+    (r"cls\.predictions\.transform\.LayerNorm", "mlm_head.norm"),
+    (r"cls\.predictions\.bias", "lm_head.bias"), (r"cls\.seq_relationship", "nsp_head"),
+]
+
+
+def _ir_name(hf: str) -> str | None:
+    for pattern, ir in _HF_NAMES:
+        m = re.fullmatch(pattern + r"(\.weight|\.bias)?", hf)
+        if m:
+            return m.expand(ir) + (m.groups()[-1] or "")
+    return None  # the tied decoder (cls.predictions.decoder.*): the embedding and lm_head.bias
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("family", ["megatron_bert", "bert"])
+def test_forward_is_transformers_bert(family):
+    """Our MLM and NSP logits are transformers' MegatronBertForPreTraining's (Megatron's pre-LN BERT) and
+    BertForPreTraining's (post-LN), on the same weights, tokens, token types and padding mask. Both run in float64
+    with the same operations in a different order: float64's rounding (2^-52 per operation, a few hundred
+    operations deep) stays below 1e-12 of the logits' size; 1e-10 leaves a factor of 100 and still catches any
+    wrong operation (a missing bias or norm moves the logits by about their own size)."""
+    import transformers
+
+    hf_config = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64, type_vocab_size=2, layer_norm_eps=1e-12)
+    if family == "bert":
+        hf = transformers.BertForPreTraining(transformers.BertConfig(**hf_config))
+        ours = tiny_model(family="bert", post_norm=True)
+    else:
+        hf = transformers.MegatronBertForPreTraining(transformers.MegatronBertConfig(**hf_config))
+        ours = tiny_model()
+    hf = hf.double().eval()
+    ours = ours.double()
+    params = dict(ours.named_parameters())
+    with torch.no_grad():
+        for name, tensor in hf.state_dict().items():
+            if (ir := _ir_name(name)) is not None:
+                params.pop(ir).copy_(tensor)
+    assert not params, sorted(params)  # every parameter of ours came from transformers
+    rng = np.random.RandomState(0)
+    tokens = torch.tensor(rng.randint(4, VOCAB, (3, 20)))
+    types = torch.tensor(rng.randint(0, 2, (3, 20)))
+    padding = torch.ones(3, 20, dtype=torch.long)
+    padding[1, 14:] = 0
+    with torch.no_grad():
+        want = hf(input_ids=tokens, token_type_ids=types, attention_mask=padding)
+        logits, nsp = ours(torch.stack([tokens, types, padding], dim=1))
+    for got, expected in ((logits, want.prediction_logits), (nsp, want.seq_relationship_logits)):
+        assert float((got - expected).abs().max()) <= 1e-10 * float(expected.abs().max())
