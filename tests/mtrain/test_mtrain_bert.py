@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from mconvert import engine
 from mconvert.ir.config import ModelConfig
+from mconvert.options import Options
 from mtrain import weights
 from mtrain.config import from_dict
 from mtrain.data.bert_dataset import IGNORE, BertDataset, MaskingConfig, SpecialTokens, split_batch
@@ -205,20 +207,27 @@ def test_split_batch_packs_inputs_and_labels():
                                                                                    torch.from_numpy(rows[:, 4, 0]))
 
 
-LAYOUTS = {"bert_tp2": {"tp": 2}, "bert_tp2_sp": {"tp": 2, "sequence_parallel": True}, "bert_dp2": {}}
+# HF's post-LN BERT with its own (untied) LM head: the other head and norm placement
+POST_LN = {"family": "bert", "post_norm": True, "tie_embeddings": False}
+# name: (model fields over TINY_BERT, parallel section)
+LAYOUTS = {"bert_tp2": ({}, {"tp": 2}), "bert_tp2_sp": ({}, {"tp": 2, "sequence_parallel": True}),
+           "bert_dp2": ({}, {}), "bert_post_ln_tp2_sp": (POST_LN, {"tp": 2, "sequence_parallel": True})}
 
 
 @pytest.fixture(scope="module")
 def runs(bert_corpus, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bert_parallel")
-    raw = raw_config(bert_corpus)
-    specs = [{"config": with_sections(raw, parallel=parallel), "out": str(tmp / f"{name}.json"),
-              "record": str(tmp / name), "grads_at": [1, STEPS]} for name, parallel in LAYOUTS.items()]
-    specs.append({"config": with_sections(raw, parallel={"pp": 2}), "error": str(tmp / "pp2.json")})
+    raws = {name: raw_config(bert_corpus, model=model) for name, (model, _) in LAYOUTS.items()}
+    specs = [{"config": with_sections(raws[name], parallel=parallel), "out": str(tmp / f"{name}.json"),
+              "record": str(tmp / name), "grads_at": [1, STEPS]} for name, (_, parallel) in LAYOUTS.items()]
+    specs.append({"config": raw_config(bert_corpus, parallel={"pp": 2}), "error": str(tmp / "pp2.json")})
     launch(specs, tmp, nproc=2, name="bert")
-    reference = RecordingTrainer.reference(from_dict(raw), grads_at=(1, STEPS))
-    out = {name: (losses_and_valid(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))), reference)
-           for name in LAYOUTS}
+    references = {}
+    for name, (model, _) in LAYOUTS.items():
+        if repr(model) not in references:
+            references[repr(model)] = RecordingTrainer.reference(from_dict(raws[name]), grads_at=(1, STEPS))
+    out = {name: (losses_and_valid(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))),
+                  references[repr(model)]) for name, (model, _) in LAYOUTS.items()}
     return out | {"pp2 error": json.loads((tmp / "pp2.json").read_text())["error"]}
 
 
@@ -302,3 +311,24 @@ def test_forward_is_transformers_bert(family):
         logits, nsp = ours(torch.stack([tokens, types, padding], dim=1))
     for got, expected in ((logits, want.prediction_logits), (nsp, want.seq_relationship_logits)):
         assert float((got - expected).abs().max()) <= 1e-10 * float(expected.abs().max())
+
+
+def test_finetune_from_a_checkpoint_and_read_it_back(bert_corpus, tmp_path):
+    """A finetune starts from any checkpoint mconvert reads as a BERT IR (here an mtrain run, through the `mtrain`
+    loader, with a finetune config that has no model section): at learning rate 0 (AdamW's decoupled weight decay
+    is lr x wd x w: 0 too) its weights stay the source's exactly, and mconvert reads its checkpoint back as the same
+    IR, every BERT tensor under its IR name, ready for any saver."""
+    pre = raw_config(bert_corpus, train={"steps": 2}, checkpoint={"dir": str(tmp_path / "pre")})
+    Trainer(from_dict(pre)).run()
+    finetune = raw_config(bert_corpus, train={"steps": 2}, optim={"lr": 0.0, "min_lr": 0.0},
+                          checkpoint={"dir": str(tmp_path / "ft"), "finetune": str(tmp_path / "pre")})
+    del finetune["model"]
+    lines: list[str] = []
+    Trainer(from_dict(finetune), out=lines.append).run()
+    assert any(line.startswith(f"finetuning from {tmp_path / 'pre'}") for line in lines)
+    source, tuned = engine.load(tmp_path / "pre", Options()), engine.load(tmp_path / "ft", Options())
+    assert tuned.config == source.config and tuned.config.is_bert and tuned.config.binary_head
+    names = [name for name, _ in source]
+    assert names == [name for name, _ in tuned] and "lm_head.bias" in names and "nsp_head.weight" in names
+    for name in names:
+        assert torch.equal(source[name].load(), tuned[name].load()), name
