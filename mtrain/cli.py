@@ -249,6 +249,9 @@ def evaluate(load, loader, data, split, split_weights, seq_len, batch_size, max_
         raise click.UsageError(f"--split {split}: {load} does not record the split of the run that trained it; give "
                                "--split-weights (that run's data.split, e.g. 969,30,1) or --split all")
     model = inference.model_of(ir)
+    if model.config.is_bert:
+        _evaluate_bert(model, ir, run, list(data), split, split_weights, seq_len, batch_size, max_samples, tokenizer)
+        return
     if seq_len is None:
         seq_len = run.get("seq_len") or min(DataConfig().seq_len, model.config.max_position_embeddings)
         origin = "from the run" if run.get("seq_len") else "data.seq_len's default, at most the model's positions"
@@ -258,6 +261,26 @@ def evaluate(load, loader, data, split, split_weights, seq_len, batch_size, max_
                            max_tokens=max_tokens, progress=_progress("windows"))
     click.echo(f"loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | {r.samples} samples of {seq_len} tokens "
                f"({r.tokens:,} predicted tokens, split {split})")
+
+
+def _evaluate_bert(model, ir, run, data, split, split_weights, seq_len, batch_size, max_samples, tokenizer) -> None:
+    """`evaluate --data` of a BERT: MLM loss (and NSP loss and accuracy) on masked samples, masked as the run that
+    trained it (its mlm section: special ids, masking probability) or with the tokenizer's special tokens."""
+    from mtrain import inference
+    from mtrain.config import DataConfig, MLMConfig, build_section
+    from mtrain.data.loader import masking_config
+
+    seq_len = seq_len or run.get("seq_len") or min(128, model.config.max_position_embeddings)
+    mlm = build_section(MLMConfig, "mlm", (inference.run_config(ir).get("mlm") or {}))
+    source = tokenizer or inference.checkpoint_tokenizer(ir.assets)
+    masking = masking_config(DataConfig(seq_len=seq_len, seed=run.get("seed", DataConfig().seed)), mlm,
+                             model.config.vocab_size, str(source) if source else None, model.config.binary_head)
+    r = inference.evaluate_bert(model, data, masking, batch_size=batch_size, split=split,
+                                split_weights=split_weights or run.get("split") or "969,30,1",
+                                max_samples=max_samples, progress=_progress("samples"))
+    nsp = f" | nsp loss {r.nsp_loss:.4f} | nsp accuracy {r.nsp_accuracy:.4f}" if r.nsp_loss is not None else ""
+    click.echo(f"mlm loss {r.mlm_loss:.4f}{nsp} | {r.samples} samples of at most {seq_len} tokens "
+               f"({r.predicted_tokens:,} predicted tokens, split {split})")
 
 
 def _sampling(greedy, temperature, top_k, top_p):

@@ -125,7 +125,7 @@ def build_model(config: ModelConfig, *, device: torch.device, mesh: DeviceMesh |
                 dp_mode: DPMode = "fsdp", precision: Precision = "fp32", recompute: Recompute = "none") -> Transformer:
     """A whole model (one process, or data parallel over the 1-D `mesh`) with uninitialized weights."""
     with torch.device("meta"):
-        model = Transformer(config)
+        model = BertModel(config) if config.is_bert else Transformer(config)
     apply_recompute(model, recompute)
     if mesh is not None and dp_mode == "fsdp":
         apply_fsdp(model, mesh, precision, set())

@@ -91,9 +91,9 @@ def build_sample_index(document_bounds: np.ndarray, sizes: np.ndarray, documents
         if len(rows) == before:
             raise TrainError(f"no BERT sample can be made: every document has fewer than {min_sentences} "
                              "sentence(s) or a long sentence (> 512 tokens) among several"
-                             + (" (next-sentence prediction needs documents of two or more sentences: "
-                                "preprocess with sentences split, or set mlm.nsp false)" if min_sentences > 1
-                                else ""))
+                             + (" (next-sentence prediction needs documents of two or more sentences: write "
+                                "documents of several sentences, or train a model without binary_head)"
+                                if min_sentences > 1 else ""))
     index = np.asarray(rows, dtype=np.int64)
     return index[np.random.RandomState(seed + 1).permutation(len(index))]
 

@@ -15,15 +15,20 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
 
 from mconvert import engine
 from mconvert.ir.config import ModelConfig
 from mconvert.options import Options
 from mtrain import weights
+from mtrain.cli import main as mtrain_main
 from mtrain.config import from_dict
 from mtrain.data.bert_dataset import IGNORE, BertDataset, MaskingConfig, SpecialTokens, split_batch
+from mtrain.data.gpt_dataset import split_ranges
 from mtrain.data.indexed import IndexedDataset, IndexedDatasetWriter
 from mtrain.errors import TrainError
+from mtrain.inference import load_model
 from mtrain.models.bert import BertModel
 from mtrain.train import Trainer
 from tests.mtrain.recording import RecordingTrainer, merge
@@ -332,3 +337,27 @@ def test_finetune_from_a_checkpoint_and_read_it_back(bert_corpus, tmp_path):
     assert names == [name for name, _ in tuned] and "lm_head.bias" in names and "nsp_head.weight" in names
     for name in names:
         assert torch.equal(source[name].load(), tuned[name].load()), name
+
+
+def test_evaluate_reports_mlm_and_nsp(bert_corpus, tmp_path):
+    """`mtrain evaluate --data` of a BERT checkpoint prints the MLM loss (mean cross entropy per predicted token),
+    NSP loss and accuracy (per sample) on one epoch of masked samples of the split, masked with the run's special
+    ids and sequence length: the figures computed here from the same samples, to the 4 printed decimals."""
+    Trainer(from_dict(raw_config(bert_corpus, train={"steps": 2}, checkpoint={"dir": str(tmp_path / "run")}))).run()
+    result = CliRunner().invoke(mtrain_main, ["evaluate", "--load", str(tmp_path / "run"), "--data", bert_corpus,
+                                              "--split", "valid"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    model, _ = load_model(tmp_path / "run")
+    indexed = IndexedDataset(bert_corpus)
+    documents = len(indexed.document_indices) - 1
+    begin, end = split_ranges(documents, "90,10,0")[1]
+    ds = BertDataset(indexed, np.arange(begin, end), MaskingConfig(**{**MASKING.__dict__, "seed": 1234}), 1)
+    inputs, labels = split_batch(np.stack([ds[i] for i in range(len(ds))]))
+    with torch.no_grad():
+        logits, nsp = model(inputs)
+    mlm = F.cross_entropy(logits.flatten(0, 1).double(), labels[:, :-1].flatten(), ignore_index=IGNORE)
+    nsp_loss = F.cross_entropy(nsp.double(), labels[:, -1])
+    accuracy = float((nsp.argmax(-1) == labels[:, -1]).double().mean())
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith(f"mlm loss {float(mlm):.4f} | nsp loss {float(nsp_loss):.4f} | nsp accuracy "
+                           f"{accuracy:.4f} | {len(ds)} samples of at most {SEQ} tokens"), line
