@@ -49,11 +49,13 @@ TIED_HEAD = Rule("lm_head.weight", ("embed.weight",))  # a stored copy of the ti
 def load_hf(path: Path, options: Options, *, name: str, config_from_hf: Callable[[dict, str], ModelConfig],
             table: Table | Callable[[dict[str, LazyTensor]], Table], embed_key: str, drop: tuple[str, ...],
             fix_source: Callable[[dict[str, LazyTensor]], dict[str, LazyTensor]] = lambda s: s,
-            layout: Callable[[dict[str, LazyTensor]], dict[str, Any]] = lambda s: {}) -> ModelIR:
+            layout: Callable[[dict[str, LazyTensor]], dict[str, Any]] = lambda s: {},
+            stored_copies: Callable[[ModelConfig], dict[str, str]] = lambda c: {}) -> ModelIR:
     """An HF model directory (or hub id) through one family's table, strictly.
 
     The weights' dtype wins over config.json's; with tied embeddings a stored `lm_head.weight` must equal the
     embedding (checked when it is read). `table` may depend on the stored keys (a family stored in two layouts).
+    `stored_copies` names other keys that, when stored, copy an IR tensor (key -> IR name): checked likewise.
     """
     root = hf_dir.resolve(path)
     stored = hf_dir.open_weights(root)  # headers only: what the config's sizes are checked against
@@ -65,10 +67,13 @@ def load_hf(path: Path, options: Options, *, name: str, config_from_hf: Callable
     # Tied: a stored lm_head.weight must be the embedding again (checked when the embedding is read), never a
     # distinct matrix silently dropped.
     copies = take_copies(pieces, r"lm_head\.weight") if config.tie_embeddings else []
+    others = {k: (name, pieces.pop(k)) for k, name in stored_copies(config).items() if k in pieces}
     rows = expand(table(source) if callable(table) else table, config)
     ctx = Ctx(config, config.vocab_size)
     tensors = to_ir(pieces, rows, ctx, where=str(root), drop=drop)
     verify_copies(tensors, "embed.weight", copies, TIED_HEAD, ctx)
+    for key, (name, copy) in others.items():
+        verify_copies(tensors, name, [copy], Rule(key, (name,)), ctx, kept_for="older transformers")
     assets = hf_dir.tokenizer_files(options.tokenizer or root)
     return ModelIR(config, tensors, SourceInfo(f"{name} (Hugging Face)", root, layout(source)), assets)
 
@@ -205,8 +210,10 @@ def register_family(family: HFFamily) -> HFFamily:
 
 
 def family_of(model_type: str | None) -> HFFamily | None:
-    """The family that reads config.json's `model_type` (which is also the IR family it writes)."""
-    return next((f for f in FAMILIES.values() if model_type in f.model_types), None)
+    """The family that reads config.json's `model_type` (which is also the IR family it writes, spelled with `_`
+    for `-`: `megatron-bert` is IR family `megatron_bert`)."""
+    wanted = str(model_type).replace("-", "_")
+    return next((f for f in FAMILIES.values() if any(t.replace("-", "_") == wanted for t in f.model_types)), None)
 
 
 def not_my_family(saver: str, family: str) -> ConvertError:

@@ -131,6 +131,9 @@ class ModelConfig:
     binary_head: bool = False  # next-sentence (binary) logits from the pooled output; needs the pooler
     post_norm: bool = False  # post-LN layers and a norm of the embeddings, no final norm (HF "bert" only)
     lm_head_bias: bool = False  # a bias on the LM head's logits (every BERT has one)
+    # the activation of the MLM head's transform: Megatron's BertLMHead always computes exact gelu, whatever the
+    # MLP's (its fused bias-GELU computes the tanh approximation); transformers' uses hidden_act for both
+    mlm_head_activation: Activation = "gelu"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -171,7 +174,7 @@ class ModelConfig:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConvertError(f"num_tokentypes must be a non-negative integer, got {n!r}")
         bert = {"num_tokentypes": n > 0, "pooler": self.pooler, "binary_head": self.binary_head,
-                "post_norm": self.post_norm}
+                "post_norm": self.post_norm, "mlm_head_activation": self.mlm_head_activation != "gelu"}
         if not self.is_bert:
             if set_ := [name for name, on in bert.items() if on]:
                 raise ConvertError(f"{', '.join(set_)} describe BERT encoders (families {', '.join(BERT_FAMILIES)}), "
@@ -181,6 +184,7 @@ class ModelConfig:
             ("position_embedding", self.position_embedding, self.position_embedding == "learned"),
             ("norm", self.norm, self.norm == "layernorm"),
             ("activation", self.activation, not self.gated),
+            ("mlm_head_activation", self.mlm_head_activation, self.mlm_head_activation in ("gelu", "gelu_tanh")),
             ("num_experts", self.num_experts, not self.is_moe),
             ("kv_lora_rank", self.kv_lora_rank, not self.is_mla),
             ("sliding_window", self.sliding_window, self.sliding_window is None),
@@ -307,6 +311,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "family": get_args(Family),
     "norm": get_args(Norm),
     "activation": get_args(Activation),
+    "mlm_head_activation": get_args(Activation),
     "position_embedding": get_args(PositionEmbedding),
     "dtype": get_args(DType),
     "moe_router_score": get_args(RouterScore),

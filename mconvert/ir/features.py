@@ -64,7 +64,8 @@ meaning), with tokens t, token types y (zeros when not given), positions p and `
                             no final norm
     otherwise (pre-LN):     per layer as a GPT layer, then h = final_norm(h)
     attention:  bidirectional: every query sees every key the padding mask keeps (no causal mask)
-    mlm logits = lm_head(mlm_head.norm(act(mlm_head.dense(h)))) + lm_head.bias       lm_head tied to embed or not
+    mlm logits = lm_head(mlm_head.norm(act_m(mlm_head.dense(h)))) + lm_head.bias     lm_head tied to embed or not,
+                 act_m the mlm_head_activation (exact gelu in Megatron's BertLMHead, hidden_act in transformers)
     pooled     = tanh(pooler(h[:, 0]))                     pooler
     nsp logits = nsp_head(pooled)                          binary_head (logit 0: "is the next sentence")
 """

@@ -442,7 +442,7 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         else None,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
         ckpt_format=ckpt_format, transformer_impl="transformer_engine" if impl == "te" else "local",
-        use_legacy_models=False, bert_binary_head=True,
+        use_legacy_models=False, bert_binary_head=c.binary_head or not c.is_bert,
         no_load_optim=True, no_load_rng=True, no_save_optim=True, no_save_rng=True,
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
     )
@@ -464,3 +464,13 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     if c.is_moe and expert_layout == "single_grouped":  # megatron-core requires the TE op fuser for it
         values |= {"moe_single_grouped_weight": True, "use_transformer_engine_op_fuser": True}
     return argparse.Namespace(**values)
+
+
+def bert_config(gpt: ModelConfig, *, num_tokentypes: int, binary_head: bool, where: str) -> ModelConfig:
+    """The config of a megatron-core BertModel from its args (read as for a GPT model, `gpt`) and what only its
+    tensors say: the rows of its token-type embedding (Megatron-LM's pretrain_bert makes 2 with the binary head,
+    0 without; no argument records it) and whether it has the binary head and pooler. Its MLM head computes exact
+    gelu (BertLMHead) whatever the MLP's activation."""
+    return with_where(where, lambda: gpt.replace(
+        family="megatron_bert", num_tokentypes=num_tokentypes, pooler=binary_head, binary_head=binary_head,
+        lm_head_bias=True, mlm_head_activation="gelu"))

@@ -130,11 +130,36 @@ TABLES: dict[tuple[str, str, bool], Table] = {
 }
 
 
-def table(impl: Impl, expert_layout: ExpertLayout = "sequential", mla: bool = False) -> Table:
+# megatron-core's BertModel: GPT's layers under `encoder.` (its TransformerBlock), token types beside the
+# embeddings; after the final norm the MLM head's transform (`lm_head`, plain Linear and LayerNorm modules under both
+# specs), the output layer with its bias (split over TP like the vocabulary), the pooler and the binary head
+# (plain Linears, replicated).
+BERT_PREFIX = "encoder."
+BERT_EMBEDDING = (*EMBEDDING, Rule("embedding.tokentype_embeddings.weight", ("token_type_embed.weight",)))
+BERT_HEAD = (
+    *norm("encoder.final_layernorm", "final_norm"),
+    *linear("lm_head.dense", "mlm_head.dense"),
+    *norm("lm_head.layer_norm", "mlm_head.norm"),
+    Rule("output_layer.weight", ("lm_head.weight",), VOCAB, COLUMN),
+    Rule("output_layer.bias", ("lm_head.bias",), VOCAB, COLUMN),
+    *linear("binary_head", "nsp_head"),
+    *linear("pooler.dense", "pooler"),
+)
+BERT_TABLES = {impl: Table(embedding=BERT_EMBEDDING, layer=moved(layers, "decoder.", BERT_PREFIX), head=BERT_HEAD)
+               for impl, layers in _LAYERS.items()}
+
+
+def table(impl: Impl, expert_layout: ExpertLayout = "sequential", mla: bool = False, bert: bool = False) -> Table:
     """The core key table for one transformer implementation (`local` or `te`), expert layout (see
     mconvert.megatron.moe; the layout's shards read the local expert count and expert TP from the Ctx) and
-    attention (multi-latent or not)."""
-    return TABLES[(impl, expert_layout, mla)]
+    attention (multi-latent or not); `bert`: megatron-core's BertModel (dense, standard attention)."""
+    return BERT_TABLES[impl] if bert else TABLES[(impl, expert_layout, mla)]
+
+
+def is_bert_model(keys) -> bool:
+    """Are these the keys of a megatron-core BertModel (its layers under `encoder.`, an MLM head) rather than of a
+    GPTModel (`decoder.`)?"""
+    return any(k.startswith((BERT_PREFIX, "lm_head.", "embedding.tokentype_embeddings.")) for k in keys)
 
 
 # With tied embeddings and several pipeline stages the last stage keeps its own copy of the (padded) word
@@ -162,7 +187,8 @@ def extra_state_modules(impl: Impl, *, expert_layout: ExpertLayout | None = None
         modules += ("mlp.linear_fc1", "mlp.linear_fc2")
     shared = config is not None and bool(config.moe_shared_expert_ffn_hidden_size)
     moe = core_moe.extra_state_modules(expert_layout, impl, local_experts, shared) if expert_layout else ()
-    return tuple(f"decoder.layers.{{l}}.{m}" for m in modules) + moe
+    prefix = BERT_PREFIX if config is not None and config.is_bert else "decoder."
+    return tuple(f"{prefix}layers.{{l}}.{m}" for m in modules) + moe
 
 
 METADATA_JSON = "metadata.json"
@@ -181,9 +207,23 @@ def check_model(c: ModelConfig, options: Options) -> None:
     if c.is_moe and c.mlp_bias and options.expert_layout in ("legacy_grouped", "single_grouped"):
         problems.append(f"expert biases in the {options.expert_layout} expert layout, which has no place for them "
                         "(use --expert-layout sequential or grouped)")
+    if c.is_bert:
+        problems += bert_problems(c)
     if problems:
         raise ConvertError("saver core: " + "; ".join(problems))
     options.layout.check_model(c)
+
+
+def bert_problems(c: ModelConfig) -> list[str]:
+    """What megatron-core's BertModel cannot hold of a BERT model."""
+    return [what for what, bad in (
+        ("post-LN layers (HF 'bert'): megatron-core's BertModel normalizes before each sublayer (pre-LN)",
+         c.post_norm),
+        (f"an MLM head computing {c.mlm_head_activation}: megatron-core's BertLMHead computes exact gelu",
+         c.mlm_head_activation != "gelu"),
+        ("a pooler without the binary head: megatron-core's BertModel builds both or neither",
+         c.pooler != c.binary_head),
+    ) if bad]
 
 
 def is_dcp_checkpoint(it_dir: Path) -> bool:
@@ -201,8 +241,9 @@ def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = No
         for module in _layer_extra_states(L, options, config):
             out[f"{module.format(l=l)}._extra_state"] = value
     if chunk.has_head:
-        if te:
-            out["decoder.final_layernorm._extra_state"] = value
+        if te:  # a TENorm (BertModel's block takes TE's norm whenever TE is installed)
+            prefix = BERT_PREFIX if config is not None and config.is_bert else "decoder."
+            out[f"{prefix}final_layernorm._extra_state"] = value
         out["output_layer._extra_state"] = None  # Megatron's ColumnParallelLinear, under either spec
         for m in range(config.mtp_layers if config is not None else 0):  # the MTP modules go with the head
             prefix = f"mtp.layers.{m}."

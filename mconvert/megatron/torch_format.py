@@ -22,7 +22,7 @@ from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.features import FEATURES
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.lazy import torch
-from mconvert.megatron import core, mla, rank_files, rank_plan
+from mconvert.megatron import arguments, core, mla, rank_files, rank_plan
 from mconvert.megatron import dcp as core_dcp
 from mconvert.megatron import moe as core_moe
 from mconvert.megatron.dcp import load_dcp, save_dcp
@@ -43,7 +43,7 @@ from mconvert.registry import register_loader, register_saver
 from mconvert.rules.mapping import to_ir, verify_copies
 from mconvert.rules.table import Ctx
 
-LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.")
+LAYER_KEY = re.compile(r"(?:de|en)coder\.layers\.(\d+)\.")  # GPTModel's decoder, BertModel's encoder
 # Not weights: module extra state (FP8 metadata or None) and rotary frequencies Megatron recomputes.
 DROP = (r".*\._extra_state", r".*rotary_pos_emb\.inv_freq")
 
@@ -54,8 +54,9 @@ def is_core_checkpoint(path: Path) -> bool:
     it_dir, _ = find_iteration(path)  # a broken tracker file is reported (see registry.detect_loader)
     if core.is_dist_checkpoint(it_dir) or core.is_dcp_checkpoint(it_dir):
         return True
-    model = first_model(it_dir)  # core keys are flat (`embedding.`, `decoder.`); legacy ones nest
-    return model is not None and any(k.startswith(("decoder.", "embedding.", "output_layer")) for k in model)
+    model = first_model(it_dir)  # core keys are flat (`embedding.`, `decoder.`, BERT's `encoder.`); legacy ones nest
+    return model is not None and any(k.startswith(("decoder.", "encoder.", "embedding.", "output_layer"))
+                                     for k in model)
 
 
 @register_loader("core", aliases=("megatron", "mcore"), detect=is_core_checkpoint,
@@ -101,9 +102,15 @@ def load(path: Path, options: Options) -> ModelIR:
     config, config_notes = megatron_config(files.args, options, padded, dtype_name(embed.dtype), it_dir, assets,
                                            files.stored_elements())
     notes += config_notes
+    bert = core.is_bert_model(first_model)
+    if bert:
+        last = files.model(0, files.pp - 1, 0, names[-1])
+        types = first_model.get("embedding.tokentype_embeddings.weight")
+        config = arguments.bert_config(config, num_tokentypes=0 if types is None else int(types.shape[0]),
+                                       binary_head="binary_head.weight" in last, where=str(it_dir))
     expert_layout, etp = _experts(files, names, config, notes) if config.is_moe else (None, files.tp)
     ctx = Ctx(config, padded, tp=files.tp, etp=etp, local_experts=(config.num_experts or 0) // files.ep)
-    parts = rank_plan.plan(core.table(impl, expert_layout or "sequential", config.is_mla), config, chunks,
+    parts = rank_plan.plan(core.table(impl, expert_layout or "sequential", config.is_mla, bert), config, chunks,
                            ep=files.ep, entry_names=names, tied_copy=core.TIED_OUTPUT, embed_copy=core.MTP_EMBEDDING)
     source, rows, copies = read_parts(files, parts, tensors_of)
     tensors = to_ir(source, rows, ctx, where=str(it_dir), drop=DROP, cache=LoadCache(4))
@@ -151,6 +158,9 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if options.mtp_layer_name != "transformer_layer" and options.ckpt_format != "torch":
         raise ConvertError(f"--mtp-layer-name {options.mtp_layer_name} is for --ckpt-format torch; megatron-core "
                            f"stores transformer_layer in {options.ckpt_format} checkpoints whatever its version")
+    if ir.config.is_bert and options.ckpt_format not in ("torch", "torch_dist"):
+        raise ConvertError(f"saver core: a BERT model in --ckpt-format {options.ckpt_format}; megatron-core's "
+                           "BertModel is written as torch or torch_dist")
     if options.ckpt_format in core_dcp.FORMATS:
         return save_dcp(ir, out, options, progress)
     if options.ckpt_format != "torch":
@@ -179,7 +189,8 @@ def _mtp_named(state: dict, name: str) -> dict:
 def plan(ir: ModelIR, options: Options) -> list[rank_plan.Part]:
     """What each rank file holds, for this model in the saver's layout, implementation and expert layout."""
     layout = options.layout
-    return rank_plan.plan(core.table(options.transformer_impl, options.expert_layout, ir.config.is_mla), ir.config,
+    return rank_plan.plan(core.table(options.transformer_impl, options.expert_layout, ir.config.is_mla,
+                                     ir.config.is_bert), ir.config,
                           layout.chunks(ir.config.num_layers), ep=layout.ep, entry_names=rank_plan.entries(layout.vpp),
                           tied_copy=core.TIED_OUTPUT, embed_copy=core.MTP_EMBEDDING)
 
