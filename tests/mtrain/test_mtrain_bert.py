@@ -27,12 +27,15 @@ from mtrain.config import from_dict
 from mtrain.data.bert_dataset import IGNORE, BertDataset, MaskingConfig, SpecialTokens, split_batch
 from mtrain.data.gpt_dataset import split_ranges
 from mtrain.data.indexed import IndexedDataset, IndexedDatasetWriter
+from mtrain.data.loader import RankBatches, build_splits, masking_config
 from mtrain.errors import TrainError
 from mtrain.inference import load_model
-from mtrain.models.bert import BertModel
+from mtrain.models.bert import BertModel, bert_loss
 from mtrain.train import Trainer
 from tests.mtrain.recording import RecordingTrainer, merge
+from tests.support.bert import float32_bound
 from tests.support.bert_corpus import CLS, MASK, PAD, SEP, SPECIAL, TINY_BERT, VOCAB, build_bert_corpus
+from tests.support.cli import run_cli
 from tests.support.launch import launch, with_sections
 from tests.support.training import STEPS, check_tensors, losses_and_valid
 
@@ -361,3 +364,44 @@ def test_evaluate_reports_mlm_and_nsp(bert_corpus, tmp_path):
     line = result.output.strip().splitlines()[-1]
     assert line.startswith(f"mlm loss {float(mlm):.4f} | nsp loss {float(nsp_loss):.4f} | nsp accuracy "
                            f"{accuracy:.4f} | {len(ds)} samples of at most {SEQ} tokens"), line
+
+
+@pytest.mark.parity
+def test_finetune_from_transformers_megatron_bert_and_export(bert_corpus, tmp_path):
+    """`mtrain finetune` of a transformers MegatronBertForPreTraining directory (the `megatron_bert_hf` loader):
+    its first step's loss is transformers' MLM + NSP loss on the same masked batch (both float32; the bound is
+    tests/support/bert.py's float32_bound: 8 x float32's own error, measured against transformers in float64, plus
+    4 ulps), and at learning rate 0 the `megatron_bert_hf` saver exports the finetune's checkpoint as the very
+    tensors it started from."""
+    import transformers
+
+    from tests.support.bert import make_megatron_bert
+
+    hf = make_megatron_bert(tmp_path / "hf")
+    raw = raw_config(bert_corpus, train={"steps": 1}, optim={"lr": 0.0, "min_lr": 0.0},
+                     checkpoint={"dir": str(tmp_path / "ft"), "finetune": str(hf)})
+    del raw["model"]
+    config = from_dict(raw)
+    got = Trainer(config).run().losses[1]
+    masking = masking_config(config.data, config.mlm, 300, None, True)
+    splits = build_splits(config.data, {"train": 8}, masking)
+    batches = RankBatches(splits["train"], global_batch=8, micro_batch=2, rank=0, world=1, vocab_size=300,
+                          collate=split_batch).next()
+
+    def loss(dtype: torch.dtype) -> torch.Tensor:
+        model = transformers.MegatronBertForPreTraining.from_pretrained(hf).to(dtype).eval()
+        total = torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            for inputs, labels in batches:
+                out = model(input_ids=inputs[:, 0], token_type_ids=inputs[:, 1], attention_mask=inputs[:, 2])
+                total += bert_loss((out.prediction_logits, out.seq_relationship_logits), labels).double()
+        return total / len(batches)
+
+    want = loss(torch.float32)
+    assert abs(got - float(want)) <= float32_bound(want, loss(torch.float64)), (got, float(want))
+    run_cli("--saver", "megatron_bert_hf", "--load-dir", tmp_path / "ft", "--save-dir", tmp_path / "out")
+    source = transformers.MegatronBertForPreTraining.from_pretrained(hf).state_dict()
+    exported = transformers.MegatronBertForPreTraining.from_pretrained(tmp_path / "out").state_dict()
+    assert sorted(source) == sorted(exported)
+    for name, tensor in source.items():
+        assert torch.equal(tensor, exported[name]), name
