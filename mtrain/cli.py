@@ -70,15 +70,18 @@ def main() -> None:
 @click.option("--json-key", "--json-keys", "json_keys", multiple=True, default=("text",), show_default=True,
               help="Field(s) to tokenize; one dataset per key.")
 @click.option("--append-eod", is_flag=True, help="End every document with the tokenizer's eos token.")
+@click.option("--split-sentences", is_flag=True,
+              help="One sequence per sentence, no special tokens (BERT's data: sentence pairs for NSP).")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Tokenizer processes.")
 @_fail_cleanly
-def preprocess(input_, output_prefix, tokenizer, json_keys, append_eod, workers) -> None:
+def preprocess(input_, output_prefix, tokenizer, json_keys, append_eod, split_sentences, workers) -> None:
     """Tokenize JSON lines into Megatron indexed datasets (.bin/.idx)."""
     from mtrain.data.preprocess import PreprocessConfig
     from mtrain.data.preprocess import preprocess as run
 
     result = run(PreprocessConfig(input=input_, output_prefix=output_prefix, tokenizer=tokenizer,
-                                  json_keys=tuple(json_keys), append_eod=append_eod, workers=workers),
+                                  json_keys=tuple(json_keys), append_eod=append_eod,
+                                  split_sentences=split_sentences, workers=workers),
                  progress=_preprocess_progress())
     for key, prefix in result.prefixes.items():
         skipped = f", {result.skipped_empty[key]} empty skipped" if result.skipped_empty[key] else ""

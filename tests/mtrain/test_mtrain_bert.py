@@ -405,3 +405,45 @@ def test_finetune_from_transformers_megatron_bert_and_export(bert_corpus, tmp_pa
     assert sorted(source) == sorted(exported)
     for name, tensor in source.items():
         assert torch.equal(tensor, exported[name]), name
+
+
+def _bert_tokenizer(path) -> None:
+    """A WordLevel tokenizer with BERT's special tokens that wraps what it encodes in [CLS] … [SEP]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4, ".": 5, "!": 6, "?": 7}
+    vocab |= {f"w{i}": 8 + i for i in range(56)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2),
+                                                                                                  ("[SEP]", 3)])
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def test_preprocess_split_sentences_then_train_nsp(tmp_path):
+    """`mtrain preprocess --split-sentences` writes a document's sentences as its sequences, without the
+    tokenizer's [CLS]/[SEP] (BERT's samples add them); a BERT with the binary head trains on that data with the
+    special ids taken from data.tokenizer."""
+    _bert_tokenizer(tmp_path / "tok")
+    rng = np.random.RandomState(0)
+    with open(tmp_path / "corpus.jsonl", "w") as f:
+        for _ in range(40):
+            sentences = [" ".join(f"w{i}" for i in rng.randint(0, 56, rng.randint(2, 8))) + rng.choice([".", "!", "?"])
+                         for _ in range(rng.randint(2, 5))]
+            f.write(json.dumps({"text": " ".join(sentences)}) + "\n")
+    result = CliRunner().invoke(mtrain_main, ["preprocess", "--input", str(tmp_path / "corpus.jsonl"),
+                                              "--output-prefix", str(tmp_path / "bert"), "--tokenizer",
+                                              str(tmp_path / "tok"), "--split-sentences"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    indexed = IndexedDataset(tmp_path / "bert_text_document")
+    first = json.loads((tmp_path / "corpus.jsonl").read_text().splitlines()[0])["text"]
+    sentences = [indexed.get(s).tolist() for s in range(indexed.document_indices[0], indexed.document_indices[1])]
+    assert len(sentences) == first.count(".") + first.count("!") + first.count("?")
+    assert all(s[-1] in (5, 6, 7) and 2 not in s and 3 not in s for s in sentences)
+    raw = raw_config(str(tmp_path / "bert_text_document"), train={"steps": 2},
+                     data={"tokenizer": str(tmp_path / "tok")}, eval={"interval": 2, "steps": 1})
+    raw["mlm"] = {}  # the special ids: the tokenizer's
+    trainer = Trainer(from_dict(raw))
+    result = trainer.run()
+    assert sorted(result.losses) == [1, 2] and set(trainer.bert_eval) == {"mlm loss", "nsp loss", "nsp accuracy"}
