@@ -219,7 +219,8 @@ def test_split_batch_packs_inputs_and_labels():
 POST_LN = {"family": "bert", "post_norm": True, "tie_embeddings": False}
 # name: (model fields over TINY_BERT, parallel section)
 LAYOUTS = {"bert_tp2": ({}, {"tp": 2}), "bert_tp2_sp": ({}, {"tp": 2, "sequence_parallel": True}),
-           "bert_dp2": ({}, {}), "bert_post_ln_tp2_sp": (POST_LN, {"tp": 2, "sequence_parallel": True})}
+           "bert_dp2": ({}, {}), "bert_fsdp2": ({}, {"dp_mode": "fsdp"}),
+           "bert_post_ln_tp2_sp": (POST_LN, {"tp": 2, "sequence_parallel": True})}
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +245,8 @@ def runs(bert_corpus, tmp_path_factory):
 def test_layout_trains_like_one_process(runs, name):
     """MLM + NSP losses (training and validation), gradients at the first and last step and final weights of each
     layout within parity.Reference's bounds: the layout is one process's function with its sums in another order
-    (vocab-sharded logits and the loss over them, partial products all-reduced, DDP's averaged gradients), so it
+    (vocab-sharded logits and the loss over them, partial products all-reduced, DDP's and FSDP's averaged
+    gradients), so it
     must be as close to the float64 run as float32's own reordered runs are (K = 8 times their error, parity.py)."""
     (got, got_valid), record, reference = runs[name]
     reference.check_losses(got)
