@@ -81,9 +81,9 @@ def build_parallel_model(config: ModelConfig, dims: ParallelDims, mesh: DeviceMe
     """This rank's parallelized parts with uninitialized weights (fp32) and initialized buffers on `device` (a BERT
     encoder, models/bert.py, for the BERT families)."""
     coords = Coords.of(mesh)
-    if config.is_bert and (dims.pp > 1 or dims.cp > 1):
-        raise TrainError(f"BERT ({config.family}) trains under data and tensor (+sequence) parallelism; parallel.pp "
-                         f"{dims.pp} and parallel.cp {dims.cp} must be 1")
+    if config.is_bert and dims.cp > 1:
+        raise TrainError(f"BERT ({config.family}) trains under data, tensor (+sequence) and pipeline parallelism; "
+                         f"parallel.cp {dims.cp} must be 1 (its attention is bidirectional, context parallel causal)")
     if dims.pp > 1:
         stages = build_stages(config, dims, coords.pp)
     else:

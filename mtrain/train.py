@@ -173,8 +173,9 @@ class Trainer:
         self.schedule = None
         if dims.pp > 1:
             n = self.batches.micro_batches
+            loss = bert.bert_loss if self.bert else self._cross_entropy
             self.schedule = build_schedule(self.parts, self.parallel.stage_ids, dims, self.pp_group, self.env.device,
-                                           n, lambda out, target: self._cross_entropy(out, target) / n)
+                                           n, lambda out, target: loss(out, target) / n)
         log = config.logging
         self.throughput, line = flops.throughput_for(model_config, config.data.seq_len, self.env.world,
                                                      self.env.device, self.precision, log.peak_tflops)
@@ -289,11 +290,13 @@ class Trainer:
         losses: list[torch.Tensor] = []
         # The MTP modules on the last stage read the whole sequences' labels: the schedule splits them into the
         # micro-batches and hands them to this rank's stages, which ignore them unless they hold the modules.
-        mtp_labels = {"labels": whole.to(self.env.device)} if train and last and self.model_config.mtp_layers else {}
+        extra = {"labels": whole.to(self.env.device)} if train and last and self.model_config.mtp_layers else {}
+        if self.bert:  # every BERT stage's attention needs the padding mask
+            extra = {"padding": inputs[:, 2]}
         with self._loss_context(), self._autocast():
             run = self.schedule.step if train else self.schedule.eval
             run(*args, target=labels if last else None, losses=losses if last else None,
-                **({"return_outputs": False} if train else {}), **mtp_labels)
+                **({"return_outputs": False} if train else {}), **extra)
         return float(sum(_value(x) for x in losses)) if last else 0.0
 
     def _local_tokens(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

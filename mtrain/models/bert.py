@@ -18,6 +18,7 @@ plus, with the binary head, the mean NSP cross entropy over its samples.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -60,35 +61,47 @@ class PostNormBlock(Block):
 
 
 class BertModel(Transformer):
-    def __init__(self, c: ModelConfig):
-        super().__init__(c)
+    """A whole BERT, or a pipeline stage of one (`layers`, `first`, `last` as for Transformer): the first stage holds
+    the embeddings, the last the heads."""
+
+    def __init__(self, c: ModelConfig, *, layers: Iterable[int] | None = None, first: bool = True,
+                 last: bool = True):
+        super().__init__(c, layers=layers, first=first, last=last)
         if c.post_norm:
             self.layers = nn.ModuleDict({key: PostNormBlock(c, int(key)) for key in self.layers})
-            self.embed_norm = make_norm(c)
-            self.final_norm = nn.Identity()  # none in post-LN BERT (kept: the trainer's mark of a last stage)
-        self.token_type_embed = nn.Embedding(c.num_tokentypes, c.hidden_size) if c.num_tokentypes else None
-        self.mlm_head = MLMHead(c)
-        if not c.tie_embeddings:
+            self.embed_norm = make_norm(c) if first else None
+            self.final_norm = nn.Identity() if last else None  # none in post-LN BERT (kept: a last stage's mark)
+        self.token_type_embed = nn.Embedding(c.num_tokentypes, c.hidden_size) if c.num_tokentypes and first else None
+        self.mlm_head = MLMHead(c) if last else None
+        if last and not c.tie_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=c.lm_head_bias)
-        elif c.lm_head_bias:
+        elif last and c.lm_head_bias:
             self.lm_head = OutputBias(c.vocab_size)
-        self.pooler = nn.Linear(c.hidden_size, c.hidden_size) if c.pooler else None
-        self.nsp_head = nn.Linear(c.hidden_size, 2) if c.binary_head else None
+        self.pooler = nn.Linear(c.hidden_size, c.hidden_size) if c.pooler and last else None
+        self.nsp_head = nn.Linear(c.hidden_size, 2) if c.binary_head and last else None
         self.whole_sequence = lambda h: h
 
-    def forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, inputs: torch.Tensor, padding: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor:
         """inputs (B, 3, T) -> (MLM logits (B, T, V), NSP logits (B, 2) or None). Under sequence parallel the
-        embeddings and layers hold this rank's part of the sequence; the key mask is the whole one's."""
-        tokens, types, padding = inputs[:, 0], inputs[:, 1], inputs[:, 2]
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.embed(tokens) + self.pos_embed(positions)
-        if self.token_type_embed is not None:
-            h = h + self.token_type_embed(types)
-        if self.config.post_norm:
-            h = self.embed_norm(h)
+        embeddings and layers hold this rank's part of the sequence; the key mask is the whole one's. A pipeline
+        stage after the first takes hidden states and the padding mask (B, T) (the schedule hands every stage
+        its micro-batch's); one before the last returns hidden states."""
+        if self.embeds_tokens:
+            tokens, types, padding = inputs[:, 0], inputs[:, 1], inputs[:, 2]
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            h = self.embed(tokens) + self.pos_embed(positions)
+            if self.token_type_embed is not None:
+                h = h + self.token_type_embed(types)
+            if self.config.post_norm:
+                h = self.embed_norm(h)
+        else:
+            h, positions = inputs, torch.arange(padding.shape[1], device=padding.device)
         ctx = LayerContext(None, positions, None, causal=False, key_mask=padding.bool()[:, None, None, :])
         for layer in self.layers.values():
             h = layer(h, ctx)
+        if self.final_norm is None:
+            return h
         h = self.whole_sequence(self.final_norm(h))
         x = self.mlm_head(h)
         weight = self.embed.weight if self.config.tie_embeddings else self.lm_head.weight

@@ -98,7 +98,7 @@ def apply_tensor_parallel(part: Transformer, mesh: DeviceMesh, sequence_parallel
                                             output_layouts=Shard(0) if sequence_parallel else Replicate())
     if part.final_norm is not None and not isinstance(part.final_norm, nn.Identity):  # post-LN BERT has none
         plan["final_norm"] = norm()
-    if hasattr(part, "embed_norm"):  # post-LN BERT's norm of the summed embeddings
+    if getattr(part, "embed_norm", None) is not None:  # post-LN BERT's norm of the summed embeddings
         plan["embed_norm"] = norm()
     if part.lm_head is not None and not isinstance(part, BertModel):
         plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
@@ -119,7 +119,9 @@ def _parallelize_bert_heads(part: BertModel, mesh: DeviceMesh, seq: Placement) -
     """BERT: token types replicated; before the heads the whole sequences on every rank (`whole_sequence`), the MLM
     head's transform, pooler and NSP head replicated, the LM head (the embedding's row-split weight when tied, else
     its own) and its bias split over the vocabulary: vocab-sharded logits."""
-    plan: dict[str, ParallelStyle] = {"mlm_head.dense": ReplicateParallel(), "mlm_head.norm": ReplicateParallel()}
+    plan: dict[str, ParallelStyle] = {}
+    if part.mlm_head is not None:
+        plan |= {"mlm_head.dense": ReplicateParallel(), "mlm_head.norm": ReplicateParallel()}
     if part.token_type_embed is not None:
         plan["token_type_embed"] = ReplicatedEmbedding(seq)
     plan |= {name: ReplicateParallel() for name in ("pooler", "nsp_head") if getattr(part, name) is not None}

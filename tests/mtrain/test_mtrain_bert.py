@@ -219,7 +219,8 @@ def test_split_batch_packs_inputs_and_labels():
 POST_LN = {"family": "bert", "post_norm": True, "tie_embeddings": False}
 # name: (model fields over TINY_BERT, parallel section)
 LAYOUTS = {"bert_tp2": ({}, {"tp": 2}), "bert_tp2_sp": ({}, {"tp": 2, "sequence_parallel": True}),
-           "bert_dp2": ({}, {}), "bert_fsdp2": ({}, {"dp_mode": "fsdp"}),
+           "bert_dp2": ({}, {}), "bert_fsdp2": ({}, {"dp_mode": "fsdp"}), "bert_pp2": ({}, {"pp": 2}),
+           "bert_post_ln_pp2": (POST_LN, {"pp": 2}),
            "bert_post_ln_tp2_sp": (POST_LN, {"tp": 2, "sequence_parallel": True})}
 
 
@@ -229,7 +230,7 @@ def runs(bert_corpus, tmp_path_factory):
     raws = {name: raw_config(bert_corpus, model=model) for name, (model, _) in LAYOUTS.items()}
     specs = [{"config": with_sections(raws[name], parallel=parallel), "out": str(tmp / f"{name}.json"),
               "record": str(tmp / name), "grads_at": [1, STEPS]} for name, (_, parallel) in LAYOUTS.items()]
-    specs.append({"config": raw_config(bert_corpus, parallel={"pp": 2}), "error": str(tmp / "pp2.json")})
+    specs.append({"config": raw_config(bert_corpus, parallel={"cp": 2}), "error": str(tmp / "cp2.json")})
     launch(specs, tmp, nproc=2, name="bert")
     references = {}
     for name, (model, _) in LAYOUTS.items():
@@ -237,7 +238,7 @@ def runs(bert_corpus, tmp_path_factory):
             references[repr(model)] = RecordingTrainer.reference(from_dict(raws[name]), grads_at=(1, STEPS))
     out = {name: (losses_and_valid(tmp / f"{name}.json"), merge(sorted(tmp.glob(f"{name}.rank*.pt"))),
                   references[repr(model)]) for name, (model, _) in LAYOUTS.items()}
-    return out | {"pp2 error": json.loads((tmp / "pp2.json").read_text())["error"]}
+    return out | {"cp2 error": json.loads((tmp / "cp2.json").read_text())["error"]}
 
 
 @pytest.mark.parity
@@ -246,7 +247,7 @@ def test_layout_trains_like_one_process(runs, name):
     """MLM + NSP losses (training and validation), gradients at the first and last step and final weights of each
     layout within parity.Reference's bounds: the layout is one process's function with its sums in another order
     (vocab-sharded logits and the loss over them, partial products all-reduced, DDP's and FSDP's averaged
-    gradients), so it
+    gradients, the pipeline's micro-batches with the padding mask handed to every stage), so it
     must be as close to the float64 run as float32's own reordered runs are (K = 8 times their error, parity.py)."""
     (got, got_valid), record, reference = runs[name]
     reference.check_losses(got)
@@ -254,9 +255,9 @@ def test_layout_trains_like_one_process(runs, name):
     check_tensors(name, record, reference)
 
 
-def test_pipeline_parallel_is_refused_by_name(runs):
-    says = "BERT (megatron_bert) trains under data and tensor (+sequence) parallelism; parallel.pp 2"
-    assert says in runs["pp2 error"]
+def test_context_parallel_is_refused_by_name(runs):
+    assert "BERT (megatron_bert) trains under data, tensor (+sequence) and pipeline parallelism; parallel.cp 2 " \
+           "must be 1" in runs["cp2 error"]
 
 
 _HF_NAMES = [  # transformers' (MegatronBert | Bert)ForPreTraining -> IR names (HF's post-LN norms in parentheses)
