@@ -241,7 +241,7 @@ def evaluate(load, loader, data, split, split_weights, seq_len, batch_size, max_
         from mtrain.tasks import last_word_accuracy, read_passages
 
         tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="the task file is text")
-        model = inference.model_of(ir)
+        model = inference.model_of(ir, needs_decoder="last-word accuracy (--lambada)")
         passages = read_passages(lambada, tok, max_samples=max_samples,
                                  max_positions=model.config.max_position_embeddings)
         r = last_word_accuracy(model, passages, batch_size=batch_size, progress=_progress("passages"))
@@ -320,7 +320,7 @@ def generate(load, loader, tokenizer, prompts, token_ids, max_new_tokens, greedy
         raise click.UsageError("give --prompt TEXT or --tokens IDS (either may be repeated), not both")
     ir = inference.load_ir(load, loader)  # the tokenizer is checked before any weight is read
     tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="or give --tokens IDS" if prompts else None)
-    model = inference.model_of(ir)
+    model = inference.model_of(ir, needs_decoder="generate")
     if prompts:
         ids = [tok.encode(p) for p in prompts]
     else:
@@ -383,7 +383,7 @@ def serve(load, loader, tokenizer, host, port, max_prompts, max_tokens_to_genera
     try:  # Ctrl-C while loading stops as quietly as Ctrl-C while serving (no "Aborted!")
         ir = inference.load_ir(load, loader)
         tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="prompts are text")  # before any weight
-        model = inference.model_of(ir)
+        model = inference.model_of(ir, needs_decoder="serve")
     except KeyboardInterrupt:
         click.echo("stopped", err=True)
         return

@@ -10,6 +10,7 @@ Evaluation reads consecutive (unshuffled) windows of seq_len + 1 tokens of one s
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -49,8 +50,12 @@ def load_ir(path: str | Path, loader: str | None = None) -> ModelIR:
     return engine.load(Path(path), Options(), loader)
 
 
-def model_of(ir: ModelIR) -> Transformer:
-    """An fp32 model in eval mode holding the IR's weights."""
+def model_of(ir: ModelIR, *, needs_decoder: str | None = None) -> Transformer:
+    """An fp32 model in eval mode holding the IR's weights; refused, naming `needs_decoder` (what the model is for),
+    when that needs next-token logits and the IR is a BERT encoder."""
+    if needs_decoder and ir.config.is_bert:
+        raise TrainError(f"{ir.source.path} is a BERT encoder ({ir.config.family}): {needs_decoder} needs a model that "
+                         "predicts the next token (`mtrain evaluate --data` reports a BERT's MLM and NSP losses)")
     model = build_model(ir.config, device=torch.device("cpu"))
     weights.load_full_weights(model, weights.ir_weights(ir))
     return model.eval()
@@ -107,7 +112,7 @@ def evaluate_bert(model: bert.BertModel, prefixes: list[str], masking: MaskingCo
         documents = split_documents(prefix, indexed, len(indexed.document_indices) - 1, split, split_weights)
         datasets.append(BertDataset(indexed, documents, masking, 1, name=split))
     count = sum(len(ds) for ds in datasets) if max_samples is None else max_samples
-    samples = [ds[i] for ds in datasets for i in range(len(ds))][:count]
+    samples = list(itertools.islice((ds[i] for ds in datasets for i in range(len(ds))), count))
 
     def batches():
         for start in range(0, len(samples), batch_size):

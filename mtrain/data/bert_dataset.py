@@ -1,7 +1,7 @@
 """BERT samples, Megatron's way: sentence pairs (next-sentence prediction) with masked-LM labels.
 
 An indexed dataset's documents hold one or more sequences, the sentences (`mtrain preprocess` writes one per
-document; `IndexedDatasetWriter.add_document(sentences=...)` several). For the documents of one split:
+document, with --split-sentences one per sentence). For the documents of one split:
 
   1. sample index (Megatron's `build_mapping`): each epoch walks the documents in order, skipping those with fewer
      than `min_sentences` sentences (2 with NSP, else 1) and those of several sentences with one longer than 512

@@ -62,8 +62,10 @@ def masking_config(data: DataConfig, mlm: MLMConfig, vocab_size: int, tokenizer:
     """BERT's masking settings (sentence pairs with `nsp`); each special id from mlm.*_id or else the tokenizer's
     [CLS], [SEP], [MASK], [PAD]."""
     ids, missing = {}, []
-    tok = load_tokenizer(tokenizer) if tokenizer else None
-    for name, token in (("cls", "[CLS]"), ("sep", "[SEP]"), ("mask", "[MASK]"), ("pad", "[PAD]")):
+    names = (("cls", "[CLS]"), ("sep", "[SEP]"), ("mask", "[MASK]"), ("pad", "[PAD]"))
+    needed = any(getattr(mlm, f"{name}_id") is None for name, _ in names)
+    tok = load_tokenizer(tokenizer) if tokenizer and needed else None
+    for name, token in names:
         given = getattr(mlm, f"{name}_id")
         ids[name] = given if given is not None else tok.token_id(token) if tok else None
         if ids[name] is None:

@@ -348,7 +348,8 @@ def test_finetune_from_a_checkpoint_and_read_it_back(bert_corpus, tmp_path):
 def test_evaluate_reports_mlm_and_nsp(bert_corpus, tmp_path):
     """`mtrain evaluate --data` of a BERT checkpoint prints the MLM loss (mean cross entropy per predicted token),
     NSP loss and accuracy (per sample) on one epoch of masked samples of the split, masked with the run's special
-    ids and sequence length: the figures computed here from the same samples, to the 4 printed decimals."""
+    ids and sequence length: the figures computed here from the same samples, to the 4 printed decimals.
+    `mtrain generate` refuses an encoder by name."""
     Trainer(from_dict(raw_config(bert_corpus, train={"steps": 2}, checkpoint={"dir": str(tmp_path / "run")}))).run()
     result = CliRunner().invoke(mtrain_main, ["evaluate", "--load", str(tmp_path / "run"), "--data", bert_corpus,
                                               "--split", "valid"], catch_exceptions=False)
@@ -367,6 +368,9 @@ def test_evaluate_reports_mlm_and_nsp(bert_corpus, tmp_path):
     line = result.output.strip().splitlines()[-1]
     assert line.startswith(f"mlm loss {float(mlm):.4f} | nsp loss {float(nsp_loss):.4f} | nsp accuracy "
                            f"{accuracy:.4f} | {len(ds)} samples of at most {SEQ} tokens"), line
+    refused = CliRunner().invoke(mtrain_main, ["generate", "--load", str(tmp_path / "run"), "--tokens", "5 6"])
+    assert refused.exit_code != 0 and "Error: " in refused.output and "is a BERT encoder (megatron_bert): generate " \
+        "needs a model that predicts the next token" in refused.output, refused.output
 
 
 @pytest.mark.parity
