@@ -8,17 +8,21 @@ document, with --split-sentences one per sentence). For the documents of one spl
      tokens; a sample gathers consecutive sentences until it reaches its target length (seq_len - 3, or with
      probability `short_seq_prob` a random length in [2, seq_len - 3]) while at least two sentences remain, or
      until the document ends. Samples are (first sentence, end sentence, target length); whole epochs are taken
-     until there are enough, then the samples are shuffled (seeded).
+     until there are enough, then the samples are shuffled. The random numbers are Megatron's too (std::mt19937
+     seeded with data.seed for the lengths, which numpy's RandomState draws bit for bit, std::mt19937_64 with
+     seed + 1 for the shuffle, mt64.py), so the samples are those megatron-core builds from the same documents.
   2. a sample (Megatron's `BERTMaskedWordPieceDataset.__getitem__`, its own RandomState(seed + index)):
      with NSP, the sentences split at a random pivot into A | B, swapped with probability 1/2 (is_random = 1);
      the longer of A and B loses a token at a random end until both fit the target; then
          tokens = [CLS] A [SEP] B [SEP]   types = 0 for [CLS] A [SEP], 1 for B [SEP]   (without NSP: [CLS] A [SEP])
   3. masking (Megatron's `_create_masked_lm_predictions`, unigrams, whole-word masking off): every token but
-     [CLS] and [SEP] is a candidate; the candidates are shuffled and the first
+     [CLS] and [SEP] is a candidate; the candidates are shuffled and the first floor(n) of them predicted,
          n = min(p * target, max(1, round(p * len(tokens))))        p = masking_probability (0.15)
-     are predicted; each becomes [MASK] with probability 0.8, a uniformly random vocabulary id with 0.1, and
-     stays itself with 0.1. Labels are the original ids at the predicted positions, IGNORE elsewhere.
-  4. padding to seq_len with [PAD] (the padding mask is 0 there; attention ignores those keys).
+     (none when n < 1, as in Megatron); each becomes [MASK] with probability 0.8, a uniformly random vocabulary
+     id with 0.1, and stays itself with 0.1. Labels are the original ids at the predicted positions, IGNORE
+     elsewhere. The draws are Megatron's, in its order (it also draws an n-gram size per candidate, always 1).
+  4. padding to seq_len with [PAD]; the padding mask is 0 wherever the token is [PAD] (as Megatron's: a random
+     replacement that happens to be [PAD] too), and attention ignores those keys.
 
 `BertDataset[i]` is one int64 array of shape (5, seq_len): tokens, token types, padding mask (1 = a real token),
 labels, and the NSP label (is_random, repeated along the row), so batches stack like the GPT samples do.
@@ -32,6 +36,7 @@ import numpy as np
 import torch
 
 from mtrain.data.indexed import IndexedDataset
+from mtrain.data.mt64 import megatron_shuffle
 from mtrain.errors import TrainError
 
 IGNORE = -100  # label of positions that are not predicted (cross entropy's ignore_index)
@@ -59,10 +64,11 @@ class MaskingConfig:
 
 
 def _target_length(rng: np.random.RandomState, short_ratio: int, max_length: int) -> int:
-    """Megatron's get_target_sample_len: max_length, or with probability 1/short_ratio 2 + r % (max_length - 1)."""
+    """Megatron's get_target_sample_len: max_length, or when r % short_ratio == 0 2 + r % (max_length - 1), r the
+    next raw output of std::mt19937 (numpy's legacy RandomState is that generator, seeded the same way)."""
     if short_ratio == 0:
         return max_length
-    r = int(rng.randint(0, 2**32, dtype=np.uint64))
+    r = int(rng.randint(0, 2**32, dtype=np.uint32))
     return 2 + r % (max_length - 1) if r % short_ratio == 0 else max_length
 
 
@@ -94,8 +100,7 @@ def build_sample_index(document_bounds: np.ndarray, sizes: np.ndarray, documents
                              + (" (next-sentence prediction needs documents of two or more sentences: write "
                                 "documents of several sentences, or train a model without binary_head)"
                                 if min_sentences > 1 else ""))
-    index = np.asarray(rows, dtype=np.int64)
-    return index[np.random.RandomState(seed + 1).permutation(len(index))]
+    return megatron_shuffle(np.asarray(rows, dtype=np.int64), seed + 1)
 
 
 def mask_tokens(tokens: list[int], target: int, cfg: MaskingConfig, rng: np.random.RandomState
@@ -109,6 +114,9 @@ def mask_tokens(tokens: list[int], target: int, cfg: MaskingConfig, rng: np.rand
     for i in candidates:
         if len(chosen) >= n:
             break
+        rng.random_sample()  # Megatron draws the n-gram size here (numpy's choice among [1]: one uniform draw)
+        if n < len(chosen) + 1:  # one more would exceed n: Megatron skips the candidate
+            continue
         if rng.random_sample() < 0.8:
             out[i] = cfg.special.mask
         elif rng.random_sample() >= 0.5:
@@ -140,7 +148,7 @@ def make_sample(sentences: list[np.ndarray], target: int, cfg: MaskingConfig, rn
     out[0, :] = sp.pad
     out[0, :len(tokens)] = tokens
     out[1, :len(types)] = types
-    out[2, :len(tokens)] = 1
+    out[2] = out[0] != sp.pad
     out[3, :] = IGNORE
     out[3, positions] = labels
     out[4, :] = is_random

@@ -120,7 +120,9 @@ def bert_losses(output: tuple[torch.Tensor, torch.Tensor | None], labels: torch.
     split_batch makes them. In fp32 at least (a float64 model stays float64)."""
     logits, nsp = output
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    loss = F.cross_entropy(logits.flatten(0, 1).to(dtype), labels[:, :-1].flatten(), ignore_index=IGNORE)
+    predicted = int((labels[:, :-1] != IGNORE).sum())  # 0 is possible (Megatron masks none below 1/p tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1).to(dtype), labels[:, :-1].flatten(), ignore_index=IGNORE,
+                           reduction="sum") / max(predicted, 1)
     if nsp is None:
         return loss, None
     nsp_loss = F.cross_entropy(nsp.to(dtype), labels[:, -1])
