@@ -181,7 +181,8 @@ def test_formats_declare_the_features_they_hold(ds_dir):
     assert holders["qwen_hf"] == {"qk_norm"} and holders["gpt_oss_hf"] == gpt_oss
     assert holders["gemma3_hf"] == {"qk_norm", "sandwich_norms", "norm_zero_centered", "embedding_multiplier", "geglu",
                                     "local_rope", "query_pre_attn_scalar", "final_softcap"}
-    assert holders["legacy"] == holders["llama_mistral"] == holders["mixtral_hf"] == holders["gpt2_hf"] == frozenset()
+    assert holders["llama_mistral"] == holders["mixtral_hf"] == holders["gpt2_hf"] == frozenset()
+    assert holders["legacy"] == holders["megatron_bert_hf"] == {"bert"}
     assert registry.missing_features(c, frozenset(FEATURES)) == []
     assert registry.missing_features(c, frozenset(FEATURES) - {"mtp"}) == [
         "1 multi-token-prediction module(s) (--skip-mtp leaves them out) (core or deepseek_hf or glm4_moe_hf can "

@@ -167,8 +167,8 @@ def test_a_megatron_setting_the_target_family_cannot_hold_is_refused_by_name(mix
 def test_unknown_plugin_lists_the_valid_ones(llama_dir, tmp_path):
     out = run_cli("--loader", "nope", "--saver", "core", "--load-dir", llama_dir, "--save-dir", tmp_path / "o",
                   expect_error=True)
-    assert "unknown loader 'nope'; valid loaders: core, deepseek_hf, gemma3_hf, glm4_moe_hf, gpt2_hf, gpt_oss_hf, " \
-           "hf, legacy, llama_mistral, mixtral_hf" in out
+    assert "unknown loader 'nope'; valid loaders: bert_hf, core, deepseek_hf, gemma3_hf, glm4_moe_hf, gpt2_hf, " \
+           "gpt_oss_hf, hf, legacy, llama_mistral, megatron_bert_hf, mixtral_hf" in out
 
 
 def test_option_that_does_not_apply(llama_dir, tmp_path):

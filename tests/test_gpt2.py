@@ -205,11 +205,11 @@ def test_hf_dispatcher(gpt2_dir, llama_dir, tmp_path):
     assert_same_tensors(ir_tensors(llama_dir), ir_tensors(tmp_path / "l"))
     odd = tmp_path / "odd"
     odd.mkdir()
-    (odd / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (odd / "config.json").write_text(json.dumps({"model_type": "roberta"}))
     out = run_cli("--loader", "hf", "--saver", "core", "--load-dir", odd, "--save-dir", tmp_path / "o",
                   expect_error=True)
-    assert f"{odd / 'config.json'}: model_type 'bert' is not supported; the hf loader reads deepseek_v2, " \
-           "deepseek_v3, gemma3, gemma3_text, glm4_moe, gpt2, gpt_oss, llama, mistral" in out
+    assert f"{odd / 'config.json'}: model_type 'roberta' is not supported; the hf loader reads bert, deepseek_v2, " \
+           "deepseek_v3, gemma3, gemma3_text, glm4_moe, gpt2, gpt_oss, llama, megatron-bert, mistral" in out
 
 
 def test_hf_saver_names_the_families_it_writes(gpt2_dir, tmp_path, monkeypatch):
@@ -217,5 +217,5 @@ def test_hf_saver_names_the_families_it_writes(gpt2_dir, tmp_path, monkeypatch):
 
     monkeypatch.delitem(family.FAMILIES, "gpt2_hf")
     out = run_cli("--saver", "hf", "--load-dir", gpt2_dir, "--save-dir", tmp_path / "o", expect_error=True)
-    assert "the hf saver cannot write a gpt2 model yet; it writes deepseek_v2, deepseek_v3, gemma3, " \
-           "gemma3_text, glm4_moe, gpt_oss, llama, mistral" in out
+    assert "the hf saver cannot write a gpt2 model yet; it writes bert, deepseek_v2, deepseek_v3, gemma3, " \
+           "gemma3_text, glm4_moe, gpt_oss, llama, megatron-bert, mistral" in out

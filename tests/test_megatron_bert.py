@@ -33,6 +33,8 @@ TINY_BERT = dict(family="megatron_bert", num_layers=2, hidden_size=32, ffn_hidde
     (True, ["--tp", "2", "--pp", "2"]),
     (False, ["--tp", "1", "--pp", "2", "--transformer-impl", "te"]),
     (True, ["--tp", "2", "--pp", "1", "--transformer-impl", "te"]),
+    (True, ["--ckpt-format", "torch_dist", "--transformer-impl", "te"]),
+    (False, ["--ckpt-format", "torch_dist"]),
 ])
 def test_hf_megatron_bert_round_trips_through_core(tmp_path, binary_head, layout):
     """MegatronBertForPreTraining (pooler, binary head) and ...ForMaskedLM through megatron-core's BertModel
@@ -48,20 +50,22 @@ def test_hf_megatron_bert_round_trips_through_core(tmp_path, binary_head, layout
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("version", ["0.16", "0.19"])
-def test_megatron_core_bert_gives_transformers_logits(tmp_path, mcore_python, version):
-    """megatron-core's own BertModel (built from the args we wrote, loaded strictly) on our core output, resharded
-    TP2 PP2 -> TP1, computes transformers' MLM and next-sentence logits at every position the padding mask keeps
+@pytest.mark.parametrize("version, fmt", [("0.16", "torch"), ("0.19", "torch"), ("0.19", "torch_dist")])
+def test_megatron_core_bert_gives_transformers_logits(tmp_path, mcore_python, version, fmt):
+    """megatron-core's own BertModel (built from the args we wrote, loaded strictly; torch_dist through its own
+    dist_checkpointing, the checkpoint holding exactly the keys the model asks for) on our core output, resharded
+    from TP2 PP2, computes transformers' MLM and next-sentence logits at every position the padding mask keeps
     (Megatron also masks the padded queries, transformers only the keys: those positions mean nothing). Both are
     float32 evaluations of one function: the bound is float32_bound's, from transformers' distance to its own
     float64 run."""
     python = mcore_python("0.19") if version == "0.19" else None
     src = make_megatron_bert(tmp_path / "hf", seed=5)
     run_cli("--saver", "core", "--tp", "2", "--pp", "2", "--load-dir", src, "--save-dir", tmp_path / "sharded")
-    run_cli("--saver", "core", "--load-dir", tmp_path / "sharded", "--save-dir", tmp_path / "core")
+    run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", tmp_path / "sharded", "--save-dir",
+            tmp_path / "core")
     inputs = bert_inputs()
     out, theirs = megatron_core_bert_logits(tmp_path / "core", inputs, tmp_path, python=python)
-    assert "torch, strict load: <All keys matched successfully>" in out
+    assert f"{fmt}, strict load: <All keys matched successfully>" in out
     (mlm, nsp), (mlm64, nsp64) = hf_bert_logits(src, inputs), hf_bert_logits(src, inputs, torch.float64)
     keep = inputs["mask"].bool()
     assert (theirs["mlm"][keep] - mlm[keep]).abs().max().item() <= float32_bound(mlm[keep], mlm64[keep])

@@ -466,11 +466,22 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
     return argparse.Namespace(**values)
 
 
-def bert_config(gpt: ModelConfig, *, num_tokentypes: int, binary_head: bool, where: str) -> ModelConfig:
-    """The config of a megatron-core BertModel from its args (read as for a GPT model, `gpt`) and what only its
-    tensors say: the rows of its token-type embedding (Megatron-LM's pretrain_bert makes 2 with the binary head,
-    0 without; no argument records it) and whether it has the binary head and pooler. Its MLM head computes exact
-    gelu (BertLMHead) whatever the MLP's activation."""
+def bert_config(gpt: ModelConfig, *, num_tokentypes: int, binary_head: bool, where: str,
+                mlm_head_activation: str = "gelu") -> ModelConfig:
+    """The config of a Megatron BERT from its args (read as for a GPT model, `gpt`) and what only its tensors say:
+    the rows of its token-type embedding (Megatron-LM's pretrain_bert makes 2 with the binary head, 0 without; no
+    argument records it) and whether it has the binary head and pooler. megatron-core's MLM head (BertLMHead)
+    computes exact gelu whatever the MLP's activation; the legacy one the tanh approximation with openai_gelu."""
     return with_where(where, lambda: gpt.replace(
         family="megatron_bert", num_tokentypes=num_tokentypes, pooler=binary_head, binary_head=binary_head,
-        lm_head_bias=True, mlm_head_activation="gelu"))
+        lm_head_bias=True, mlm_head_activation=mlm_head_activation))
+
+
+def bert_gelu_args(c: ModelConfig) -> dict[str, bool]:
+    """The legacy BERT's openai_gelu / bias_gelu_fusion for its MLP and MLM-head activations: openai_gelu turns
+    both to gelu's tanh approximation, the fused bias-GELU only the MLP's."""
+    acts = c.activation, c.mlm_head_activation
+    if acts == ("gelu", "gelu_tanh"):
+        raise ConvertError("Megatron's legacy BERT cannot approximate gelu in its MLM head (mlm_head_activation "
+                           "gelu_tanh) and not in its MLP (activation gelu)")
+    return {"openai_gelu": acts == ("gelu_tanh", "gelu_tanh"), "bias_gelu_fusion": acts == ("gelu_tanh", "gelu")}

@@ -78,7 +78,6 @@ COMMON_FILE = "common.pt"
 COMMON_STATE = "common_state/shard_0_1"  # newer Megatron keeps the common dict inside the checkpoint
 BACKENDS = ("torch_dist", "zarr")
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-LAYER_PREFIX = "decoder.layers.{l}."
 STACKED_PREFIX = "decoder.layers."  # the keys of the layer stack: no layer number
 
 
@@ -122,9 +121,20 @@ TABLES = {("local", False): dataclasses.replace(core.table("local"), layer=_LOCA
           ("te", True): core.table("te", mla=True)}
 
 
-def table(impl: core.Impl = "local", mla: bool = False) -> Table:
+# megatron-core's BertModel: its layers under `encoder.` (the local spec maps its norms as GPT's does)
+BERT_TABLES = {"local": dataclasses.replace(core.table("local", bert=True),
+                                            layer=moved(_LOCAL_LAYER, "decoder.", core.BERT_PREFIX)),
+               "te": core.table("te", bert=True)}
+
+
+def table(impl: core.Impl = "local", mla: bool = False, bert: bool = False) -> Table:
     """Per-layer rules (keys still carry `{l}`; `stacked_key` removes it); experts are in EXPERT_RULES."""
-    return TABLES[(impl, mla)]
+    return BERT_TABLES[impl] if bert else TABLES[(impl, mla)]
+
+
+def stack_prefix(config: ModelConfig) -> str:
+    """Where the layer stack's keys start: `decoder.layers.` (GPTModel), `encoder.layers.` (BertModel)."""
+    return core.BERT_PREFIX + "layers." if config.is_bert else STACKED_PREFIX
 
 
 def detect_impl(keys) -> core.Impl:
@@ -156,7 +166,7 @@ def layer_prefix(config: ModelConfig, layer: int, per_layer: bool) -> str:
     n = config.num_layers
     if layer >= n:
         return mla_keys.MTP_LAYER_PREFIX.format(m=layer - n)
-    return LAYER_PREFIX.format(l=layer) if per_layer else STACKED_PREFIX
+    return f"{stack_prefix(config)}{layer}." if per_layer else stack_prefix(config)
 
 
 def layer_key(key: str, prefix: str) -> str:
@@ -190,7 +200,7 @@ def placements(config: ModelConfig, impl: core.Impl = "local", per_layer: bool |
     MTP modules (their own tensors, then their layer's). Layers are stacked unless `per_layer` (by default: as
     megatron-core stores this config); with `singleton` (read only; see the module docstring) every block is a
     whole tensor of its own. Loader and saver both walk this list, so the two directions cannot disagree."""
-    t, n = table(impl, config.is_mla), config.num_layers
+    t, n = table(impl, config.is_mla, config.is_bert), config.num_layers
     per_layer = per_layer_keys(config) if per_layer is None else per_layer
     out = [Placed(r, r.key) for r in expand(t, config, layers=[], head=False)]
     for L in range(n):
@@ -218,8 +228,8 @@ def _singleton_blocks(config: ModelConfig, L: int, rows: list[Row]) -> list[Plac
 
 def _layer_blocks(config: ModelConfig, L: int, rows: list[Row], prefix: str) -> list[Placed]:
     """Layer L's blocks: its rows (keys numbered by layer, or an MTP module's), then each expert's tensors."""
-    n, experts, stacked = config.num_layers, config.num_experts or 0, prefix == STACKED_PREFIX
-    out = [Placed(r, stacked_key(r.key, L), (L,), (n,)) if stacked else Placed(r, r.key) for r in rows]
+    n, experts, stacked = config.num_layers, config.num_experts or 0, prefix == stack_prefix(config)
+    out = [Placed(r, stacked_key(r.key, L, prefix), (L,), (n,)) if stacked else Placed(r, r.key) for r in rows]
     for E in range(experts) if config.is_moe_layer(L) else ():
         for rule in expert_rules(config, EXPERT_RULES):
             key, names = rule.keys(L=L, E=E)
@@ -231,10 +241,11 @@ def _layer_blocks(config: ModelConfig, L: int, rows: list[Row], prefix: str) -> 
     return out
 
 
-def stacked_key(key: str, layer: int) -> str:
-    """`decoder.layers.3.mlp.linear_fc1.weight` -> `decoder.layers.mlp.linear_fc1.weight` (layer 3 of the stack)."""
-    prefix = LAYER_PREFIX.format(l=layer)
-    return STACKED_PREFIX + key[len(prefix):] if key.startswith(prefix) else key
+def stacked_key(key: str, layer: int, stack: str = STACKED_PREFIX) -> str:
+    """`decoder.layers.3.mlp.linear_fc1.weight` -> `decoder.layers.mlp.linear_fc1.weight` (layer 3 of the stack
+    under `stack`)."""
+    prefix = f"{stack}{layer}."
+    return stack + key[len(prefix):] if key.startswith(prefix) else key
 
 
 def extra_states(config: ModelConfig, impl: core.Impl) -> list[str]:
@@ -244,12 +255,12 @@ def extra_states(config: ModelConfig, impl: core.Impl) -> list[str]:
     for L in range(n + config.mtp_layers):
         prefix = layer_prefix(config, L, per_layer)
         # a layer of the stack is entry L of n; a layer keyed on its own (MTP modules too) entry 0 of 1
-        at, of = ((L,), (n,)) if prefix == STACKED_PREFIX else ((), ())
+        at, of = ((L,), (n,)) if prefix == stack_prefix(config) else ((), ())
         layer, expert = _layer_extra_states(config, impl, L)
         keys += [_extra_state(prefix + m, at or (0,), of or (1,)) for m in layer]
         keys += [_extra_state(prefix + m, (*at, E), (*of, experts)) for E in range(experts) for m in expert]
     if impl == "te":
-        keys.append(_extra_state("decoder.final_layernorm", (0,), (1,)))
+        keys.append(_extra_state(("encoder" if config.is_bert else "decoder") + ".final_layernorm", (0,), (1,)))
     for M in range(config.mtp_layers):
         keys += [_extra_state(f"mtp.layers.{M}.{m}", (0,), (1,)) for m in mla_keys.mtp_extra_states(impl)]
     return keys
@@ -263,7 +274,7 @@ def _extra_state(module: str, offsets: tuple[int, ...], shape: tuple[int, ...]) 
 def _layer_extra_states(config: ModelConfig, impl: core.Impl, layer: int) -> tuple[list[str], list[str]]:
     """(modules of `layer` with one `_extra_state`, expert modules with one per expert), relative to the layer."""
     moe = config.is_moe_layer(layer)
-    modules = [m.removeprefix(LAYER_PREFIX) for m in core.extra_state_modules(impl, config=config)
+    modules = [m.removeprefix(stack_prefix(config) + "{l}.") for m in core.extra_state_modules(impl, config=config)
                if not (moe and ".mlp." in m)]
     if moe:
         modules += ["pre_mlp_layernorm"] if impl == "te" else []  # a TENorm of its own in MoE layers
@@ -339,6 +350,11 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
         sizes.stored_elements(_shape_dtype(store, k)[0] for k in store.tensors)  # zarr: absent chunks are fill
     config = arguments.config_from_args(args, vocab_size=int(vocab), padded_vocab_size=padded, dtype=dtype_name(dtype),
                                         where=str(it_dir), stored=values)
+    if core.is_bert_model(store.tensors):
+        types = store.tensors.get("embedding.tokentype_embeddings.weight")
+        config = arguments.bert_config(
+            config, num_tokentypes=0 if types is None else _shape_dtype(store, "embedding.tokentype_embeddings.weight")
+            [0][0], binary_head="binary_head.weight" in store.tensors, where=str(it_dir))
 
     source: dict[str, list[LazyTensor]] = {}
     rows: list[Row] = []
@@ -422,8 +438,11 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
 
     if backend == "torch_dist":
         data = dcp_writer.object_bytes(extra_state)
-        jobs, write_dcp_metadata = dcp_writer.plan(it_dir, items + [dcp_writer.Item(k, len(data), lambda: data)
-                                                                    for k in extra_keys], digests=True)
+        objects = [dcp_writer.Item(k, len(data), lambda: data) for k in extra_keys]
+        if c.is_bert:  # BertModel's output layer (Megatron's ColumnParallelLinear under either spec): None
+            none = dcp_writer.object_bytes([None])
+            objects.append(dcp_writer.Item(_extra_state("output_layer", (0,), (1,)), len(none), lambda: none))
+        jobs, write_dcp_metadata = dcp_writer.plan(it_dir, items + objects, digests=True)
     else:
         jobs = [Job(f"{it_dir.name} ({backend})", ir.nbytes,
                     lambda advance: _write_zarr(it_dir, items, dict.fromkeys(extra_keys, extra_state), advance))]

@@ -88,8 +88,9 @@ KNOWN_VERSIONS = (0, 1, 2, 3)  # the values Megatron-LM ever wrote (0 = no key a
 EMBEDDING = "language_model.embedding"
 ENCODER = "language_model.encoder"
 LAYER_KEY = re.compile(rf"{re.escape(ENCODER)}\.layers\.(\d+)\.")
-# Module state dicts stored flat (dotted keys) rather than nested one dict per dot.
-FLAT_MODULES = (ENCODER,)
+# Module state dicts stored flat (dotted keys) rather than nested one dict per dot (BERT's pooler and MLM head are
+# plain modules' state dicts).
+FLAT_MODULES = (ENCODER, "language_model.pooler", "lm_head")
 
 # Every spelling of a key -> the one we write (applied in order to the flattened key).
 ALIASES = tuple((re.compile(p), r) for p, r in (
@@ -167,6 +168,29 @@ TABLE = Table(
 )
 
 
+# Megatron-LM's legacy BertModel: GPT's language model with token types and the pooler (`add_pooler`, with the
+# binary head), then beside `language_model` its MLM head (`lm_head`: the transform and the output bias, split over
+# TP like the vocabulary; the output layer is always the word embedding) and `binary_head`.
+BERT_TABLE = Table(
+    embedding=(*TABLE.embedding, Rule("language_model.embedding.tokentype_embeddings.weight",
+                                      ("token_type_embed.weight",))),
+    layer=TABLE.layer,
+    head=(
+        *norm("language_model.encoder.final_layernorm", "final_norm"),
+        *linear("language_model.pooler.dense", "pooler"),
+        *linear("lm_head.dense", "mlm_head.dense"),
+        *norm("lm_head.layernorm", "mlm_head.norm"),
+        Rule("lm_head.bias", ("lm_head.bias",), VOCAB, COLUMN),
+        *linear("binary_head", "nsp_head"),
+    ),
+)
+
+
+def is_bert(last_stage: dict[str, Any]) -> bool:
+    """A legacy BertModel's last stage keeps `lm_head` beside `language_model` (GPT's keeps none)."""
+    return any(k.startswith("lm_head.") for k in last_stage)
+
+
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     """Nested module dicts -> dotted keys (flat sub-dicts such as the encoder's come out the same)."""
     out: dict[str, Any] = {}
@@ -201,6 +225,8 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
                                  impl="local")
     args.use_legacy_models = True
     args.orig_vocab_size = c.vocab_size
+    if c.is_bert:
+        vars(args).update(arguments.bert_gelu_args(c))
     return args
 
 
@@ -236,11 +262,20 @@ def load(path: Path, options: Options) -> ModelIR:
     config, config_notes = megatron_config(files.args, options, padded, dtype_name(first[embed_key].dtype), it_dir,
                                            assets, files.stored_elements())
     notes += config_notes
+    last = tensors_of(0, files.pp - 1, 0, names[-1])
+    bert = is_bert(last)
+    if bert:
+        types = first.get("language_model.embedding.tokentype_embeddings.weight")
+        config = arguments.bert_config(config, num_tokentypes=0 if types is None else int(types.shape[0]),
+                                       binary_head="binary_head.weight" in last, where=str(it_dir),
+                                       mlm_head_activation="gelu_tanh" if getattr(files.args, "openai_gelu", False)
+                                       else "gelu")
     if order < 2 and config.num_query_groups != config.num_attention_heads:
         raise ConvertError(f"{files.rel((0, 0, 0))}: checkpoint_version {version} predates grouped-query attention, "
                            f"but the args say num_query_groups={config.num_query_groups}")
     ctx = Ctx(config, padded, tp=files.tp, qkv_version=order)
-    parts = rank_plan.plan(TABLE, config, chunks, ep=1, entry_names=names, tied_copy=TIED_HEAD)
+    parts = rank_plan.plan(BERT_TABLE if bert else TABLE, config, chunks, ep=1, entry_names=names,
+                           tied_copy=TIED_HEAD)
     # With tied embeddings the last stage may keep its own copy for the head: Megatron writes it when that stage
     # lacks the embedding (PP > 1); HF's script writes it at PP 1 too. Copies are checked against the embedding.
     source, rows, copies = read_parts(files, parts, tensors_of,
@@ -250,8 +285,9 @@ def load(path: Path, options: Options) -> ModelIR:
     layout = {"tp": files.tp, "pp": files.pp, "vpp": len(names) if names != ["model"] else 1,
               "stage_layers": [sum(len(c.layers) for c in chunks if c.pp == p) for p in range(files.pp)],
               "checkpoint_version": version, "padded_vocab": padded}
-    return ModelIR(config, tensors, SourceInfo("legacy (Megatron-LM legacy GPT)", it_dir, layout, iteration, notes),
-                   assets)
+    kind = "BERT" if bert else "GPT"
+    return ModelIR(config, tensors, SourceInfo(f"legacy (Megatron-LM legacy {kind})", it_dir, layout, iteration,
+                                               notes), assets)
 
 
 def _qkv_order(files: RankFiles) -> tuple[int, Any]:
@@ -283,9 +319,16 @@ def _canonical_tensors(files: RankFiles, tp: int, pp: int, name: str) -> dict[st
     return out
 
 
-# The IR features (mconvert.ir.features.FEATURES) the legacy model holds: none (its MoE and q/k norms are refused
+# The IR features (mconvert.ir.features.FEATURES) the legacy model holds: BERT (its MoE and q/k norms are refused
 # above with their own advice)
-SUPPORTS: frozenset[str] = frozenset()
+SUPPORTS = frozenset({"bert"})
+
+
+def _bert_problems(c: ModelConfig) -> list[str]:
+    return [what for what, bad in (
+        ("post-LN layers (HF 'bert'): Megatron's BERT normalizes before each sublayer", c.post_norm),
+        ("a pooler without the binary head: Megatron's BertModel builds both or neither", c.pooler != c.binary_head),
+        ("an output layer of its own: the legacy BertModel's is the word embedding", not c.tie_embeddings)) if bad]
 
 
 @register_saver("legacy", aliases=("megatron_legacy",),
@@ -309,7 +352,9 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
                                    divisible_by=options.make_vocab_size_divisible_by)
     iteration = rank_files.iteration(ir, options)
     ctx = Ctx(c, padded, tp=layout.tp)  # version 3.0 keeps version 2's QKV order (the default)
-    parts = rank_plan.plan(TABLE, c, layout.chunks(c.num_layers), ep=1,
+    if c.is_bert and (problems := _bert_problems(c)):
+        raise ConvertError("Megatron's legacy BERT cannot hold this model: " + "; ".join(problems))
+    parts = rank_plan.plan(BERT_TABLE if c.is_bert else TABLE, c, layout.chunks(c.num_layers), ep=1,
                            entry_names=rank_plan.entries(layout.vpp), tied_copy=TIED_HEAD)
     top = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
     rank_files.write_checkpoint(ir, out, options, progress, ctx=ctx, parts=parts, top=top, where="saver legacy",

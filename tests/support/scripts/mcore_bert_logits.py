@@ -5,7 +5,8 @@ loads the weights strictly and computes the MLM (and binary-head) logits, which 
     python tests/support/scripts/mcore_bert_logits.py --keys [--te] [--binary-head]
 
 CORE_DIR: a TP1 PP1 `torch`-format checkpoint with the local spec, or a `torch_dist` one (read by megatron-core's
-own dist_checkpointing into the model's sharded state dict). INPUTS_PT: {"tokens": [b, s], "types": [b, s] or
+own dist_checkpointing into the model's sharded state dict, after checking that it holds exactly the keys the
+model asks for). INPUTS_PT: {"tokens": [b, s], "types": [b, s] or
 absent, "mask": [b, s] of 1 (attend) / 0 (padding)}. OUT_PT gets {"mlm": [b, s, V] (vocabulary padding
 stripped), "binary": [b, 2] or None}. The model is megatron-core's BertModel with its own local layer spec
 (`bert_layer_local_spec`), token types when the checkpoint has a token-type embedding (num_tokentypes is not an
@@ -38,6 +39,7 @@ use_repository_packages()
 from mconvert.io.torch_pickle import safe_load  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+from mcore_logits import check_dist_keys  # noqa: E402
 from mcore_moe import megatron_on_cpu  # noqa: E402
 
 
@@ -68,6 +70,7 @@ def load_state(model, it_dir: Path):
     if (it_dir / "metadata.json").is_file():
         from megatron.core import dist_checkpointing
 
+        check_dist_keys(model.sharded_state_dict(), it_dir)  # exactly the keys the model asks for
         loaded = dist_checkpointing.load(model.sharded_state_dict(), str(it_dir))
         return {k: v for k, v in loaded.items() if k in model.state_dict()}, "torch_dist"
     return dict(safe_load(it_dir / "mp_rank_00" / "model_optim_rng.pt")["model"]), "torch"
