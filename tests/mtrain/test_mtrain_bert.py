@@ -376,8 +376,10 @@ def test_evaluate_reports_mlm_and_nsp(bert_corpus, tmp_path):
 
 
 @pytest.mark.parity
-def test_finetune_from_transformers_megatron_bert_and_export(bert_corpus, tmp_path):
-    """`mtrain finetune` of a transformers MegatronBertForPreTraining directory (the `megatron_bert_hf` loader):
+@pytest.mark.parametrize("source", ["hf", "core"])
+def test_finetune_from_transformers_megatron_bert_and_export(bert_corpus, tmp_path, source):
+    """`mtrain finetune` of a transformers MegatronBertForPreTraining directory (the `megatron_bert_hf` loader), or
+    of its conversion to a Megatron-core checkpoint (`mconvert --saver core`, read back by the `core` loader):
     its first step's loss is transformers' MLM + NSP loss on the same masked batch (both float32; the bound is
     tests/support/bert.py's float32_bound: 8 x float32's own error, measured against transformers in float64, plus
     4 ulps), and at learning rate 0 the `megatron_bert_hf` saver exports the finetune's checkpoint as the very
@@ -387,8 +389,12 @@ def test_finetune_from_transformers_megatron_bert_and_export(bert_corpus, tmp_pa
     from tests.support.bert import make_megatron_bert
 
     hf = make_megatron_bert(tmp_path / "hf")
+    start = hf
+    if source == "core":
+        start = tmp_path / "core"
+        run_cli("--saver", "core", "--load-dir", hf, "--save-dir", start)
     raw = raw_config(bert_corpus, train={"steps": 1}, optim={"lr": 0.0, "min_lr": 0.0},
-                     checkpoint={"dir": str(tmp_path / "ft"), "finetune": str(hf)})
+                     checkpoint={"dir": str(tmp_path / "ft"), "finetune": str(start)})
     del raw["model"]
     config = from_dict(raw)
     got = Trainer(config).run().losses[1]
