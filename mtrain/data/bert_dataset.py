@@ -63,37 +63,47 @@ class MaskingConfig:
     seed: int = 1234
 
 
-def _target_length(rng: np.random.RandomState, short_ratio: int, max_length: int) -> int:
+class _TargetLengths:
     """Megatron's get_target_sample_len: max_length, or when r % short_ratio == 0 2 + r % (max_length - 1), r the
-    next raw output of std::mt19937 (numpy's legacy RandomState is that generator, seeded the same way)."""
-    if short_ratio == 0:
-        return max_length
-    r = int(rng.randint(0, 2**32, dtype=np.uint32))
-    return 2 + r % (max_length - 1) if r % short_ratio == 0 else max_length
+    next raw output of std::mt19937(seed) (numpy's legacy RandomState is that generator, seeded the same way, and
+    its full-range uint32 draws are its raw outputs, one each, singly or in blocks)."""
+
+    def __init__(self, seed: int, short_seq_prob: float, max_length: int):
+        self.rng, self.max_length = np.random.RandomState(seed), max_length
+        self.ratio = int(round(1.0 / short_seq_prob)) if short_seq_prob > 0 else 0
+        self.buffer: list[int] = []
+
+    def next(self) -> int:
+        if self.ratio == 0:
+            return self.max_length
+        if not self.buffer:
+            self.buffer = self.rng.randint(0, 2**32, size=4096, dtype=np.uint32).tolist()[::-1]
+        r = self.buffer.pop()
+        return 2 + r % (self.max_length - 1) if r % self.ratio == 0 else self.max_length
 
 
 def build_sample_index(document_bounds: np.ndarray, sizes: np.ndarray, documents: np.ndarray, num_samples: int,
                        max_length: int, short_seq_prob: float, seed: int, min_sentences: int) -> np.ndarray:
     """(samples, 3) int64 rows (first sentence, end sentence, target length), whole epochs over `documents` until
     there are at least `num_samples`, shuffled. `document_bounds[d]:document_bounds[d + 1]` are d's sentences."""
-    rng = np.random.RandomState(seed)
-    short_ratio = int(round(1.0 / short_seq_prob)) if short_seq_prob > 0 else 0
+    targets = _TargetLengths(seed, short_seq_prob, max_length)
     rows: list[tuple[int, int, int]] = []
     while len(rows) < num_samples:
         before = len(rows)
         for d in documents:
             first, last = int(document_bounds[d]), int(document_bounds[d + 1])
             remain = last - first
-            if remain < min_sentences or (remain > 1 and (sizes[first:last] > LONG_SENTENCE).any()):
+            lengths = sizes[first:last].tolist()  # Python ints: the loop below runs once per sentence
+            if remain < min_sentences or (remain > 1 and max(lengths) > LONG_SENTENCE):
                 continue
             start, length, count = first, 0, 0
-            target = _target_length(rng, short_ratio, max_length)
+            target = targets.next()
             for s in range(first, last):
-                length, count, remain = length + int(sizes[s]), count + 1, remain - 1
+                length, count, remain = length + lengths[s - first], count + 1, remain - 1
                 if (length >= target and remain > 1 and count >= min_sentences) or remain == 0:
                     rows.append((start, s + 1, target))
                     start, length, count = s + 1, 0, 0
-                    target = _target_length(rng, short_ratio, max_length)
+                    target = targets.next()
         if len(rows) == before:
             raise TrainError(f"no BERT sample can be made: every document has fewer than {min_sentences} "
                              "sentence(s) or a long sentence (> 512 tokens) among several"
