@@ -83,6 +83,7 @@ MODEL_HELP = {
     "binary_head": "BERT: next-sentence logits from the pooled output (NSP loss)",
     "post_norm": "BERT: post-LN layers and an embedding norm (HF bert)",
     "lm_head_bias": "BERT: a bias on the LM head's logits",
+    "mlm_head_activation": "BERT: activation of the MLM head's transform",
     "dtype": "dtype of stored weights (training: fp32 master)",
     "bos_token_id": "beginning-of-sequence token id",
     "eos_token_id": "end-of-sequence id(s): generation stops there",

@@ -32,11 +32,11 @@ from mtrain.models.model import Block, LayerContext, Transformer, make_norm
 
 
 class MLMHead(nn.Module):
-    """The MLM head's transform: norm(act(dense(h))), act the model's (GELU)."""
+    """The MLM head's transform: norm(act(dense(h))), act the IR's mlm_head_activation (exact or tanh GELU)."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.approximate = "tanh" if c.activation == "gelu_tanh" else "none"
+        self.approximate = "tanh" if c.mlm_head_activation == "gelu_tanh" else "none"
         self.dense = nn.Linear(c.hidden_size, c.hidden_size)
         self.norm = make_norm(c)
 

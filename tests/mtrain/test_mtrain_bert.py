@@ -289,13 +289,14 @@ def _ir_name(hf: str) -> str | None:
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("family", ["megatron_bert", "bert"])
+@pytest.mark.parametrize("family", ["megatron_bert", "bert", "bert_gelu_tanh"])
 def test_forward_is_transformers_bert(family):
     """Our MLM and NSP logits are transformers' MegatronBertForPreTraining's (Megatron's pre-LN BERT) and
-    BertForPreTraining's (post-LN), on the same weights, tokens, token types and padding mask. Both run in float64
-    with the same operations in a different order: float64's rounding (2^-52 per operation, a few hundred
-    operations deep) stays below 1e-12 of the logits' size; 1e-10 leaves a factor of 100 and still catches any
-    wrong operation (a missing bias or norm moves the logits by about their own size)."""
+    BertForPreTraining's (post-LN; also with the tanh GELU in the MLP and the MLM head), on the same weights,
+    tokens, token types and padding mask. Both run in float64 with the same operations in a different order:
+    float64's rounding (2^-52 per operation, a few hundred operations deep) stays below 1e-12 of the logits' size;
+    1e-10 leaves a factor of 100 and still catches any wrong operation (a missing bias or norm moves the logits by
+    about their own size)."""
     import transformers
 
     hf_config = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -303,6 +304,9 @@ def test_forward_is_transformers_bert(family):
     if family == "bert":
         hf = transformers.BertForPreTraining(transformers.BertConfig(**hf_config))
         ours = tiny_model(family="bert", post_norm=True)
+    elif family == "bert_gelu_tanh":
+        hf = transformers.BertForPreTraining(transformers.BertConfig(**hf_config, hidden_act="gelu_pytorch_tanh"))
+        ours = tiny_model(family="bert", post_norm=True, activation="gelu_tanh", mlm_head_activation="gelu_tanh")
     else:
         hf = transformers.MegatronBertForPreTraining(transformers.MegatronBertConfig(**hf_config))
         ours = tiny_model()
