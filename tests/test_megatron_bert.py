@@ -96,11 +96,19 @@ def test_bert_is_refused_as_gpt_and_gpt_as_bert(tmp_path):
     run_cli("--saver", "core", "--load-dir", bert, "--save-dir", tmp_path / "core")
     out = run_cli("--saver", "gpt2_hf", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "x",
                   expect_error=True)
-    assert "a BERT encoder (megatron_bert: bidirectional attention, an MLM head) (core or megatron_bert_hf can " \
-           "hold it)" in out
-    out = run_cli("--saver", "legacy", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "x",
-                  expect_error=True)
-    assert "a BERT encoder" in out
+    assert "a BERT encoder (megatron_bert: bidirectional attention, an MLM head) (bert_hf or core or legacy or " \
+           "megatron_bert_hf can hold it)" in out
+    out = run_cli("--loader", "legacy", "--saver", "hf", "--load-dir", tmp_path / "core", "--save-dir",
+                  tmp_path / "x", expect_error=True)
+    assert "a megatron-core BertModel (flat keys such as embedding.word_embeddings.weight), not a Megatron-LM " \
+           "legacy model (nested language_model); read it with --loader core" in out
+    run_cli("--saver", "legacy", "--load-dir", bert, "--save-dir", tmp_path / "legacy")
+    out = run_cli("--loader", "core", "--saver", "hf", "--load-dir", tmp_path / "legacy", "--save-dir",
+                  tmp_path / "x", expect_error=True)
+    assert "a Megatron-LM legacy BertModel (nested language_model), not a megatron-core one; read it with " \
+           "--loader legacy" in out
+    out = run_cli("verify", "--seq-len", "8", bert, tmp_path / "core", expect_error=True)
+    assert "A: a BERT encoder (megatron_bert); verify runs decoder-only (GPT) models" in out
     gpt = make_hf_model(tmp_path / "gpt", "gpt2")
     out = run_cli("--loader", "megatron_bert_hf", "--saver", "core", "--load-dir", gpt, "--save-dir", tmp_path / "x",
                   expect_error=True)

@@ -71,7 +71,8 @@ def test_checkpoint_versions_read_their_qkv_order(version, bert_dir, tmp_path):
 
 @pytest.mark.parametrize("generation", ["older", "newer"])
 def test_both_naming_generations_read(generation, bert_dir, tmp_path):
-    """older: `transformer` and `attention`; newer: input_norm, post_attention_norm, final_norm."""
+    """older: `transformer` and `attention`; newer: input_norm, post_attention_norm, final_norm, and the MLM
+    head's `norm` (Megatron's later BertLMHead)."""
     out = tmp_path / "legacy"
     run_cli("--saver", "legacy", "--load-dir", bert_dir, "--save-dir", out)
 
@@ -83,6 +84,8 @@ def test_both_naming_generations_read(generation, bert_dir, tmp_path):
         else:
             lm["encoder"] = {re.sub(r"(input|post_attention|final)_layernorm", r"\1_norm", k): v
                              for k, v in enc.items()}
+            head = state["model"]["lm_head"]
+            state["model"]["lm_head"] = {k.replace("layernorm", "norm"): v for k, v in head.items()}
 
     rewrite(rank_file(out, "mp_rank_00"), rename)
     assert_same_tensors(ir_tensors(bert_dir), ir_tensors(out))

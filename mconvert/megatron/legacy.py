@@ -99,6 +99,7 @@ ALIASES = tuple((re.compile(p), r) for p, r in (
     (r"\.input_norm\.", ".input_layernorm."),
     (r"\.post_attention_norm\.", ".post_attention_layernorm."),
     (r"^language_model\.encoder\.final_norm\.", "language_model.encoder.final_layernorm."),
+    (r"^lm_head\.norm\.", "lm_head.layernorm."),  # BERT's MLM head, the later legacy model's name
 ))
 
 # Not weights: module extra state (None, or TE's FP8 metadata) and rotary frequencies rebuilt from args.
@@ -242,6 +243,11 @@ def load(path: Path, options: Options) -> ModelIR:
     """Megatron-LM legacy GPT (nested language_model dicts), GPT-2 or Llama style, any checkpoint_version."""
     it_dir, iteration = find_iteration(Path(path))
     files = RankFiles(it_dir)
+    model = first_model(Path(path))
+    if model is not None and not is_legacy_checkpoint(Path(path)):
+        kind = "BertModel" if any(k.startswith("encoder.") for k in model) else "GPTModel"
+        raise ConvertError(f"{it_dir}: a megatron-core {kind} (flat keys such as {next(iter(model))}), not a "
+                           "Megatron-LM legacy model (nested language_model); read it with --loader core")
     order, version = _qkv_order(files)
     names = files.chunk_names()
     cached: dict[tuple[int, int, str], dict[str, LazyTensor]] = {}

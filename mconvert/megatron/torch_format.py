@@ -70,6 +70,10 @@ def load(path: Path, options: Options) -> ModelIR:
     if core.is_dcp_checkpoint(it_dir):
         return load_dcp(it_dir, iteration, options)
     files = RankFiles(it_dir)
+    if "language_model" in files.model(0, 0, 0, files.chunk_names()[0]):
+        kind = "BertModel" if "lm_head" in files.model(0, files.pp - 1, 0, files.chunk_names()[-1]) else "GPTModel"
+        raise ConvertError(f"{it_dir}: a Megatron-LM legacy {kind} (nested language_model), not a megatron-core "
+                           "one; read it with --loader legacy")
 
     def tensors_of(tp: int, pp: int, ep: int, entry: str) -> dict[str, LazyTensor]:
         idx = (tp, pp, ep)

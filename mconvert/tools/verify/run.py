@@ -144,6 +144,10 @@ def verify(a: Path, b: Path, settings: VerifySettings = VerifySettings(), progre
     start = time.perf_counter()
     ir_a = engine.load(Path(a), settings.options, settings.loader_a)
     ir_b = engine.load(Path(b), settings.options, settings.loader_b)
+    for label, ir in (("A", ir_a), ("B", ir_b)):
+        if ir.config.is_bert:  # mtrain's GPT model would run it causally, without its token types and MLM head
+            raise ConvertError(f"{label}: a BERT encoder ({ir.config.family}); verify runs decoder-only (GPT) models "
+                               "and would compute another architecture; compare its tensors with `mconvert compare`")
     device = parse_device(settings.device)
     tokens, source = make_tokens(settings, ir_a, ir_b)
     p = plan(ir_a, ir_b, reference_side(settings, a, b, ir_a, ir_b))
