@@ -122,7 +122,7 @@ class Trainer:
         samples = {"train": t.steps * t.global_batch_size, "valid": e.steps * t.global_batch_size if e.interval else 0}
         self.bert = model_config.is_bert  # masked-LM samples, BertModel (models/bert.py)
         masking = masking_config(config.data, config.mlm, model_config.vocab_size, config.data.tokenizer,
-                                 model_config.binary_head) if self.bert else None
+                                 model_config.binary_head, self.tokenizer.get("tokenizer.json")) if self.bert else None
         self.collate = split_batch if self.bert else next_token_batch
         splits = build_splits(config.data, samples, masking)
         if self.env.is_main:

@@ -57,23 +57,33 @@ def build_splits(cfg: DataConfig, num_samples: dict[str, int], masking: MaskingC
     return out
 
 
-def masking_config(data: DataConfig, mlm: MLMConfig, vocab_size: int, tokenizer: str | None, nsp: bool
-                   ) -> MaskingConfig:
-    """BERT's masking settings (sentence pairs with `nsp`); each special id from mlm.*_id or else the tokenizer's
-    [CLS], [SEP], [MASK], [PAD]."""
+def masking_config(data: DataConfig, mlm: MLMConfig, vocab_size: int, tokenizer: str | None, nsp: bool,
+                   tokenizer_json: bytes | None = None) -> MaskingConfig:
+    """BERT's masking settings (sentence pairs with `nsp`); each special id from mlm.*_id or else the [CLS], [SEP],
+    [MASK], [PAD] of the `tokenizer` at that path, or else of the `tokenizer_json` (a finetuned checkpoint's)."""
     ids, missing = {}, []
     names = (("cls", "[CLS]"), ("sep", "[SEP]"), ("mask", "[MASK]"), ("pad", "[PAD]"))
     needed = any(getattr(mlm, f"{name}_id") is None for name, _ in names)
-    tok = load_tokenizer(tokenizer) if tokenizer and needed else None
+    token_id = None
+    if needed and tokenizer:
+        token_id = load_tokenizer(tokenizer).token_id
+    elif needed and tokenizer_json:
+        from tokenizers import Tokenizer  # the `tokenizers` library only for a checkpoint's tokenizer.json
+
+        try:
+            token_id = Tokenizer.from_str(tokenizer_json.decode("utf-8")).token_to_id
+        except Exception as e:  # the library's own errors (and UnicodeDecodeError) for a file it cannot read
+            raise TrainError(f"the checkpoint's tokenizer.json cannot be read ({str(e)[:200]}); give the special "
+                             "ids in the mlm section or data.tokenizer") from None
     for name, token in names:
         given = getattr(mlm, f"{name}_id")
-        ids[name] = given if given is not None else tok.token_id(token) if tok else None
+        ids[name] = given if given is not None else token_id(token) if token_id else None
         if ids[name] is None:
             missing.append(f"mlm.{name}_id ({token})")
         elif not 0 <= ids[name] < vocab_size:
             raise TrainError(f"mlm.{name}_id {ids[name]} is outside the model's vocabulary of {vocab_size}")
     if missing:
-        where = f"the tokenizer {tokenizer} has no such tokens" if tok else "data.tokenizer is not set"
+        where = "the tokenizer has no such tokens" if token_id else "data.tokenizer is not set"
         raise TrainError(f"BERT needs the special token ids {', '.join(missing)}: {where}; give them in the mlm "
                          "section")
     return MaskingConfig(seq_len=data.seq_len, vocab_size=vocab_size, special=SpecialTokens(**ids), nsp=nsp,

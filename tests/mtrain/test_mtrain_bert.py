@@ -443,7 +443,8 @@ def _bert_tokenizer(path) -> None:
 def test_preprocess_split_sentences_then_train_nsp(tmp_path):
     """`mtrain preprocess --split-sentences` writes a document's sentences as its sequences, without the
     tokenizer's [CLS]/[SEP] (BERT's samples add them); a BERT with the binary head trains on that data with the
-    special ids taken from data.tokenizer."""
+    special ids taken from data.tokenizer, and a finetune of its checkpoint from the tokenizer the checkpoint
+    carries."""
     _bert_tokenizer(tmp_path / "tok")
     rng = np.random.RandomState(0)
     with open(tmp_path / "corpus.jsonl", "w") as f:
@@ -461,11 +462,17 @@ def test_preprocess_split_sentences_then_train_nsp(tmp_path):
     assert len(sentences) == first.count(".") + first.count("!") + first.count("?")
     assert all(s[-1] in (5, 6, 7) and 2 not in s and 3 not in s for s in sentences)
     raw = raw_config(str(tmp_path / "bert_text_document"), train={"steps": 2},
-                     data={"tokenizer": str(tmp_path / "tok")}, eval={"interval": 2, "steps": 1})
+                     data={"tokenizer": str(tmp_path / "tok")}, eval={"interval": 2, "steps": 1},
+                     checkpoint={"dir": str(tmp_path / "run")})
     raw["mlm"] = {}  # the special ids: the tokenizer's
     trainer = Trainer(from_dict(raw))
     result = trainer.run()
     assert sorted(result.losses) == [1, 2] and set(trainer.bert_eval) == {"mlm loss", "nsp loss", "nsp accuracy"}
+    # a finetune of that checkpoint without data.tokenizer: the special ids from the tokenizer it carries
+    finetune = with_sections(raw, checkpoint={"dir": str(tmp_path / "ft"), "finetune": str(tmp_path / "run")},
+                             data={"tokenizer": None})
+    del finetune["model"]
+    assert sorted(Trainer(from_dict(finetune)).run().losses) == [1, 2]
 
 
 @pytest.mark.parametrize("nsp", [True, False])
