@@ -11,6 +11,9 @@ document, with --split-sentences one per sentence). For the documents of one spl
      until there are enough, then the samples are shuffled. The random numbers are Megatron's too (std::mt19937
      seeded with data.seed for the lengths, which numpy's RandomState draws bit for bit, std::mt19937_64 with
      seed + 1 for the shuffle, mt64.py), so the samples are those megatron-core builds from the same documents.
+     The index is cached as a .npy file (`cache_dir`, else beside the data) keyed on everything it depends on (the
+     .idx's SHA-256, the documents, the lengths, the seed, ...); a cached index that does not fit the data is
+     rebuilt, never used.
   2. a sample (Megatron's `BERTMaskedWordPieceDataset.__getitem__`, its own RandomState(seed + index)):
      with NSP, the sentences split at a random pivot into A | B, swapped with probability 1/2 (is_random = 1);
      the longer of A and B loses a token at a random end until both fit the target; then
@@ -30,7 +33,12 @@ labels, and the NSP label (is_random, repeated along the row), so batches stack 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -169,15 +177,25 @@ class BertDataset:
     """BERT samples of `documents` (document numbers of an indexed dataset), at least `num_samples` of them."""
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, cfg: MaskingConfig, num_samples: int,
-                 name: str = "train"):
+                 name: str = "train", cache_dir: Path | None = None):
         if cfg.seq_len < 5:
             raise TrainError(f"data.seq_len {cfg.seq_len} is too short for BERT: [CLS], [SEP] x2 and two tokens")
         if len(documents) == 0:
             raise TrainError(f"the {name} split of {indexed.prefix} has no documents")
         self.indexed, self.cfg = indexed, cfg
-        self.sample_index = build_sample_index(
-            indexed.document_indices, indexed.sequence_lengths, documents, num_samples, cfg.seq_len - 3,
-            cfg.short_seq_prob, cfg.seed, 2 if cfg.nsp else 1)
+        description = dict(version=1, idx_sha256=indexed.idx_digest, documents=[int(documents[0]),
+                           int(documents[-1]), len(documents)], num_samples=num_samples, seq_len=cfg.seq_len,
+                           short_seq_prob=cfg.short_seq_prob, seed=cfg.seed, nsp=cfg.nsp)
+        key = hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
+        cache_dir = cache_dir or Path(indexed.prefix).parent / "cache" / "BertDataset_indices"
+        path = cache_dir / f"{key}-BertDataset-sample.npy"
+        cached = _load_index(path, indexed, cfg.seq_len - 3)
+        self.cache_hit = cached is not None
+        if cached is None:
+            cached = build_sample_index(indexed.document_indices, indexed.sequence_lengths, documents, num_samples,
+                                        cfg.seq_len - 3, cfg.short_seq_prob, cfg.seed, 2 if cfg.nsp else 1)
+            _save_index(path, cached, description)
+        self.sample_index = cached
 
     def __len__(self) -> int:
         return len(self.sample_index)
@@ -186,6 +204,37 @@ class BertDataset:
         first, end, target = (int(x) for x in self.sample_index[i])
         rng = np.random.RandomState((self.cfg.seed + i) % 2**32)
         return make_sample([self.indexed.get(s) for s in range(first, end)], target, self.cfg, rng)
+
+
+def _load_index(path: Path, indexed: IndexedDataset, max_length: int) -> np.ndarray | None:
+    """The cached sample index at `path`, or None when it is missing, unreadable or does not fit the data: rows of
+    (first sentence, end sentence, target length) with first < end <= sentences and 2 <= target <= max_length."""
+    try:
+        index = np.load(path, mmap_mode="r") if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    if index is None or index.ndim != 2 or index.shape[1] != 3 or len(index) == 0 or index.dtype.kind not in "iu":
+        return None
+    first, end, target = index[:, 0], index[:, 1], index[:, 2]
+    fits = (first >= 0).all() and (end > first).all() and (end <= len(indexed)).all()
+    return index if fits and (target >= 2).all() and (target <= max_length).all() else None
+
+
+def _save_index(path: Path, index: np.ndarray, description: dict) -> None:
+    """Write through a temporary name, so concurrent ranks never read half a file (a read-only data directory: the
+    index is rebuilt next time; set data.cache_dir)."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npy.partial")
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, index)
+        os.replace(tmp, path)
+        path.with_name(path.name.replace("-sample.npy", "-description.json")).write_text(
+            json.dumps(description, indent=2))
+    except OSError:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def split_batch(rows: np.ndarray):

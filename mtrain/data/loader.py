@@ -49,7 +49,7 @@ def build_splits(cfg: DataConfig, num_samples: dict[str, int], masking: MaskingC
                                  f"{documents} documents gives it none; change data.split or add documents")
             need = want if len(indexed) == 1 else math.ceil(want * w / total * 1.005)
             if masking is not None:
-                parts.append(BertDataset(ds, np.arange(begin, end), masking, need, name=split))
+                parts.append(BertDataset(ds, np.arange(begin, end), masking, need, name=split, cache_dir=cache))
                 continue
             parts.append(GPTDataset(ds, np.arange(begin, end), seq_len=cfg.seq_len, num_samples=need,
                                     seed=cfg.seed, cache_dir=cache, name=split))

@@ -132,7 +132,8 @@ def test_sentence_pairs_are_next_or_swapped(tmp_path):
 
 def test_sample_index_takes_whole_documents_in_order(tmp_path):
     """Every sample's sentences are consecutive ones of one document, at least two with NSP; the target lengths are
-    seq_len - 3, or with probability 0.1 a shorter one; samples are a seeded shuffle (the same for the same seed)."""
+    seq_len - 3, or with probability 0.1 a shorter one; samples are a seeded shuffle (the same for the same seed),
+    cached beside the data; a cached index that does not fit the data is rebuilt."""
     indexed = numbered_sentences(tmp_path)
     ds = BertDataset(indexed, np.arange(300), MASKING, 500)
     bounds = indexed.document_indices
@@ -142,7 +143,12 @@ def test_sample_index_takes_whole_documents_in_order(tmp_path):
     short = float((ds.sample_index[:, 2] < SEQ - 3).mean())
     assert 0 < short < 0.25
     again = BertDataset(indexed, np.arange(300), MASKING, 500)
+    assert not ds.cache_hit and again.cache_hit
     assert (again.sample_index == ds.sample_index).all() and (again[7] == ds[7]).all()
+    [cached] = (tmp_path / "cache" / "BertDataset_indices").glob("*-sample.npy")
+    np.save(cached, np.array([[0, 10**6, 5]]))  # points past the data's sentences
+    rebuilt = BertDataset(indexed, np.arange(300), MASKING, 500)
+    assert not rebuilt.cache_hit and (rebuilt.sample_index == ds.sample_index).all()
     with pytest.raises(TrainError, match="next-sentence prediction needs documents of two or more sentences"):
         writer = IndexedDatasetWriter(tmp_path / "one", np.uint16)
         writer.add_document([5, 6, 7])
