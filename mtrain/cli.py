@@ -70,15 +70,18 @@ def main() -> None:
 @click.option("--json-key", "--json-keys", "json_keys", multiple=True, default=("text",), show_default=True,
               help="Field(s) to tokenize; one dataset per key.")
 @click.option("--append-eod", is_flag=True, help="End every document with the tokenizer's eos token.")
+@click.option("--split-sentences", is_flag=True,
+              help="One sequence per sentence, no special tokens (BERT's data: sentence pairs for NSP).")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Tokenizer processes.")
 @_fail_cleanly
-def preprocess(input_, output_prefix, tokenizer, json_keys, append_eod, workers) -> None:
+def preprocess(input_, output_prefix, tokenizer, json_keys, append_eod, split_sentences, workers) -> None:
     """Tokenize JSON lines into Megatron indexed datasets (.bin/.idx)."""
     from mtrain.data.preprocess import PreprocessConfig
     from mtrain.data.preprocess import preprocess as run
 
     result = run(PreprocessConfig(input=input_, output_prefix=output_prefix, tokenizer=tokenizer,
-                                  json_keys=tuple(json_keys), append_eod=append_eod, workers=workers),
+                                  json_keys=tuple(json_keys), append_eod=append_eod,
+                                  split_sentences=split_sentences, workers=workers),
                  progress=_preprocess_progress())
     for key, prefix in result.prefixes.items():
         skipped = f", {result.skipped_empty[key]} empty skipped" if result.skipped_empty[key] else ""
@@ -238,7 +241,7 @@ def evaluate(load, loader, data, split, split_weights, seq_len, batch_size, max_
         from mtrain.tasks import last_word_accuracy, read_passages
 
         tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="the task file is text")
-        model = inference.model_of(ir)
+        model = inference.model_of(ir, needs_decoder="last-word accuracy (--lambada)")
         passages = read_passages(lambada, tok, max_samples=max_samples,
                                  max_positions=model.config.max_position_embeddings)
         r = last_word_accuracy(model, passages, batch_size=batch_size, progress=_progress("passages"))
@@ -249,6 +252,9 @@ def evaluate(load, loader, data, split, split_weights, seq_len, batch_size, max_
         raise click.UsageError(f"--split {split}: {load} does not record the split of the run that trained it; give "
                                "--split-weights (that run's data.split, e.g. 969,30,1) or --split all")
     model = inference.model_of(ir)
+    if model.config.is_bert:
+        _evaluate_bert(model, ir, run, list(data), split, split_weights, seq_len, batch_size, max_samples, tokenizer)
+        return
     if seq_len is None:
         seq_len = run.get("seq_len") or min(DataConfig().seq_len, model.config.max_position_embeddings)
         origin = "from the run" if run.get("seq_len") else "data.seq_len's default, at most the model's positions"
@@ -258,6 +264,26 @@ def evaluate(load, loader, data, split, split_weights, seq_len, batch_size, max_
                            max_tokens=max_tokens, progress=_progress("windows"))
     click.echo(f"loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | {r.samples} samples of {seq_len} tokens "
                f"({r.tokens:,} predicted tokens, split {split})")
+
+
+def _evaluate_bert(model, ir, run, data, split, split_weights, seq_len, batch_size, max_samples, tokenizer) -> None:
+    """`evaluate --data` of a BERT: MLM loss (and NSP loss and accuracy) on masked samples, masked as the run that
+    trained it (its mlm section: special ids, masking probability) or with the tokenizer's special tokens."""
+    from mtrain import inference
+    from mtrain.config import DataConfig, MLMConfig, build_section
+    from mtrain.data.loader import masking_config
+
+    seq_len = seq_len or run.get("seq_len") or min(128, model.config.max_position_embeddings)
+    mlm = build_section(MLMConfig, "mlm", (inference.run_config(ir).get("mlm") or {}))
+    source = tokenizer or inference.checkpoint_tokenizer(ir.assets)
+    masking = masking_config(DataConfig(seq_len=seq_len, seed=run.get("seed", DataConfig().seed)), mlm,
+                             model.config.vocab_size, str(source) if source else None, model.config.binary_head)
+    r = inference.evaluate_bert(model, data, masking, batch_size=batch_size, split=split,
+                                split_weights=split_weights or run.get("split") or "969,30,1",
+                                max_samples=max_samples, progress=_progress("samples"))
+    nsp = f" | nsp loss {r.nsp_loss:.4f} | nsp accuracy {r.nsp_accuracy:.4f}" if r.nsp_loss is not None else ""
+    click.echo(f"mlm loss {r.mlm_loss:.4f}{nsp} | {r.samples} samples of at most {seq_len} tokens "
+               f"({r.predicted_tokens:,} predicted tokens, split {split})")
 
 
 def _sampling(greedy, temperature, top_k, top_p):
@@ -294,7 +320,7 @@ def generate(load, loader, tokenizer, prompts, token_ids, max_new_tokens, greedy
         raise click.UsageError("give --prompt TEXT or --tokens IDS (either may be repeated), not both")
     ir = inference.load_ir(load, loader)  # the tokenizer is checked before any weight is read
     tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="or give --tokens IDS" if prompts else None)
-    model = inference.model_of(ir)
+    model = inference.model_of(ir, needs_decoder="generate")
     if prompts:
         ids = [tok.encode(p) for p in prompts]
     else:
@@ -357,7 +383,7 @@ def serve(load, loader, tokenizer, host, port, max_prompts, max_tokens_to_genera
     try:  # Ctrl-C while loading stops as quietly as Ctrl-C while serving (no "Aborted!")
         ir = inference.load_ir(load, loader)
         tok = inference.load_tokenizer_for(ir, tokenizer, needed_for="prompts are text")  # before any weight
-        model = inference.model_of(ir)
+        model = inference.model_of(ir, needs_decoder="serve")
     except KeyboardInterrupt:
         click.echo("stopped", err=True)
         return

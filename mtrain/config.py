@@ -1,7 +1,7 @@
 """One typed configuration: a YAML / TOML / JSON file plus `--section.field value` overrides.
 
 Sections (SECTION_HELP says what each holds): model (mconvert's ModelConfig), data, train, optim, eval,
-checkpoint, parallel, logging, lora. Every field carries one line of meaning; `mtrain config` prints them all with
+checkpoint, parallel, logging, lora, mlm. Every field carries one line of meaning; `mtrain config` prints them all with
 their types and defaults (mtrain/config_doc.py). Unknown sections and fields are errors that list the valid ones;
 values are checked against the field types.
 """
@@ -121,6 +121,19 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MLMConfig:
+    """BERT models (families megatron_bert, bert): Megatron's masking (mtrain/data/bert_dataset.py); next-sentence
+    prediction follows the model's binary_head."""
+
+    masking_probability: float = opt(0.15, "share of a sample's tokens predicted (80% [MASK], 10% random)")
+    short_seq_prob: float = opt(0.1, "share of samples given a random shorter length")
+    cls_id: int | None = opt(None, "id of [CLS] (null: the tokenizer's)")
+    sep_id: int | None = opt(None, "id of [SEP] (null: the tokenizer's)")
+    mask_id: int | None = opt(None, "id of [MASK] (null: the tokenizer's)")
+    pad_id: int | None = opt(None, "id of [PAD] (null: the tokenizer's)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     interval: int = opt(10, "progress line every N steps (loss: their mean)")
     tensorboard_dir: str | None = opt(None, "TensorBoard scalars here (mconvert[train] extra)")
@@ -171,6 +184,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    mlm: MLMConfig = field(default_factory=MLMConfig)
     # finetuning: the model section's fields, applied to the checkpoint's config (apply_model_changes)
     model_changes: dict[str, Any] = field(default_factory=dict)
 
@@ -188,7 +202,7 @@ class Config:
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainSection, "optim": OptimConfig,
                              "eval": EvalConfig, "checkpoint": CheckpointConfig, "parallel": ParallelConfig,
-                             "logging": LoggingConfig, "lora": LoraConfig}
+                             "logging": LoggingConfig, "lora": LoraConfig, "mlm": MLMConfig}
 SECTION_HELP = {
     "model": "the architecture (mconvert's ModelConfig); from the checkpoint when finetuning or resuming",
     "data": "dataset prefixes and blend weights, split, sequence length, tokenizer",
@@ -199,6 +213,7 @@ SECTION_HELP = {
     "parallel": "the layout: data (FSDP2/DDP), tensor (+sequence), pipeline (+virtual stages), expert, context",
     "logging": "progress lines, TensorBoard, Weights & Biases",
     "lora": "low-rank adapters on a frozen base (finetuning): rank, alpha, targets, a PEFT adapter to start from",
+    "mlm": "BERT models: masked-LM samples (+ sentence pairs with binary_head), Megatron's masking",
 }
 
 

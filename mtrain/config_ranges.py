@@ -34,6 +34,12 @@ _RANGES: tuple[tuple[str, str, float, bool, float | None, bool], ...] = (
     ("checkpoint", "interval", 0, False, None, False),
     ("checkpoint", "keep_last", 0, False, None, False),
     ("logging", "interval", 1, False, None, False),
+    ("mlm", "masking_probability", 0, True, 1, False),
+    ("mlm", "short_seq_prob", 0, False, 1, False),
+    ("mlm", "cls_id", 0, False, None, True),
+    ("mlm", "sep_id", 0, False, None, True),
+    ("mlm", "mask_id", 0, False, None, True),
+    ("mlm", "pad_id", 0, False, None, True),
 )
 
 

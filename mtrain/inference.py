@@ -10,6 +10,7 @@ Evaluation reads consecutive (unshuffled) windows of seq_len + 1 tokens of one s
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,11 +26,13 @@ from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
 from mtrain import weights
 from mtrain.config import check_positions
+from mtrain.data.bert_dataset import BertDataset, MaskingConfig, split_batch
 from mtrain.data.gpt_dataset import GPTDataset, split_ranges
 from mtrain.data.indexed import IndexedDataset
 from mtrain.data.loader import SPLITS
 from mtrain.data.tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer
 from mtrain.errors import TrainError
+from mtrain.models import bert
 from mtrain.models.model import Transformer
 from mtrain.parallelize import build_model
 
@@ -47,8 +50,12 @@ def load_ir(path: str | Path, loader: str | None = None) -> ModelIR:
     return engine.load(Path(path), Options(), loader)
 
 
-def model_of(ir: ModelIR) -> Transformer:
-    """An fp32 model in eval mode holding the IR's weights."""
+def model_of(ir: ModelIR, *, needs_decoder: str | None = None) -> Transformer:
+    """An fp32 model in eval mode holding the IR's weights; refused, naming `needs_decoder` (what the model is for),
+    when that needs next-token logits and the IR is a BERT encoder."""
+    if needs_decoder and ir.config.is_bert:
+        raise TrainError(f"{ir.source.path} is a BERT encoder ({ir.config.family}): {needs_decoder} needs a model that "
+                         "predicts the next token (`mtrain evaluate --data` reports a BERT's MLM and NSP losses)")
     model = build_model(ir.config, device=torch.device("cpu"))
     weights.load_full_weights(model, weights.ir_weights(ir))
     return model.eval()
@@ -81,22 +88,52 @@ class EvalResult:
     tokens: int
 
 
+def split_documents(prefix: str, indexed: IndexedDataset, count: int, split: str, split_weights: str) -> np.ndarray:
+    """The document numbers of `split` among `count` documents ("all": every one)."""
+    if split not in EVAL_SPLITS:
+        raise TrainError(f"--split {split!r} is not one of {', '.join(EVAL_SPLITS)}")
+    if split == "all":
+        return np.arange(count)
+    begin, end = split_ranges(count, split_weights)[SPLITS.index(split)]
+    if begin == end:
+        raise TrainError(f"the {split} split of {prefix} is empty: split weights {split_weights} over "
+                         f"{count} documents give it none (--split-weights, or --split all)")
+    return np.arange(begin, end)
+
+
+def evaluate_bert(model: bert.BertModel, prefixes: list[str], masking: MaskingConfig, *, batch_size: int = 8,
+                  split: str = "all", split_weights: str = "969,30,1", max_samples: int | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> bert.BertEval:
+    """A BERT's MLM loss (per predicted token) and NSP loss and accuracy (per sample) on one epoch of BERT samples
+    (Megatron's masking, seeded by `masking.seed`: the same samples every time) of `split`, at most max_samples."""
+    datasets = []
+    for prefix in prefixes:
+        indexed = IndexedDataset(prefix)
+        documents = split_documents(prefix, indexed, len(indexed.document_indices) - 1, split, split_weights)
+        datasets.append(BertDataset(indexed, documents, masking, 1, name=split))
+    count = sum(len(ds) for ds in datasets) if max_samples is None else max_samples
+    samples = list(itertools.islice((ds[i] for ds in datasets for i in range(len(ds))), count))
+
+    def batches():
+        for start in range(0, len(samples), batch_size):
+            rows = np.stack(samples[start:start + batch_size])
+            if int(rows[:, 0].max()) >= model.config.vocab_size:
+                raise TrainError(f"the data holds token id {int(rows[:, 0].max())}, outside the model's vocabulary "
+                                 f"of {model.config.vocab_size}")
+            yield split_batch(rows)
+            if progress is not None:
+                progress(min(start + batch_size, len(samples)), len(samples))
+
+    return bert.evaluate(model, batches())
+
+
 def eval_windows(prefixes: list[str], *, seq_len: int, split: str = "all", split_weights: str = "969,30,1",
                  cache_dir: Path | None = None) -> list[GPTDataset]:
     """One unshuffled epoch of seq_len + 1 token windows over the `split` documents of each dataset."""
-    if split not in EVAL_SPLITS:
-        raise TrainError(f"--split {split!r} is not one of {', '.join(EVAL_SPLITS)}")
     out = []
     for prefix in prefixes:
         indexed = IndexedDataset(prefix)
-        if split == "all":
-            documents = np.arange(len(indexed))
-        else:
-            begin, end = split_ranges(len(indexed), split_weights)[SPLITS.index(split)]
-            if begin == end:
-                raise TrainError(f"the {split} split of {prefix} is empty: split weights {split_weights} over "
-                                 f"{len(indexed)} documents give it none (--split-weights, or --split all)")
-            documents = np.arange(begin, end)
+        documents = split_documents(prefix, indexed, len(indexed), split, split_weights)
         out.append(GPTDataset(indexed, documents, seq_len=seq_len, num_samples=None, seed=0, cache_dir=cache_dir,
                               name=split, shuffle=False))
     return out

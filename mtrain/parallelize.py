@@ -27,7 +27,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 
 from mconvert.ir.config import ModelConfig
+from mtrain.errors import TrainError
 from mtrain.models import lora as lora_adapters
+from mtrain.models.bert import BertModel
 from mtrain.models.model import SequenceShard, Transformer
 from mtrain.models.moe import MoE
 from mtrain.parallel.context_parallel import apply_context_parallel
@@ -78,14 +80,17 @@ def build_parallel_model(config: ModelConfig, dims: ParallelDims, mesh: DeviceMe
                          dp_mode: DPMode = "fsdp", precision: Precision = "fp32", recompute: Recompute = "none",
                          compile_mode: CompileMode = "none", moe_capacity_factor: float | None = None,
                          lora: lora_adapters.LoraSpec | None = None) -> ParallelModel:
-    """This rank's parallelized parts with uninitialized weights (fp32) and initialized buffers on `device`; with
-    `lora`, adapters on the frozen base."""
+    """This rank's parallelized parts with uninitialized weights (fp32) and initialized buffers on `device` (a BERT
+    encoder, models/bert.py, for the BERT families); with `lora`, adapters on the frozen base."""
     coords = Coords.of(mesh)
+    if config.is_bert and dims.cp > 1:
+        raise TrainError(f"BERT ({config.family}) trains under data, tensor (+sequence) and pipeline parallelism; "
+                         f"parallel.cp {dims.cp} must be 1 (its attention is bidirectional, context parallel causal)")
     if dims.pp > 1:
         stages = build_stages(config, dims, coords.pp)
     else:
         with torch.device("meta"):
-            stages = [(0, Transformer(config))]
+            stages = [(0, BertModel(config) if config.is_bert else Transformer(config))]
     sharded_experts = config.is_moe and (dims.ep > 1 or dims.tp > 1)
     for _, part in stages:
         part.sequence = SequenceShard(cp=dims.cp, cp_rank=coords.cp, sp=dims.tp if dims.sequence_parallel else 1)
@@ -124,7 +129,7 @@ def build_model(config: ModelConfig, *, device: torch.device, mesh: DeviceMesh |
                 dp_mode: DPMode = "fsdp", precision: Precision = "fp32", recompute: Recompute = "none") -> Transformer:
     """A whole model (one process, or data parallel over the 1-D `mesh`) with uninitialized weights."""
     with torch.device("meta"):
-        model = Transformer(config)
+        model = BertModel(config) if config.is_bert else Transformer(config)
     apply_recompute(model, recompute)
     if mesh is not None and dp_mode == "fsdp":
         apply_fsdp(model, mesh, precision, set())

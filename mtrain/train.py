@@ -40,12 +40,13 @@ from mconvert.ir.tensors import ModelIR
 from mconvert.options import Options
 from mtrain import checkpoint, cpu_memory, distributed, flops, lora_run, precision, run_lock, weights
 from mtrain.config import Config, LoraConfig, apply_model_changes, check_positions, dump
-from mtrain.data.loader import RankBatches, build_splits, describe_data
+from mtrain.data.bert_dataset import split_batch
+from mtrain.data.loader import RankBatches, build_splits, describe_data, masking_config, next_token_batch
 from mtrain.errors import TrainError
 from mtrain.expert_bias import ExpertBiasUpdater
 from mtrain.metrics import Metrics, build_sinks
+from mtrain.models import bert, moe, mtp, state_dict_adapter
 from mtrain.models import lora as lora_adapters
-from mtrain.models import moe, mtp, state_dict_adapter
 from mtrain.optim import Optimizers, lr_at
 from mtrain.parallel import dp_mode, grads
 from mtrain.parallel.context_parallel import split_sequence
@@ -77,6 +78,7 @@ class Trainer:
         self.stop = stop
         self.metrics = None
         self.finished_message: str | None = None
+        self.bert_eval: dict[str, float] = {}  # BERT: the last validation's MLM loss, NSP loss and accuracy
         self.run_lock: run_lock.RunLock | None = None
         self.env = distributed.init()
         self.out = out if self.env.is_main else (lambda _: None)
@@ -125,9 +127,13 @@ class Trainer:
         dims.check_batches(config.data.seq_len, t.global_batch_size, t.micro_batch_size)
         e = config.eval  # the data first: a wrong path fails before any weights are read
         samples = {"train": t.steps * t.global_batch_size, "valid": e.steps * t.global_batch_size if e.interval else 0}
-        splits = build_splits(config.data, samples)
+        self.bert = model_config.is_bert  # masked-LM samples, BertModel (models/bert.py)
+        masking = masking_config(config.data, config.mlm, model_config.vocab_size, config.data.tokenizer,
+                                 model_config.binary_head, self.tokenizer.get("tokenizer.json")) if self.bert else None
+        self.collate = split_batch if self.bert else next_token_batch
+        splits = build_splits(config.data, samples, masking)
         if self.env.is_main:
-            for line in describe_data(config.data, samples):
+            for line in describe_data(config.data, samples, bert=self.bert):
                 self.out(line)
         mesh = dims.build_mesh(self.env.device.type)
         self.precision = precision.resolve(t.precision, self.env.device, self.env.world, self.out)
@@ -185,7 +191,7 @@ class Trainer:
 
         self.batches = RankBatches(splits["train"], global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                                    rank=self.coords.dp, world=dims.dp, vocab_size=model_config.vocab_size,
-                                   consumed_samples=self.state.consumed_samples)
+                                   consumed_samples=self.state.consumed_samples, collate=self.collate)
         self.valid = splits["valid"]
         for part in self.parts:
             moe.set_aux_loss_scale(part, 1.0 / self.batches.micro_batches)
@@ -196,8 +202,9 @@ class Trainer:
         self.schedule = None
         if dims.pp > 1:
             n = self.batches.micro_batches
+            loss = bert.bert_loss if self.bert else self._cross_entropy
             self.schedule = build_schedule(self.parts, self.parallel.stage_ids, dims, self.pp_group, self.env.device,
-                                           n, lambda out, target: self._cross_entropy(out, target) / n)
+                                           n, lambda out, target: loss(out, target) / n)
         log = config.logging
         self.throughput, line = flops.throughput_for(model_config, config.data.seq_len, self.env.world,
                                                      self.env.device, self.precision, log.peak_tflops)
@@ -358,11 +365,13 @@ class Trainer:
         losses: list[torch.Tensor] = []
         # The MTP modules on the last stage read the whole sequences' labels: the schedule splits them into the
         # micro-batches and hands them to this rank's stages, which ignore them unless they hold the modules.
-        mtp_labels = {"labels": whole.to(self.env.device)} if train and last and self.model_config.mtp_layers else {}
+        extra = {"labels": whole.to(self.env.device)} if train and last and self.model_config.mtp_layers else {}
+        if self.bert:  # every BERT stage's attention needs the padding mask
+            extra = {"padding": inputs[:, 2]}
         with self._loss_context(), self._autocast():
             run = self.schedule.step if train else self.schedule.eval
             run(*args, target=labels if last else None, losses=losses if last else None,
-                **({"return_outputs": False} if train else {}), **mtp_labels)
+                **({"return_outputs": False} if train else {}), **extra)
         return float(sum(_value(x) for x in losses)) if last else 0.0
 
     def _local_tokens(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,6 +393,8 @@ class Trainer:
         """The language-model loss; given the `whole` sequences' labels in training, the MTP modules' loss joins its
         gradient (models/mtp.py)."""
         with self._autocast():
+            if self.bert:
+                return bert.bert_loss(self.model(inputs), labels)
             logits = self.model(inputs, labels=whole) if self.model_config.mtp_layers else self.model(inputs)
         return self._cross_entropy(logits, labels)
 
@@ -441,8 +452,10 @@ class Trainer:
         for part in self.parts:
             part.eval()
         batches = RankBatches(self.valid, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
-                              rank=self.coords.dp, world=self.dims.dp, vocab_size=self.model_config.vocab_size)
+                              rank=self.coords.dp, world=self.dims.dp, vocab_size=self.model_config.vocab_size,
+                              collate=self.collate)
         total, count = 0.0, 0
+        sums: dict[str, float] = {}  # BERT's MLM loss, NSP loss and accuracy (bert_eval)
         for _ in range(self.config.eval.steps):
             micro = batches.next()
             if self.schedule is not None:
@@ -451,9 +464,25 @@ class Trainer:
                 continue
             for inputs, labels in micro:
                 with self._loss_context():
-                    total += _value(self._loss(*self._local_tokens(inputs, labels)))
+                    if self.bert:
+                        total += self._bert_eval(*self._local_tokens(inputs, labels), sums)
+                    else:
+                        total += _value(self._loss(*self._local_tokens(inputs, labels)))
                 count += 1
+        self.bert_eval = {k: self._mean_loss(v / count, True) for k, v in sums.items()}
         return self._mean_loss(total / count, has_loss=self.parallel.has_last_stage)
+
+    def _bert_eval(self, inputs: torch.Tensor, labels: torch.Tensor, sums: dict[str, float]) -> float:
+        """One BERT validation micro-batch's loss; its MLM loss, NSP loss and NSP accuracy are added to `sums`."""
+        with self._autocast():
+            output = self.model(inputs)
+        mlm, nsp = bert.bert_losses(output, labels)
+        parts = {"mlm loss": _value(mlm)}
+        if nsp is not None:
+            parts |= {"nsp loss": _value(nsp), "nsp accuracy": bert.nsp_correct(output, labels) / len(labels)}
+        for k, v in parts.items():
+            sums[k] = sums.get(k, 0.0) + v
+        return parts["mlm loss"] + parts.get("nsp loss", 0.0)
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -516,6 +545,8 @@ class Trainer:
     def _validate(self, step: int) -> float:
         loss = self.evaluate()
         self.metrics.validation(step, loss)
+        if self.bert_eval:
+            self.out(f"validation at step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in self.bert_eval.items()))
         return loss
 
     def _save(self) -> Path:

@@ -58,18 +58,22 @@ class IndexedDatasetWriter:
         self._tmp_bin = _private_name(self.bin_path)
         self._bin = open(self._tmp_bin, "xb")
         self.lengths: list[int] = []
+        self.documents: list[int] = [0]  # sequence number where each document starts, then the end
 
-    def add_document(self, tokens) -> None:
-        array = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(array.tobytes(order="C"))
-        self.lengths.append(int(array.size))
+    def add_document(self, tokens=None, *, sentences=None) -> None:
+        """One document: its tokens as one sequence, or its `sentences` as one sequence each (BERT's samples)."""
+        for part in [tokens] if sentences is None else sentences:
+            array = np.asarray(part, dtype=self.dtype)
+            self._bin.write(array.tobytes(order="C"))
+            self.lengths.append(int(array.size))
+        self.documents.append(len(self.lengths))
 
     def finalize(self) -> None:
         self._bin.close()
         lengths = np.asarray(self.lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        documents = np.arange(len(lengths) + 1, dtype=np.int64)
+        documents = np.asarray(self.documents, dtype=np.int64)
         tmp_idx = _private_name(self.idx_path)
         try:
             with open(tmp_idx, "xb") as f:

@@ -4,6 +4,11 @@
     {"text": "second document"}               one sequence per document, tokens as uint16 (vocab < 65500)
                                               or int32, optionally followed by the end-of-document token
 
+With `split_sentences` (BERT's data, Megatron's --split-sentences) a document is one sequence per sentence, each
+tokenized without the tokenizer's special tokens (BERT's samples add [CLS] and [SEP]); the end-of-document token
+ends its last sentence. Sentences end at ".", "!" or "?" (closing quotes or brackets included) before whitespace,
+and at line breaks: a rule, not nltk's punkt model, which Megatron uses.
+
 Tokenization runs in `workers` processes (in input order); the output files appear only when complete. A worker
 that dies (the out-of-memory killer's SIGKILL) fails the run with an error, leaving no output: a process pool
 notices the death (concurrent.futures' BrokenProcessPool), where multiprocessing.Pool would wait forever for the
@@ -17,6 +22,7 @@ import concurrent.futures
 import itertools
 import json
 import multiprocessing
+import re
 from collections.abc import Callable, Iterator
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -34,6 +40,7 @@ class PreprocessConfig:
     tokenizer: Path
     json_keys: tuple[str, ...] = ("text",)
     append_eod: bool = False
+    split_sentences: bool = False
     workers: int = 1
     chunk_size: int = 64
 
@@ -63,13 +70,23 @@ class PreprocessResult:
 _worker_state: dict = {}
 
 
-def _init_worker(tokenizer_path: str, keys: tuple[str, ...], append_eod: bool, eod: int | None, where: str) -> None:
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+|\s*\n\s*")
+
+
+def split_sentences(text: str) -> list[str]:
+    """The sentences of `text` (module docstring), without surrounding whitespace; none empty."""
+    ends = [m.end() for m in _SENTENCE_END.finditer(text)]
+    return [s for s in (text[a:b].strip() for a, b in zip([0, *ends], [*ends, len(text)])) if s]
+
+
+def _init_worker(tokenizer_path: str, keys: tuple[str, ...], append_eod: bool, eod: int | None, where: str,
+                 sentences: bool = False) -> None:
     _worker_state.update(tokenizer=load_tokenizer(tokenizer_path), keys=keys, append_eod=append_eod, eod=eod,
-                         where=where)
+                         where=where, sentences=sentences)
 
 
-def _encode(item: tuple[int, str, int]) -> tuple[int, dict[str, list[int]]]:
-    """(the line's bytes, its token ids by key)."""
+def _encode(item: tuple[int, str, int]) -> tuple[int, dict[str, list[int] | list[list[int]]]]:
+    """(the line's bytes, its token ids by key: a list of sentences' ids with split_sentences)."""
     number, line, size = item
     s = _worker_state
     try:
@@ -86,6 +103,13 @@ def _encode(item: tuple[int, str, int]) -> tuple[int, dict[str, list[int]]]:
         if key not in record:
             raise TrainError(f"{s['where']}, line {number}: no key {key!r} (keys: {', '.join(record)}); "
                              "choose the text field with --json-key")
+        if s["sentences"]:
+            sentences = [ids for text in split_sentences(str(record[key]))
+                         if (ids := s["tokenizer"].encode(text, special=False))]
+            if sentences and s["append_eod"]:
+                sentences[-1].append(s["eod"])
+            out[key] = sentences
+            continue
         ids = s["tokenizer"].encode(str(record[key]))
         if ids and s["append_eod"]:
             ids.append(s["eod"])
@@ -131,7 +155,8 @@ def preprocess(cfg: PreprocessConfig, tokenizer: Tokenizer | None = None,
     tokens = dict.fromkeys(cfg.json_keys, 0)
     skipped = dict.fromkeys(cfg.json_keys, 0)
     documents = 0
-    init_args = (str(cfg.tokenizer), cfg.json_keys, cfg.append_eod, tokenizer.eod_id, str(cfg.input))
+    init_args = (str(cfg.tokenizer), cfg.json_keys, cfg.append_eod, tokenizer.eod_id, str(cfg.input),
+                 cfg.split_sentences)
     read, total = 0, cfg.input.stat().st_size
 
     def report(done: bool = False) -> None:
@@ -146,8 +171,12 @@ def preprocess(cfg: PreprocessConfig, tokenizer: Tokenizer | None = None,
                 if not ids:
                     skipped[key] += 1  # Megatron's indices cannot hold an empty sequence usefully
                     continue
-                writers[key].add_document(ids)
-                tokens[key] += len(ids)
+                if cfg.split_sentences:
+                    writers[key].add_document(sentences=ids)
+                    tokens[key] += sum(len(sentence) for sentence in ids)
+                else:
+                    writers[key].add_document(ids)
+                    tokens[key] += len(ids)
             if documents % PROGRESS_EVERY == 0:
                 report()
         for w in writers.values():

@@ -35,6 +35,15 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.impl.decode(ids)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of one vocabulary entry (e.g. "[MASK]"), or None when the vocabulary has no such entry."""
+        if self.kind == "tokenizers":
+            return self.impl.token_to_id(token)
+        if self.kind == "sentencepiece":
+            found = self.impl.piece_to_id(token)
+            return found if self.impl.id_to_piece(found) == token else None
+        return self.impl.get_vocab().get(token)
+
 
 def checkpoint_tokenizer(assets: dict[str, Path]) -> Path | None:
     """The tokenizer among a checkpoint's files (`ModelIR.assets`): its tokenizer.json directory, or its

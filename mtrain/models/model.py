@@ -79,6 +79,8 @@ class LayerContext(NamedTuple):
     window: int | None  # sliding-window length
     cache: LayerCache | None = None  # this layer's slot of the KVCache (generation); None in training
     local_rot: tuple[torch.Tensor, torch.Tensor] | None = None  # the windowed layers' own angles (local_rope_theta)
+    causal: bool = True  # False: every query sees every key (BERT's bidirectional encoder), but `key_mask`'s zeros
+    key_mask: torch.Tensor | None = None  # (B, 1, 1, Tk) bool, True where a key may be seen (not padding)
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -120,6 +122,8 @@ class CoreAttention(nn.Module):
         self.softcap: float | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        if not ctx.causal:  # bidirectional: padding keys aside, every query sees every key
+            return attend(q, k, v, ctx.key_mask, False, self.scale, self.softcap)
         Tq, Tk = q.shape[2], k.shape[2]
         window_bites = ctx.window is not None and Tk > ctx.window
         # SDPA's own causal path for a whole sequence, no mask for one query that sees every cached key, an

@@ -11,7 +11,8 @@ Each stage is a Transformer holding its layers (under their global indices); the
 has the final norm and head, and with tied embeddings or MTP modules keeps its own copy of `embed.weight` whose
 gradient is summed with the first stage's after every step (Megatron's embedding group), so both copies stay equal.
 The MTP modules run on the last stage; the trainer hands it each micro-batch's labels (a keyword argument of the
-schedule's step), from which they read the following tokens and their targets.
+schedule's step), from which they read the following tokens and their targets. A BERT's stages take each
+micro-batch's padding mask the same way (every layer's attention needs it).
 
 Before its first micro-batch (and after each switch between evaluation and training) a stage runs its forward once
 more, on placeholder inputs, to learn the shapes it exchanges; `Stage` keeps the MoE layers from counting the
@@ -29,6 +30,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from mconvert.ir.config import ModelConfig
 from mtrain.errors import TrainError
+from mtrain.models.bert import BertModel
 from mtrain.models.model import Transformer
 from mtrain.models.moe import MoE
 from mtrain.parallel.dims import ParallelDims
@@ -42,7 +44,8 @@ def build_stages(config: ModelConfig, dims: ParallelDims, pp_rank: int) -> list[
         if chunk.pp != pp_rank:
             continue
         with torch.device("meta"):
-            part = Transformer(config, layers=chunk.layers, first=chunk.has_embedding, last=chunk.has_head)
+            model = BertModel if config.is_bert else Transformer
+            part = model(config, layers=chunk.layers, first=chunk.has_embedding, last=chunk.has_head)
         out.append((chunk.vpp * dims.pp + chunk.pp, part))
     return out
 

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from mtrain.models.bert import BertModel
 from mtrain.models.mla import MLAttention
 from mtrain.models.model import Attention, Block, Transformer
 
@@ -45,6 +46,18 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, None, input_fn=_replicate_inputs, output_fn=_local_output)
+
+
+class ReplicatedEmbedding(ParallelStyle):
+    """A small embedding (BERT's token types) replicated, its output this rank's part of the sequence (`output`)."""
+
+    def __init__(self, output: Placement):
+        super().__init__()
+        self.output = output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, input_fn=_replicate_inputs,
+                                 output_fn=lambda m, out, mesh: out.redistribute(mesh, [self.output]).to_local())
 
 
 def _replicate_inputs(module, inputs, mesh):
@@ -83,19 +96,41 @@ def apply_tensor_parallel(part: Transformer, mesh: DeviceMesh, sequence_parallel
     if part.pos_embed is not None:  # (T, h): the sequence is dim 0 here
         plan["pos_embed"] = RowwiseParallel(input_layouts=Replicate(),
                                             output_layouts=Shard(0) if sequence_parallel else Replicate())
-    if part.final_norm is not None:
+    if part.final_norm is not None and not isinstance(part.final_norm, nn.Identity):  # post-LN BERT has none
         plan["final_norm"] = norm()
-    if part.lm_head is not None:
+    if getattr(part, "embed_norm", None) is not None:  # post-LN BERT's norm of the summed embeddings
+        plan["embed_norm"] = norm()
+    if part.lm_head is not None and not isinstance(part, BertModel):
         plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(part, mesh, plan)
     for module in (part.mtp or {}).values():  # position-wise, on the hidden states' part of the sequence
         parallelize_module(module, mesh, {"enorm": norm(), "hnorm": norm(), "final_norm": norm(), "eh_proj": norm()})
-    if part.final_norm is not None and part.lm_head is None:
+    if isinstance(part, BertModel):
+        _parallelize_bert_heads(part, mesh, seq)
+    elif part.final_norm is not None and part.lm_head is None:
         # Tied head: F.linear(h, embed.weight) with h whole and the weight row-split gives vocab-sharded logits.
         for final_norm in [part.final_norm, *(m.final_norm for m in (part.mtp or {}).values())]:
             final_norm.register_forward_hook(lambda m, i, out: regather(out, mesh, seq, keep_dtensor=True))
     for block in part.layers.values():
         _parallelize_block(block, mesh, sequence_parallel)
+
+
+def _parallelize_bert_heads(part: BertModel, mesh: DeviceMesh, seq: Placement) -> None:
+    """BERT: token types replicated; before the heads the whole sequences on every rank (`whole_sequence`), the MLM
+    head's transform, pooler and NSP head replicated, the LM head (the embedding's row-split weight when tied, else
+    its own) and its bias split over the vocabulary: vocab-sharded logits."""
+    plan: dict[str, ParallelStyle] = {}
+    if part.mlm_head is not None:
+        plan |= {"mlm_head.dense": ReplicateParallel(), "mlm_head.norm": ReplicateParallel()}
+    if part.token_type_embed is not None:
+        plan["token_type_embed"] = ReplicatedEmbedding(seq)
+    plan |= {name: ReplicateParallel() for name in ("pooler", "nsp_head") if getattr(part, name) is not None}
+    parallelize_module(part, mesh, plan)
+    if part.lm_head is not None:  # F.linear reads its weight (rows split) and bias (split alike) directly
+        for name, p in list(part.lm_head.named_parameters(recurse=False)):
+            setattr(part.lm_head, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)], src_data_rank=None),
+                                                     requires_grad=p.requires_grad))
+    part.whole_sequence = lambda h: regather(h, mesh, seq)
 
 
 def _parallelize_block(block: Block, mesh: DeviceMesh, sequence_parallel: bool) -> None:

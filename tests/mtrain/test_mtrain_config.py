@@ -72,7 +72,7 @@ def test_unknown_field_in_a_file(tmp_path):
 def test_unknown_section(tmp_path):
     assert error(text="trainer: {steps: 3}\n", tmp_path=tmp_path) == (
         "unknown config section(s): trainer; valid sections: model, data, train, optim, eval, checkpoint, "
-        "parallel, logging, lora")
+        "parallel, logging, lora, mlm")
 
 
 def test_unknown_model_field(tmp_path):
@@ -89,7 +89,7 @@ def test_unknown_model_field(tmp_path):
      "train.global_batch_size 6 is not a multiple of train.micro_batch_size 4"),
     (["--data.paths", "a,b", "--data.weights", "1"], "data.weights has 1 entries for 2 data.paths"),
     (["train.steps", "3"], "unexpected argument 'train.steps': overrides look like --section.field VALUE "
-                           "(sections: model, data, train, optim, eval, checkpoint, parallel, logging, lora)"),
+                           "(sections: model, data, train, optim, eval, checkpoint, parallel, logging, lora, mlm)"),
     (["--train.steps"], "--train.steps needs a value"),
 ])
 def test_bad_values(override, message):
