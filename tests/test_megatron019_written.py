@@ -152,4 +152,6 @@ def test_we_write_what_megatron_019_writes(fmt, theirs, megatron019_written, lla
         files = sorted(p.name for p in ours.iterdir() if p.is_file() and p.name != "integrity.json")
         assert list(mine["files"]) == files
         shards = {n for n in mine["files"] if n.endswith(".distcp")}  # 2 of ours, 1 per rank and thread of theirs
-        assert set(mine["files"]) - shards == {n for n in megatron["files"] if ".distcp" not in n} | {"common.pt"}
+        # beside Megatron's files: common.pt, and the run_config.yaml Megatron-Bridge reads (bridge_config.py)
+        theirs = {n for n in megatron["files"] if ".distcp" not in n}
+        assert set(mine["files"]) - shards == theirs | {"common.pt", "run_config.yaml"}
