@@ -121,6 +121,11 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
     plugin = resolve_loader(loader, path)
     ir = plugin.func(path, options)
     ir.check()
+    if options.training_state:
+        if ir.training is None:
+            raise ConvertError(f"{path}: --training-state: loader {plugin.name} ({ir.source.format}) reads no "
+                               "training state from this checkpoint; it reads core torch_dist checkpoints")
+        ir.training.check(ir.tensors, str(path))
     if options.skip_mtp:
         ir = ir.without_mtp()
     if options.dtype:  # every tensor: a checkpoint may mix dtypes (bf16 weights, fp32 norms)
@@ -134,6 +139,8 @@ def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progres
     what it found there, see `check_destination`). `check` runs on the complete output before it is moved into
     place (e.g. `--verify`); if it raises, nothing is left."""
     plugin = get_saver(saver)
+    if options.training_state and "training_state" not in plugin.options:
+        raise ConvertError(f"--training-state: saver {plugin.name} writes no training state")
     options = options if options.final_dir else dataclasses.replace(options, final_dir=Path(dst).resolve())
     try:
         staged = functools.partial(staged_output, replace=replace)

@@ -24,6 +24,8 @@ from mconvert.ir.blocks import Blocks, FileBytes
 if TYPE_CHECKING:
     import torch
 
+    from mconvert.ir.training_state import TrainingState
+
 
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import DType
@@ -121,6 +123,7 @@ class ModelIR:
     tensors: dict[str, LazyTensor]
     source: SourceInfo
     assets: dict[str, Path] = field(default_factory=dict)  # output file name -> source file (tokenizer files)
+    training: TrainingState | None = None  # optimizer state and schedule, read with --training-state
 
     def __iter__(self) -> Iterator[tuple[str, LazyTensor]]:
         return iter(self.tensors.items())

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.lazy import torch
-from mconvert.megatron import arguments, core, rank_files
+from mconvert.megatron import arguments, core, dist_optim, rank_files
 from mconvert.megatron import mla as mla_keys
 from mconvert.megatron.swiglu_halves import HALF_KEY, halves
 from mconvert.options import Options
@@ -355,7 +356,8 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     used = {placed.key for placed in placed_blocks}
     missing = sorted(k for k in used if k not in store.tensors)
     tied_copy = "output_layer.weight" if config.tie_embeddings else None
-    extra = sorted(k for k in store.tensors if k not in used and k != tied_copy)
+    optimizer = any(dist_optim.is_optimizer_key(k) for k in store.tensors)
+    extra = sorted(k for k in store.tensors if k not in used and k != tied_copy and not dist_optim.is_optimizer_key(k))
     if missing or extra:
         raise ConvertError(f"{it_dir}: the tensors do not match a {config.family} model with these args. "
                            + mismatch(missing, extra))
@@ -363,6 +365,11 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     if tied_copy in store.tensors:  # a stored copy of the tied embedding: checked, never silently dropped
         copy = LazyTensor(*_shape_dtype(store, tied_copy), lambda: store.read(tied_copy), f"{it_dir.name}:{tied_copy}")
         verify_copies(tensors, "embed.weight", [[copy]], core.TIED_OUTPUT, Ctx(config, padded))
+    training = None
+    if options.training_state:
+        training = dist_optim.read(store, common, config, placed_blocks, _lazy, padded, it_dir, tensors)
+    elif optimizer:
+        notes.append("optimizer state not converted (--training-state carries it)")
     layout = {"format": backend, "padded_vocab": padded,
               "transformer_impl": impl if config.is_moe or config.is_mla else "any",
               "layers": "one key per layer" if per_layer else "stacked",
@@ -371,7 +378,10 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
         layout["singleton_local_shards"] = True
     if getattr(store, "manifest", None) is not None:
         layout["integrity"] = f"{len(store.manifest.digests)} files (SHA-256, verified as read)"
-    return ModelIR(config, tensors, SourceInfo(f"core (Megatron {backend})", it_dir, layout, iteration, notes), assets)
+    if training is not None:
+        layout["optimizer"] = training.optimizer_kind
+    return ModelIR(config, tensors, SourceInfo(f"core (Megatron {backend})", it_dir, layout, iteration, notes), assets,
+                   training)
 
 
 def _shape_dtype(store, key: str) -> tuple[tuple[int, ...], torch.dtype]:
@@ -406,11 +416,16 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     check_plan(ir.tensors, [(backend, [placed.row for placed in placed_rows])], where=f"saver core ({backend})")
     it_dir.mkdir(parents=True, exist_ok=True)  # under torchrun every rank prepares the same directory
     planner = RowPlanner(Ctx(c, padded))
-    items = [item for placed in placed_rows for item in _blocks(ir, placed, planner)]
+    items = [item for placed in placed_rows for item in _blocks(ir.tensors, placed, planner)]
     extra_state = [torch.empty(0, dtype=torch.uint8)] if options.transformer_impl == "te" else [None]
     extra_keys = extra_states(c, options.transformer_impl)  # TE >= 2.5: an empty byte tensor without FP8
     common = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT_METADATA)}
+    objects: dict[str, Any] = {}
+    if options.training_state:
+        objects = _training_state(ir, options, iteration, args, common, progress)
+        items += dist_optim.items(ir.training, placed_rows, lambda ts, placed: _blocks(ts, placed, planner),
+                                  options.optimizer_sharding or ir.training.optimizer_kind or dist_optim.PLAIN)
 
     def finish(results: list) -> None:
         hashed = write_dcp_metadata(results) if backend == "torch_dist" else {}
@@ -422,19 +437,48 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
 
     if backend == "torch_dist":
         data = dcp_writer.object_bytes(extra_state)
+        objects_data = {k: dcp_writer.object_bytes(v) for k, v in objects.items()}
         jobs, write_dcp_metadata = dcp_writer.plan(it_dir, items + [dcp_writer.Item(k, len(data), lambda: data)
-                                                                    for k in extra_keys], digests=True)
+                                                                    for k in extra_keys]
+                                                   + [dcp_writer.Item(k, len(b), lambda b=b: b)
+                                                      for k, b in objects_data.items()], digests=True)
     else:
         jobs = [Job(f"{it_dir.name} ({backend})", ir.nbytes,
                     lambda advance: _write_zarr(it_dir, items, dict.fromkeys(extra_keys, extra_state), advance))]
     workers.run(jobs, workers=options.workers, progress=progress, finish=finish)
 
 
-def _blocks(ir: ModelIR, placed: Placed, planner: RowPlanner) -> list[dcp_writer.Item]:
+def _training_state(ir: ModelIR, options: Options, iteration: int, args, common: dict,
+                    progress: Progress) -> dict[str, Any]:
+    """The training state's share of the common state (and args); returns the RNG objects to store."""
+    state, layout = ir.training, options.layout
+    if state is None:
+        raise ConvertError(f"{ir.source.path}: --training-state, but the source holds no training state")
+    if iteration != state.iteration:
+        raise ConvertError(f"--iteration {iteration} contradicts the training state's iteration {state.iteration} "
+                           "(its schedule and data position belong to that iteration)")
+    kind = options.optimizer_sharding or state.optimizer_kind or dist_optim.PLAIN
+    if kind not in dist_optim.READABLE:
+        raise ConvertError(f"--optimizer-sharding {kind}: this tool writes "
+                           f"{', '.join(dist_optim.READABLE)}")
+    entries, metadata = dist_optim.common_entries(state, kind)
+    common.update(entries)
+    common["content_metadata"].update(metadata)
+    args.consumed_train_samples = state.consumed_samples or 0
+    args.use_distributed_optimizer = kind != dist_optim.PLAIN
+    args.no_save_optim = args.no_load_optim = False  # Megatron loads no optimizer from a run saved without one
+    rng, note = dist_optim.rng_kept(state, layout.tp, layout.pp)
+    if note:
+        progress.note(note)
+    args.no_save_rng = args.no_load_rng = not rng
+    return rng
+
+
+def _blocks(tensors_by_name: Mapping[str, LazyTensor], placed: Placed, planner: RowPlanner) -> list[dcp_writer.Item]:
     """One stored block at its place in the stack; a plain concatenation (SwiGLU's [gate ; up]) goes out as its
     parts at their offsets, as Megatron itself stores them."""
     rule = placed.row.rule
-    tensors = [ir[n] for n in placed.row.ir]
+    tensors = [tensors_by_name[n] for n in placed.row.ir]
     whole_shape = tuple(rule.piece_shapes([t.shape for t in tensors], planner.ctx)[0])
     stack = placed.stack
     lead = (1,) * len(stack)

@@ -59,7 +59,7 @@ def is_core_checkpoint(path: Path) -> bool:
 
 
 @register_loader("core", aliases=("megatron", "mcore"), detect=is_core_checkpoint,
-                 options=("true_vocab_size", "tokenizer"))
+                 options=("true_vocab_size", "tokenizer", "training_state"))
 def load(path: Path, options: Options) -> ModelIR:
     """Megatron-core GPT: `torch` (local or Transformer-Engine names), `torch_dist`, `zarr`, `torch_dcp` or
     `fsdp_dtensor`, detected."""
@@ -142,7 +142,8 @@ def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> t
 
 @register_saver("core", aliases=("megatron", "mcore"),
                 options=(*LAYOUT_OPTIONS, "transformer_impl", "expert_layout", "ckpt_format",
-                         "make_vocab_size_divisible_by", "iteration", "mtp_layer_name"),
+                         "make_vocab_size_divisible_by", "iteration", "mtp_layer_name", "training_state",
+                         "optimizer_sharding"),
                 supports=frozenset(FEATURES))  # torch_dcp and fsdp_dtensor refuse MTP modules themselves
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`,
@@ -151,6 +152,9 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if options.mtp_layer_name != "transformer_layer" and options.ckpt_format != "torch":
         raise ConvertError(f"--mtp-layer-name {options.mtp_layer_name} is for --ckpt-format torch; megatron-core "
                            f"stores transformer_layer in {options.ckpt_format} checkpoints whatever its version")
+    if options.training_state and options.ckpt_format != "torch_dist":
+        raise ConvertError(f"--training-state: the core saver writes training state in --ckpt-format torch_dist "
+                           f"only so far, not {options.ckpt_format}")
     if options.ckpt_format in core_dcp.FORMATS:
         return save_dcp(ir, out, options, progress)
     if options.ckpt_format != "torch":
