@@ -406,6 +406,9 @@ def _lazy(store, placed: Placed, it_dir: Path) -> LazyTensor:
 
 def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     c, layout, backend = ir.config, options.layout, options.ckpt_format
+    if options.training_state and backend != "torch_dist":
+        raise ConvertError(f"--training-state: the core saver writes training state in --ckpt-format torch_dist "
+                           f"only so far, not {backend}")
     if layout.pp > 1 or layout.vpp > 1 or layout.ep > 1:
         raise ConvertError(f"--ckpt-format {backend} checkpoints do not depend on the pipeline or expert layout; "
                            "drop --pp/--vpp/--ep (Megatron reshards them when it loads)")
@@ -454,6 +457,7 @@ def _training_state(ir: ModelIR, options: Options, iteration: int, args, common:
     state, layout = ir.training, options.layout
     if state is None:
         raise ConvertError(f"{ir.source.path}: --training-state, but the source holds no training state")
+    state.check(ir.tensors, f"saver core ({options.ckpt_format})")
     if iteration != state.iteration:
         raise ConvertError(f"--iteration {iteration} contradicts the training state's iteration {state.iteration} "
                            "(its schedule and data position belong to that iteration)")

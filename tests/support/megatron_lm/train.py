@@ -16,6 +16,7 @@ Runs in the megatron-core 0.19 environment (scripts/megatron_envs.sh).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import sys
@@ -90,10 +91,17 @@ def main(spec_json: str) -> None:
     iteration = 0
     if spec.get("load"):
         # torch's Adam (no Transformer Engine or Apex here) creates its state at the first step, and the
-        # distributed optimizer's state_dict needs it: Megatron's own dummy step creates it (the load replaces it)
+        # distributed optimizer's state_dict needs it: Megatron's own dummy step creates it (the load replaces it).
+        # Its loader then copies every state tensor of torch's Adam but `step` (set from the param groups, not
+        # stored per parameter) out of the loaded ones, which have no `step`: looked up as None, which it skips
+        # (with Transformer Engine's FusedAdam, what runs on GPUs, the state has no `step` tensor to look up).
         for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
             if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
                 inner._init_optimizer_states_with_dummy_values()
+                load_states = type(inner)._set_main_param_and_optimizer_states
+                type(inner)._set_main_param_and_optimizer_states = \
+                    lambda self, param, tensors, f=load_states: f(self, param, collections.defaultdict(
+                        lambda: None, tensors))
         iteration, _ = checkpointing.load_checkpoint(model, optimizer, scheduler, strict=True)
     losses = []
     s = SEQ
