@@ -125,9 +125,12 @@ def test_rng_dropped_when_the_layout_changes(runs, tmp_path):
 
 # -- bad input ---------------------------------------------------------------------------------------------------
 
-def rewrite(src: Path, dst: Path, *, tensors=None, common=None) -> Path:
-    """A copy of the torch_dist checkpoint `src` with its tensors and common state edited (`tensors(dict)`,
-    `common(dict)` change them in place), written by torch.distributed.checkpoint with a common.pt."""
+def rewrite(megatron: Path, dst: Path, *, tensors=None, common=None) -> Path:
+    """Megatron's checkpoint converted by us (args of plain Python types, common.pt), then copied with its tensors
+    and common state edited (`tensors(dict)`, `common(dict)` change them in place), written by
+    torch.distributed.checkpoint."""
+    src = dst.with_name(dst.name + "_converted")
+    convert(megatron, src)
     it = next(src.glob("iter_*"))
     store = DcpReader(it)
     state = {k: store.read(k) for k in store.tensors}
