@@ -16,7 +16,6 @@ a saver keeps them only for the layout they were saved in (`rng_layout`) and oth
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,16 +83,6 @@ class TrainingState:
         if len(self.param_groups) != expected:
             raise ConvertError(f"{where}: the optimizer state has {len(self.param_groups)} param groups, {what} "
                                f"has {expected}")
-
-    def renamed(self, names: Mapping[str, str]) -> TrainingState:
-        """The same state with tensors under other IR names (old -> new; names not listed are dropped)."""
-        tensors = {m: {names[n]: t for n, t in ts.items() if n in names} for m, ts in self.tensors.items()}
-        return dataclasses.replace(self, tensors=tensors)
-
-    def without_rng(self, why: str) -> TrainingState:
-        if self.rng is None:
-            return self
-        return dataclasses.replace(self, rng=None, rng_layout=None, notes=[*self.notes, f"RNG state dropped: {why}"])
 
 
 def decay_groups(names: Iterable[str], shapes: Mapping[str, tuple[int, ...]]) -> int:

@@ -369,7 +369,7 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     if options.training_state:
         training = dist_optim.read(store, common, config, placed_blocks, _lazy, padded, it_dir, tensors)
     elif optimizer:
-        notes.append("optimizer state not converted (--training-state carries it)")
+        notes.append("optimizer state present, not read (--training-state reads and converts it)")
     layout = {"format": backend, "padded_vocab": padded,
               "transformer_impl": impl if config.is_moe or config.is_mla else "any",
               "layers": "one key per layer" if per_layer else "stacked",
