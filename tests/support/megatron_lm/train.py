@@ -1,8 +1,9 @@
-"""Train with Megatron-LM 0.19's own DDP, optimizer, scheduler, save_checkpoint and load_checkpoint on one CPU.
+"""Train with Megatron-LM 0.19's own DDP, optimizer, scheduler, save_checkpoint and load_checkpoint on CPU.
 
     python tests/support/megatron_lm/train.py SPEC_JSON
 
-SPEC_JSON is {"flags": [...], "steps": K, "out": FILE, "save": DIR or null, "load": DIR or null}: Megatron parses
+SPEC_JSON is {"flags": [...], "steps": K, "out": FILE, "save": DIR or null, "load": DIR or null, "world": N}
+(N processes, 1 by default, spawned with gloo: a TP run's ranks; batches are the same on each). Megatron parses
 the flags (with `--load`: optimizer, scheduler and RNG state loaded too, unless the flags say otherwise), wraps
 the GPTModel in its DistributedDataParallel, builds its optimizer (get_megatron_optimizer: Adam, the distributed
 one with --use-distributed-optimizer) and its OptimizerParamScheduler, and runs K training steps from the loaded
@@ -19,6 +20,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -62,6 +65,17 @@ def batch(iteration: int, vocab: int, size: int) -> tuple[torch.Tensor, torch.Te
 
 
 def main(spec_json: str) -> None:
+    """One process, or `world` processes (spawned, gloo) for a tensor-parallel run."""
+    world = json.loads(spec_json).get("world", 1)
+    if world == 1:
+        return run(0, spec_json, 1)
+    with socket.socket() as probe:  # a free port: other runs may share the machine
+        probe.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+    torch.multiprocessing.spawn(run, args=(spec_json, world), nprocs=world)
+
+
+def run(rank: int, spec_json: str, world: int) -> None:
     from megatron.core.enums import ModelType
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.training import checkpointing
@@ -73,7 +87,14 @@ def main(spec_json: str) -> None:
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.cuda.Stream = torch.cuda.current_stream = NoStream  # get_model wraps DDP in a CUDA stream
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    cpu.start_process_group()
+    if world == 1:
+        cpu.start_process_group()
+    else:
+        os.environ.update(MASTER_ADDR="localhost", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        torch.distributed.init_process_group(backend="gloo", rank=rank, world_size=world)
+        from megatron.training import arguments  # TP > 1 asks the GPU's architecture (for a CUDA setting)
+
+        arguments.get_device_arch_version = lambda: 10
     CudaIsCpu().__enter__()
     flags = [*spec["flags"], "--train-iters", "1000", "--lr-decay-iters", "1000"]
     if spec.get("save"):
@@ -125,7 +146,8 @@ def main(spec_json: str) -> None:
         losses.append(loss.item())
     if spec.get("save"):
         checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, 0)
-    Path(spec["out"]).write_text(json.dumps({"losses": losses, "iteration": iteration}))
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps({"losses": losses, "iteration": iteration}))
     print(f"trained to iteration {iteration}: {losses}", flush=True)
 
 
