@@ -86,6 +86,17 @@ def test_plain_to_distributed_resumes_as_megatron_does(runs, tmp_path):
     assert runs["dist_resumed"][0] == runs["full"][3]
 
 
+def test_fp32_run_resumes_exactly(runs, tmp_path):
+    """An fp32 run: no master weights, and Megatron's FP32Optimizer keeps its state dict unwrapped."""
+    fp32 = [f for f in FLAGS if f != "--bf16"]
+    train(runs["python"], tmp_path, "first", fp32, 2, save=tmp_path / "fp32")
+    convert(tmp_path / "fp32", tmp_path / "out")
+    assert sorted(engine.load(tmp_path / "out", Options(training_state=True)).training.tensors) == \
+        ["exp_avg", "exp_avg_sq"]
+    assert train(runs["python"], tmp_path, "ours", fp32, 1, load=tmp_path / "out") == \
+        train(runs["python"], tmp_path, "original", fp32, 1, load=tmp_path / "fp32")
+
+
 def test_resumed_under_another_tensor_parallel_size(runs, tmp_path):
     """Converted for TP2 (RNG dropped: it belongs to TP1's ranks), resumed by a 2-process TP2 run: the losses
     equal those of Megatron resuming the original checkpoint under TP2 itself, exactly (the same stored values

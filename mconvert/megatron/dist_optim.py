@@ -10,7 +10,8 @@ megatron/training/checkpointing.py), checked by running 0.19.2 (tests/support/me
   distributed optimizer's `fully_sharded_model_space`, `param` for its `fully_reshardable` (with
   `distrib_optim_fully_reshardable_mem_efficient` off or on: the same keys). A tied output layer has no state of
   its own: the embedding's key holds it.
-- The common state: `optimizer` = {"optimizer": {"param_groups": [...]}} (settings; no parameter lists) with
+- The common state: `optimizer` = {"optimizer": {"param_groups": [...]}} (settings; no parameter lists; the
+  plain optimizer of an fp32 run, FP32Optimizer, stores the inner dict itself as `optimizer`) with
   Adam's step either as `state.common_step` (plain optimizer) or as each group's `step` (distributed), and for the
   distributed optimizer `param_state_sharding_type`, also in `content_metadata` as `distrib_optim_sharding_type`
   (megatron-core reads it there to choose its loader); fp16 runs add `grad_scaler`. `opt_param_scheduler` is the
@@ -63,7 +64,7 @@ def is_optimizer_key(key: str) -> bool:
 def sharding_type(common: dict, where: str) -> str:
     """The sharding type the common state records (PLAIN for the plain optimizer); refused unless readable."""
     optim = common.get("optimizer")
-    if not isinstance(optim, dict) or not isinstance(optim.get("optimizer"), dict):
+    if not isinstance(optim, dict) or inner(optim) is None:
         raise ConvertError(f"{where}: the checkpoint holds no optimizer state (saved with --no-save-optim, or "
                            "converted without --training-state); --training-state needs one saved by training")
     kind = optim.get("param_state_sharding_type", PLAIN)
@@ -77,13 +78,21 @@ def sharding_type(common: dict, where: str) -> str:
     return kind
 
 
+def inner(optim: dict) -> dict | None:
+    """The torch optimizer's state dict within Megatron's: under `optimizer` (mixed precision, distributed), or
+    the dict itself (FP32Optimizer, the plain optimizer of fp32 runs)."""
+    if isinstance(optim.get("optimizer"), dict):
+        return optim["optimizer"]
+    return optim if "param_groups" in optim else None
+
+
 def read(store, common: dict, config: ModelConfig, placed_blocks: list, lazy: Callable, padded: int,
          it_dir: Path, weights: dict[str, LazyTensor]) -> TrainingState:
     """The training state of a torch_dist checkpoint, its moments lazy and mapped to IR names by the weights'
     own blocks (`placed_blocks`, read through `lazy(store, placed, it_dir)`)."""
     where = str(it_dir)
     kind = sharding_type(common, where)
-    optim = common["optimizer"]["optimizer"]
+    optim = inner(common["optimizer"])
     groups = [dict(g) for g in optim.get("param_groups") or []]
     if any(not isinstance(g, dict) for g in groups):
         raise ConvertError(f"{where}: optimizer.param_groups holds something other than dicts")
@@ -153,7 +162,9 @@ def common_entries(state: TrainingState, kind: str) -> tuple[dict[str, Any], dic
     if kind == PLAIN:
         for g in groups:
             g.pop("step", None)
-        optim = {"optimizer": {"state": {"common_step": torch.tensor(float(state.step))}, "param_groups": groups}}
+        optim = {"state": {"common_step": torch.tensor(float(state.step))}, "param_groups": groups}
+        if "fp32_param" in state.tensors:  # Float16OptimizerWithFloat16Params wraps it; FP32Optimizer does not
+            optim = {"optimizer": optim}
     else:
         for g in groups:
             g["step"] = float(state.step)
