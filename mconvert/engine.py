@@ -122,6 +122,9 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
     ir = plugin.func(path, options)
     ir.check()
     if options.training_state:
+        if options.skip_mtp:
+            raise ConvertError("--skip-mtp and --training-state: a run resumes with the modules it trained (their "
+                               "optimizer state included); give one of them")
         if ir.training is None:
             raise ConvertError(f"{path}: --training-state: loader {plugin.name} ({ir.source.format}) reads no "
                                "training state from this checkpoint; it reads core torch_dist checkpoints")
