@@ -127,7 +127,7 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
                                "optimizer state included); give one of them")
         if ir.training is None:
             raise ConvertError(f"{path}: --training-state: loader {plugin.name} ({ir.source.format}) reads no "
-                               "training state from this checkpoint; it reads core torch_dist checkpoints")
+                               "training state from this checkpoint; it reads core torch and torch_dist checkpoints")
         ir.training.check(ir.tensors, str(path))
     if options.skip_mtp:
         ir = ir.without_mtp()

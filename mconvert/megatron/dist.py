@@ -454,28 +454,11 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
 def _training_state(ir: ModelIR, options: Options, iteration: int, args, common: dict,
                     progress: Progress) -> dict[str, Any]:
     """The training state's share of the common state (and args); returns the RNG objects to store."""
-    state, layout = ir.training, options.layout
-    if state is None:
-        raise ConvertError(f"{ir.source.path}: --training-state, but the source holds no training state")
-    state.check(ir.tensors, f"saver core ({options.ckpt_format})")
-    if iteration != state.iteration:
-        raise ConvertError(f"--iteration {iteration} contradicts the training state's iteration {state.iteration} "
-                           "(its schedule and data position belong to that iteration)")
-    kind = options.optimizer_sharding or state.optimizer_kind or dist_optim.PLAIN
-    if kind not in dist_optim.READABLE:
-        raise ConvertError(f"--optimizer-sharding {kind}: this tool writes "
-                           f"{', '.join(dist_optim.READABLE)}")
-    entries, metadata = dist_optim.common_entries(state, kind)
+    kind, rng = dist_optim.prepare(ir, options, iteration, args, progress)
+    entries, metadata = dist_optim.common_entries(ir.training, kind)
     common.update(entries)
     common["content_metadata"].update(metadata)
-    args.consumed_train_samples = state.consumed_samples or 0
-    args.use_distributed_optimizer = kind != dist_optim.PLAIN
-    args.no_save_optim = args.no_load_optim = False  # Megatron loads no optimizer from a run saved without one
-    rng, note = dist_optim.rng_kept(state, layout.tp, layout.pp)
-    if note:
-        progress.note(note)
-    args.no_save_rng = args.no_load_rng = not rng
-    return rng
+    return dist_optim.rng_items(rng, options.layout.tp, options.layout.pp)
 
 
 def _blocks(tensors_by_name: Mapping[str, LazyTensor], placed: Placed, planner: RowPlanner) -> list[dcp_writer.Item]:

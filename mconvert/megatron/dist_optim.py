@@ -16,7 +16,8 @@ megatron/training/checkpointing.py), checked by running 0.19.2 (tests/support/me
   distributed optimizer `param_state_sharding_type`, also in `content_metadata` as `distrib_optim_sharding_type`
   (megatron-core reads it there to choose its loader); fp16 runs add `grad_scaler`. `opt_param_scheduler` is the
   LR/WD schedule, `iteration` the step, `args.consumed_train_samples` the position in the data.
-- RNG: `rng_state/shard_{pp}.{tp}_{PP}.{TP}` (one per model-parallel rank), kept when the output has the same
+- RNG: `rng_state/shard_{pp}.{tp}_{PP}.{TP}` (one per model-parallel rank; in the IR {(tp, pp): state}, the
+  object the `torch` format stores as each rank file's `rng_state`), kept when the output has the same
   TP and PP, otherwise dropped with a note (Megatron then resumes with --no-load-rng).
 
 The distributed optimizer's default `dp_reshardable` (flat per-DP-rank buckets, bytes of its internal buffer
@@ -123,7 +124,8 @@ def read(store, common: dict, config: ModelConfig, placed_blocks: list, lazy: Ca
     if extra:
         raise ConvertError(f"{where}: optimizer state for tensors the model does not have: {format_names(extra)}")
     args = common["args"]
-    rng = {k: store.read_object(k) for k in getattr(store, "bytes_items", {}) if RNG_KEY.fullmatch(k)}
+    rng = {(int(m[2]), int(m[1])): store.read_object(k) for k in getattr(store, "bytes_items", {})
+           for m in [RNG_KEY.fullmatch(k)] if m}  # shard_{pp}.{tp}_{PP}.{TP}
     layout = (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1))
     state = TrainingState(tensors, groups, common.get("opt_param_scheduler"), int(common.get("iteration", 0)),
                           getattr(args, "consumed_train_samples", None), common["optimizer"].get("grad_scaler"),
@@ -180,8 +182,37 @@ def common_entries(state: TrainingState, kind: str) -> tuple[dict[str, Any], dic
     return entries, metadata
 
 
-def rng_kept(state: TrainingState, tp: int, pp: int) -> tuple[dict[str, Any], str | None]:
-    """(RNG bytes items to write, a note when they are dropped)."""
+def rng_items(rng: dict[tuple[int, int], Any], tp: int, pp: int) -> dict[str, Any]:
+    """The torch_dist bytes items of RNG states {(tp rank, pp rank): state}."""
+    return {f"rng_state/shard_{p}.{t}_{pp}.{tp}": value for (t, p), value in rng.items()}
+
+
+def prepare(ir, options, iteration: int, args, progress) -> tuple[str, dict[tuple[int, int], Any]]:
+    """What every core saver does first with --training-state: the state checked against the weights and the
+    iteration, the optimizer kind chosen (--optimizer-sharding, else the source's), Megatron's args set to load
+    it. Returns (kind, RNG states to write {(tp rank, pp rank): state}, empty when dropped)."""
+    state, layout = ir.training, options.layout
+    if state is None:
+        raise ConvertError(f"{ir.source.path}: --training-state, but the source holds no training state")
+    state.check(ir.tensors, f"saver core ({options.ckpt_format})")
+    if iteration != state.iteration:
+        raise ConvertError(f"--iteration {iteration} contradicts the training state's iteration {state.iteration} "
+                           "(its schedule and data position belong to that iteration)")
+    kind = options.optimizer_sharding or state.optimizer_kind or PLAIN
+    if kind not in READABLE:
+        raise ConvertError(f"--optimizer-sharding {kind}: this tool writes {', '.join(READABLE)}")
+    args.consumed_train_samples = state.consumed_samples or 0
+    args.use_distributed_optimizer = kind != PLAIN
+    args.no_save_optim = args.no_load_optim = False  # Megatron loads no optimizer from a run saved without one
+    rng, note = rng_kept(state, layout.tp, layout.pp)
+    if note:
+        progress.note(note)
+    args.no_save_rng = args.no_load_rng = not rng
+    return kind, rng
+
+
+def rng_kept(state: TrainingState, tp: int, pp: int) -> tuple[dict[tuple[int, int], Any], str | None]:
+    """(RNG states to write, a note when they are dropped)."""
     if state.rng is None:
         return {}, None
     if state.rng_layout == (tp, pp):

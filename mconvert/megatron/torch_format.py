@@ -14,6 +14,7 @@ memory is about one layer whatever the model size.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from mconvert.errors import ConvertError
@@ -22,7 +23,7 @@ from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.features import FEATURES
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.lazy import torch
-from mconvert.megatron import core, mla, rank_files, rank_plan
+from mconvert.megatron import core, dist_optim, mla, rank_files, rank_plan, torch_optim
 from mconvert.megatron import dcp as core_dcp
 from mconvert.megatron import moe as core_moe
 from mconvert.megatron.dcp import load_dcp, save_dcp
@@ -114,7 +115,14 @@ def load(path: Path, options: Options) -> ModelIR:
               "transformer_impl": impl, "padded_vocab": padded}
     if config.is_moe:
         layout |= {"etp": etp, "expert_layout": expert_layout}
-    return ModelIR(config, tensors, SourceInfo("core (Megatron torch)", it_dir, layout, iteration, notes), assets)
+    training = None
+    if options.training_state:
+        training = torch_optim.read(files, parts, ctx, config, tensors, DROP)
+        layout["optimizer"] = training.optimizer_kind
+    elif "optimizer" in files.states[(0, 0, 0)]:
+        notes.append("optimizer state present, not read (--training-state reads and converts it)")
+    return ModelIR(config, tensors, SourceInfo("core (Megatron torch)", it_dir, layout, iteration, notes), assets,
+                   training)
 
 
 def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> tuple[str | None, int]:
@@ -152,9 +160,9 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if options.mtp_layer_name != "transformer_layer" and options.ckpt_format != "torch":
         raise ConvertError(f"--mtp-layer-name {options.mtp_layer_name} is for --ckpt-format torch; megatron-core "
                            f"stores transformer_layer in {options.ckpt_format} checkpoints whatever its version")
-    if options.training_state and options.ckpt_format != "torch_dist":
-        raise ConvertError(f"--training-state: the core saver writes training state in --ckpt-format torch_dist "
-                           f"only so far, not {options.ckpt_format}")
+    if options.training_state and options.ckpt_format not in ("torch", "torch_dist"):
+        raise ConvertError(f"--training-state: the core saver writes training state in --ckpt-format torch or "
+                           f"torch_dist only so far, not {options.ckpt_format}")
     if options.ckpt_format in core_dcp.FORMATS:
         return save_dcp(ir, out, options, progress)
     if options.ckpt_format != "torch":
@@ -170,7 +178,37 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
         return _mtp_named(flat | core.extra_states(part.chunk, options, c), options.mtp_layer_name)
 
     rank_files.write_checkpoint(ir, out, options, progress, ctx=ctx, parts=parts, top=top, where="saver core",
-                                    chunk_dict=chunk_dict)
+                                chunk_dict=chunk_dict,
+                                beside=_training_state(ir, options, iteration, args, progress))
+
+
+def _training_state(ir: ModelIR, options: Options, iteration: int, args,
+                    progress: Progress) -> Callable[[int], rank_files.Beside] | None:
+    """With --training-state: the plain optimizer's moments and entries of each rank file (see torch_optim)."""
+    if not options.training_state:
+        return None
+    if options.transformer_impl != "local":
+        raise ConvertError("--training-state with --ckpt-format torch: --transformer-impl te is not supported yet "
+                           "(the optimizer numbers Transformer Engine's parameters in an order not checked here); "
+                           "use --transformer-impl local or --ckpt-format torch_dist")
+    kind, rng = dist_optim.prepare(ir, options, iteration, args, progress)
+    if kind != dist_optim.PLAIN:
+        raise ConvertError(f"--optimizer-sharding {kind} with --ckpt-format torch: the distributed optimizer's "
+                           "distrib_optim.pt is not written yet; use --optimizer-sharding plain (a distributed-"
+                           "optimizer run then resumes with --no-load-optim, losing its state) or --ckpt-format "
+                           "torch_dist")
+    state = ir.training
+
+    def beside(pp: int) -> rank_files.Beside:
+        def entries(tp: int, stored: dict, add) -> dict:
+            out = torch_optim.rank_entries(state, stored, add)
+            if rng:
+                out["rng_state"] = rng[(tp, pp)]
+            return out
+
+        return rank_files.Beside(state.tensors, entries)
+
+    return beside
 
 
 def _mtp_named(state: dict, name: str) -> dict:

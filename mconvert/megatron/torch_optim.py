@@ -1,0 +1,178 @@
+"""The training state of megatron-core `torch` checkpoints (`--training-state`): the plain optimizer per rank file.
+
+What megatron-core 0.16-0.19 write (megatron/training/checkpointing.py, megatron/core/optimizer/optimizer.py,
+optimizer/__init__.py's _get_param_groups), checked by running 0.19.2 (tests/support/megatron_lm/train.py):
+
+- Each rank file `mp_rank_*/model_optim_rng.pt` holds its own optimizer's `state_dict()` as `optimizer`: for
+  bf16/fp16 runs (Float16OptimizerWithFloat16Params) {"optimizer": torch Adam's state dict, "fp32_from_fp16_params":
+  [[fp32 master tensor per parameter] per group], "grad_scaler" (fp16)}; for fp32 runs (FP32Optimizer) torch Adam's
+  state dict itself. Adam's `state` is {index: {"step", "exp_avg", "exp_avg_sq"}}, every tensor the rank's own
+  piece of its parameter. `opt_param_scheduler` is the LR/WD schedule, `rng_state` the rank's RNG states.
+- The indices: Megatron forms its param groups from `named_parameters()` over the rank's model chunks, in order,
+  split by the default override (`wd_mult` 0 for biases and 1-d parameters) and sorted with the group without
+  override (weight decay) first; torch numbers the parameters of group 0, then group 1. The rank file's model
+  entries (`model`, or `model0`, `model1`, ... with virtual stages) keep the same order, so index i is the i-th
+  parameter of those entries that goes into its group.
+
+The distributed optimizer's `distrib_optim.pt` (flat fp32 buffers in its bucket layout beside each rank file) is
+refused by name so far: re-save with --ckpt-format torch_dist --dist-ckpt-optim-fully-reshardable.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from mconvert.errors import ConvertError, format_names
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.tensors import LazyTensor, LoadCache
+from mconvert.ir.training_state import TrainingState
+from mconvert.lazy import torch
+from mconvert.megatron import dist_optim
+from mconvert.megatron.rank_files import RankFiles, read_parts
+from mconvert.rules.mapping import to_ir
+from mconvert.rules.table import Ctx
+
+DISTRIB_FILE = "distrib_optim.pt"
+STATE = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # IR moment -> Adam's state key
+
+
+def no_decay(key: str, shape: Iterable[int]) -> bool:
+    """Megatron's default override: biases and 1-d parameters take no weight decay (wd_mult 0)."""
+    return len(tuple(shape)) == 1 or key.endswith(".bias")
+
+
+def decays(group: dict, where: str) -> bool:
+    if "wd_mult" not in group:
+        raise ConvertError(f"{where}: an optimizer param group has no wd_mult (Megatron's own groups have one)")
+    return float(group["wd_mult"]) != 0.0
+
+
+def parameters(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[str]) -> list[tuple[str, str, Any]]:
+    """(model entry, key, tensor) of the rank file's parameters, in Megatron's named_parameters() order."""
+    out = []
+    for entry in files.chunk_names():
+        for key, value in files.model(*idx, entry).items():
+            if isinstance(value, torch.Tensor) and not any(re.fullmatch(d, key) for d in drop):
+                out.append((entry, key, value))
+    return out
+
+
+def _rank_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[str]):
+    """{moment: {entry: {key: tensor}}}, the param groups and Adam's step of one rank file."""
+    where = files.rel(idx)
+    optim = files.states[idx].get("optimizer")
+    inner = dist_optim.inner(optim) if isinstance(optim, dict) else None
+    if inner is None:
+        raise ConvertError(f"{where}: the checkpoint holds no optimizer state (saved with --no-save-optim, or "
+                           "converted without --training-state); --training-state needs one saved by training")
+    groups, state = inner.get("param_groups"), inner.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict) or any(not isinstance(g, dict) for g in groups):
+        raise ConvertError(f"{where}: optimizer.param_groups / optimizer.state are not what torch's Adam writes")
+    params = parameters(files, idx, drop)
+    masters = optim.get("fp32_from_fp16_params") if inner is not optim else None
+    if masters is not None and (not isinstance(masters, list) or len(masters) != len(groups)):
+        raise ConvertError(f"{where}: optimizer.fp32_from_fp16_params does not hold one list per param group")
+    moments: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in (*STATE, *(["fp32_param"] if masters else []))}
+    steps, index = set(), 0
+    for g, group in enumerate(groups):
+        members = [p for p in params if no_decay(p[1], p[2].shape) != decays(group, where)]
+        if list(group.get("params", [])) != list(range(index, index + len(members))):
+            raise ConvertError(f"{where}: optimizer param group {g} holds {len(group.get('params', []))} parameters; "
+                               f"the model has {len(members)} {'with' if decays(group, where) else 'without'} weight "
+                               "decay (Megatron's groups)")
+        if masters is not None and len(masters[g]) != len(members):
+            raise ConvertError(f"{where}: optimizer.fp32_from_fp16_params[{g}] holds {len(masters[g])} tensors, "
+                               f"its param group {len(members)}")
+        for j, (entry, key, weight) in enumerate(members):
+            s = state.get(index + j)
+            if not isinstance(s, dict) or any(not isinstance(s.get(k), torch.Tensor) for k in STATE.values()):
+                raise ConvertError(f"{where}: the optimizer state misses parameters the weights have: {entry}.{key} "
+                                   f"(index {index + j}: no exp_avg and exp_avg_sq)")
+            found = {m: s[k] for m, k in STATE.items()} | ({"fp32_param": masters[g][j]} if masters else {})
+            for m, t in found.items():
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(weight.shape):
+                    shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ConvertError(f"{where}: {m} of {entry}.{key} is {shape}, the weight is "
+                                       f"{list(weight.shape)}")
+                moments[m].setdefault(entry, {})[key] = t
+            if s.get("step") is not None:
+                steps.add(float(s["step"]))
+        index += len(members)
+    extra = sorted(set(state) - set(range(index)), key=str)
+    if extra:
+        raise ConvertError(f"{where}: optimizer state for tensors the model does not have: indices "
+                           f"{format_names([str(e) for e in extra])} ({index} parameters)")
+    if len(steps) > 1:
+        raise ConvertError(f"{where}: the parameters disagree on Adam's step ({sorted(steps)})")
+    return moments, groups, steps.pop() if steps else None
+
+
+def read(files: RankFiles, parts: list, ctx: Ctx, config: ModelConfig, weights: dict[str, LazyTensor],
+         drop: Iterable[str]) -> TrainingState:
+    """The training state of a torch-format checkpoint: each moment's per-rank pieces mapped to IR names by the
+    weights' own plan (`parts`), lazily."""
+    where = str(files.it_dir)
+    if getattr(files.args, "use_distributed_optimizer", False):
+        found = [files.rel(i).replace("model_optim_rng.pt", DISTRIB_FILE) for i in files.files
+                 if (files.files[i].parent / DISTRIB_FILE).is_file()]
+        raise ConvertError(f"{where}: distributed-optimizer state ({', '.join(found) or DISTRIB_FILE}: flat buffers "
+                           "in the optimizer's bucket layout) cannot be converted yet; re-save it from Megatron-LM "
+                           "with --ckpt-format torch_dist --dist-ckpt-optim-fully-reshardable, or without "
+                           "--use-distributed-optimizer")
+    per_rank = {idx: _rank_moments(files, idx, drop) for idx in files.files}
+    first = per_rank[(0, 0, 0)]
+    steps = {r[2] for r in per_rank.values()}
+    if len(steps) != 1 or None in steps:
+        raise ConvertError(f"{where}: the rank files disagree on Adam's step, or hold none ({sorted(map(str, steps))})")
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"step": first[2]} for g in first[1]]
+    tensors = {}
+    for moment in first[0]:
+        def tensors_of(tp: int, pp: int, ep: int, entry: str, moment=moment) -> dict[str, LazyTensor]:
+            idx = (tp, pp, ep)
+            return {k: LazyTensor(tuple(v.shape), v.dtype, lambda v=v: v, f"{files.rel(idx)}:optimizer {moment} {k}")
+                    for k, v in per_rank[idx][0][moment].get(entry, {}).items()}
+
+        source, rows, _ = read_parts(files, parts, tensors_of)  # a tied output layer's own copy is not read
+        tensors[moment] = to_ir(source, rows, ctx, where=where, drop=drop, cache=LoadCache(4))
+    top = files.states[(0, 0, 0)]
+    rng = {(tp, pp): files.states[(tp, pp, 0)].get("rng_state") for tp in range(files.tp) for pp in range(files.pp)}
+    rng = rng if all(v is not None for v in rng.values()) else None
+    state = TrainingState(tensors, groups, top.get("opt_param_scheduler"), int(top.get("iteration", 0)),
+                          getattr(files.args, "consumed_train_samples", None), top["optimizer"].get("grad_scaler"),
+                          rng, (files.tp, files.pp) if rng else None, optimizer_kind=dist_optim.PLAIN)
+    state.check(weights, where)
+    dist_optim.check_groups(state, config, weights, where)
+    return state
+
+
+def rank_entries(state: TrainingState, stored: dict[str, list[tuple[str, str, Any]]],
+                 add: Callable[[Any], Any]) -> dict[str, Any]:
+    """The top-level entries one rank file adds for the plain optimizer: `stored` holds, per moment (and "" for
+    the weights), (entry, key, stored tensor) in the file's parameter order; `add` stores a small tensor."""
+    groups = [{k: v for k, v in g.items() if k != "step"} for g in state.param_groups]
+    params = stored[""]
+    members = [[i for i, (_, key, t) in enumerate(params) if no_decay(key, t.shape) != decays(g, "saver core")]
+               for g in groups]
+    order = [i for m in members for i in m]
+    if sorted(order) != list(range(len(params))):
+        raise ConvertError("saver core (torch): the param groups' weight-decay settings do not split the "
+                           "parameters into Megatron's groups (with and without weight decay)")
+    adam = {n: {"step": add(torch.tensor(float(state.step)))} | {k: stored[m][i][2] for m, k in STATE.items()}
+            for n, i in enumerate(order)}
+    start = 0
+    for g, m in zip(groups, members):
+        g["params"] = list(range(start, start + len(m)))
+        start += len(m)
+    inner = {"state": adam, "param_groups": groups}
+    optim: dict[str, Any] = inner
+    if "fp32_param" in state.tensors:  # Float16OptimizerWithFloat16Params wraps it; FP32Optimizer does not
+        optim = {"optimizer": inner, "fp32_from_fp16_params": [[stored["fp32_param"][i][2] for i in m]
+                                                               for m in members]}
+        if state.grad_scaler is not None:
+            optim["grad_scaler"] = state.grad_scaler
+    out = {"optimizer": optim}
+    if state.scheduler is not None:
+        out["opt_param_scheduler"] = state.scheduler
+    return out
