@@ -207,8 +207,8 @@ def test_refused_sharding_type(runs, tmp_path):
 
 
 def test_refused_by_savers_and_options_without_training_state(runs, tmp_path):
-    convert_refused(runs["plain"], tmp_path, "--ckpt-format", "torch", "--training-state",
-                    culprits=("--training-state", "torch_dist"))
+    convert_refused(runs["plain"], tmp_path, "--ckpt-format", "torch_dcp", "--training-state",
+                    culprits=("--training-state", "torch_dcp"))
     convert_refused(runs["plain"], tmp_path, "--training-state", saver="gpt2_hf", culprits=("--training-state",))
     convert_refused(runs["plain"], tmp_path, "--ckpt-format", "torch_dist", "--training-state", "--skip-mtp",
                     culprits=("--skip-mtp", "--training-state"))

@@ -16,9 +16,9 @@ megatron/training/checkpointing.py), checked by running 0.19.2 (tests/support/me
   distributed optimizer `param_state_sharding_type`, also in `content_metadata` as `distrib_optim_sharding_type`
   (megatron-core reads it there to choose its loader); fp16 runs add `grad_scaler`. `opt_param_scheduler` is the
   LR/WD schedule, `iteration` the step, `args.consumed_train_samples` the position in the data.
-- RNG: `rng_state/shard_{pp}.{tp}_{PP}.{TP}` (one per model-parallel rank; in the IR {(tp, pp): state}, the
-  object the `torch` format stores as each rank file's `rng_state`), kept when the output has the same
-  TP and PP, otherwise dropped with a note (Megatron then resumes with --no-load-rng).
+- RNG: `rng_state/shard_{pp}.{tp}_{PP}.{TP}` (one per model-parallel rank, the rank's `rng_state` in a
+  one-item list; in the IR {(tp, pp): rng_state}, what the `torch` format stores in each rank file), kept when
+  the output has the same TP and PP, otherwise dropped with a note (Megatron then resumes with --no-load-rng).
 
 The distributed optimizer's default `dp_reshardable` (flat per-DP-rank buckets, bytes of its internal buffer
 layout) and the deprecated `dp_zero_gather_scatter` are refused by name: Megatron itself reshards them only
@@ -124,8 +124,8 @@ def read(store, common: dict, config: ModelConfig, placed_blocks: list, lazy: Ca
     if extra:
         raise ConvertError(f"{where}: optimizer state for tensors the model does not have: {format_names(extra)}")
     args = common["args"]
-    rng = {(int(m[2]), int(m[1])): store.read_object(k) for k in getattr(store, "bytes_items", {})
-           for m in [RNG_KEY.fullmatch(k)] if m}  # shard_{pp}.{tp}_{PP}.{TP}
+    rng = {(int(m[2]), int(m[1])): _unwrapped(store.read_object(k), f"{where}:{k}")
+           for k in getattr(store, "bytes_items", {}) for m in [RNG_KEY.fullmatch(k)] if m}  # shard_{pp}.{tp}_..
     layout = (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1))
     state = TrainingState(tensors, groups, common.get("opt_param_scheduler"), int(common.get("iteration", 0)),
                           getattr(args, "consumed_train_samples", None), common["optimizer"].get("grad_scaler"),
@@ -182,9 +182,16 @@ def common_entries(state: TrainingState, kind: str) -> tuple[dict[str, Any], dic
     return entries, metadata
 
 
+def _unwrapped(obj: Any, where: str) -> Any:
+    """A ShardedObject is stored inside a one-item list: the rank's `rng_state` is its item."""
+    if not isinstance(obj, list) or len(obj) != 1:
+        raise ConvertError(f"{where}: expected a one-item list holding the rank's RNG state")
+    return obj[0]
+
+
 def rng_items(rng: dict[tuple[int, int], Any], tp: int, pp: int) -> dict[str, Any]:
-    """The torch_dist bytes items of RNG states {(tp rank, pp rank): state}."""
-    return {f"rng_state/shard_{p}.{t}_{pp}.{tp}": value for (t, p), value in rng.items()}
+    """The torch_dist bytes items of RNG states {(tp rank, pp rank): the rank's `rng_state`}."""
+    return {f"rng_state/shard_{p}.{t}_{pp}.{tp}": [value] for (t, p), value in rng.items()}
 
 
 def prepare(ir, options, iteration: int, args, progress) -> tuple[str, dict[tuple[int, int], Any]]:

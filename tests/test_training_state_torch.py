@@ -1,0 +1,160 @@
+"""`--training-state` with megatron-core's `torch` format: the plain optimizer in each rank's model_optim_rng.pt.
+
+megatron-core 0.19.2 itself (tests/support/megatron_lm/train.py: its DDP, optimizer, scheduler, save_checkpoint
+and load_checkpoint on CPU) trains a tiny bf16 GPT 3 steps and saves in the `torch` format; converted to
+torch_dist, and from there back to `torch` under TP2, it is resumed for 3 more steps. The losses must equal,
+exactly, those of Megatron resuming the original (TP1) and Megatron resuming, under TP2, a torch_dist checkpoint it
+reshards itself: the conversions move the stored fp32 moments and master weights and the bf16 weights without
+arithmetic, and the same values through the same CPU kernels give the same bits (bound 0). Bad inputs are refused
+by name with nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mconvert import engine
+from mconvert.io.torch_pickle import safe_load
+from mconvert.options import Options
+from tests.support.cli import run_cli, run_megatron
+from tests.support.refusals import convert_refused
+
+FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+         "--bf16", "--lr", "1e-3", "--global-batch-size", "2", "--micro-batch-size", "2",
+         "--seed", "7"]  # vocabulary 256: no padding rows
+TORCH = [*FLAGS, "--ckpt-format", "torch"]
+DIST = [*FLAGS, "--ckpt-format", "torch_dist"]
+RANK_FILE = "iter_0000003/mp_rank_00/model_optim_rng.pt"
+
+
+def train(python, tmp: Path, name: str, flags: list[str], steps: int, *, save: Path | None = None,
+          load: Path | None = None, world: int = 1) -> list[float]:
+    out = tmp / f"{name}.json"
+    spec = {"flags": flags, "steps": steps, "out": str(out), "save": save and str(save), "load": load and str(load),
+            "world": world}
+    run_megatron(python, "train.py", json.dumps(spec))
+    return json.loads(out.read_text())["losses"]
+
+
+def convert(src: Path, dst: Path, fmt: str, *extra: str) -> str:
+    return run_cli("--saver", "core", "--ckpt-format", fmt, "--training-state", *extra, "--load-dir", src,
+                   "--save-dir", dst)
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory, mcore_python):
+    """Megatron's torch-format checkpoint after 3 steps (plain optimizer), and its resumption for 3 more."""
+    python = mcore_python("0.19")
+    tmp = tmp_path_factory.mktemp("training_state_torch")
+    r = {"python": python, "tmp": tmp, "ckpt": tmp / "ckpt"}
+    train(python, tmp, "first", TORCH, 3, save=r["ckpt"])
+    r["resumed"] = train(python, tmp, "resumed", TORCH, 3, load=r["ckpt"])
+    return r
+
+
+def test_torch_to_torch_dist_to_torch_tp2_resumes_exactly(megatron, tmp_path):
+    """torch (Megatron's) -> torch_dist: resumed by Megatron, the losses of resuming the original. torch_dist ->
+    torch TP2 (RNG dropped: TP1's ranks drew it): resumed by a 2-process TP2 run, the losses of Megatron
+    resuming the torch_dist checkpoint under TP2, resharding it itself (TP2 sums the row-parallel layers' bf16
+    partial results in another order than TP1, so TP2 is compared with TP2)."""
+    python = megatron["python"]
+    convert(megatron["ckpt"], tmp_path / "dist", "torch_dist")
+    assert train(python, tmp_path, "dist", DIST, 3, load=tmp_path / "dist") == megatron["resumed"]
+    out = convert(tmp_path / "dist", tmp_path / "tp2", "torch", "--tp", "2")
+    assert "RNG state dropped" in out
+    tp2 = ["--tensor-model-parallel-size", "2", "--no-load-rng"]
+    reference = train(python, tmp_path, "reference", [*DIST, *tp2], 3, load=tmp_path / "dist", world=2)
+    assert train(python, tmp_path, "tp2", [*TORCH, *tp2], 3, load=tmp_path / "tp2", world=2) == reference
+
+
+def test_torch_round_trip_is_megatron_file(megatron, tmp_path):
+    """torch -> torch (TP1, RNG kept) and torch -> TP2 -> TP1: the optimizer entry Megatron wrote comes back
+    tensor for tensor: param groups and their indices, Adam's step, exp_avg and exp_avg_sq, the fp32 master
+    weights, the schedule and the RNG state; and the IR holds them under the weights' names."""
+    state = engine.load(megatron["ckpt"], Options(training_state=True)).training
+    assert sorted(state.tensors) == ["exp_avg", "exp_avg_sq", "fp32_param"]
+    assert (state.step, state.iteration, state.consumed_samples) == (3, 3, 6)
+    original = safe_load(megatron["ckpt"] / RANK_FILE, mmap=False)
+    fp32 = original["optimizer"]["fp32_from_fp16_params"]
+    assert torch.equal(state.tensors["fp32_param"]["embed.weight"].load(), fp32[0][0])
+    convert(megatron["ckpt"], tmp_path / "same", "torch")
+    convert(megatron["ckpt"], tmp_path / "tp2", "torch", "--tp", "2")
+    convert(tmp_path / "tp2", tmp_path / "back", "torch", "--tp", "1")
+    for out, rng in ((tmp_path / "same", True), (tmp_path / "back", False)):
+        ours = safe_load(out / RANK_FILE, mmap=False)
+        a, b = original["optimizer"], ours["optimizer"]
+        assert b["optimizer"]["param_groups"] == a["optimizer"]["param_groups"]
+        assert b["optimizer"]["state"].keys() == a["optimizer"]["state"].keys()
+        for i, s in a["optimizer"]["state"].items():
+            for key, t in s.items():
+                assert torch.equal(b["optimizer"]["state"][i][key], t), (i, key)
+        for group_a, group_b in zip(a["fp32_from_fp16_params"], b["fp32_from_fp16_params"], strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(group_a, group_b, strict=True))
+        assert ours["opt_param_scheduler"] == original["opt_param_scheduler"]
+        assert ours["args"].consumed_train_samples == 6 and not ours["args"].use_distributed_optimizer
+        assert ("rng_state" in ours) == rng and ours["args"].no_load_rng == (not rng)
+        if rng:
+            assert torch.equal(ours["rng_state"][0]["torch_rng_state"], original["rng_state"][0]["torch_rng_state"])
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+
+def rewrite(megatron, dst: Path, edit) -> Path:
+    """Our TP1 torch-format conversion of Megatron's checkpoint (args of plain Python types), its rank file
+    edited by `edit(state)` in place and saved again."""
+    convert(megatron["ckpt"], dst, "torch")
+    state = safe_load(dst / RANK_FILE, mmap=False)
+    edit(state)
+    torch.save(state, dst / RANK_FILE)
+    return dst
+
+
+def test_refused_other_shape(megatron, tmp_path):
+    def widen(state):
+        state["optimizer"]["optimizer"]["state"][3]["exp_avg_sq"] = torch.zeros(5)
+
+    src = rewrite(megatron, tmp_path / "src", widen)
+    convert_refused(src, tmp_path, "--ckpt-format", "torch", "--training-state",
+                    culprits=("exp_avg_sq", "linear_qkv.weight", "[5]"))
+
+
+def test_refused_param_groups_not_the_models(megatron, tmp_path):
+    def one_group(state):
+        inner = state["optimizer"]["optimizer"]
+        inner["param_groups"][0]["params"] = inner["param_groups"][0]["params"][:-1]
+
+    src = rewrite(megatron, tmp_path / "src", one_group)
+    convert_refused(src, tmp_path, "--ckpt-format", "torch", "--training-state",
+                    culprits=("param group 0", "holds 9", "has 10"))
+
+
+def test_refused_missing_state_and_distributed_optimizer(megatron, tmp_path):
+    """A rank file without Adam's state for a parameter; and a distributed-optimizer checkpoint, whose
+    distrib_optim.pt (flat buffers in its bucket layout) is not read: both refused by name."""
+    def drop(state):
+        del state["optimizer"]["optimizer"]["state"][27]
+
+    src = rewrite(megatron, tmp_path / "missing", drop)
+    convert_refused(src, tmp_path, "--ckpt-format", "torch", "--training-state",
+                    culprits=("decoder.final_layernorm.bias", "misses"))
+
+    def distributed(state):
+        state["args"] = argparse.Namespace(**vars(state["args"]) | {"use_distributed_optimizer": True})
+
+    src = rewrite(megatron, tmp_path / "dist", distributed)
+    (src / RANK_FILE).with_name("distrib_optim.pt").write_bytes(b"")
+    convert_refused(src, tmp_path, "--ckpt-format", "torch", "--training-state",
+                    culprits=("distrib_optim.pt", "--dist-ckpt-optim-fully-reshardable"))
+
+
+def test_refused_what_the_torch_saver_cannot_write(megatron, tmp_path):
+    convert_refused(megatron["ckpt"], tmp_path, "--ckpt-format", "torch", "--training-state",
+                    "--optimizer-sharding", "fully_reshardable", culprits=("distrib_optim.pt", "plain"))
+    convert_refused(megatron["ckpt"], tmp_path, "--ckpt-format", "torch", "--training-state",
+                    "--transformer-impl", "te", culprits=("--transformer-impl te", "local"))
