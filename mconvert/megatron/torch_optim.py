@@ -14,8 +14,14 @@ optimizer/__init__.py's _get_param_groups), checked by running 0.19.2 (tests/sup
   entries (`model`, or `model0`, `model1`, ... with virtual stages) keep the same order, so index i is the i-th
   parameter of those entries that goes into its group.
 
-The distributed optimizer's `distrib_optim.pt` (flat fp32 buffers in its bucket layout beside each rank file) is
-refused by name so far: re-save with --ckpt-format torch_dist --dist-ckpt-optim-fully-reshardable.
+The distributed optimizer (`--use-distributed-optimizer`) keeps only the param groups (with `step`) and the grad
+scaler in the rank file's `optimizer`; its per-parameter state is `distrib_optim.pt` beside it (save_parameter_state:
+gathered over data-parallel ranks, so one file per model-parallel rank): {"buckets_coalesced": True, chunk index:
+{(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": flat fp32 tensors, "numel_unpadded": n}}}. Each
+flat tensor is the chunk's grad buffer with the padding after each bucket removed: parameters in reverse
+named_parameters() order, each starting at a multiple of 64 elements within its bucket; a tied embedding or
+output layer shared between pipeline stages gets a bucket of its own; with --overlap-grad-reduce buckets close
+once they reach --ddp-bucket-size (default max(4e7, 1e6 x DP)) elements, in the first chunk only.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from mconvert.errors import ConvertError, format_names
+from mconvert.io.torch_pickle import safe_load
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import LazyTensor, LoadCache
 from mconvert.ir.training_state import TrainingState
@@ -35,6 +42,7 @@ from mconvert.rules.mapping import to_ir
 from mconvert.rules.table import Ctx
 
 DISTRIB_FILE = "distrib_optim.pt"
+DISTRIBUTED = "fully_reshardable"  # the distributed optimizer's state, as torch_dist names it (model space)
 STATE = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # IR moment -> Adam's state key
 
 
@@ -109,19 +117,94 @@ def _rank_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[st
     return moments, groups, steps.pop() if steps else None
 
 
+def bucket_offsets(params: list[tuple[str, int, bool]], bucket_size: int | None) -> tuple[dict[str, int], int]:
+    """Where each parameter (key, numel, shared between stages) starts in a chunk's coalesced flat tensor, and
+    its length: Megatron's grad-buffer layout with the distributed optimizer, without the padding after buckets
+    (bucket ends are padded to multiples of 128, so offsets within a bucket keep their 64-alignment)."""
+    offsets, done, start, members, end = {}, 0, 0, 0, 0
+    for key, numel, shared in reversed(params):
+        start = -(-start // 64) * 64
+        if shared and members:
+            done, start, members = done + start, 0, 0
+        end = start + numel
+        offsets[key] = done + start
+        members += 1
+        if (bucket_size is not None and end >= bucket_size) or shared:
+            done, start, members = done + end, 0, 0
+        else:
+            start = end
+    return offsets, done + (end if members else 0)
+
+
+def _shared(files: RankFiles, pp: int, key: str, config: ModelConfig) -> bool:
+    """Megatron marks a tied embedding `shared_embedding` when the first and last stage are different ranks."""
+    first = pp == 0 and key == "embedding.word_embeddings.weight"
+    last = pp == files.pp - 1 and key == "output_layer.weight"
+    return config.tie_embeddings and files.pp > 1 and (first or last)
+
+
+def _distributed_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[str], config: ModelConfig):
+    """{moment: {entry: {key: tensor}}}, the param groups and Adam's step of one rank's distrib_optim.pt."""
+    where = files.rel(idx)
+    optim = files.states[idx].get("optimizer")
+    inner = optim.get("optimizer") if isinstance(optim, dict) else None
+    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    if not isinstance(groups, list) or any(not isinstance(g, dict) for g in groups):
+        raise ConvertError(f"{where}: the checkpoint holds no optimizer state (saved with --no-save-optim, or "
+                           "converted without --training-state); --training-state needs one saved by training")
+    pfile = f"{where.rsplit('/', 1)[0]}/{DISTRIB_FILE}"
+    path = files.files[idx].parent / DISTRIB_FILE
+    if not path.is_file():
+        raise ConvertError(f"{pfile}: missing; a --use-distributed-optimizer run keeps its optimizer state there")
+    flat = safe_load(path)
+    if not isinstance(flat, dict) or flat.get("buckets_coalesced") is not True:
+        raise ConvertError(f"{pfile}: not the coalesced layout megatron-core 0.16-0.19 write (buckets_coalesced); "
+                           "re-save it with a newer Megatron-LM")
+    entries = files.chunk_names()
+    if sorted(str(k) for k in flat if k != "buckets_coalesced") != [str(v) for v in range(len(entries))]:
+        raise ConvertError(f"{pfile}: expected one grad buffer per model chunk ({len(entries)}), found keys "
+                           f"{sorted(map(str, flat))} (mixed-dtype or expert buffers are not read)")
+    args = files.args
+    size = None
+    if getattr(args, "overlap_grad_reduce", False):
+        dp = int(getattr(args, "data_parallel_size", 1) or 1)
+        size = getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * dp)
+    moments: dict[str, dict[str, dict[str, Any]]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    if config.dtype != "float32":
+        moments["fp32_param"] = {}
+    params = parameters(files, idx, drop)
+    for v, entry in enumerate(entries):
+        buffers = flat[v]
+        if not isinstance(buffers, dict) or len(buffers) != 1:
+            raise ConvertError(f"{pfile}: buffer {v} holds {len(buffers) if isinstance(buffers, dict) else 0} dtype "
+                               "groups; one (all parameters of one dtype) is what this tool reads")
+        buf = next(iter(buffers.values()))
+        mine = [(k, t) for e, k, t in params if e == entry]
+        offsets, total = bucket_offsets([(k, t.numel(), _shared(files, idx[1], k, config)) for k, t in mine],
+                                        None if v else size)
+        for name in ("param", "exp_avg", "exp_avg_sq"):
+            t = buf.get(name) if isinstance(buf, dict) else None
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (total,) or buf.get("numel_unpadded") != total:
+                found = list(t.shape) if isinstance(t, torch.Tensor) else "nothing"
+                raise ConvertError(f"{pfile}: buffer {v} {name} is {found}; the model's parameters take {total} "
+                                   "values in Megatron's bucket layout (saved with another --ddp-bucket-size or "
+                                   "--overlap-grad-reduce than its args say, or for another model)")
+        for m, name in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"), ("fp32_param", "param")):
+            if m in moments:
+                moments[m][entry] = {k: buf[name][offsets[k]:offsets[k] + t.numel()].view(t.shape) for k, t in mine}
+    steps = {g.get("step") for g in groups}
+    return moments, groups, steps.pop() if len(steps) == 1 else None
+
+
 def read(files: RankFiles, parts: list, ctx: Ctx, config: ModelConfig, weights: dict[str, LazyTensor],
          drop: Iterable[str]) -> TrainingState:
     """The training state of a torch-format checkpoint: each moment's per-rank pieces mapped to IR names by the
     weights' own plan (`parts`), lazily."""
     where = str(files.it_dir)
-    if getattr(files.args, "use_distributed_optimizer", False):
-        found = [files.rel(i).replace("model_optim_rng.pt", DISTRIB_FILE) for i in files.files
-                 if (files.files[i].parent / DISTRIB_FILE).is_file()]
-        raise ConvertError(f"{where}: distributed-optimizer state ({', '.join(found) or DISTRIB_FILE}: flat buffers "
-                           "in the optimizer's bucket layout) cannot be converted yet; re-save it from Megatron-LM "
-                           "with --ckpt-format torch_dist --dist-ckpt-optim-fully-reshardable, or without "
-                           "--use-distributed-optimizer")
-    per_rank = {idx: _rank_moments(files, idx, drop) for idx in files.files}
+    distributed = bool(getattr(files.args, "use_distributed_optimizer", False))
+    per_rank = {idx: _distributed_moments(files, idx, drop, config) if distributed else _rank_moments(files, idx, drop)
+                for idx in files.files}
+
     first = per_rank[(0, 0, 0)]
     steps = {r[2] for r in per_rank.values()}
     if len(steps) != 1 or None in steps:
@@ -141,7 +224,8 @@ def read(files: RankFiles, parts: list, ctx: Ctx, config: ModelConfig, weights: 
     rng = rng if all(v is not None for v in rng.values()) else None
     state = TrainingState(tensors, groups, top.get("opt_param_scheduler"), int(top.get("iteration", 0)),
                           getattr(files.args, "consumed_train_samples", None), top["optimizer"].get("grad_scaler"),
-                          rng, (files.tp, files.pp) if rng else None, optimizer_kind=dist_optim.PLAIN)
+                          rng, (files.tp, files.pp) if rng else None,
+                          optimizer_kind=DISTRIBUTED if distributed else dist_optim.PLAIN)
     state.check(weights, where)
     dist_optim.check_groups(state, config, weights, where)
     return state
