@@ -1,4 +1,5 @@
-"""`--training-state` with megatron-core's `torch` format: the plain optimizer in each rank's model_optim_rng.pt.
+"""`--training-state` with megatron-core's `torch` format: the plain optimizer in each rank's model_optim_rng.pt,
+the distributed optimizer's distrib_optim.pt beside it.
 
 megatron-core 0.19.2 itself (tests/support/megatron_lm/train.py: its DDP, optimizer, scheduler, save_checkpoint
 and load_checkpoint on CPU) trains a tiny bf16 GPT 3 steps and saves in the `torch` format; converted to
@@ -6,7 +7,8 @@ torch_dist, and from there back to `torch` under TP2, it is resumed for 3 more s
 exactly, those of Megatron resuming the original (TP1) and Megatron resuming, under TP2, a torch_dist checkpoint it
 reshards itself: the conversions move the stored fp32 moments and master weights and the bf16 weights without
 arithmetic, and the same values through the same CPU kernels give the same bits (bound 0). Bad inputs are refused
-by name with nothing written.
+by name with nothing written. The distributed optimizer's files are checked the same way (read: resumed as the
+plain optimizer; written: resumed by a distributed-optimizer run as Megatron resumes its own checkpoint).
 """
 
 from __future__ import annotations
@@ -103,6 +105,50 @@ def test_torch_round_trip_is_megatron_file(megatron, tmp_path):
             assert torch.equal(ours["rng_state"][0]["torch_rng_state"], original["rng_state"][0]["torch_rng_state"])
 
 
+@pytest.fixture(scope="module")
+def distributed(megatron):
+    """Megatron's torch-format checkpoint of the same run with the distributed optimizer (distrib_optim.pt), and
+    its resumption by a distributed-optimizer run."""
+    python, tmp = megatron["python"], megatron["tmp"]
+    r = {"ckpt": tmp / "distributed"}
+    train(python, tmp, "distributed_first", [*TORCH, "--use-distributed-optimizer"], 3, save=r["ckpt"])
+    r["resumed"] = train(python, tmp, "distributed_resumed", [*TORCH, "--use-distributed-optimizer"], 3,
+                         load=r["ckpt"])
+    return r
+
+
+def test_distributed_optimizer_read_and_written(megatron, distributed, tmp_path):
+    """distrib_optim.pt read: written as the plain optimizer, a plain run resumes it into the losses of resuming
+    Megatron's plain checkpoint of the same run (one data-parallel rank: both optimizers do the same arithmetic).
+    Written: the plain checkpoint as distrib_optim.pt, resumed by a distributed-optimizer run exactly as it
+    resumes its own checkpoint."""
+    python = megatron["python"]
+    convert(distributed["ckpt"], tmp_path / "plain", "torch", "--optimizer-sharding", "plain")
+    assert train(python, tmp_path, "plain", TORCH, 3, load=tmp_path / "plain") == megatron["resumed"]
+    convert(megatron["ckpt"], tmp_path / "dist", "torch", "--optimizer-sharding", "fully_reshardable")
+    assert train(python, tmp_path, "dist", [*TORCH, "--use-distributed-optimizer"], 3,
+                 load=tmp_path / "dist") == distributed["resumed"]
+
+
+def test_distributed_optimizer_round_trip(distributed, tmp_path):
+    """distrib_optim.pt -> TP2 -> TP1 and -> torch_dist -> torch: Megatron's flat buffers come back value for
+    value (its bucket layout recomputed), with the rank file's param groups and step."""
+    rank = "iter_0000003/mp_rank_00"
+    convert(distributed["ckpt"], tmp_path / "tp2", "torch", "--tp", "2")
+    convert(tmp_path / "tp2", tmp_path / "back", "torch", "--tp", "1")
+    convert(distributed["ckpt"], tmp_path / "dist", "torch_dist")
+    convert(tmp_path / "dist", tmp_path / "again", "torch")
+    theirs = safe_load(distributed["ckpt"] / rank / "distrib_optim.pt", mmap=False)
+    model = safe_load(distributed["ckpt"] / RANK_FILE, mmap=False)
+    for out in (tmp_path / "back", tmp_path / "again"):
+        ours = safe_load(out / rank / "distrib_optim.pt", mmap=False)
+        assert ours.keys() == theirs.keys() and ours[0].keys() == theirs[0].keys()
+        (key,) = theirs[0]
+        for name, value in theirs[0][key].items():
+            assert torch.equal(ours[0][key][name], value) if torch.is_tensor(value) else ours[0][key][name] == value
+        assert safe_load(out / RANK_FILE, mmap=False)["optimizer"] == model["optimizer"]
+
+
 # -- bad input ---------------------------------------------------------------------------------------------------
 
 def rewrite(megatron, dst: Path, edit) -> Path:
@@ -135,8 +181,8 @@ def test_refused_param_groups_not_the_models(megatron, tmp_path):
 
 
 def test_refused_missing_state_and_distributed_optimizer(megatron, tmp_path):
-    """A rank file without Adam's state for a parameter; and a distributed-optimizer checkpoint, whose
-    distrib_optim.pt (flat buffers in its bucket layout) is not read: both refused by name."""
+    """A rank file without Adam's state for a parameter; and a distributed-optimizer checkpoint whose
+    distrib_optim.pt does not hold the model's parameters in Megatron's bucket layout: both refused by name."""
     def drop(state):
         del state["optimizer"]["optimizer"]["state"][27]
 
@@ -148,13 +194,14 @@ def test_refused_missing_state_and_distributed_optimizer(megatron, tmp_path):
         state["args"] = argparse.Namespace(**vars(state["args"]) | {"use_distributed_optimizer": True})
 
     src = rewrite(megatron, tmp_path / "dist", distributed)
-    (src / RANK_FILE).with_name("distrib_optim.pt").write_bytes(b"")
+    short = {"param": torch.zeros(100), "exp_avg": torch.zeros(100), "exp_avg_sq": torch.zeros(100),
+             "numel_unpadded": 100}
+    torch.save({"buckets_coalesced": True, 0: {(torch.bfloat16, torch.float32): short}},
+               (src / RANK_FILE).with_name("distrib_optim.pt"))
     convert_refused(src, tmp_path, "--ckpt-format", "torch", "--training-state",
-                    culprits=("distrib_optim.pt", "--dist-ckpt-optim-fully-reshardable"))
+                    culprits=("distrib_optim.pt", "[100]", "117504"))
 
 
 def test_refused_what_the_torch_saver_cannot_write(megatron, tmp_path):
-    convert_refused(megatron["ckpt"], tmp_path, "--ckpt-format", "torch", "--training-state",
-                    "--optimizer-sharding", "fully_reshardable", culprits=("distrib_optim.pt", "plain"))
     convert_refused(megatron["ckpt"], tmp_path, "--ckpt-format", "torch", "--training-state",
                     "--transformer-impl", "te", culprits=("--transformer-impl te", "local"))

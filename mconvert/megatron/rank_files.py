@@ -23,7 +23,7 @@ from mconvert.io import hf_dir
 from mconvert.io.contained import inside
 from mconvert.io.torch_pickle import file_sources, safe_load
 from mconvert.io.torch_zip import TorchFileWriter
-from mconvert.ir.blocks import FileBytes
+from mconvert.ir.blocks import Blocks, FileBytes
 from mconvert.ir.checks import MEGATRON_INTEGERS, check_integers
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import LazyTensor, ModelIR
@@ -400,7 +400,8 @@ def write_parts(ir: ModelIR, planner: RowPlanner, parts: list[Part], ranks: list
                     tensors = [named[n] for n in row.ir]
                     pieces = planner.forward_lazy(row.rule, tensors)
                     for k, rank in enumerate(ranks):
-                        handle = writers[k].add(pieces[rank])
+                        handle = writers[k].add(pieces[rank]) if not label or beside.in_file else \
+                            _tensor(pieces[rank])
                         stored[k][label].append((part.entry, row.key, handle))
                         if not label:
                             flat[k][row.key] = handle
@@ -408,7 +409,7 @@ def write_parts(ir: ModelIR, planner: RowPlanner, parts: list[Part], ranks: list
             for k in range(len(dirs)):
                 models[k][part.entry] = chunk_dict(part, flat[k])
         for k, writer in enumerate(writers):
-            more = beside.entries(ranks[k], stored[k], writer.add) if beside else {}
+            more = beside.entries(ranks[k], dirs[k], stored[k], writer.add) if beside else {}
             writer.finish(top | models[k] | more | {"num_floating_point_operations_so_far": 0})
 
 
@@ -416,12 +417,18 @@ def write_parts(ir: ModelIR, planner: RowPlanner, parts: list[Part], ranks: list
 class Beside:
     """Per-parameter tensors a rank file holds beside the weights (optimizer moments), split as the weights are.
 
-    `tensors`: {label: {IR name: tensor}}; `entries(tp rank, stored, add)` gives the file's further top-level
-    entries from `stored` = {label ("" the weights): [(model entry, key, stored tensor)] in the file's order};
-    `add` stores one more tensor."""
+    `tensors`: {label: {IR name: tensor}}; `entries(tp rank, rank folder, stored, add)` gives the file's further
+    top-level entries from `stored` = {label ("" the weights): [(model entry, key, stored tensor)] in the file's
+    order}; `add` stores one more tensor. With `in_file` False the tensors are not stored in the rank file:
+    `stored` holds each piece itself (for a file of their own)."""
 
     tensors: Mapping[str, Mapping[str, LazyTensor]]
-    entries: Callable[[int, dict[str, list], Callable[[Any], Any]], dict[str, Any]]
+    entries: Callable[[int, Path, dict[str, list], Callable[[Any], Any]], dict[str, Any]]
+    in_file: bool = True
+
+
+def _tensor(piece: torch.Tensor | Blocks) -> torch.Tensor:
+    return piece if isinstance(piece, torch.Tensor) else piece.join()
 
 
 def tokenizer_model(ir: ModelIR, out: Path, options: Options, iteration_number: int) -> str | None:

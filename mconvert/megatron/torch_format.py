@@ -184,7 +184,8 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
 
 def _training_state(ir: ModelIR, options: Options, iteration: int, args,
                     progress: Progress) -> Callable[[int], rank_files.Beside] | None:
-    """With --training-state: the plain optimizer's moments and entries of each rank file (see torch_optim)."""
+    """With --training-state: what each rank file adds (see torch_optim): the plain optimizer's moments and
+    entries, or the distributed optimizer's distrib_optim.pt beside it (any --optimizer-sharding but plain)."""
     if not options.training_state:
         return None
     if options.transformer_impl != "local":
@@ -192,21 +193,25 @@ def _training_state(ir: ModelIR, options: Options, iteration: int, args,
                            "(the optimizer numbers Transformer Engine's parameters in an order not checked here); "
                            "use --transformer-impl local or --ckpt-format torch_dist")
     kind, rng = dist_optim.prepare(ir, options, iteration, args, progress)
-    if kind != dist_optim.PLAIN:
-        raise ConvertError(f"--optimizer-sharding {kind} with --ckpt-format torch: the distributed optimizer's "
-                           "distrib_optim.pt is not written yet; use --optimizer-sharding plain (a distributed-"
-                           "optimizer run then resumes with --no-load-optim, losing its state) or --ckpt-format "
-                           "torch_dist")
+    distributed = kind != dist_optim.PLAIN  # the torch format has one distributed layout: distrib_optim.pt
     state = ir.training
 
     def beside(pp: int) -> rank_files.Beside:
-        def entries(tp: int, stored: dict, add) -> dict:
-            out = torch_optim.rank_entries(state, stored, add)
+        def entries(tp: int, folder, stored: dict, add) -> dict:
+            if distributed:
+                out = torch_optim.distributed_entries(state, stored, folder, tied=ir.config.tie_embeddings, pp=pp,
+                                                      stages=options.layout.pp)
+            else:
+                out = torch_optim.rank_entries(state, stored, add)
             if rng:
                 out["rng_state"] = rng[(tp, pp)]
             return out
 
-        return rank_files.Beside(state.tensors, entries)
+        return rank_files.Beside(tensors, entries, in_file=not distributed)
+
+    tensors = dict(state.tensors)
+    if distributed and "fp32_param" not in tensors:  # an fp32 run: distrib_optim.pt's "param" is the weights
+        tensors["fp32_param"] = ir.tensors
 
     return beside
 

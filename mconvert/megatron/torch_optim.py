@@ -26,8 +26,10 @@ once they reach --ddp-bucket-size (default max(4e7, 1e6 x DP)) elements, in the 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from mconvert.errors import ConvertError, format_names
@@ -136,11 +138,11 @@ def bucket_offsets(params: list[tuple[str, int, bool]], bucket_size: int | None)
     return offsets, done + (end if members else 0)
 
 
-def _shared(files: RankFiles, pp: int, key: str, config: ModelConfig) -> bool:
+def shared(key: str, *, tied: bool, pp: int, stages: int) -> bool:
     """Megatron marks a tied embedding `shared_embedding` when the first and last stage are different ranks."""
     first = pp == 0 and key == "embedding.word_embeddings.weight"
-    last = pp == files.pp - 1 and key == "output_layer.weight"
-    return config.tie_embeddings and files.pp > 1 and (first or last)
+    last = pp == stages - 1 and key == "output_layer.weight"
+    return tied and stages > 1 and (first or last)
 
 
 def _distributed_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[str], config: ModelConfig):
@@ -180,8 +182,9 @@ def _distributed_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iter
                                "groups; one (all parameters of one dtype) is what this tool reads")
         buf = next(iter(buffers.values()))
         mine = [(k, t) for e, k, t in params if e == entry]
-        offsets, total = bucket_offsets([(k, t.numel(), _shared(files, idx[1], k, config)) for k, t in mine],
-                                        None if v else size)
+        tied = config.tie_embeddings
+        offsets, total = bucket_offsets([(k, t.numel(), shared(k, tied=tied, pp=idx[1], stages=files.pp))
+                                         for k, t in mine], None if v else size)
         for name in ("param", "exp_avg", "exp_avg_sq"):
             t = buf.get(name) if isinstance(buf, dict) else None
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (total,) or buf.get("numel_unpadded") != total:
@@ -256,6 +259,43 @@ def rank_entries(state: TrainingState, stored: dict[str, list[tuple[str, str, An
                                                                for m in members]}
         if state.grad_scaler is not None:
             optim["grad_scaler"] = state.grad_scaler
+    out = {"optimizer": optim}
+    if state.scheduler is not None:
+        out["opt_param_scheduler"] = state.scheduler
+    return out
+
+
+def distributed_entries(state: TrainingState, stored: dict[str, list[tuple[str, str, Any]]], folder: Path, *,
+                        tied: bool, pp: int, stages: int) -> dict[str, Any]:
+    """The distributed optimizer's share of one rank: its `distrib_optim.pt` written into `folder` (each chunk's
+    flat buffers in Megatron's layout for a run without --overlap-grad-reduce; see the module docstring), and the
+    rank file's entries (param groups with the step, grad scaler, schedule). `stored` holds the pieces of every
+    moment, `fp32_param` included (an fp32 run's weights themselves)."""
+    weights = stored[""]
+    entries = list(dict.fromkeys(e for e, _, _ in weights))
+    flat: dict[Any, Any] = {"buckets_coalesced": True}
+    dtype = weights[0][2].dtype
+    if dtype == torch.float16:
+        raise ConvertError("--training-state: fp16 runs' distributed-optimizer state in --ckpt-format torch (its "
+                           "grad-buffer dtype follows --accumulate-allreduce-grads-in-fp32) is not written; use "
+                           "--ckpt-format torch_dist")
+    for v, entry in enumerate(entries):
+        mine = [(i, k, t) for i, (e, k, t) in enumerate(weights) if e == entry]
+        offsets, total = bucket_offsets([(k, math.prod(t.shape), shared(k, tied=tied, pp=pp, stages=stages))
+                                         for _, k, t in mine], None)
+        buffers = {}
+        for name, moment in (("param", "fp32_param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            out = torch.zeros(total, dtype=torch.float32)
+            for i, k, t in mine:
+                out[offsets[k]:offsets[k] + math.prod(t.shape)] = stored[moment][i][2].reshape(-1)
+            buffers[name] = out
+        buffers["numel_unpadded"] = total
+        flat[v] = {(dtype, torch.float32): buffers}
+    torch.save(flat, folder / DISTRIB_FILE)
+    groups = [dict(g) | {"step": float(state.step)} for g in state.param_groups]
+    optim: dict[str, Any] = {"optimizer": {"param_groups": groups}}
+    if state.grad_scaler is not None:
+        optim["grad_scaler"] = state.grad_scaler
     out = {"optimizer": optim}
     if state.scheduler is not None:
         out["opt_param_scheduler"] = state.scheduler
