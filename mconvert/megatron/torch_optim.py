@@ -1,4 +1,5 @@
-"""The training state of megatron-core `torch` checkpoints (`--training-state`): the plain optimizer per rank file.
+"""The training state of megatron-core `torch` checkpoints (`--training-state`): the plain optimizer in each rank
+file, the distributed optimizer's distrib_optim.pt beside it.
 
 What megatron-core 0.16-0.19 write (megatron/training/checkpointing.py, megatron/core/optimizer/optimizer.py,
 optimizer/__init__.py's _get_param_groups), checked by running 0.19.2 (tests/support/megatron_lm/train.py):
@@ -21,7 +22,10 @@ gathered over data-parallel ranks, so one file per model-parallel rank): {"bucke
 flat tensor is the chunk's grad buffer with the padding after each bucket removed: parameters in reverse
 named_parameters() order, each starting at a multiple of 64 elements within its bucket; a tied embedding or
 output layer shared between pipeline stages gets a bucket of its own; with --overlap-grad-reduce buckets close
-once they reach --ddp-bucket-size (default max(4e7, 1e6 x DP)) elements, in the first chunk only.
+once they reach --ddp-bucket-size (default max(4e7, 1e6 x DP)) elements, in the first chunk only. Megatron
+lays the buffers out by the resuming run's flags, so what is written assumes a run without --overlap-grad-reduce
+(or with buckets larger than a chunk); the numbers the file holds are read in the layout its args record. The
+whole rank's flat buffers are built in memory to be written (3 x 4 bytes per parameter of the rank).
 """
 
 from __future__ import annotations
