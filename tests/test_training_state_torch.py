@@ -22,6 +22,7 @@ import torch
 
 from mconvert import engine
 from mconvert.io.torch_pickle import safe_load
+from mconvert.megatron.torch_optim import bucket_offsets
 from mconvert.options import Options
 from tests.support.cli import run_cli, run_megatron
 from tests.support.refusals import convert_refused
@@ -147,6 +148,24 @@ def test_distributed_optimizer_round_trip(distributed, tmp_path):
         for name, value in theirs[0][key].items():
             assert torch.equal(ours[0][key][name], value) if torch.is_tensor(value) else ours[0][key][name] == value
         assert safe_load(out / RANK_FILE, mmap=False)["optimizer"] == model["optimizer"]
+
+
+def test_bucket_layout_is_megatrons(mcore_python):
+    """Where bucket_offsets puts each parameter in distrib_optim.pt's flat tensors equals what Megatron's own
+    layout (DistributedOptimizer._compute_per_buffer_param_layout, run in 0.19) gives once the padding after each
+    bucket is removed, as get_parameter_state_dp_zero removes it: sizes off the 64-alignment, a shared embedding
+    in a bucket of its own, buckets closed by size, several data-parallel sizes."""
+    sizes = [[1000, True], [7, False], [64, False], [130, False], [3, False], [4096, False], [65, False]]
+    specs = [{"params": sizes, "bucket_size": None, "dp": 1}, {"params": sizes, "bucket_size": 150, "dp": 2},
+             {"params": [[n, False] for n, _ in sizes], "bucket_size": 1000, "dp": 3}]
+    found = json.loads(run_megatron(mcore_python("0.19"), "bucket_layout.py", json.dumps(specs)).splitlines()[-1])
+    for spec, theirs in zip(specs, found, strict=True):
+        starts = [sum(theirs["unpadded"][:b]) for b in range(len(theirs["buckets"]))]
+        expected = {str(i): starts[b] + start - theirs["buckets"][b][0]
+                    for i, (start, _, b) in enumerate(theirs["params"])}
+        ours = bucket_offsets([(str(i), n, shared) for i, (n, shared) in enumerate(spec["params"])],
+                              spec["bucket_size"])
+        assert ours == (expected, sum(theirs["unpadded"])), spec
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
