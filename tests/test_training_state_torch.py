@@ -150,6 +150,29 @@ def test_distributed_optimizer_round_trip(distributed, tmp_path):
         assert safe_load(out / RANK_FILE, mmap=False)["optimizer"] == model["optimizer"]
 
 
+def test_fp32_distributed_optimizer_to_plain_resumes_exactly(megatron, tmp_path):
+    """An fp32 run (no master weights: distrib_optim.pt's `param` is the weights; Megatron's FP32Optimizer keeps
+    torch's state dict unwrapped): its distributed optimizer's state written as the plain one continues the
+    unstopped fp32 run exactly, and reads back unchanged. (Megatron 0.19 does not resume its own fp32
+    distributed-optimizer torch checkpoint on CPU, so writing distrib_optim.pt for fp32 is checked only as a
+    round trip here.)"""
+    python = megatron["python"]
+    fp32 = [f for f in TORCH if f != "--bf16"]
+    full = train(python, tmp_path, "full", fp32, 3)
+    train(python, tmp_path, "first", [*fp32, "--use-distributed-optimizer"], 2, save=tmp_path / "dist")
+    convert(tmp_path / "dist", tmp_path / "plain", "torch", "--optimizer-sharding", "plain")
+    assert train(python, tmp_path, "resumed", fp32, 1, load=tmp_path / "plain") == full[2:]
+    convert(tmp_path / "plain", tmp_path / "again", "torch")
+    convert(tmp_path / "plain", tmp_path / "dist_again", "torch", "--optimizer-sharding", "fully_reshardable")
+    rank = "iter_0000002/mp_rank_00"
+    a, b = (safe_load(tmp_path / d / rank / "model_optim_rng.pt", mmap=False)["optimizer"] for d in ("plain", "again"))
+    assert "fp32_from_fp16_params" not in a and a["param_groups"] == b["param_groups"]
+    assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+    theirs, ours = (safe_load(tmp_path / d / rank / "distrib_optim.pt", mmap=False) for d in ("dist", "dist_again"))
+    (key,) = theirs[0]
+    assert all(torch.equal(ours[0][key][n], theirs[0][key][n]) for n in ("param", "exp_avg", "exp_avg_sq"))
+
+
 def test_bucket_layout_is_megatrons(mcore_python):
     """Where bucket_offsets puts each parameter in distrib_optim.pt's flat tensors equals what Megatron's own
     layout (DistributedOptimizer._compute_per_buffer_param_layout, run in 0.19) gives once the padding after each
