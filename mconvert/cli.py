@@ -33,7 +33,7 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
 # Options that only some loaders/savers understand; giving one to a plugin that ignores it is an error.
 PLUGIN_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers", "transformer_impl",
                   "expert_layout", "ckpt_format", "make_vocab_size_divisible_by", "iteration", "true_vocab_size",
-                  "max_shard_size", "fp8_weights", "mtp_layer_name")
+                  "max_shard_size", "fp8_weights", "mtp_layer_name", "training_state", "optimizer_sharding")
 
 
 def parse_size(text: str) -> int:
@@ -135,6 +135,13 @@ def _fail_cleanly(func):
 @click.option("--merge-adapter", type=click.Path(path_type=Path), help="A PEFT LoRA adapter directory "
               "(adapter_config.json + adapter_model.safetensors) merged into the model on the way: W + scale * B A in "
               "float32, cast to W's dtype. Refused unless it fits the source model.")
+@click.option("--training-state", is_flag=True,
+              help="Carry the training state too: fp32 master weights, Adam's moments, step, param groups, LR "
+              "schedule, iteration, consumed samples (and RNG when the layout is unchanged). Core torch, torch_dist.")
+@click.option("--optimizer-sharding", type=click.Choice(["plain", "fully_reshardable", "fully_sharded_model_space"]),
+              help="Saver core, --training-state: write the plain optimizer or the distributed optimizer in this "
+              "sharding type (default: as the source). With --ckpt-format torch any distributed type means "
+              "distrib_optim.pt.")
 @click.option("--force", is_flag=True, help="Replace an existing, non-empty --save-dir.")
 @click.option("--verify", "verify_output", is_flag=True,
               help="Before moving the output into place, run it and the source on the same tokens (as `mconvert "
@@ -266,6 +273,8 @@ def _options(o: dict):
         mtp_layer_name=o["mtp_layer_name"],
         fp8_weights=o["fp8_weights"],
         merge_adapter=o["merge_adapter"],
+        training_state=o["training_state"],
+        optimizer_sharding=o["optimizer_sharding"],
     )
 
 

@@ -122,7 +122,18 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
     plugin = resolve_loader(loader, path)
     ir = plugin.func(path, options)
     ir.check()
+    if options.training_state:
+        if options.skip_mtp:
+            raise ConvertError("--skip-mtp and --training-state: a run resumes with the modules it trained (their "
+                               "optimizer state included); give one of them")
+        if ir.training is None:
+            raise ConvertError(f"{path}: --training-state: loader {plugin.name} ({ir.source.format}) reads no "
+                               "training state from this checkpoint; it reads core torch and torch_dist checkpoints")
+        ir.training.check(ir.tensors, str(path))
     if options.merge_adapter is not None:  # checked against the base's names and shapes, merged lazily
+        if options.training_state:
+            raise ConvertError("--merge-adapter and --training-state: the optimizer state belongs to the weights "
+                               "before the merge; give one of them")
         contained.check_tree(Path(options.merge_adapter))  # held to its directory, as a checkpoint is
         adapter = get_adapter("peft").func(Path(options.merge_adapter), ir)
         ir = merged(ir, adapter, f"--merge-adapter {options.merge_adapter}")
@@ -139,6 +150,8 @@ def save(ir: ModelIR, dst: Path, options: Options, saver: str, progress: Progres
     what it found there, see `check_destination`). `check` runs on the complete output before it is moved into
     place (e.g. `--verify`); if it raises, nothing is left."""
     plugin = get_saver(saver)
+    if options.training_state and "training_state" not in plugin.options:
+        raise ConvertError(f"--training-state: saver {plugin.name} writes no training state")
     options = options if options.final_dir else dataclasses.replace(options, final_dir=Path(dst).resolve())
     try:
         staged = functools.partial(staged_output, replace=replace)

@@ -37,6 +37,8 @@ class Options:
     mtp_layer_name: str = "transformer_layer"  # core `torch` saver: an MTP module's layer key (mtp_model_layer: 0.19)
     fp8_weights: bool = False  # HF DeepSeek saver: linear weights FP8 with 128x128 block scales
     merge_adapter: Path | None = None  # a PEFT LoRA adapter merged into the model as it is read (engine.load)
+    training_state: bool = False  # carry optimizer moments, step, schedule, ... (mconvert.ir.training_state)
+    optimizer_sharding: str | None = None  # core torch_dist saver: how the optimizer is stored; None: the source's
     # Where the output lives once complete (savers write into a staging directory beside it, see engine.save):
     # Megatron savers record the carried tokenizer's final path in args.tokenizer_model.
     final_dir: Path | None = None

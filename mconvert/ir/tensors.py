@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from mconvert.ir.adapter import LoraAdapter
+    from mconvert.ir.training_state import TrainingState
 
 
 from mconvert.ir.config import ModelConfig
@@ -136,6 +137,7 @@ class ModelIR:
     source: SourceInfo
     assets: dict[str, Path] = field(default_factory=dict)  # output file name -> source file (tokenizer files)
     adapter: LoraAdapter | None = None  # LoRA adapters already merged into `tensors` (ir/adapter.py), kept for savers
+    training: TrainingState | None = None  # optimizer state and schedule, read with --training-state
 
     def __iter__(self) -> Iterator[tuple[str, LazyTensor]]:
         return iter(self.tensors.items())

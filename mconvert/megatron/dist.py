@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.lazy import torch
-from mconvert.megatron import arguments, bridge_config, core, rank_files
+from mconvert.megatron import arguments, bridge_config, core, dist_optim, rank_files
 from mconvert.megatron import mla as mla_keys
 from mconvert.megatron.swiglu_halves import HALF_KEY, halves
 from mconvert.options import Options
@@ -425,7 +426,8 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     used = {placed.key for placed in placed_blocks}
     missing = sorted(k for k in used if k not in store.tensors)
     tied_copy = "output_layer.weight" if config.tie_embeddings else None
-    extra = sorted(k for k in store.tensors if k not in used and k != tied_copy)
+    optimizer = any(dist_optim.is_optimizer_key(k) for k in store.tensors)
+    extra = sorted(k for k in store.tensors if k not in used and k != tied_copy and not dist_optim.is_optimizer_key(k))
     if missing or extra:
         raise ConvertError(f"{it_dir}: the tensors do not match a {config.family} model with these args. "
                            + mismatch(missing, extra))
@@ -433,6 +435,11 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     if tied_copy in store.tensors:  # a stored copy of the tied embedding: checked, never silently dropped
         copy = LazyTensor(*_shape_dtype(store, tied_copy), lambda: store.read(tied_copy), f"{it_dir.name}:{tied_copy}")
         verify_copies(tensors, "embed.weight", [[copy]], core.TIED_OUTPUT, Ctx(config, padded))
+    training = None
+    if options.training_state:
+        training = dist_optim.read(store, common, config, placed_blocks, _lazy, padded, it_dir, tensors)
+    elif optimizer:
+        notes.append("optimizer state present, not read (--training-state reads and converts it)")
     layout = {"format": backend, "padded_vocab": padded,
               "transformer_impl": impl if config.is_moe or config.is_mla else "any",
               "layers": "one key per layer" if per_layer else "stacked",
@@ -443,7 +450,10 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
         layout["singleton_local_shards"] = True
     if getattr(store, "manifest", None) is not None:
         layout["integrity"] = f"{len(store.manifest.digests)} files (SHA-256, verified as read)"
-    return ModelIR(config, tensors, SourceInfo(f"core (Megatron {backend})", it_dir, layout, iteration, notes), assets)
+    if training is not None:
+        layout["optimizer"] = training.optimizer_kind
+    return ModelIR(config, tensors, SourceInfo(f"core (Megatron {backend})", it_dir, layout, iteration, notes), assets,
+                   training)
 
 
 def _shape_dtype(store, key: str) -> tuple[tuple[int, ...], torch.dtype]:
@@ -468,6 +478,9 @@ def _lazy(store, placed: Placed, it_dir: Path) -> LazyTensor:
 
 def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     c, layout, backend = ir.config, options.layout, options.ckpt_format
+    if options.training_state and backend != "torch_dist":
+        raise ConvertError(f"--training-state: the core saver writes training state in --ckpt-format torch_dist "
+                           f"only so far, not {backend}")
     if layout.pp > 1 or layout.vpp > 1 or layout.ep > 1:
         raise ConvertError(f"--ckpt-format {backend} checkpoints do not depend on the pipeline or expert layout; "
                            "drop --pp/--vpp/--ep (Megatron reshards them when it loads)")
@@ -478,11 +491,16 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     check_plan(ir.tensors, [(backend, [placed.row for placed in placed_rows])], where=f"saver core ({backend})")
     it_dir.mkdir(parents=True, exist_ok=True)  # under torchrun every rank prepares the same directory
     planner = RowPlanner(Ctx(c, padded))
-    items = [item for placed in placed_rows for item in _blocks(ir, placed, planner)]
+    items = [item for placed in placed_rows for item in _blocks(ir.tensors, placed, planner)]
     extra_state = [torch.empty(0, dtype=torch.uint8)] if options.transformer_impl == "te" else [None]
     extra_keys = extra_states(c, options.transformer_impl)  # TE >= 2.5: an empty byte tensor without FP8
     common = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT_METADATA)}
+    objects: dict[str, Any] = {}
+    if options.training_state:
+        objects = _training_state(ir, options, iteration, args, common, progress)
+        items += dist_optim.items(ir.training, placed_rows, lambda ts, placed: _blocks(ts, placed, planner),
+                                  options.optimizer_sharding or ir.training.optimizer_kind or dist_optim.PLAIN)
 
     def finish(results: list) -> None:
         hashed = write_dcp_metadata(results) if backend == "torch_dist" else {}
@@ -495,22 +513,34 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
 
     if backend == "torch_dist":
         data = dcp_writer.object_bytes(extra_state)
-        objects = [dcp_writer.Item(k, len(data), lambda: data) for k in extra_keys]
+        objects_data = {k: dcp_writer.object_bytes(v) for k, v in objects.items()}  # RNG of the training state
         if c.is_bert:  # BertModel's output layer (Megatron's ColumnParallelLinear under either spec): None
-            none = dcp_writer.object_bytes([None])
-            objects.append(dcp_writer.Item(_extra_state("output_layer", (0,), (1,)), len(none), lambda: none))
-        jobs, write_dcp_metadata = dcp_writer.plan(it_dir, items + objects, digests=True)
+            objects_data[_extra_state("output_layer", (0,), (1,))] = dcp_writer.object_bytes([None])
+        jobs, write_dcp_metadata = dcp_writer.plan(it_dir, items + [dcp_writer.Item(k, len(data), lambda: data)
+                                                                    for k in extra_keys]
+                                                   + [dcp_writer.Item(k, len(b), lambda b=b: b)
+                                                      for k, b in objects_data.items()], digests=True)
     else:
         jobs = [Job(f"{it_dir.name} ({backend})", ir.nbytes,
                     lambda advance: _write_zarr(it_dir, items, dict.fromkeys(extra_keys, extra_state), advance))]
     workers.run(jobs, workers=options.workers, progress=progress, finish=finish)
 
 
-def _blocks(ir: ModelIR, placed: Placed, planner: RowPlanner) -> list[dcp_writer.Item]:
+def _training_state(ir: ModelIR, options: Options, iteration: int, args, common: dict,
+                    progress: Progress) -> dict[str, Any]:
+    """The training state's share of the common state (and args); returns the RNG objects to store."""
+    kind, rng = dist_optim.prepare(ir, options, iteration, args, progress)
+    entries, metadata = dist_optim.common_entries(ir.training, kind)
+    common.update(entries)
+    common["content_metadata"].update(metadata)
+    return dist_optim.rng_items(rng, options.layout.tp, options.layout.pp)
+
+
+def _blocks(tensors_by_name: Mapping[str, LazyTensor], placed: Placed, planner: RowPlanner) -> list[dcp_writer.Item]:
     """One stored block at its place in the stack; a plain concatenation (SwiGLU's [gate ; up]) goes out as its
     parts at their offsets, as Megatron itself stores them."""
     rule = placed.row.rule
-    tensors = [ir[n] for n in placed.row.ir]
+    tensors = [tensors_by_name[n] for n in placed.row.ir]
     whole_shape = tuple(rule.piece_shapes([t.shape for t in tensors], planner.ctx)[0])
     stack = placed.stack
     lead = (1,) * len(stack)

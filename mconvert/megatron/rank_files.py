@@ -12,7 +12,8 @@ import collections
 import contextlib
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from mconvert.errors import ConvertError, format_names
 from mconvert.io import hf_dir, torch_archive
 from mconvert.io.contained import inside
 from mconvert.io.torch_archive import Mapped, StoredTensor, dtype_of, is_tensor
-from mconvert.io.torch_pickle import file_sources
+from mconvert.io.torch_pickle import file_sources, safe_load
 from mconvert.io.torch_zip import TorchFileWriter
 from mconvert.ir.blocks import Blocks, FileBytes
 from mconvert.ir.checks import MEGATRON_INTEGERS, check_integers
@@ -147,6 +148,7 @@ class RankFiles:
                        for idx in self.files}
         self._sources: dict[tuple[int, int, int], dict[int, FileBytes]] = {}
         self._mapped = Mapped()
+        self._torch_states: dict[tuple[int, int, int], dict[str, Any]] = {}
         self.it_dir = it_dir
         check_same_save(self)
 
@@ -165,6 +167,14 @@ class RankFiles:
         if not names:
             raise ConvertError(f"{self.files[(0, 0, 0)]}: no 'model' entry")
         return names
+
+    def torch_state(self, idx: tuple[int, int, int]) -> dict[str, Any]:
+        """Rank file `idx` as torch loads it (allow-listed, memory-mapped): real tensors and objects, for readers
+        that compute on them or save them again (the training state); `states` holds what the torch-free reader
+        made of it. Loaded once."""
+        if idx not in self._torch_states:
+            self._torch_states[idx] = safe_load(self.files[idx])
+        return self._torch_states[idx]
 
     def model(self, tp: int, pp: int, ep: int, name: str) -> dict[str, Any]:
         state = self.states[(tp, pp, ep)]
@@ -405,14 +415,16 @@ def core_args(ir: ModelIR, out: Path, options: Options) -> tuple[int, int, argpa
 
 
 def write_parts(ir: ModelIR, planner: RowPlanner, parts: list[Part], ranks: list[int], dirs: list[Path],
-                advance: Callable[[int], None], *, chunk_dict: Callable[[Part, dict], dict], top: dict) -> None:
+                advance: Callable[[int], None], *, chunk_dict: Callable[[Part, dict], dict], top: dict,
+                beside: Beside | None = None) -> None:
     """Write the files `dirs` of TP ranks `ranks` of one (pipeline stage, expert-parallel rank): each IR tensor is
     read once, split into its `ctx.tp` pieces, and the pieces of these ranks streamed into their files at once, so
     memory stays at about one layer (none at all when the split only moves rows: see mconvert.rules.row_plan).
 
     `parts` are the chunks these files hold (see mconvert.megatron.rank_plan); `chunk_dict(part, flat)` turns one
     chunk's {key: tensor} into what the file stores under the part's entry; `top` holds the other top-level
-    entries (args, checkpoint_version, iteration).
+    entries (args, checkpoint_version, iteration). `beside` adds per-parameter tensors split as the weights are
+    (optimizer moments) and the entries each file builds from them.
     """
     with contextlib.ExitStack() as stack:
         writers = []
@@ -421,18 +433,44 @@ def write_parts(ir: ModelIR, planner: RowPlanner, parts: list[Part], ranks: list
             writers.append(TorchFileWriter(d / core.CHECKPOINT_FILE))
             stack.callback(writers[-1].close)
         models: list[dict] = [{} for _ in dirs]
+        sets = {"": ir.tensors} | (beside.tensors if beside else {})
+        stored: list[dict[str, list]] = [{label: [] for label in sets} for _ in dirs]  # (entry, key, tensor)
         for part in parts:
             flat = [collections.OrderedDict() for _ in dirs]
             for row in _rows(part):
-                tensors = [ir[n] for n in row.ir]
-                pieces = planner.forward_lazy(row.rule, tensors)
-                for k, rank in enumerate(ranks):
-                    flat[k][row.key] = writers[k].add(pieces[rank])
-                advance(sum(t.nbytes for t in tensors) * len(ranks) // planner.ctx.tp)
+                for label, named in sets.items():
+                    tensors = [named[n] for n in row.ir]
+                    pieces = planner.forward_lazy(row.rule, tensors)
+                    for k, rank in enumerate(ranks):
+                        handle = writers[k].add(pieces[rank]) if not label or beside.in_file else \
+                            _tensor(pieces[rank])
+                        stored[k][label].append((part.entry, row.key, handle))
+                        if not label:
+                            flat[k][row.key] = handle
+                    advance(sum(t.nbytes for t in tensors) * len(ranks) // planner.ctx.tp)
             for k in range(len(dirs)):
                 models[k][part.entry] = chunk_dict(part, flat[k])
         for k, writer in enumerate(writers):
-            writer.finish(top | models[k] | {"num_floating_point_operations_so_far": 0})
+            more = beside.entries(ranks[k], dirs[k], stored[k], writer.add) if beside else {}
+            writer.finish(top | models[k] | more | {"num_floating_point_operations_so_far": 0})
+
+
+@dataclass
+class Beside:
+    """Per-parameter tensors a rank file holds beside the weights (optimizer moments), split as the weights are.
+
+    `tensors`: {label: {IR name: tensor}}; `entries(tp rank, rank folder, stored, add)` gives the file's further
+    top-level entries from `stored` = {label ("" the weights): [(model entry, key, stored tensor)] in the file's
+    order}; `add` stores one more tensor. With `in_file` False the tensors are not stored in the rank file:
+    `stored` holds each piece itself (for a file of their own)."""
+
+    tensors: Mapping[str, Mapping[str, LazyTensor]]
+    entries: Callable[[int, Path, dict[str, list], Callable[[Any], Any]], dict[str, Any]]
+    in_file: bool = True
+
+
+def _tensor(piece: torch.Tensor | Blocks) -> torch.Tensor:
+    return piece if isinstance(piece, torch.Tensor) else piece.join()
 
 
 def tokenizer_model(ir: ModelIR, out: Path, options: Options, iteration_number: int) -> str | None:
@@ -447,7 +485,8 @@ def _rows(part: Part) -> tuple[Row, ...]:
 
 
 def write_checkpoint(ir: ModelIR, out: Path, options: Options, progress: Progress, *, ctx: Ctx, parts: list[Part],
-                     top: dict, chunk_dict: Callable[[Part, dict], dict], where: str) -> None:
+                     top: dict, chunk_dict: Callable[[Part, dict], dict], where: str,
+                     beside: Callable[[int], Beside] | None = None) -> None:
     """A whole `torch`-format checkpoint: the plan checked (nothing dropped, no expert twice), the TP files of each
     (stage, EP rank) written together as one job (split into smaller groups of TP files when there are fewer
     stages than workers; see mconvert.workers), then the tokenizer and the tracker."""
@@ -460,12 +499,15 @@ def write_checkpoint(ir: ModelIR, out: Path, options: Options, progress: Progres
     jobs = []
     for pp, ep in stages:
         stage = [p for p in parts if p.chunk.pp == pp and p.ep == ep]
-        nbytes = sum(ir[n].nbytes for part in stage for row in _rows(part) for n in row.ir)
+        extra = beside(pp) if beside else None
+        sets = [ir.tensors, *(extra.tensors.values() if extra else ())]
+        nbytes = sum(named[n].nbytes for named in sets for part in stage for row in _rows(part) for n in row.ir)
         for g in range(groups):
             ranks = list(range(layout.tp))[g * layout.tp // groups:(g + 1) * layout.tp // groups]
             dirs = [it_dir / core.rank_dir(tp, pp, ep, layout) for tp in ranks]
             name = dirs[0].name + (f" … {dirs[-1].name}" if len(dirs) > 1 else "")
-            run = functools.partial(write_parts, ir, planner, stage, ranks, dirs, chunk_dict=chunk_dict, top=top)
+            run = functools.partial(write_parts, ir, planner, stage, ranks, dirs, chunk_dict=chunk_dict, top=top,
+                                    beside=extra)
             jobs.append(workers.Job(f"{name} ({len(dirs)} file{'s' if len(dirs) > 1 else ''})",
                                     nbytes * len(ranks) // layout.tp,
                                     lambda advance, run=run: run(advance),

@@ -14,13 +14,14 @@ memory is about one layer whatever the model size.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from mconvert.errors import ConvertError
 from mconvert.io.torch_archive import is_tensor
 from mconvert.ir.features import FEATURES
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
-from mconvert.megatron import arguments, core, mla, model_kind, rank_files, rank_plan
+from mconvert.megatron import arguments, core, dist_optim, mla, model_kind, rank_files, rank_plan, torch_optim
 from mconvert.megatron import dcp as core_dcp
 from mconvert.megatron import moe as core_moe
 from mconvert.megatron.dcp import load_dcp, save_dcp
@@ -58,7 +59,7 @@ def is_core_checkpoint(path: Path) -> bool:
 
 
 @register_loader("core", aliases=("megatron", "mcore"), detect=is_core_checkpoint,
-                 options=("true_vocab_size", "tokenizer"))
+                 options=("true_vocab_size", "tokenizer", "training_state"))
 def load(path: Path, options: Options) -> ModelIR:
     """Megatron-core GPT: `torch` (local or Transformer-Engine names), `torch_dist`, `zarr`, `torch_dcp` or
     `fsdp_dtensor`, detected; BertModel in `torch` or `torch_dist`."""
@@ -124,7 +125,14 @@ def load(path: Path, options: Options) -> ModelIR:
               "transformer_impl": impl, "padded_vocab": padded}
     if config.is_moe:
         layout |= {"etp": etp, "expert_layout": expert_layout}
-    return ModelIR(config, tensors, SourceInfo("core (Megatron torch)", it_dir, layout, iteration, notes), assets)
+    training = None
+    if options.training_state:
+        training = torch_optim.read(files, parts, ctx, config, tensors, DROP)
+        layout["optimizer"] = training.optimizer_kind
+    elif "optimizer" in files.states[(0, 0, 0)]:
+        notes.append("optimizer state present, not read (--training-state reads and converts it)")
+    return ModelIR(config, tensors, SourceInfo("core (Megatron torch)", it_dir, layout, iteration, notes), assets,
+                   training)
 
 
 def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> tuple[str | None, int]:
@@ -152,7 +160,8 @@ def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> t
 
 @register_saver("core", aliases=("megatron", "mcore"),
                 options=(*LAYOUT_OPTIONS, "transformer_impl", "expert_layout", "ckpt_format",
-                         "make_vocab_size_divisible_by", "iteration", "mtp_layer_name"),
+                         "make_vocab_size_divisible_by", "iteration", "mtp_layer_name", "training_state",
+                         "optimizer_sharding"),
                 supports=frozenset(FEATURES) - {"post_norm"})  # torch_dcp, fsdp_dtensor refuse MTP modules themselves
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`,
@@ -166,6 +175,9 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if ir.config.is_bert and options.ckpt_format not in ("torch", "torch_dist"):
         raise ConvertError(f"saver core: a BERT model in --ckpt-format {options.ckpt_format}; megatron-core's "
                            "BertModel is written as torch or torch_dist")
+    if options.training_state and options.ckpt_format not in ("torch", "torch_dist"):
+        raise ConvertError(f"--training-state: the core saver writes training state in --ckpt-format torch or "
+                           f"torch_dist only so far, not {options.ckpt_format}")
     if options.ckpt_format in core_dcp.FORMATS:
         return save_dcp(ir, out, options, progress)
     if options.ckpt_format != "torch":
@@ -181,7 +193,42 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
         return _mtp_named(flat | core.extra_states(part.chunk, options, c), options.mtp_layer_name)
 
     rank_files.write_checkpoint(ir, out, options, progress, ctx=ctx, parts=parts, top=top, where="saver core",
-                                    chunk_dict=chunk_dict)
+                                chunk_dict=chunk_dict,
+                                beside=_training_state(ir, options, iteration, args, progress))
+
+
+def _training_state(ir: ModelIR, options: Options, iteration: int, args,
+                    progress: Progress) -> Callable[[int], rank_files.Beside] | None:
+    """With --training-state: what each rank file adds (see torch_optim): the plain optimizer's moments and
+    entries, or the distributed optimizer's distrib_optim.pt beside it (any --optimizer-sharding but plain)."""
+    if not options.training_state:
+        return None
+    if options.transformer_impl != "local":
+        raise ConvertError("--training-state with --ckpt-format torch: --transformer-impl te is not supported yet "
+                           "(the optimizer numbers Transformer Engine's parameters in an order not checked here); "
+                           "use --transformer-impl local or --ckpt-format torch_dist")
+    kind, rng = dist_optim.prepare(ir, options, iteration, args, progress)
+    distributed = kind != dist_optim.PLAIN  # the torch format has one distributed layout: distrib_optim.pt
+    state = ir.training
+
+    def beside(pp: int) -> rank_files.Beside:
+        def entries(tp: int, folder, stored: dict, add) -> dict:
+            if distributed:
+                out = torch_optim.distributed_entries(state, stored, folder, tied=ir.config.tie_embeddings, pp=pp,
+                                                      stages=options.layout.pp)
+            else:
+                out = torch_optim.rank_entries(state, stored, add)
+            if rng:
+                out["rng_state"] = rng[(tp, pp)]
+            return out
+
+        return rank_files.Beside(tensors, entries, in_file=not distributed)
+
+    tensors = dict(state.tensors)
+    if distributed and "fp32_param" not in tensors:  # an fp32 run: distrib_optim.pt's "param" is the weights
+        tensors["fp32_param"] = ir.tensors
+
+    return beside
 
 
 def _mtp_named(state: dict, name: str) -> dict:

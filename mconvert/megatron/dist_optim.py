@@ -1,0 +1,228 @@
+"""The training state of megatron-core `torch_dist` checkpoints (`--training-state`): optimizer, schedule, RNG.
+
+What megatron-core 0.16-0.19 write (megatron/core/optimizer/distrib_optimizer.py, optimizer.py,
+megatron/training/checkpointing.py), checked by running 0.19.2 (tests/support/megatron_lm/train.py):
+
+- Per-parameter state "in model space": every optimizer tensor is stored whole, under the key of the weight it
+  belongs to and with that weight's global shape (layers stacked as the weights are):
+  `optimizer.state.{exp_avg,exp_avg_sq,MASTER}.{weight key}`, fp32. MASTER, the fp32 master weights of a
+  bf16/fp16 run, is `fp32_param` for the plain optimizer (Float16OptimizerWithFloat16Params) and for the
+  distributed optimizer's `fully_sharded_model_space`, `param` for its `fully_reshardable` (with
+  `distrib_optim_fully_reshardable_mem_efficient` off or on: the same keys). A tied output layer has no state of
+  its own: the embedding's key holds it.
+- The common state: `optimizer` = {"optimizer": {"param_groups": [...]}} (settings; no parameter lists; the
+  plain optimizer of an fp32 run, FP32Optimizer, stores the inner dict itself as `optimizer`) with
+  Adam's step either as `state.common_step` (plain optimizer) or as each group's `step` (distributed), and for the
+  distributed optimizer `param_state_sharding_type`, also in `content_metadata` as `distrib_optim_sharding_type`
+  (megatron-core reads it there to choose its loader); fp16 runs add `grad_scaler`. `opt_param_scheduler` is the
+  LR/WD schedule, `iteration` the step, `args.consumed_train_samples` the position in the data.
+- RNG: `rng_state/shard_{pp}.{tp}_{PP}.{TP}` (one per model-parallel rank, the rank's `rng_state` in a
+  one-item list; in the IR {(tp, pp): rng_state}, what the `torch` format stores in each rank file), kept when
+  the output has the same TP and PP, otherwise dropped with a note (Megatron then resumes with --no-load-rng).
+
+The distributed optimizer's default `dp_reshardable` (flat per-DP-rank buckets, bytes of its internal buffer
+layout) and the deprecated `dp_zero_gather_scatter` are refused by name: Megatron itself reshards them only
+across DP; re-save with --dist-ckpt-optim-fully-reshardable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from mconvert.errors import ConvertError, format_names
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.tensors import LazyTensor, LoadCache
+from mconvert.ir.training_state import MOMENTS, TrainingState, decay_groups
+from mconvert.lazy import torch
+from mconvert.rules.mapping import to_ir
+from mconvert.rules.table import Ctx
+
+PREFIX = "optimizer.state."
+PLAIN = "plain"  # the non-distributed optimizer: no sharding type
+# sharding type -> the stored name of each IR moment
+READABLE = {
+    PLAIN: {"fp32_param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+    "fully_sharded_model_space": {"fp32_param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+    "fully_reshardable": {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+}
+REFUSED = {
+    "dp_reshardable": "flat buffers in the distributed optimizer's own bucket layout, which Megatron itself "
+                      "reshards only across data-parallel ranks",
+    "dp_zero_gather_scatter": "the deprecated gathered bucket layout",
+    "fsdp_dtensor": "Megatron-FSDP's state, which belongs in an fsdp_dtensor checkpoint",
+}
+RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)")
+
+
+def is_optimizer_key(key: str) -> bool:
+    return key.startswith("optimizer.")
+
+
+def sharding_type(common: dict, where: str) -> str:
+    """The sharding type the common state records (PLAIN for the plain optimizer); refused unless readable."""
+    optim = common.get("optimizer")
+    if not isinstance(optim, dict) or inner(optim) is None:
+        raise ConvertError(f"{where}: the checkpoint holds no optimizer state (saved with --no-save-optim, or "
+                           "converted without --training-state); --training-state needs one saved by training")
+    kind = optim.get("param_state_sharding_type", PLAIN)
+    if kind in REFUSED:
+        raise ConvertError(f"{where}: distributed-optimizer state of sharding type {kind!r} ({REFUSED[kind]}) "
+                           "cannot be converted; re-save it from Megatron-LM with "
+                           "--dist-ckpt-optim-fully-reshardable (sharding type 'fully_reshardable')")
+    if kind not in READABLE:
+        raise ConvertError(f"{where}: unknown distributed-optimizer sharding type {kind!r}; this tool reads "
+                           f"{', '.join(k for k in READABLE if k != PLAIN)} and the plain optimizer")
+    return kind
+
+
+def inner(optim: dict) -> dict | None:
+    """The torch optimizer's state dict within Megatron's: under `optimizer` (mixed precision, distributed), or
+    the dict itself (FP32Optimizer, the plain optimizer of fp32 runs)."""
+    if isinstance(optim.get("optimizer"), dict):
+        return optim["optimizer"]
+    return optim if "param_groups" in optim else None
+
+
+def read(store, common: dict, config: ModelConfig, placed_blocks: list, lazy: Callable, padded: int,
+         it_dir: Path, weights: dict[str, LazyTensor]) -> TrainingState:
+    """The training state of a torch_dist checkpoint, its moments lazy and mapped to IR names by the weights'
+    own blocks (`placed_blocks`, read through `lazy(store, placed, it_dir)`)."""
+    where = str(it_dir)
+    kind = sharding_type(common, where)
+    optim = inner(common["optimizer"])
+    groups = [dict(g) for g in optim.get("param_groups") or []]
+    if any(not isinstance(g, dict) for g in groups):
+        raise ConvertError(f"{where}: optimizer.param_groups holds something other than dicts")
+    for g in groups:
+        g.pop("params", None)
+    if kind == PLAIN:
+        step = (optim.get("state") or {}).get("common_step")
+        if step is None:
+            raise ConvertError(f"{where}: the plain optimizer's state has no common_step (Adam's step count)")
+        for g in groups:
+            g["step"] = float(step)
+    stored = {k for k in store.tensors if is_optimizer_key(k)}
+    names = READABLE[kind]
+    present = [m for m in MOMENTS if any(k.startswith(f"{PREFIX}{names[m]}.") for k in stored)]
+    tensors, used = {}, set()
+    for moment in present:
+        blocks = [dataclasses.replace(p, key=f"{PREFIX}{names[moment]}.{p.key}") for p in placed_blocks]
+        keys = {p.key for p in blocks}
+        missing = sorted(keys - stored)
+        if missing:
+            raise ConvertError(f"{where}: the optimizer state misses parameters the weights have: "
+                               f"{format_names(missing)}")
+        used |= keys
+        source = {p.row.key: [lazy(store, p, it_dir)] for p in blocks}
+        tensors[moment] = to_ir(source, [p.row for p in blocks], Ctx(config, padded), where=where,
+                                cache=LoadCache(4))
+    extra = sorted(stored - used)
+    if extra:
+        raise ConvertError(f"{where}: optimizer state for tensors the model does not have: {format_names(extra)}")
+    args = common["args"]
+    rng = {(int(m[2]), int(m[1])): _unwrapped(store.read_object(k), f"{where}:{k}")
+           for k in getattr(store, "bytes_items", {}) for m in [RNG_KEY.fullmatch(k)] if m}  # shard_{pp}.{tp}_..
+    layout = (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1))
+    state = TrainingState(tensors, groups, common.get("opt_param_scheduler"), int(common.get("iteration", 0)),
+                          getattr(args, "consumed_train_samples", None), common["optimizer"].get("grad_scaler"),
+                          rng or None, layout if rng else None, optimizer_kind=kind)
+    state.check(weights, where)
+    check_groups(state, config, weights, where)
+    return state
+
+
+def check_groups(state: TrainingState, config: ModelConfig, weights: dict[str, LazyTensor], where: str) -> None:
+    """Megatron's optimizer forms one group with weight decay and one without (dense models); a checkpoint with
+    another number cannot be what this model's run resumes from."""
+    if config.is_moe:
+        raise ConvertError(f"{where}: --training-state reads dense models only so far (Megatron keeps the experts' "
+                           "state in a second, chained optimizer)")
+    expected = decay_groups(weights, {n: t.shape for n, t in weights.items()})
+    state.check_groups(expected, "Megatron's optimizer for this model (with and without weight decay)", where)
+
+
+def items(state: TrainingState, placed_rows: Iterable, blocks: Callable, kind: str) -> list:
+    """The dcp_writer items of every moment, placed as the weights are (`blocks(tensors, placed)`)."""
+    names = READABLE[kind]
+    out = []
+    for moment in MOMENTS:
+        if moment in state.tensors:
+            for placed in placed_rows:
+                key = f"{PREFIX}{names[moment]}.{placed.key}"
+                out += blocks(state.tensors[moment], dataclasses.replace(placed, key=key))
+    return out
+
+
+def common_entries(state: TrainingState, kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(entries of the common state, entries of content_metadata) for the optimizer written as `kind`."""
+    groups = [dict(g) for g in state.param_groups]
+    optim: dict[str, Any]
+    if kind == PLAIN:
+        for g in groups:
+            g.pop("step", None)
+        optim = {"state": {"common_step": torch.tensor(float(state.step))}, "param_groups": groups}
+        if "fp32_param" in state.tensors:  # Float16OptimizerWithFloat16Params wraps it; FP32Optimizer does not
+            optim = {"optimizer": optim}
+    else:
+        for g in groups:
+            g["step"] = float(state.step)
+        optim = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": kind}
+    if state.grad_scaler is not None:
+        optim["grad_scaler"] = state.grad_scaler
+    entries = {"optimizer": optim, "iteration": state.iteration}
+    if state.scheduler is not None:
+        entries["opt_param_scheduler"] = state.scheduler
+    metadata = {} if kind == PLAIN else {"distrib_optim_sharding_type": kind}
+    if kind == "fully_reshardable":
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    return entries, metadata
+
+
+def _unwrapped(obj: Any, where: str) -> Any:
+    """A ShardedObject is stored inside a one-item list: the rank's `rng_state` is its item."""
+    if not isinstance(obj, list) or len(obj) != 1:
+        raise ConvertError(f"{where}: expected a one-item list holding the rank's RNG state")
+    return obj[0]
+
+
+def rng_items(rng: dict[tuple[int, int], Any], tp: int, pp: int) -> dict[str, Any]:
+    """The torch_dist bytes items of RNG states {(tp rank, pp rank): the rank's `rng_state`}."""
+    return {f"rng_state/shard_{p}.{t}_{pp}.{tp}": [value] for (t, p), value in rng.items()}
+
+
+def prepare(ir, options, iteration: int, args, progress) -> tuple[str, dict[tuple[int, int], Any]]:
+    """What every core saver does first with --training-state: the state checked against the weights and the
+    iteration, the optimizer kind chosen (--optimizer-sharding, else the source's), Megatron's args set to load
+    it. Returns (kind, RNG states to write {(tp rank, pp rank): state}, empty when dropped)."""
+    state, layout = ir.training, options.layout
+    if state is None:
+        raise ConvertError(f"{ir.source.path}: --training-state, but the source holds no training state")
+    state.check(ir.tensors, f"saver core ({options.ckpt_format})")
+    if iteration != state.iteration:
+        raise ConvertError(f"--iteration {iteration} contradicts the training state's iteration {state.iteration} "
+                           "(its schedule and data position belong to that iteration)")
+    kind = options.optimizer_sharding or state.optimizer_kind or PLAIN
+    if kind not in READABLE:
+        raise ConvertError(f"--optimizer-sharding {kind}: this tool writes {', '.join(READABLE)}")
+    args.consumed_train_samples = state.consumed_samples or 0
+    args.use_distributed_optimizer = kind != PLAIN
+    args.no_save_optim = args.no_load_optim = False  # Megatron loads no optimizer from a run saved without one
+    rng, note = rng_kept(state, layout.tp, layout.pp)
+    if note:
+        progress.note(note)
+    args.no_save_rng = args.no_load_rng = not rng
+    return kind, rng
+
+
+def rng_kept(state: TrainingState, tp: int, pp: int) -> tuple[dict[tuple[int, int], Any], str | None]:
+    """(RNG states to write, a note when they are dropped)."""
+    if state.rng is None:
+        return {}, None
+    if state.rng_layout == (tp, pp):
+        return state.rng, None
+    return {}, (f"RNG state dropped: it was drawn by TP{state.rng_layout[0]} PP{state.rng_layout[1]} ranks and "
+                f"the output is TP{tp} PP{pp}; resume Megatron-LM with --no-load-rng")

@@ -1,0 +1,155 @@
+"""Train with Megatron-LM 0.19's own DDP, optimizer, scheduler, save_checkpoint and load_checkpoint on CPU.
+
+    python tests/support/megatron_lm/train.py SPEC_JSON
+
+SPEC_JSON is {"flags": [...], "steps": K, "out": FILE, "save": DIR or null, "load": DIR or null, "world": N}
+(N processes, 1 by default, spawned with gloo: a TP run's ranks; batches are the same on each). Megatron parses
+the flags (with `--load`: optimizer, scheduler and RNG state loaded too, unless the flags say otherwise), wraps
+the GPTModel in its DistributedDataParallel, builds its optimizer (get_megatron_optimizer: Adam, the distributed
+one with --use-distributed-optimizer) and its OptimizerParamScheduler, and runs K training steps from the loaded
+iteration (0 without --load): step i's batch depends on i alone (a seeded generator), so two runs that reach
+the same iteration see the same data. Each step is Megatron's: zero the grad buffers, forward with labels
+(per-token losses), mean, backward, finish_grad_sync, optimizer.step(), scheduler.step(global batch size).
+With "save", save_checkpoint writes the model, optimizer, scheduler and RNG state after the last step. FILE gets
+{"losses": [...], "iteration": last iteration} as JSON.
+Runs in the megatron-core 0.19 environment (scripts/megatron_envs.sh).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import cpu  # noqa: E402
+
+SEQ = 16
+
+
+class CudaIsCpu(torch.overrides.TorchFunctionMode):
+    """Tensors Megatron creates on `device="cuda"` (loss scales, found-inf flags, norms) are made on the CPU, and
+    `tensor.type()` names the CUDA type that Megatron's mixed-precision optimizer checks for."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        device = kwargs.get("device")
+        if device is not None and str(device).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+class NoStream:
+    """The CPU meaning of a CUDA stream: everything is already in order."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+def batch(iteration: int, vocab: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `iteration`'s tokens and labels: a function of the iteration only."""
+    g = torch.Generator().manual_seed(1000 + iteration)
+    data = torch.randint(0, vocab, (size, SEQ + 1), generator=g)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def main(spec_json: str) -> None:
+    """One process, or `world` processes (spawned, gloo) for a tensor-parallel run."""
+    world = json.loads(spec_json).get("world", 1)
+    if world == 1:
+        return run(0, spec_json, 1)
+    with socket.socket() as probe:  # a free port: other runs may share the machine
+        probe.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+    torch.multiprocessing.spawn(run, args=(spec_json, world), nprocs=world)
+
+
+def run(rank: int, spec_json: str, world: int) -> None:
+    from megatron.core.enums import ModelType
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.training import checkpointing
+    from megatron.training.training import get_megatron_optimizer_config, get_model, get_optimizer_param_scheduler
+
+    spec = json.loads(spec_json)
+    cpu.patch_cuda()
+    torch.nn.Module.cuda = lambda self, *a, **k: self  # get_model moves the model to the current device
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.cuda.Stream = torch.cuda.current_stream = NoStream  # get_model wraps DDP in a CUDA stream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    if world == 1:
+        cpu.start_process_group()
+    else:
+        os.environ.update(MASTER_ADDR="localhost", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        torch.distributed.init_process_group(backend="gloo", rank=rank, world_size=world)
+        from megatron.training import arguments  # TP > 1 asks the GPU's architecture (for a CUDA setting)
+
+        arguments.get_device_arch_version = lambda: 10
+    CudaIsCpu().__enter__()
+    flags = [*spec["flags"], "--train-iters", "1000", "--lr-decay-iters", "1000"]
+    if spec.get("save"):
+        flags += ["--save", spec["save"], "--save-interval", "1000"]
+    if spec.get("load"):
+        flags += ["--load", spec["load"]]
+    args = cpu.megatron_args(flags)
+    cpu.init_parallel(args)
+    torch.manual_seed(args.seed)  # as initialize_megatron's _set_random_seed: the same initial weights every run
+    model = get_model(lambda pre_process=True, post_process=True, **_: cpu.build_model(args),
+                      ModelType.encoder_or_decoder, wrap_with_ddp=True)
+    config, overrides = get_megatron_optimizer_config(args)
+    optimizer = get_megatron_optimizer(config, model, overrides)
+    scheduler = get_optimizer_param_scheduler(optimizer)
+    iteration = 0
+    if spec.get("load"):
+        # torch's Adam (no Transformer Engine or Apex here) creates its state at the first step, and the
+        # distributed optimizer's state_dict needs it: Megatron's own dummy step creates it (the load replaces it).
+        # Its loader then copies every state tensor of torch's Adam but `step` (set from the param groups, not
+        # stored per parameter) out of the loaded ones, which have no `step`: looked up as None, which it skips
+        # (with Transformer Engine's FusedAdam, what runs on GPUs, the state has no `step` tensor to look up).
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
+                inner._init_optimizer_states_with_dummy_values()
+                load_states = type(inner)._set_main_param_and_optimizer_states
+                type(inner)._set_main_param_and_optimizer_states = \
+                    lambda self, param, tensors, f=load_states: f(self, param, collections.defaultdict(
+                        lambda: None, tensors))
+        iteration, _ = checkpointing.load_checkpoint(model, optimizer, scheduler, strict=True)
+    losses = []
+    s = SEQ
+    positions = torch.arange(s).expand(args.global_batch_size, s)
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    for _ in range(spec["steps"]):
+        tokens, labels = batch(iteration, args.vocab_size, args.global_batch_size)
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        model[0].train()
+        loss = model[0](tokens, positions, causal, labels=labels).float().mean()
+        loss.backward()
+        for chunk in model:
+            chunk.finish_grad_sync()
+        ok, _, _ = optimizer.step()
+        assert ok, "Megatron skipped the step"
+        scheduler.step(increment=args.global_batch_size)
+        iteration += 1
+        args.consumed_train_samples = iteration * args.global_batch_size
+        losses.append(loss.item())
+    if spec.get("save"):
+        checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, 0)
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps({"losses": losses, "iteration": iteration}))
+    print(f"trained to iteration {iteration}: {losses}", flush=True)
+
+
+if __name__ == "__main__":  # the async checkpoint writer spawns processes that re-import this module
+    main(*sys.argv[1:])
