@@ -136,8 +136,8 @@ class ModelIR:
     tensors: dict[str, LazyTensor]
     source: SourceInfo
     assets: dict[str, Path] = field(default_factory=dict)  # output file name -> source file (tokenizer files)
-    adapter: LoraAdapter | None = None  # LoRA adapters already merged into `tensors` (ir/adapter.py), kept for savers
     training: TrainingState | None = None  # optimizer state and schedule, read with --training-state
+    adapter: LoraAdapter | None = None  # LoRA adapters already merged into `tensors` (ir/adapter.py), kept for savers
 
     def __iter__(self) -> Iterator[tuple[str, LazyTensor]]:
         return iter(self.tensors.items())
