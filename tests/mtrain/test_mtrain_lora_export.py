@@ -136,3 +136,19 @@ def test_expert_adapters_merge_into_each_expert(corpus, tmp_path):  # noqa: F811
                   tmp_path / "adapter", expect_error=True)
     assert out.startswith("Error: PEFT adapters: layers.0.moe.experts.0.gate.weight: adapters of MoE experts are not "
                           "written in PEFT's format")
+
+
+def test_serve_answers_from_the_run_as_from_its_merged_export(lora_run):
+    """`mtrain serve --load RUN` serves the LoRA run itself (its base with the adapters merged while loading, as
+    generate and evaluate): greedy completions equal those served from the merged export, which holds the same
+    bytes (see the evaluate check above), so the same computation picks the same tokens."""
+    from tests.support.server import request, running_server
+
+    body = {"model": "m", "prompt": [[5, 37, 42, 8], [9, 3]], "max_tokens": 6, "temperature": 0}
+    answers = []
+    for load in (lora_run / "run", lora_run / "merged"):
+        with running_server(load, "--model-name", "m") as s:
+            status, answer = request(s.url + "/v1/completions", body)
+            assert status == 200, answer
+            answers.append([(c["index"], c["text"]) for c in answer["choices"]])
+    assert answers[0] == answers[1] and len(answers[0]) == 2 and all(text for _, text in answers[0])
