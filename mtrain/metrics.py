@@ -109,11 +109,16 @@ class Metrics:
         parts.append(f"{_hms(now - self.start)} elapsed, {_hms(left)} left")
         return " | ".join(parts)
 
-    def validation(self, step: int, loss: float) -> None:
+    def validation(self, step: int, loss: float, *, perplexity: bool = True) -> None:
+        """The validation line; `perplexity` off where exp(loss) means nothing (BERT: MLM + NSP losses summed)."""
         if not self.enabled:
             return
-        ppl = math.exp(min(loss, 50.0))
         self.last_valid = (step, loss)
+        if not perplexity:
+            self.out(f"validation at step {step}: loss {loss:.4f}")
+            self._log({"valid/loss": loss}, step)
+            return
+        ppl = math.exp(min(loss, 50.0))
         self.out(f"validation at step {step}: loss {loss:.4f} | perplexity {ppl:.3f}")
         self._log({"valid/loss": loss, "valid/perplexity": ppl}, step)
 

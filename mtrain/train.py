@@ -544,7 +544,7 @@ class Trainer:
 
     def _validate(self, step: int) -> float:
         loss = self.evaluate()
-        self.metrics.validation(step, loss)
+        self.metrics.validation(step, loss, perplexity=not self.model_config.is_bert)
         if self.bert_eval:
             self.out(f"validation at step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in self.bert_eval.items()))
         return loss

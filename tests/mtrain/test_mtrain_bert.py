@@ -196,6 +196,8 @@ def test_bert_learns_and_validates(bert_corpus, tmp_path):
     assert abs(result.valid_losses[50] - math.log(VOCAB)) < 0.5
     assert result.valid_losses[300] < result.valid_losses[50] - 0.3, result.valid_losses
     assert any(line.startswith("validation at step 300: mlm loss") for line in lines)
+    assert any(line.startswith("validation at step 300: loss ") for line in lines)
+    assert not any("perplexity" in line for line in lines)  # exp(MLM + NSP loss) means nothing
 
     nsp = raw_config(bert_corpus, train={"steps": 4}, checkpoint={"dir": str(tmp_path / "run"), "interval": 2})
     whole = Trainer(from_dict(with_sections(nsp, checkpoint={"dir": str(tmp_path / "whole")}))).run()
