@@ -98,6 +98,7 @@ def test_adapters_we_do_not_compute_are_refused(adapter, tmp_path, changes, mess
 
 def test_an_adapter_for_another_base_is_refused(adapter, tmp_path, corpus):  # noqa: F811
     tmp, _, _ = adapter
+    base_files = {p.name: p.read_bytes() for p in sorted((tmp / "base").iterdir()) if p.is_file()}
     wider = save_hf("llama", tmp_path / "wider", seed=1, hidden_size=128)  # other shapes
     out = run_cli("--saver", "core", "--load-dir", wider, "--merge-adapter", tmp / "adapter", "--save-dir",
                   tmp_path / "x", expect_error=True)
@@ -118,8 +119,11 @@ def test_an_adapter_for_another_base_is_refused(adapter, tmp_path, corpus):  # n
     with pytest.raises(TrainError, match=r"^lora.rank 8 contradicts lora.from .*, whose adapters have rank 4"):
         Trainer(tiny_config(corpus, model=None, checkpoint={"finetune": str(tmp / "base")},
                             lora={"from": str(tmp / "adapter"), "rank": 8}), out=lambda _: None)
-    model, _ = load_model(tmp / "base")  # the base itself is untouched by all of this
-    assert model is not None
+    # nothing written by the refused conversions, and the base itself untouched by all of this
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert {p.name: p.read_bytes() for p in sorted((tmp / "base").iterdir()) if p.is_file()} == base_files
+    model, ir = load_model(tmp / "base")  # and still loads as a plain model, no adapters
+    assert ir.adapter is None and sum(p.numel() for p in model.parameters()) > 0
 
 
 FAMILY_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
