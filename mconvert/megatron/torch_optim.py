@@ -264,10 +264,7 @@ def rank_entries(state: TrainingState, stored: dict[str, list[tuple[str, str, An
                                                                for m in members]}
         if state.grad_scaler is not None:
             optim["grad_scaler"] = state.grad_scaler
-    out = {"optimizer": optim}
-    if state.scheduler is not None:
-        out["opt_param_scheduler"] = state.scheduler
-    return out
+    return _rank_entries(state, optim)
 
 
 def distributed_entries(state: TrainingState, stored: dict[str, list[tuple[str, str, Any]]], folder: Path, *,
@@ -301,7 +298,12 @@ def distributed_entries(state: TrainingState, stored: dict[str, list[tuple[str, 
     optim: dict[str, Any] = {"optimizer": {"param_groups": groups}}
     if state.grad_scaler is not None:
         optim["grad_scaler"] = state.grad_scaler
-    out = {"optimizer": optim}
+    return _rank_entries(state, optim)
+
+
+def _rank_entries(state: TrainingState, optim: dict[str, Any]) -> dict[str, Any]:
+    """A rank file's training-state entries: the optimizer's, and the LR schedule's when the source had one."""
+    out: dict[str, Any] = {"optimizer": optim}
     if state.scheduler is not None:
         out["opt_param_scheduler"] = state.scheduler
     return out
