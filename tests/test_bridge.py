@@ -138,10 +138,11 @@ def test_crafted_run_configs_are_refused_by_name(bridge_like, tmp_path, edit, ex
 
 
 def test_padding_recorded_so_bridge_builds_the_stored_rows(llama_dir, tmp_path):
-    """--tp 2 pads 300 rows to 512 (a multiple of 128 x 2); the run_config.yaml records should_pad_vocab and the
-    multiple 256, so Bridge at TP 1 (its export) builds 512 rows too (checked with Bridge itself while writing
-    this; its export then holds all 512 rows). Read back, the recorded rows are checked against the stored ones."""
-    it_dir = without_args(to_dist(llama_dir, tmp_path / "dist", "--tp", "2"))
+    """--tp 2 --make-vocab-size-divisible-by 128 pads 300 rows to 512 (a multiple of 128 x 2); the run_config.yaml
+    records should_pad_vocab and the multiple 256, so Bridge at TP 1 (its export) builds 512 rows too (checked with
+    Bridge itself while writing this; its export then holds all 512 rows). Read back, the recorded rows are checked
+    against the stored ones."""
+    it_dir = without_args(to_dist(llama_dir, tmp_path / "dist", "--tp", "2", "--make-vocab-size-divisible-by", "128"))
     model = yaml.safe_load((it_dir / "run_config.yaml").read_text())["model"]
     assert (model["vocab_size"], model["should_pad_vocab"], model["make_vocab_size_divisible_by"]) == (300, True, 256)
     assert engine.load(tmp_path / "dist", Options()).config.padded_vocab_size == 512
@@ -225,12 +226,21 @@ def bridge(*args: str | Path, cwd: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def test_bridge_exports_our_torch_dist_bit_for_bit(llama_dir, tmp_path):
-    """Bridge's AutoBridge.export_ckpt of our plain torch_dist output (no padding: Bridge exports every row it
-    holds) gives back the HF model's tensors."""
-    to_dist(llama_dir, tmp_path / "dist", "--make-vocab-size-divisible-by", "1")
-    bridge("export", tmp_path / "dist", llama_dir, tmp_path / "exported", cwd=tmp_path)
-    assert_same_files(llama_dir, tmp_path / "exported")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bridge_exports_our_torch_dist_bit_for_bit(tp, tmp_path):
+    """Bridge's AutoBridge.export_ckpt of our plain torch_dist output (the default: no vocabulary padding, 1000
+    rows being a multiple of TP; Bridge exports every row it holds) gives back the HF model's tensors. Megatron-LM's
+    classic divisor would have padded 1000 to 1024 (TP 1) or 1024 (TP 2): args record the divisor that pads
+    nothing, 8 at TP 1 and 4 at TP 2."""
+    src = make_hf_model(tmp_path / "hf", "llama", vocab_size=1000, seed=5)
+    it_dir = to_dist(src, tmp_path / "dist", "--tp", str(tp))
+    args = safe_load(it_dir / "common.pt", mmap=False)["args"]
+    assert (args.padded_vocab_size, args.make_vocab_size_divisible_by) == (1000, 8 // tp)
+    model = yaml.safe_load((it_dir / "run_config.yaml").read_text())["model"]
+    assert (model["vocab_size"], model["should_pad_vocab"], model["make_vocab_size_divisible_by"]) == \
+        (1000, False, 8 // tp)
+    bridge("export", tmp_path / "dist", src, tmp_path / "exported", cwd=tmp_path)
+    assert_same_files(src, tmp_path / "exported")
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])

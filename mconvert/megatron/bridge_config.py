@@ -240,8 +240,9 @@ def run_config(args: argparse.Namespace, impl: str) -> dict[str, Any]:
     The vocabulary: Bridge builds `vocab_size` rows, padded (should_pad_vocab) to a multiple of
     make_vocab_size_divisible_by x its tensor-parallel size. The rows stored are Megatron-LM's padding for the
     writing run's TP, so the multiple recorded is divisible_by x that TP, and Bridge at TP 1 (its export) builds
-    exactly the stored rows. Bridge's export writes every row it holds: only an unpadded vocabulary
-    (`--make-vocab-size-divisible-by 1`, or a vocabulary that is already a multiple) gives back the HF model.
+    exactly the stored rows. Bridge's export writes every row it holds: only an unpadded vocabulary (mconvert's
+    default wherever the vocabulary is a multiple of TP) gives back the HF model; unpadded, the divisor Megatron-LM's
+    formula pads nothing with at the writing TP is recorded (Bridge ignores it without should_pad_vocab).
     """
     a = vars(args)
     mla = bool(a.get("multi_latent_attention"))
@@ -261,9 +262,10 @@ def run_config(args: argparse.Namespace, impl: str) -> dict[str, Any]:
     model |= {"params_dtype": {"_target_": dtype, "_call_": False}, "bf16": bool(a.get("bf16")),
               "fp16": bool(a.get("fp16"))}
     padded, vocab = int(a["padded_vocab_size"]), int(a["vocab_size"])
-    multiple = int(a.get("make_vocab_size_divisible_by") or 1) * int(a.get("tensor_model_parallel_size") or 1)
+    divisor = int(a.get("make_vocab_size_divisible_by") or 1)
+    multiple = divisor * int(a.get("tensor_model_parallel_size") or 1)
     model |= {"vocab_size": vocab, "should_pad_vocab": padded != vocab,
-              "make_vocab_size_divisible_by": multiple if padded != vocab else 1}
+              "make_vocab_size_divisible_by": multiple if padded != vocab else divisor}
     if not mla:
         model["transformer_layer_spec"] = {"_target_": LAYER_SPECS[impl], "_call_": False}
     out: dict[str, Any] = {"model": model,

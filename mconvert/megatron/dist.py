@@ -485,7 +485,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
         raise ConvertError(f"--ckpt-format {backend} checkpoints do not depend on the pipeline or expert layout; "
                            "drop --pp/--vpp/--ep (Megatron reshards them when it loads)")
     core.check_model(c, options)
-    padded, iteration, args = rank_files.core_args(ir, out, options)
+    padded, iteration, args = rank_files.core_args(ir, out, options, progress)
     it_dir = out / core.iteration_dir(iteration)
     placed_rows = placements(c, options.transformer_impl)
     check_plan(ir.tensors, [(backend, [placed.row for placed in placed_rows])], where=f"saver core ({backend})")
