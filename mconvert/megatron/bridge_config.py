@@ -29,6 +29,7 @@ import yaml
 
 from mconvert.errors import ConvertError
 from mconvert.megatron.arguments import EXTRAS_ARG
+from mconvert.megatron.nemo_io import read_io_json
 
 RUN_CONFIG = "run_config.yaml"
 NEMO_MODEL_YAML = Path("context") / "model.yaml"
@@ -130,22 +131,40 @@ def bridge_model(path: Path) -> dict[str, Any]:
     return model
 
 
-def nemo_model(ckpt: Path) -> dict[str, Any]:
-    """The model config (`config:` of the model) of a NeMo 2 checkpoint, from context/model.yaml."""
+def nemo_model(ckpt: Path) -> tuple[dict[str, Any], Path]:
+    """The model config (`config:` of the model) of a NeMo 2 checkpoint and the file it came from:
+    context/model.yaml, else context/io.json read as data (mconvert.megatron.nemo_io)."""
     path = ckpt / NEMO_MODEL_YAML
-    if not path.is_file():
-        if (ckpt / NEMO_IO_JSON).is_file():
-            raise ConvertError(f"{ckpt}: NeMo 2 checkpoint with {NEMO_IO_JSON} but no {NEMO_MODEL_YAML}: mconvert "
-                               "reads the model config from model.yaml only (io.json is a serialized object graph; "
-                               "it is not interpreted)")
-        raise ConvertError(f"{ckpt}: no {NEMO_MODEL_YAML}: cannot tell the model shape")
-    top = read_yaml(path)
-    model = top.get("config")
-    if not isinstance(model, dict):
-        raise ConvertError(f"{path}: no 'config:' mapping (the model config NeMo 2 saves)")
+    if path.is_file():
+        model = read_yaml(path).get("config")
+        if not isinstance(model, dict):
+            raise ConvertError(f"{path}: no 'config:' mapping (the model config NeMo 2 saves)")
+    elif (ckpt / NEMO_IO_JSON).is_file():
+        path = ckpt / NEMO_IO_JSON
+        model = read_io_json(path, MAX_CONFIG_BYTES)
+    else:
+        raise ConvertError(f"{ckpt}: neither {NEMO_MODEL_YAML} nor {NEMO_IO_JSON}: cannot tell the model shape")
     _check_provider(model, path, lambda t: bool(NEMO_CONFIGS.fullmatch(t)) or t in PROVIDERS,
                     "NeMo 2 GPT, Llama, Qwen, Mixtral, Mistral and DeepSeek configs")
-    return model
+    _check_stated(model, path)
+    return model, path
+
+
+# What a NeMo 2 config class fixes by its defaults when the file leaves a field out; the defaults live in NeMo's
+# code, which mconvert does not import, so each must be stated.
+STATED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+          "normalization", "layernorm_epsilon", "activation_func", "gated_linear_unit", "position_embedding_type",
+          "add_bias_linear", "share_embeddings_and_output_weights", "seq_length")
+
+
+def _check_stated(model: dict[str, Any], path: Path) -> None:
+    missing = [f for f in STATED if f not in model]
+    if model.get("position_embedding_type", "rope") == "rope" and "rotary_base" not in model:
+        missing.append("rotary_base")
+    if missing:
+        raise ConvertError(f"{path}: {model['_target_']} leaves {', '.join(missing)} to the class's defaults (NeMo "
+                           "records only the arguments a config was given); mconvert does not import NeMo to learn "
+                           "them: add them to the file")
 
 
 def _check_provider(model: dict, path: Path, allowed, what: str) -> None:
