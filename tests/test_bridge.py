@@ -139,16 +139,16 @@ def test_crafted_run_configs_are_refused_by_name(bridge_like, tmp_path, edit, ex
 
 def test_padding_recorded_so_bridge_builds_the_stored_rows(llama_dir, tmp_path):
     """--tp 2 --make-vocab-size-divisible-by 128 pads 300 rows to 512 (a multiple of 128 x 2); the run_config.yaml
-    records should_pad_vocab and the multiple 256, so Bridge at TP 1 (its export) builds 512 rows too (checked with
-    Bridge itself while writing this; its export then holds all 512 rows). Read back, the recorded rows are checked
-    against the stored ones."""
+    records should_pad_vocab, the divisor 128 and TP 2, so Megatron's formula (Bridge's too) gives the 512 rows
+    stored. Read back, the recorded rows are checked against the stored ones."""
     it_dir = without_args(to_dist(llama_dir, tmp_path / "dist", "--tp", "2", "--make-vocab-size-divisible-by", "128"))
     model = yaml.safe_load((it_dir / "run_config.yaml").read_text())["model"]
-    assert (model["vocab_size"], model["should_pad_vocab"], model["make_vocab_size_divisible_by"]) == (300, True, 256)
+    assert (model["vocab_size"], model["should_pad_vocab"], model["make_vocab_size_divisible_by"],
+            model["tensor_model_parallel_size"], model["pipeline_model_parallel_size"]) == (300, True, 128, 2, 1)
     assert engine.load(tmp_path / "dist", Options()).config.padded_vocab_size == 512
     text = (it_dir / "run_config.yaml").read_text()
-    (it_dir / "run_config.yaml").write_text(text.replace("make_vocab_size_divisible_by: 256",
-                                                         "make_vocab_size_divisible_by: 128"))
+    (it_dir / "run_config.yaml").write_text(text.replace("make_vocab_size_divisible_by: 128",
+                                                         "make_vocab_size_divisible_by: 64"))
     error = run_cli("inspect", tmp_path / "dist", expect_error=True)
     assert "run_config.yaml: vocab_size 300 (should_pad_vocab, make_vocab_size_divisible_by) makes 384 embedding " \
            "rows, the checkpoint stores 512" in error

@@ -247,9 +247,10 @@ GPT_PROVIDER = f"{BRIDGE}gpt_provider.GPTModelProvider"
 MLA_PROVIDER = f"{BRIDGE}mla_provider.MLAModelProvider"
 MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mscale",
             "mscale_all_dim", "beta_fast", "beta_slow", "original_max_position_embeddings")
-# Megatron-LM's parallel sizes are the writing run's; Bridge loads with its own (export: all 1)
-NOT_WRITTEN = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-               "make_vocab_size_divisible_by")
+# Written below from the vocabulary padding. The parallel sizes are the writing run's, as Bridge records its own:
+# its checkpoint loading compares them with the loading run's (checkpointing.py, for the RNG state) and its
+# export loads at TP 1, PP 1, EP 1 whatever they say (model_load_save.py).
+NOT_WRITTEN = ("make_vocab_size_divisible_by",)
 LAYER_SPECS = {"local": f"{BRIDGE}gpt_provider.local_layer_spec", "te": f"{BRIDGE}gpt_provider.default_layer_spec"}
 
 
@@ -257,11 +258,10 @@ def run_config(args: argparse.Namespace, impl: str) -> dict[str, Any]:
     """The run_config.yaml Megatron-Bridge reads for a checkpoint with these Megatron-LM `args`.
 
     The vocabulary: Bridge builds `vocab_size` rows, padded (should_pad_vocab) to a multiple of
-    make_vocab_size_divisible_by x its tensor-parallel size. The rows stored are Megatron-LM's padding for the
-    writing run's TP, so the multiple recorded is divisible_by x that TP, and Bridge at TP 1 (its export) builds
-    exactly the stored rows. Bridge's export writes every row it holds: only an unpadded vocabulary (mconvert's
-    default wherever the vocabulary is a multiple of TP) gives back the HF model; unpadded, the divisor Megatron-LM's
-    formula pads nothing with at the writing TP is recorded (Bridge ignores it without should_pad_vocab).
+    make_vocab_size_divisible_by x its tensor-parallel size, Megatron-LM's formula: the divisor and the writing
+    run's TP are recorded, so that formula gives the stored rows. Bridge's export writes every row it holds: only
+    an unpadded vocabulary (mconvert's default wherever the vocabulary is a multiple of TP) gives back the HF
+    model. A padded one exports only when written at TP 1 (the export loads at TP 1 and pads for it).
     """
     a = vars(args)
     mla = bool(a.get("multi_latent_attention"))
@@ -281,10 +281,8 @@ def run_config(args: argparse.Namespace, impl: str) -> dict[str, Any]:
     model |= {"params_dtype": {"_target_": dtype, "_call_": False}, "bf16": bool(a.get("bf16")),
               "fp16": bool(a.get("fp16"))}
     padded, vocab = int(a["padded_vocab_size"]), int(a["vocab_size"])
-    divisor = int(a.get("make_vocab_size_divisible_by") or 1)
-    multiple = divisor * int(a.get("tensor_model_parallel_size") or 1)
     model |= {"vocab_size": vocab, "should_pad_vocab": padded != vocab,
-              "make_vocab_size_divisible_by": multiple if padded != vocab else divisor}
+              "make_vocab_size_divisible_by": int(a.get("make_vocab_size_divisible_by") or 1)}
     if not mla:
         model["transformer_layer_spec"] = {"_target_": LAYER_SPECS[impl], "_call_": False}
     out: dict[str, Any] = {"model": model,
