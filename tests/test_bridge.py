@@ -381,6 +381,28 @@ def test_bridge_exports_our_torch_dist_bit_for_bit(tp, tmp_path):
     assert_same_files(src, tmp_path / "exported")
 
 
+@pytest.mark.parity
+def test_bridge_trains_from_our_torch_dist(tmp_path):
+    """Bridge's own training entry (finetune(), tests/support/bridge/driver.py `train`: gloo, CPU stand-ins) loads
+    our default torch_dist output and trains 2 steps on its mock data with finite losses; the first step's
+    per-token losses (before any update) are those of our reader's model (mtrain, loaded by mconvert) on the same
+    batch. Bound: both run the same float32 weights through other implementations of the same operations, so
+    logits agree to ~1e-6 (below 1e-5, as for megatron-core in tests/test_megatron019_loads_ours.py); a token's
+    cross entropy logsumexp(z) - z_label moves by at most 2 max|dz| = 2e-5, plus its own float32 rounding
+    (~1e-6 at a loss of ~7): 3e-5. A wrong row, norm or rotary setting moves losses by > 1e-3."""
+    src = make_hf_model(tmp_path / "hf", "llama", vocab_size=1000, seed=5)
+    to_dist(src, tmp_path / "dist")
+    bridge("train", tmp_path / "dist", src, tmp_path / "steps.pt", cwd=tmp_path)
+    steps = torch.load(tmp_path / "steps.pt", weights_only=True)
+    assert len(steps) == 2 and all(torch.isfinite(step["losses"]).all() for step in steps)
+    first = steps[0]
+    assert first["losses"].shape == first["tokens"].shape == (2, 16) and bool(first["loss_mask"].all())
+    with torch.no_grad():
+        logits = load_model(tmp_path / "dist")[0](first["tokens"])
+    ours = torch.nn.functional.cross_entropy(logits.transpose(1, 2).double(), first["labels"], reduction="none")
+    torch.testing.assert_close(first["losses"].double(), ours, atol=3e-5, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
 def test_we_read_what_bridge_imports(family, tmp_path):
     """Bridge's AutoBridge.import_ckpt: DeepSeek-V3 (MLA, sigmoid group routing, shared experts, a dense first
