@@ -302,6 +302,21 @@ def io_edit(fn):
     return edit
 
 
+def chain(length: int) -> dict:
+    """A model config whose num_layers is a list inside a list ... `length` deep, each an object of its own."""
+    objects = {"l0": {"type": pyref("builtins.list"), "items": [], "metadata": None}}
+    for i in range(1, length):
+        objects[f"l{i}"] = {"type": pyref("builtins.list"), "metadata": None,
+                            "items": [["Index(index=0)", {"type": "ref", "key": f"l{i - 1}"}]]}
+    return objects
+
+
+def deep_refs(graph: dict) -> dict:
+    graph["objects"] |= chain(50_000)
+    set_item(config_object(graph), "num_layers", {"type": "ref", "key": "l49999"})
+    return graph
+
+
 CRAFTED_IO = [
     (io_edit(lambda g: g["objects"]["llama_model_1_config_meta"]["items"].__setitem__(
         0, ["Attr(name='fn_or_cls')", pyref("mconvert_pwn_mark.Config")])),
@@ -323,12 +338,14 @@ CRAFTED_IO = [
     (io_edit(lambda g: g["objects"]["llama_model_1_config"].__setitem__("type", pyref("builtins.dict"))),
      "object 'llama_model_1_config': item \"Attr(name='activation_func')\" is not a key"),
     (io_edit(lambda g: g.pop("objects")), "not a fiddle serialization"),
+    (deep_refs, "objects nested too deeply for a run's config"),
 ]
 
 
 @pytest.mark.parametrize(("edit", "expected"), CRAFTED_IO, ids=["unknown-class", "os.system", "cycle",
                                                                  "dangling", "class-defaults", "no-config",
-                                                                 "not-a-config", "not-a-dict", "not-fiddle"])
+                                                                 "not-a-config", "not-a-dict", "not-fiddle",
+                                                                 "deep-refs"])
 def test_crafted_io_json_refused_by_name_and_never_imported(bridge_like, tmp_path, monkeypatch, edit, expected):
     """Every class io.json names stays a name: a module on the path that would leave a mark when imported is named
     as the model's class and refused, and the mark is never made."""

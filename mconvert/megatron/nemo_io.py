@@ -48,7 +48,10 @@ def read_io_json(path: Path, max_bytes: int) -> dict[str, Any]:
         raise ConvertError(f"{path}: nested too deeply for a run's config") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConvertError(f"{path}: cannot read: {e}") from None
-    return _Graph(path, top).model_config()
+    try:
+        return _Graph(path, top).model_config()
+    except RecursionError:  # a chain of references deeper than any config's
+        raise ConvertError(f"{path}: objects nested too deeply for a run's config") from None
 
 
 class _Graph:
