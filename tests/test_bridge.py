@@ -34,7 +34,8 @@ from tests.support.refusals import convert_refused, refused
 
 BRIDGE_ENV = REPO / ".venv-bridge-0.6"
 DRIVER = REPO / "tests" / "support" / "bridge" / "driver.py"
-NEMO_LLAMA = "nemo.collections.llm.gpt.model.llama.Llama31Config8B"
+NEMO_LLAMA = "nemo.collections.llm.gpt.model.llama.LlamaConfig"
+NEMO = "nemo.collections.llm.gpt.model."
 
 
 def to_dist(src: Path, out: Path, *extra: str) -> Path:
@@ -213,17 +214,18 @@ def test_nemo2_refusals(bridge_like, tmp_path):
             "neither context/model.yaml nor context/io.json: cannot tell the model shape")
 
 
-def test_nemo2_model_yaml_relying_on_class_defaults(bridge_like, tmp_path):
-    """NeMo records only the arguments a config class was given; what its class fixes by default is not in the
-    file, and mconvert does not import NeMo to learn it: the missing fields are named."""
-    out = nemo2(bridge_like, tmp_path)
+def test_nemo2_model_yaml_of_a_class_without_known_defaults(bridge_like, tmp_path):
+    """NeMo records only the arguments a config class was given; for a class mconvert has no table of defaults
+    for (Llama 4 here), what the file leaves out is named."""
+    out = nemo2(bridge_like, tmp_path, target=f"{NEMO}llama.Llama4Config")
     path = out / "context" / "model.yaml"
     top = yaml.safe_load(path.read_text())
     for field in ("normalization", "gated_linear_unit", "rotary_base"):
         del top["config"][field]
     path.write_text(yaml.safe_dump(top))
-    convert_refused(out, tmp_path, culprits=("context/model.yaml", f"{NEMO_LLAMA} leaves normalization, "
-                                             "gated_linear_unit, rotary_base to the class's defaults"))
+    convert_refused(out, tmp_path, culprits=("context/model.yaml", f"{NEMO}llama.Llama4Config leaves normalization, "
+                                             "gated_linear_unit, rotary_base to the class's defaults", "knows no "
+                                             "defaults of this class"))
 
 
 # ---- NeMo 2's context/io.json: fiddle's JSON serialization, read as data ---------------------------------------
@@ -329,8 +331,10 @@ CRAFTED_IO = [
      "reference to an object 'nowhere' the file does not hold"),
     (io_edit(lambda g: config_object(g).__setitem__("items", [
         i for i in config_object(g)["items"] if i[0] not in ("Attr(name='normalization')",
-                                                             "Attr(name='num_query_groups')")])),
-     f"{NEMO_LLAMA} leaves num_query_groups, normalization to the class's defaults"),
+                                                             "Attr(name='num_query_groups')")]) or
+             g["objects"]["llama_model_1_config_meta"]["items"].__setitem__(
+                 0, ["Attr(name='fn_or_cls')", pyref(f"{NEMO}llama.Llama4Config")])),
+     f"{NEMO}llama.Llama4Config leaves num_query_groups, normalization to the class's defaults"),
     (io_edit(lambda g: g["objects"]["llama_model_1"]["items"].clear()),
      "root.model (nemo.collections.llm.gpt.model.llama.LlamaModel) has no 'config' argument"),
     (io_edit(lambda g: set_item(g["objects"]["llama_model_1"], "config", {"type": "leaf", "value": 3})),
@@ -367,6 +371,103 @@ def test_io_json_that_is_not_a_serialized_graph(bridge_like, tmp_path, text, exp
     out = nemo2_io(bridge_like, tmp_path)
     (out / "context" / "io.json").write_text(text)
     convert_refused(out, tmp_path, culprits=("context/io.json", expected))
+
+
+# ---- NeMo 2's io.json as NeMo writes it: only the arguments given, the rest its class's defaults ---------------
+
+def nemo2_from_hf(src: Path, tmp_path: Path, target: str, arguments: dict) -> Path:
+    """`src` as NeMo 2 keeps it: weights/ our torch_dist of it (no Megatron-LM args, no run_config.yaml) and
+    context/io.json recording a call of `target` with `arguments` only, as NeMo's serialization does."""
+    it_dir = without_args(to_dist(src, tmp_path / "dist"))
+    out = tmp_path / "nemo2"
+    shutil.copytree(it_dir, out / "weights")
+    (out / "weights" / "run_config.yaml").unlink()
+    (out / "context").mkdir()
+    (out / "context" / "io.json").write_text(json.dumps(Fiddle().dump({"_target_": target, **arguments})))
+    return out
+
+
+def _fn(path: str) -> dict:
+    return {"_target_": path, "_call_": False}
+
+
+TORCH_F32 = _fn("torch.float32")
+# Each: the tiny HF model, the NeMo class, and the arguments NeMo's HF importer (llama.py, qwen2.py, mixtral.py)
+# records for it, less those the class fixes to the model's values anyway.
+NEMO_CASES = {
+    # Llama3Config8B: rope base 500000, 8 query groups, RMSNorm 1e-5, SiLU GLU, no biases, untied from the classes
+    "llama3": (dict(family="llama", num_key_value_heads=8, rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 500_000.0}),
+               f"{NEMO}llama.Llama3Config8B",
+               dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, seq_length=256,
+                    init_method_std=0.02, make_vocab_size_divisible_by=4, vocab_size=300, fp16=False, bf16=False,
+                    params_dtype=TORCH_F32)),
+    # Qwen2Config: q/k/v biases, RMSNorm, SiLU GLU, rope from the class (the importer states the rest)
+    "qwen2": (dict(family="qwen2", use_sliding_window=False, sliding_window=None, max_window_layers=4,
+                   tie_word_embeddings=False), f"{NEMO}qwen2.Qwen2Config",
+              dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, num_query_groups=2,
+                   init_method_std=0.02, layernorm_epsilon=1e-6, gated_linear_unit=True,
+                   make_vocab_size_divisible_by=128, rotary_base=1e6, share_embeddings_and_output_weights=False,
+                   vocab_size=300, seq_length=256, fp16=False, bf16=False, params_dtype=TORCH_F32)),
+    # MixtralConfig8x7B: no biases, untied, the auxiliary loss 0.01 from the class; no vocab_size recorded (NeMo
+    # takes it from the tokenizer)
+    "mixtral": (dict(family="mixtral", router_aux_loss_coef=0.01, router_jitter_noise=0.0),
+                f"{NEMO}mixtral.MixtralConfig8x7B",
+                dict(bf16=False, activation_func=_fn("torch.nn.functional.silu"), num_layers=4, hidden_size=64,
+                     ffn_hidden_size=96, kv_channels=8, max_position_embeddings=256, seq_length=256,
+                     position_embedding_type="rope", rotary_base=1e6, num_attention_heads=8, num_query_groups=2,
+                     num_moe_experts=4, moe_router_topk=2, moe_router_pre_softmax=False, normalization="RMSNorm",
+                     layernorm_epsilon=1e-5, init_method_std=0.02, gated_linear_unit=True,
+                     make_vocab_size_divisible_by=128, params_dtype=TORCH_F32)),
+}
+
+
+@pytest.mark.parametrize("case", list(NEMO_CASES))
+def test_nemo2_io_json_with_class_defaults_converts_to_hf(case, tmp_path):
+    """The config's class supplies what NeMo did not record (mconvert.megatron.nemo_defaults): the NeMo 2
+    checkpoint reads as the HF model it was made from, converts to HF with the tensors weights/ holds, bit for
+    bit, and with the source's config."""
+    fields, target, arguments = NEMO_CASES[case]
+    src = make_hf_model(tmp_path / "src", **fields)
+    out = nemo2_from_hf(src, tmp_path, target, arguments)
+    assert "config=context/io.json" in run_cli("inspect", out)
+    run_cli("--saver", "hf", "--load-dir", out, "--save-dir", tmp_path / "hf")
+    assert_same_tensors(ir_tensors(out), ir_tensors(tmp_path / "hf"))
+    same_model(src, tmp_path / "hf")
+
+
+def test_nemo2_llama31_class_scales_rope(tmp_path):
+    """Llama31Config's configure_model scales rotary frequencies as Llama 3.1 does (scale_factor 8 by default,
+    NeMo's importer records the HF factor): read as that rope scaling, and a constant Megatron fixes refused."""
+    src = make_hf_model(tmp_path / "src", "llama", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    arguments = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, num_query_groups=4,
+                     seq_length=256, rotary_base=500_000.0, layernorm_epsilon=1e-5, vocab_size=300,
+                     share_embeddings_and_output_weights=False, gated_linear_unit=True, scale_factor=32.0)
+    out = nemo2_from_hf(src, tmp_path, f"{NEMO}llama.Llama31Config", arguments)
+    run_cli("--saver", "hf", "--load-dir", out, "--save-dir", tmp_path / "hf")
+    same_model(src, tmp_path / "hf")
+    assert engine.load(out, Options()).config.rope_scaling["factor"] == 32.0
+    shutil.rmtree(tmp_path / "dist")
+    shutil.rmtree(out)
+    out = nemo2_from_hf(src, tmp_path, f"{NEMO}llama.Llama31Config", arguments | {"low_freq_factor": 2.0})
+    convert_refused(out, tmp_path, culprits=("context/io.json", f"{NEMO}llama.Llama31Config with "
+                                             "{'low_freq_factor': 2.0}", "only scale_factor may differ"))
+
+
+def test_nemo2_io_json_class_without_a_table_still_refused(hf_model, tmp_path):
+    """A class beyond the allow-list is refused by name, whatever its arguments; one allowed but without a table of
+    defaults (Llama 4) must state each field mconvert reads."""
+    arguments = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8)
+    out = nemo2_from_hf(hf_model("llama"), tmp_path, f"{NEMO}llama.FooConfig", arguments)
+    convert_refused(out, tmp_path, culprits=("context/io.json", f"model _target_ '{NEMO}llama.FooConfig' is not a "
+                                             "provider mconvert maps by name"))
+    shutil.rmtree(tmp_path / "dist")
+    shutil.rmtree(out)
+    out = nemo2_from_hf(hf_model("llama"), tmp_path, f"{NEMO}llama.Llama4Config", arguments)
+    convert_refused(out, tmp_path, culprits=("context/io.json", "leaves num_query_groups, normalization, "
+                                             "layernorm_epsilon, activation_func"))
 
 
 # ---- with Megatron-Bridge itself --------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from mconvert.errors import ConvertError
+from mconvert.megatron import nemo_defaults
 from mconvert.megatron.arguments import EXTRAS_ARG
 from mconvert.megatron.nemo_io import read_io_json
 
@@ -146,12 +147,26 @@ def nemo_model(ckpt: Path) -> tuple[dict[str, Any], Path]:
         raise ConvertError(f"{ckpt}: neither {NEMO_MODEL_YAML} nor {NEMO_IO_JSON}: cannot tell the model shape")
     _check_provider(model, path, lambda t: bool(NEMO_CONFIGS.fullmatch(t)) or t in PROVIDERS,
                     "NeMo 2 GPT, Llama, Qwen, Mixtral, Mistral and DeepSeek configs")
+    if nemo_defaults.known(model["_target_"]):
+        model = _llama31_scaling(nemo_defaults.with_defaults(model), path)
     _check_stated(model, path)
     return model, path
 
 
-# What a NeMo 2 config class fixes by its defaults when the file leaves a field out; the defaults live in NeMo's
-# code, which mconvert does not import, so each must be stated.
+def _llama31_scaling(model: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Llama 3.1's classes scale rotary frequencies in configure_model (`scale_factor`, ...): Megatron's
+    use_rope_scaling with that factor, whose other constants are Llama 3.1's own (else refused by name)."""
+    if "scale_factor" not in model:
+        return model
+    other = {k: model[k] for k in nemo_defaults.LLAMA31_FIXED if model.get(k) != nemo_defaults.LLAMA31_FIXED[k]}
+    if other:
+        raise ConvertError(f"{path}: {model['_target_']} with {other}: Megatron's rope scaling fixes "
+                           f"{nemo_defaults.LLAMA31_FIXED}; only scale_factor may differ")
+    return model | {"rope_scaling": True, "rope_scaling_factor": float(model["scale_factor"])}
+
+
+# What mconvert reads of a NeMo 2 config: a class of mconvert.megatron.nemo_defaults gets what the file leaves
+# out from its table of NeMo's defaults; any other class's config must state each (NeMo is never imported).
 STATED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
           "normalization", "layernorm_epsilon", "activation_func", "gated_linear_unit", "position_embedding_type",
           "add_bias_linear", "share_embeddings_and_output_weights", "seq_length")
@@ -163,8 +178,8 @@ def _check_stated(model: dict[str, Any], path: Path) -> None:
         missing.append("rotary_base")
     if missing:
         raise ConvertError(f"{path}: {model['_target_']} leaves {', '.join(missing)} to the class's defaults (NeMo "
-                           "records only the arguments a config was given); mconvert does not import NeMo to learn "
-                           "them: add them to the file")
+                           "records only the arguments a config was given), and mconvert knows no defaults of this "
+                           "class (it does not import NeMo): add them to the file")
 
 
 def _check_provider(model: dict, path: Path, allowed, what: str) -> None:
