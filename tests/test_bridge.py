@@ -419,6 +419,18 @@ NEMO_CASES = {
                      num_moe_experts=4, moe_router_topk=2, moe_router_pre_softmax=False, normalization="RMSNorm",
                      layernorm_epsilon=1e-5, init_method_std=0.02, gated_linear_unit=True,
                      make_vocab_size_divisible_by=128, params_dtype=TORCH_F32)),
+    # Qwen3MoEConfig (as partial(Qwen3MoEConfig, moe_ffn_hidden_size=...)): q/k norms, no q/k/v biases, top-k
+    # weights renormalized, aux loss 1e-3 and sequence length 4096 (the importer records none) from the classes;
+    # the tiny model's 4 experts, top-2 and head size 16 are not the class's 128, 8 and 128, so they are recorded
+    # (NeMo's importer relies on those defaults)
+    "qwen3_moe": (dict(family="qwen3_moe", decoder_sparse_step=1, router_aux_loss_coef=1e-3,
+                       max_position_embeddings=4096),
+                  f"{NEMO}qwen3.Qwen3MoEConfig",
+                  dict(moe_ffn_hidden_size=32, num_moe_experts=4, moe_router_topk=2, kv_channels=16, num_layers=4,
+                       hidden_size=64, ffn_hidden_size=96, num_attention_heads=8, num_query_groups=2,
+                       init_method_std=0.02, layernorm_epsilon=1e-6, vocab_size=300, make_vocab_size_divisible_by=1187,
+                       rotary_base=1e6, share_embeddings_and_output_weights=False, fp16=False, bf16=False,
+                       params_dtype=TORCH_F32)),
 }
 
 
