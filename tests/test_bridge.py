@@ -24,6 +24,8 @@ import yaml
 from mconvert import engine
 from mconvert.io.dcp import DcpReader
 from mconvert.io.torch_pickle import safe_load
+from mconvert.megatron import nemo_defaults
+from mconvert.megatron.bridge_config import STATED
 from mconvert.options import Options
 from mtrain.inference import load_model
 from tests.support.cli import run_cli
@@ -335,6 +337,8 @@ CRAFTED_IO = [
              g["objects"]["llama_model_1_config_meta"]["items"].__setitem__(
                  0, ["Attr(name='fn_or_cls')", pyref(f"{NEMO}llama.Llama4Config")])),
      f"{NEMO}llama.Llama4Config leaves num_query_groups, normalization to the class's defaults"),
+    (io_edit(lambda g: set_item(config_object(g), "activation_func", pyref("torch.nn.functional.relu"))),
+     "model.activation_func 'torch.nn.functional.relu' is not an activation mconvert knows"),
     (io_edit(lambda g: g["objects"]["llama_model_1"]["items"].clear()),
      "root.model (nemo.collections.llm.gpt.model.llama.LlamaModel) has no 'config' argument"),
     (io_edit(lambda g: set_item(g["objects"]["llama_model_1"], "config", {"type": "leaf", "value": 3})),
@@ -347,7 +351,7 @@ CRAFTED_IO = [
 
 
 @pytest.mark.parametrize(("edit", "expected"), CRAFTED_IO, ids=["unknown-class", "os.system", "cycle",
-                                                                 "dangling", "class-defaults", "no-config",
+                                                                 "dangling", "class-defaults", "relu", "no-config",
                                                                  "not-a-config", "not-a-dict", "not-fiddle",
                                                                  "deep-refs"])
 def test_crafted_io_json_refused_by_name_and_never_imported(bridge_like, tmp_path, monkeypatch, edit, expected):
@@ -431,6 +435,21 @@ NEMO_CASES = {
                        init_method_std=0.02, layernorm_epsilon=1e-6, vocab_size=300, make_vocab_size_divisible_by=1187,
                        rotary_base=1e6, share_embeddings_and_output_weights=False, fp16=False, bf16=False,
                        params_dtype=TORCH_F32)),
+    # DeepSeekV3Config (as NeMo's importer calls DeepSeekConfig, with V3's routing): RMSNorm 1e-6, SiLU GLU, q/k
+    # norms, YaRN (factor 40 over 4096 positions, mscale 1, base 10000) and the sequence length from the classes
+    "deepseek_v3": (dict(max_position_embeddings=4096, rope_parameters={
+                        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                        "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                        "mscale_all_dim": 1.0}),
+                    f"{NEMO}deepseek.DeepSeekV3Config",
+                    dict(num_layers=3, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, kv_channels=4,
+                         q_lora_rank=48, num_moe_experts=8, moe_ffn_hidden_size=32,
+                         moe_shared_expert_intermediate_size=64, moe_layer_freq=[0, 1, 1], moe_router_topk=4,
+                         moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                         moe_aux_loss_coeff=0.001, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+                         v_head_dim=16, make_vocab_size_divisible_by=1280, fp16=False, bf16=False,
+                         params_dtype=TORCH_F32, moe_router_score_function="sigmoid",
+                         moe_router_enable_expert_bias=True, mtp_num_layers=None)),
 }
 
 
@@ -440,7 +459,8 @@ def test_nemo2_io_json_with_class_defaults_converts_to_hf(case, tmp_path):
     checkpoint reads as the HF model it was made from, converts to HF with the tensors weights/ holds, bit for
     bit, and with the source's config."""
     fields, target, arguments = NEMO_CASES[case]
-    src = make_hf_model(tmp_path / "src", **fields)
+    src = make_deepseek(tmp_path / "src", **fields) if case == "deepseek_v3" else \
+        make_hf_model(tmp_path / "src", **fields)
     out = nemo2_from_hf(src, tmp_path, target, arguments)
     assert "config=context/io.json" in run_cli("inspect", out)
     run_cli("--saver", "hf", "--load-dir", out, "--save-dir", tmp_path / "hf")
@@ -466,6 +486,15 @@ def test_nemo2_llama31_class_scales_rope(tmp_path):
     out = nemo2_from_hf(src, tmp_path, f"{NEMO}llama.Llama31Config", arguments | {"low_freq_factor": 2.0})
     convert_refused(out, tmp_path, culprits=("context/io.json", f"{NEMO}llama.Llama31Config with "
                                              "{'low_freq_factor': 2.0}", "only scale_factor may differ"))
+
+
+def test_nemo2_defaults_table_gives_every_field_read():
+    """Every class of the table resolves through its bases to TransformerConfig, and a config recording no
+    argument at all gets every field mconvert reads (so none of them meets the refusal for a class's defaults)."""
+    for name in nemo_defaults.CLASSES:
+        model = nemo_defaults.with_defaults({"_target_": nemo_defaults.NEMO + name})
+        assert all(model.get(f) is not None for f in STATED), name
+        assert model["position_embedding_type"] != "rope" or model["rotary_base"], name
 
 
 def test_nemo2_io_json_class_without_a_table_still_refused(hf_model, tmp_path):

@@ -7,9 +7,10 @@ megatron-core's TransformerConfig -> GPTConfig -> the family's class -> its size
 
 Only the fields that decide the model's shape and computation are listed (no dropout, fusion, init or parallel
 settings). Facts from NeMo 2.6.0rc0 (NVIDIA/NeMo commit 8cfedd7203462cb251a914e700e5605444277561,
-nemo/collections/llm/gpt/model/{base,llama,mistral,mixtral,qwen2,qwen3}.py) and megatron-core 0.19.2's
-TransformerConfig (megatron/core/transformer/transformer_config.py). DeepSeek and Gemma classes are not listed:
-their configs must state every field mconvert reads (bridge_config.STATED names what is missing).
+nemo/collections/llm/gpt/model/{base,llama,mistral,mixtral,qwen2,qwen3,deepseek}.py) and megatron-core 0.19.2's
+TransformerConfig and MLATransformerConfig (megatron/core/transformer/transformer_config.py). Other classes (Gemma,
+Llama 4, ...) are not listed: their configs must state every field mconvert reads (bridge_config.STATED names
+what is missing).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def _sizes(layers: int, hidden: int, heads: int, groups: int, ffn: int, **more: 
                 ffn_hidden_size=ffn, **more)
 
 
+MLA = "megatron.core.transformer.transformer_config.MLATransformerConfig"  # a base, never a config's own class
 # class (under nemo.collections.llm.gpt.model.) -> (the class it extends, the defaults it declares)
 CLASSES: dict[str, tuple[str | None, dict[str, Any]]] = {
     "base.GPTConfig": (None, dict(share_embeddings_and_output_weights=True, make_vocab_size_divisible_by=128,
@@ -138,6 +140,35 @@ CLASSES: dict[str, tuple[str | None, dict[str, Any]]] = {
     "qwen3.Qwen3Config32B": ("qwen3.Qwen3Config", dict(num_layers=64, hidden_size=5120, num_attention_heads=64,
                                                        ffn_hidden_size=25600)),
     "qwen3.Qwen3Config30B_A3B": ("qwen3.Qwen3MoEConfig", _sizes(48, 2048, 32, 4, 6144, moe_ffn_hidden_size=768)),
+    # DeepSeekConfig(MLATransformerConfig, GPTConfig): in Python's order MLATransformerConfig's defaults come
+    # over GPTConfig's, so the chain runs DeepSeekConfig -> MLATransformerConfig -> GPTConfig
+    MLA: ("base.GPTConfig", dict(multi_latent_attention=True, q_lora_rank=512, kv_lora_rank=512, qk_head_dim=128,
+                                 qk_pos_emb_head_dim=64, v_head_dim=128, normalization="RMSNorm", rope_type="yarn",
+                                 rotary_base=10000, rotary_percent=1.0, rotary_scaling_factor=40,
+                                 original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
+                                 mscale_all_dim=0.0)),
+    "deepseek.DeepSeekConfig": (MLA, dict(
+        normalization="RMSNorm", activation_func=SILU, gated_linear_unit=True, position_embedding_type="rope",
+        add_bias_linear=False, share_embeddings_and_output_weights=False, num_attention_heads=128, kv_channels=128,
+        seq_length=4096, rotary_base=10000.0, make_vocab_size_divisible_by=3200, mtp_num_layers=None,
+        qk_layernorm=True, moe_router_pre_softmax=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+        qk_pos_emb_head_dim=64, v_head_dim=128, rotary_scaling_factor=40, mscale=1.0, mscale_all_dim=1.0,
+        layernorm_epsilon=1e-6)),
+    "deepseek.DeepSeekV2Config": ("deepseek.DeepSeekConfig", dict(
+        num_layers=60, hidden_size=5120, ffn_hidden_size=12288, num_moe_experts=160, moe_ffn_hidden_size=1536,
+        moe_shared_expert_intermediate_size=3072, moe_layer_freq=[0] + [1] * 59, moe_router_topk=6,
+        moe_router_num_groups=8, moe_router_group_topk=3, moe_router_topk_scaling_factor=16.0,
+        moe_aux_loss_coeff=1e-3, mscale=0.707, mscale_all_dim=0.707)),
+    "deepseek.DeepSeekV2LiteConfig": ("deepseek.DeepSeekV2Config", dict(
+        num_layers=27, hidden_size=2048, ffn_hidden_size=10944, num_attention_heads=16, kv_channels=16,
+        q_lora_rank=None, num_moe_experts=64, moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=2816,
+        moe_layer_freq=[0] + [1] * 26, moe_router_topk=6, moe_router_num_groups=1, moe_router_group_topk=1,
+        moe_router_topk_scaling_factor=1.0)),
+    "deepseek.DeepSeekV3Config": ("deepseek.DeepSeekConfig", dict(
+        num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_moe_experts=256, moe_ffn_hidden_size=2048,
+        moe_shared_expert_intermediate_size=2048, moe_layer_freq=[0] * 3 + [1] * 58, moe_router_topk=8,
+        moe_router_num_groups=8, moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
+        moe_aux_loss_coeff=1e-4, make_vocab_size_divisible_by=1280, moe_router_score_function="sigmoid")),
     "qwen3.Qwen3Config235B_A22B": ("qwen3.Qwen3MoEConfig", _sizes(94, 4096, 64, 4, 12288, moe_ffn_hidden_size=1536)),
 }
 # Llama 3.1's scaling as Megatron's use_rope_scaling computes it: only the factor may differ
