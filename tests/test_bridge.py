@@ -25,7 +25,7 @@ from mconvert import engine
 from mconvert.io.dcp import DcpReader
 from mconvert.io.torch_pickle import safe_load
 from mconvert.megatron import nemo_defaults
-from mconvert.megatron.bridge_config import STATED
+from mconvert.megatron.bridge_config import STATED, args_from_provider
 from mconvert.options import Options
 from mtrain.inference import load_model
 from tests.support.cli import run_cli
@@ -495,6 +495,24 @@ def test_nemo2_defaults_table_gives_every_field_read():
         model = nemo_defaults.with_defaults({"_target_": nemo_defaults.NEMO + name})
         assert all(model.get(f) is not None for f in STATED), name
         assert model["position_embedding_type"] != "rope" or model["rotary_base"], name
+
+
+@pytest.mark.parametrize(("path", "gated", "expected"), [
+    ("torch.nn.functional.silu", True, dict(swiglu=True, gated_linear_unit=False, openai_gelu=False)),
+    ("torch.nn.functional.gelu", False, dict(swiglu=False, gated_linear_unit=False, openai_gelu=False)),
+    ("megatron.core.activations.fast_gelu", True, dict(swiglu=False, gated_linear_unit=True, openai_gelu=True)),
+    ("megatron.core.transformer.utils.openai_gelu", True, dict(swiglu=False, gated_linear_unit=True,
+                                                                openai_gelu=True)),
+    ("nemo.collections.llm.fn.activation.openai_gelu", True, dict(swiglu=False, gated_linear_unit=True,
+                                                                   openai_gelu=True)),
+    ("nemo.collections.llm.fn.activation.quick_gelu", True, dict(swiglu=False, quick_geglu=True)),
+])
+def test_activations_by_path(path, gated, expected):
+    """An activation named by path (megatron-core's and NeMo's own functions) maps by name to Megatron-LM's
+    activation arguments; the tanh GELUs all compute 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    args = vars(args_from_provider({"_target_": NEMO_LLAMA, "activation_func": {"_target_": path, "_call_": False},
+                                    "gated_linear_unit": gated}, "io.json"))
+    assert {k: args[k] for k in expected} == expected
 
 
 def test_nemo2_io_json_class_without_a_table_still_refused(hf_model, tmp_path):

@@ -64,7 +64,11 @@ TARGET_PREFIXES = ("torch.", "megatron.core.", "megatron.bridge.", "nemo.collect
 ACTIVATIONS = {"torch.nn.functional.silu": "silu", "torch.nn.functional.gelu": "gelu",
                "megatron.core.activations.quick_gelu": "quick_gelu",
                "megatron.core.fusions.fused_bias_geglu.quick_gelu": "quick_gelu",
-               "megatron.core.activations.fast_gelu": "gelu_tanh", "megatron.core.utils.openai_gelu": "gelu_tanh"}
+               "megatron.core.activations.fast_gelu": "gelu_tanh", "megatron.core.utils.openai_gelu": "gelu_tanh",
+               "megatron.core.transformer.utils.openai_gelu": "gelu_tanh",
+               # NeMo 2's own (nemo/collections/llm/fn/activation.py: Gemma's classes name openai_gelu)
+               "nemo.collections.llm.fn.activation.openai_gelu": "gelu_tanh",
+               "nemo.collections.llm.fn.activation.quick_gelu": "quick_gelu"}
 DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 # TransformerConfig fields with Megatron-LM's argument name (same name unless given)
