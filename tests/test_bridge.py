@@ -339,6 +339,12 @@ CRAFTED_IO = [
      f"{NEMO}llama.Llama4Config leaves num_query_groups, normalization to the class's defaults"),
     (io_edit(lambda g: set_item(config_object(g), "activation_func", pyref("torch.nn.functional.relu"))),
      "model.activation_func 'torch.nn.functional.relu' is not an activation mconvert knows"),
+    (io_edit(lambda g: set_item(config_object(g), "hidden_size", {"type": "leaf", "value": "64"})),
+     "hidden_size '64' is not a whole number"),
+    (io_edit(lambda g: (set_item(config_object(g), "scale_factor", {"type": "leaf", "value": "8"}),
+                        g["objects"]["llama_model_1_config_meta"]["items"].__setitem__(
+                            0, ["Attr(name='fn_or_cls')", pyref(f"{NEMO}llama.Llama31Config")]))),
+     f"{NEMO}llama.Llama31Config's scale_factor '8' is not a positive number"),
     (io_edit(lambda g: g["objects"]["llama_model_1"]["items"].clear()),
      "root.model (nemo.collections.llm.gpt.model.llama.LlamaModel) has no 'config' argument"),
     (io_edit(lambda g: set_item(g["objects"]["llama_model_1"], "config", {"type": "leaf", "value": 3})),
@@ -351,7 +357,8 @@ CRAFTED_IO = [
 
 
 @pytest.mark.parametrize(("edit", "expected"), CRAFTED_IO, ids=["unknown-class", "os.system", "cycle",
-                                                                 "dangling", "class-defaults", "relu", "no-config",
+                                                                 "dangling", "class-defaults", "relu", "hidden-str",
+                                                                 "scale-str", "no-config",
                                                                  "not-a-config", "not-a-dict", "not-fiddle",
                                                                  "deep-refs"])
 def test_crafted_io_json_refused_by_name_and_never_imported(bridge_like, tmp_path, monkeypatch, edit, expected):
@@ -492,7 +499,7 @@ def test_nemo2_defaults_table_gives_every_field_read():
     """Every class of the table resolves through its bases to TransformerConfig, and a config recording no
     argument at all gets every field mconvert reads (so none of them meets the refusal for a class's defaults)."""
     for name in nemo_defaults.CLASSES:
-        model = nemo_defaults.with_defaults({"_target_": nemo_defaults.NEMO + name})
+        model = nemo_defaults.with_defaults({"_target_": nemo_defaults.NEMO + name}, "io.json")
         assert all(model.get(f) is not None for f in STATED), name
         assert model["position_embedding_type"] != "rope" or model["rotary_base"], name
 

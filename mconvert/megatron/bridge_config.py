@@ -152,7 +152,7 @@ def nemo_model(ckpt: Path) -> tuple[dict[str, Any], Path]:
     _check_provider(model, path, lambda t: bool(NEMO_CONFIGS.fullmatch(t)) or t in PROVIDERS,
                     "NeMo 2 GPT, Llama, Qwen, Mixtral, Mistral and DeepSeek configs")
     if nemo_defaults.known(model["_target_"]):
-        model = _llama31_scaling(nemo_defaults.with_defaults(model), path)
+        model = _llama31_scaling(nemo_defaults.with_defaults(model, str(path)), path)
     _check_stated(model, path)
     return model, path
 
@@ -160,13 +160,16 @@ def nemo_model(ckpt: Path) -> tuple[dict[str, Any], Path]:
 def _llama31_scaling(model: dict[str, Any], path: Path) -> dict[str, Any]:
     """Llama 3.1's classes scale rotary frequencies in configure_model (`scale_factor`, ...): Megatron's
     use_rope_scaling with that factor, whose other constants are Llama 3.1's own (else refused by name)."""
-    if "scale_factor" not in model:
+    if "scale_factor" not in nemo_defaults.class_defaults(model["_target_"]):
         return model
-    other = {k: model[k] for k in nemo_defaults.LLAMA31_FIXED if model.get(k) != nemo_defaults.LLAMA31_FIXED[k]}
+    other = {k: model.get(k) for k in nemo_defaults.LLAMA31_FIXED if model.get(k) != nemo_defaults.LLAMA31_FIXED[k]}
     if other:
         raise ConvertError(f"{path}: {model['_target_']} with {other}: Megatron's rope scaling fixes "
                            f"{nemo_defaults.LLAMA31_FIXED}; only scale_factor may differ")
-    return model | {"rope_scaling": True, "rope_scaling_factor": float(model["scale_factor"])}
+    factor = model["scale_factor"]
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+        raise ConvertError(f"{path}: {model['_target_']}'s scale_factor {factor!r} is not a positive number")
+    return model | {"rope_scaling": True, "rope_scaling_factor": float(factor)}
 
 
 # What mconvert reads of a NeMo 2 config: a class of mconvert.megatron.nemo_defaults gets what the file leaves

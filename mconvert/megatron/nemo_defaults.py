@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mconvert.errors import ConvertError
+
 NEMO = "nemo.collections.llm.gpt.model."
 SILU = {"_target_": "torch.nn.functional.silu", "_call_": False}
 GELU = {"_target_": "torch.nn.functional.gelu", "_call_": False}
@@ -193,10 +195,13 @@ def class_defaults(target: str) -> dict[str, Any]:
     return out
 
 
-def with_defaults(model: dict[str, Any]) -> dict[str, Any]:
+def with_defaults(model: dict[str, Any], where: str) -> dict[str, Any]:
     """The config's recorded arguments over its class's defaults, then what TransformerConfig.__post_init__
     derives from them (ffn 4 x hidden, one query group per head, head size hidden / heads, the experts' ffn)."""
     out = class_defaults(model["_target_"]) | model
+    for name in ("hidden_size", "num_attention_heads"):
+        if not isinstance(out[name], int) or isinstance(out[name], bool) or out[name] < 0:
+            raise ConvertError(f"{where}: {name} {out[name]!r} is not a whole number")
     if out["ffn_hidden_size"] is None:
         out["ffn_hidden_size"] = 4 * out["hidden_size"]
     if out["num_query_groups"] is None:
