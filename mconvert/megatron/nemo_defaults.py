@@ -3,7 +3,8 @@
 NeMo 2 records only the arguments a config class was given (NeMo's own HF import of a Llama passes the sizes and
 leaves `normalization`, `activation_func`, `gated_linear_unit`, ... to LlamaConfig). The fields a class fixes are
 listed here, class by class, with the class each one extends; `class_defaults` applies them from the base up:
-megatron-core's TransformerConfig -> GPTConfig -> the family's class -> its size class. Nothing of NeMo is imported.
+megatron-core's TransformerConfig -> GPTConfig (-> MLATransformerConfig for DeepSeek) -> the family's class -> its
+size class. Nothing of NeMo is imported.
 
 Only the fields that decide the model's shape and computation are listed (no dropout, fusion, init or parallel
 settings). Facts from NeMo 2.6.0rc0 (NVIDIA/NeMo commit 8cfedd7203462cb251a914e700e5605444277561,
@@ -15,6 +16,7 @@ what is missing).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from mconvert.errors import ConvertError
@@ -23,7 +25,7 @@ NEMO = "nemo.collections.llm.gpt.model."
 SILU = {"_target_": "torch.nn.functional.silu", "_call_": False}
 GELU = {"_target_": "torch.nn.functional.gelu", "_call_": False}
 
-# megatron-core 0.19.2 TransformerConfig; None where __post_init__ derives the value (see `_derived`)
+# megatron-core 0.19.2 TransformerConfig; None where __post_init__ derives the value (see `with_defaults`)
 TRANSFORMER_CONFIG: dict[str, Any] = dict(
     num_layers=0, hidden_size=0, num_attention_heads=0, ffn_hidden_size=None, num_query_groups=None,
     kv_channels=None, normalization="LayerNorm", layernorm_epsilon=1e-5, layernorm_zero_centered_gamma=False,
@@ -192,7 +194,7 @@ def class_defaults(target: str) -> dict[str, Any]:
     out = dict(TRANSFORMER_CONFIG)
     for fields in reversed(chain):
         out |= fields
-    return out
+    return copy.deepcopy(out)  # the table's lists stay the table's
 
 
 def with_defaults(model: dict[str, Any], where: str) -> dict[str, Any]:
