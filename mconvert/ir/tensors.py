@@ -188,15 +188,20 @@ class ModelIR:
                                    source=dataclasses.replace(self.source, notes=[*self.source.notes, note]))
 
     def cast(self, dtype: DType) -> ModelIR:
-        """The same model with every tensor converted to `dtype` at load time."""
+        """The same model with every tensor converted to `dtype` at load time (with a training state, the fp32
+        master weights kept or made the weights: TrainingState.cast)."""
         def kind(name: str) -> str:  # DeepSeek and Megatron keep the router's expert bias in float32
             return "float32" if name.endswith(".router.expert_bias") else dtype
 
+        source = self.tensors
+        training = self.training.cast(source, dtype) if self.training is not None else None
+        if self.training is not None and dtype == "float32" and "fp32_param" in self.training.tensors:
+            source = {n: self.training.tensors["fp32_param"].get(n, t) for n, t in source.items()}  # the masters
         tensors = {
             n: t if t.dtype_name == kind(n) else t.map(lambda x, d=dtypes.to_torch(kind(n)): x.to(d), dtype=kind(n))
-            for n, t in self.tensors.items()
+            for n, t in source.items()
         }
-        return dataclasses.replace(self, config=self.config.replace(dtype=dtype), tensors=tensors)
+        return dataclasses.replace(self, config=self.config.replace(dtype=dtype), tensors=tensors, training=training)
 
 
 def _config_summary(c: ModelConfig) -> str:

@@ -130,9 +130,19 @@ def read(store, common: dict, config: ModelConfig, placed_blocks: list, lazy: Ca
     state = TrainingState(tensors, groups, common.get("opt_param_scheduler"), int(common.get("iteration", 0)),
                           getattr(args, "consumed_train_samples", None), common["optimizer"].get("grad_scaler"),
                           rng or None, layout if rng else None, optimizer_kind=kind)
+    state.run = run_settings(args)
     state.check(weights, where)
     check_groups(state, config, weights, where)
     return state
+
+
+RUN_ARGS = ("global_batch_size", "micro_batch_size", "train_iters", "clip_grad", "optimizer",
+            "decoupled_weight_decay", "seq_length")
+
+
+def run_settings(args) -> dict[str, Any]:
+    """The run's settings a schedule and optimizer are stated with (TrainingState.run), as its args give them."""
+    return {k: getattr(args, k) for k in RUN_ARGS if getattr(args, k, None) is not None}
 
 
 def check_groups(state: TrainingState, config: ModelConfig, weights: dict[str, LazyTensor], where: str) -> None:

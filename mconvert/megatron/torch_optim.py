@@ -234,6 +234,7 @@ def read(files: RankFiles, parts: list, ctx: Ctx, config: ModelConfig, weights: 
                           getattr(files.args, "consumed_train_samples", None), top["optimizer"].get("grad_scaler"),
                           rng, (files.tp, files.pp) if rng else None,
                           optimizer_kind=DISTRIBUTED if distributed else dist_optim.PLAIN)
+    state.run = dist_optim.run_settings(files.args)
     state.check(weights, where)
     dist_optim.check_groups(state, config, weights, where)
     return state
