@@ -189,12 +189,13 @@ def mtrain_settings(state: TrainingState, where: str) -> tuple[dict[str, Any], d
         raise ConvertError(f"{where}: weight decay still ramps ({s.get('wd_incr_style')} from {s.get('start_wd')} "
                            f"to {s.get('end_wd')}); mtrain's weight decay is constant")
     decay_group, betas, eps = _adam_settings(state, s, where)
+    steps = int(run.get("train_iters") or decay)
     optim = {"lr": float(s["max_lr"]), "min_lr": float(s["min_lr"]), "warmup_steps": warmup, "decay_style": style,
-             "decay_steps": decay, "weight_decay": float(decay_group["weight_decay"]), "beta1": float(betas[0]),
-             "beta2": float(betas[1]), "eps": float(eps)}
+             "decay_steps": None if decay == steps else decay, "weight_decay": float(decay_group["weight_decay"]),
+             "beta1": float(betas[0]), "beta2": float(betas[1]), "eps": float(eps)}
     if run.get("clip_grad") is not None:
         optim["grad_clip"] = float(run["clip_grad"])
-    train = {"steps": int(run.get("train_iters") or decay), "global_batch_size": gbs}
+    train = {"steps": steps, "global_batch_size": gbs}
     if run.get("micro_batch_size"):
         train["micro_batch_size"] = int(run["micro_batch_size"])
     return optim, train
@@ -228,5 +229,5 @@ def mtrain_groups(optim: OptimConfig, step: int, steps: int) -> tuple[dict[str, 
     layer = torch.nn.Linear(2, 2)  # a matrix and a bias: one parameter of each group
     optimizer = build_optimizer(layer, optim)
     decay, no_decay = ({k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups)
-    lr = lr_at(step, optim, steps)
-    return decay | {"lr": lr}, no_decay | {"lr": lr}
+    lr = lr_at(max(step - 1, 0), optim, steps)  # mtrain's groups keep the LR of the last step taken (each step sets
+    return decay | {"lr": lr}, no_decay | {"lr": lr}  # its own), Megatron's the next step's

@@ -2,16 +2,17 @@
 
     python tests/support/megatron_lm/train.py SPEC_JSON
 
-SPEC_JSON is {"flags": [...], "steps": K, "out": FILE, "save": DIR or null, "load": DIR or null, "world": N}
-(N processes, 1 by default, spawned with gloo: a TP run's ranks; batches are the same on each). Megatron parses
-the flags (with `--load`: optimizer, scheduler and RNG state loaded too, unless the flags say otherwise), wraps
-the GPTModel in its DistributedDataParallel, builds its optimizer (get_megatron_optimizer: Adam, the distributed
-one with --use-distributed-optimizer) and its OptimizerParamScheduler, and runs K training steps from the loaded
-iteration (0 without --load): step i's batch depends on i alone (a seeded generator), so two runs that reach
-the same iteration see the same data. Each step is Megatron's: zero the grad buffers, forward with labels
-(per-token losses), mean, backward, finish_grad_sync, optimizer.step(), scheduler.step(global batch size).
-With "save", save_checkpoint writes the model, optimizer, scheduler and RNG state after the last step. FILE gets
-{"losses": [...], "iteration": last iteration} as JSON.
+SPEC_JSON is {"flags": [...], "steps": K, "out": FILE, "save": DIR or null, "load": DIR or null, "world": N,
+"tokens": FILE or null} (N processes, 1 by default, spawned with gloo: a TP run's ranks; batches are the same on
+each; "tokens": a torch.save'd {iteration: [global batch, 17] tokens} to train on at those iterations instead).
+Megatron parses the flags (with `--load`: optimizer, scheduler and RNG state loaded too, unless the flags say
+otherwise), wraps the GPTModel in its DistributedDataParallel, builds its optimizer (get_megatron_optimizer: Adam,
+the distributed one with --use-distributed-optimizer) and its OptimizerParamScheduler, and runs K training steps
+from the loaded iteration (0 without --load): step i's batch depends on i alone (a seeded generator, or "tokens"),
+so two runs that reach the same iteration see the same data. Each step is Megatron's: zero the grad buffers,
+forward with labels (per-token losses), mean, backward, finish_grad_sync, optimizer.step(),
+scheduler.step(global batch size). With "save", save_checkpoint writes the model, optimizer, scheduler and RNG
+state after the last step. FILE gets {"losses": [...], "iteration": last iteration} as JSON.
 Runs in the megatron-core 0.19 environment (scripts/megatron_envs.sh).
 """
 
@@ -128,8 +129,11 @@ def run(rank: int, spec_json: str, world: int) -> None:
     s = SEQ
     positions = torch.arange(s).expand(args.global_batch_size, s)
     causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    given = torch.load(spec["tokens"], weights_only=True) if spec.get("tokens") else {}
     for _ in range(spec["steps"]):
         tokens, labels = batch(iteration, args.vocab_size, args.global_batch_size)
+        if iteration in given:
+            tokens, labels = given[iteration][:, :-1].contiguous(), given[iteration][:, 1:].contiguous()
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
