@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from mconvert import engine
+from mconvert.errors import ConvertError
 from mconvert.io.dcp import DcpReader
+from mconvert.io.dcp_writer import DcpWriter
 from mconvert.options import Options
 from mtrain import checkpoint
 from mtrain.config import from_dict
@@ -29,6 +31,7 @@ from mtrain.optim import lr_at
 from mtrain.train import Trainer
 from tests.support.cli import run_cli, run_megatron
 from tests.support.corpus import build_corpus
+from tests.support.refusals import convert_refused
 from tests.support.training import tiny_config
 
 TS = Options(training_state=True)
@@ -42,7 +45,8 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 # rounding is within float32's 2^-24 relative, a mean of 32 per-token losses of ~5.5 through 2 layers of width 64
 # carries at most some hundreds of them, so the losses agree to ~1e-5 relative; 1e-4 (absolute, on ~5.5) leaves a
 # factor of 10 and still catches what a lost optimizer state does to the next step (a fresh Adam's first step
-# moves every weight by lr: the next loss moves by ~1e-2, measured in test_megatron_run_resumes_in_mtrain).
+# moves every weight by lr). Measured: Megatron -> mtrain 1 ulp apart (4.8e-7), mtrain -> Megatron equal; Megatron
+# resuming with --no-load-optim (a fresh Adam) moves the second loss by 4e-2, 400 times the bound.
 LOSS_BOUND = 1e-4
 
 
@@ -209,3 +213,93 @@ def test_mtrain_run_resumes_in_megatron(megatron, corpus, tmp_path):
     mtrain_losses = [result.losses[6], result.losses[7]]
     assert all(abs(a - b) <= LOSS_BOUND for a, b in zip(mtrain_losses, megatron_losses)), \
         (mtrain_losses, megatron_losses)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory, corpus) -> Path:
+    """An mtrain run saved after 3 steps (past its 2 warmup steps)."""
+    root = tmp_path_factory.mktemp("mtrain_run")
+    mtrain_run(tiny_config(corpus, train={"steps": 3}, checkpoint={"dir": str(root / "run")}))
+    return root / "run"
+
+
+def rewrite(run: Path, dst: Path, *, tensors=None, objects=None) -> Path:
+    """A copy of mtrain run `run` with its DCP entries edited: `tensors(dict)` / `objects(dict)` change {key: tensor}
+    and {key: value} in place."""
+    step = checkpoint.find_latest(run)
+    reader = DcpReader(step)
+    state = {k: reader.read(k).clone() for k in reader.tensors}
+    values = {k: reader.read_object(k) for k in reader.bytes_items}
+    (tensors or (lambda s: None))(state)
+    (objects or (lambda v: None))(values)
+    out = dst / step.name
+    with DcpWriter(out) as writer:
+        for k, t in state.items():
+            writer.add_chunk(k, t.shape, (0,) * t.dim(), t)
+        for k, v in values.items():
+            writer.add_object(k, v)
+        writer.finish()
+    shutil.copy(step / checkpoint.META_FILE, out / checkpoint.META_FILE)
+    (dst / checkpoint.LATEST_FILE).write_text(step.name + "\n")
+    return dst
+
+
+def test_refused_without_optimizer_state(saved_run, tmp_path):
+    """An mtrain checkpoint holding weights alone, and a core checkpoint converted without its optimizer."""
+    weights_only = rewrite(saved_run, tmp_path / "weights_only",
+                           tensors=lambda s: [s.pop(k) for k in list(s) if k.startswith("optimizer.")])
+    convert_refused(weights_only, tmp_path, "--training-state", "--ckpt-format", "torch_dist",
+                    culprits=("no optimizer state", "optimizer.state"))
+    run_cli("--saver", "core", "-q", "--load-dir", saved_run, "--save-dir", tmp_path / "core")
+    convert_refused(tmp_path / "core", tmp_path, "--training-state", saver="mtrain",
+                    culprits=("no optimizer state",))
+    convert_refused(saved_run, tmp_path, saver="mtrain", culprits=("--training-state", "mtrain finetune --load"))
+
+
+def test_refused_moments_that_do_not_match_the_weights(saved_run, tmp_path):
+    key = "optimizer.state.layers.1.mlp.down.weight.exp_avg_sq"
+    src = rewrite(saved_run, tmp_path / "shape", tensors=lambda s: s.update({key: torch.zeros(32, 65)}))
+    convert_refused(src, tmp_path, "--training-state", "--ckpt-format", "torch_dist",
+                    culprits=("exp_avg_sq of layers.1.mlp.down.weight", "[32, 65]", "[32, 64]"))
+    src = rewrite(saved_run, tmp_path / "missing", tensors=lambda s: s.pop("optimizer.state.final_norm.weight.exp_avg"))
+    convert_refused(src, tmp_path, "--training-state", "--ckpt-format", "torch_dist",
+                    culprits=("exp_avg", "final_norm.weight"))
+    extra = "optimizer.state.layers.7.attn.q.weight.exp_avg"
+    src = rewrite(saved_run, tmp_path / "extra", tensors=lambda s: s.update({extra: torch.zeros(32, 32)}))
+    convert_refused(src, tmp_path, "--training-state", "--ckpt-format", "torch_dist",
+                    culprits=(extra, "the model does not have"))
+
+
+def test_refused_other_number_of_param_groups(saved_run, tmp_path):
+    """One matrix with a learning rate of its own makes a third group; Megatron's optimizer has two."""
+    src = rewrite(saved_run, tmp_path / "groups",
+                  objects=lambda v: v.update({"optimizer.param_groups.layers.0.attn.q.weight.lr": 1.0}))
+    convert_refused(src, tmp_path, "--training-state", "--ckpt-format", "torch_dist",
+                    culprits=("3 param groups", "has 2"))
+
+
+def test_refused_inside_the_warmup(corpus, tmp_path):
+    """Step 1 of 2 warmup steps: Megatron's warmup ramp and mtrain's differ."""
+    mtrain_run(tiny_config(corpus, train={"steps": 1}, checkpoint={"dir": str(tmp_path / "run")}))
+    convert_refused(tmp_path / "run", tmp_path, "--training-state", "--ckpt-format", "torch_dist",
+                    culprits=("step 1", "inside the learning-rate warmup (2 steps)"))
+
+
+@pytest.mark.parametrize("change, culprits", [
+    (lambda s: s.scheduler.update(lr_decay_style="WSD"), ("decay style 'WSD'", "cosine")),
+    (lambda s: s.scheduler.update(num_steps=s.scheduler["num_steps"] + 1), ("num_steps=25", "whole number")),
+    (lambda s: s.run.update(optimizer="sgd"), ("optimizer 'sgd'", "AdamW")),
+    (lambda s: s.run.update(decoupled_weight_decay=False), ("--no-decoupled-weight-decay",)),
+    (lambda s: s.param_groups[0].update(lr_mult=2.0), ("lr_mult 2.0", "one schedule")),
+    (lambda s: s.scheduler.update(start_wd=0.0, wd_incr_style="linear", wd_incr_steps=10 ** 6), ("ramps",)),
+])
+def test_refused_settings_mtrain_lacks(saved_run, tmp_path, change, culprits):
+    """What Megatron can state and mtrain cannot is refused by name, with nothing written."""
+    ir = engine.load(saved_run, TS)
+    change(ir.training)
+    with pytest.raises(ConvertError) as e:
+        engine.save(ir, tmp_path / "out", TS, "mtrain")
+    assert all(c in str(e.value) for c in culprits), str(e.value)
+    assert not (tmp_path / "out").exists()
