@@ -81,8 +81,12 @@ def load(path: Path, options: Options) -> ModelIR:
     tensors = state_dict_adapter.to_ir(
         config, {name: lazy(name) for name in wanted},
         take=lambda t, e: t.map(lambda x, e=e: x[e].clone(), shape=t.shape[1:], origin=f"{t.origin}[{e}]"))
-    training = run_state.read(reader, step_dir, meta, config, tensors) if options.training_state else None
-    return ModelIR(config, tensors, _source(step_dir, meta), _assets(step_dir, options), training)
+    training, source = None, _source(step_dir, meta)
+    if options.training_state:
+        training = run_state.read(reader, step_dir, meta, config, tensors)
+        source.notes.append("training state: mtrain's RNG states are not carried (a Megatron run resumes it with "
+                            "--no-load-rng)")
+    return ModelIR(config, tensors, source, _assets(step_dir, options), training)
 
 
 def _assets(step_dir: Path, options: Options) -> dict[str, Path]:

@@ -80,8 +80,7 @@ def read(reader, step_dir, meta: dict, config: ModelConfig, weights: Mapping[str
     megatron = [_megatron_group(g, decays, optim, step, train["steps"]) | {"step": adam_step} for g, decays in groups]
     gbs = train["global_batch_size"]
     state = TrainingState(tensors, megatron, megatron_schedule(optim, train["steps"], gbs, step, where), step,
-                          meta["consumed_samples"], notes=["mtrain's RNG states are not carried (Megatron's are "
-                                                           "per model-parallel rank): resume with --no-load-rng"])
+                          meta["consumed_samples"])
     state.run = {"global_batch_size": gbs, "micro_batch_size": train["micro_batch_size"],
                  "train_iters": train["steps"], "clip_grad": optim.grad_clip, "optimizer": "adam",
                  "decoupled_weight_decay": True}
