@@ -84,6 +84,9 @@ def read(reader, step_dir, meta: dict, config: ModelConfig, weights: Mapping[str
     state.run = {"global_batch_size": gbs, "micro_batch_size": train["micro_batch_size"],
                  "train_iters": train["steps"], "clip_grad": optim.grad_clip, "optimizer": "adam",
                  "decoupled_weight_decay": True}
+    seq_len = (meta["config"].get("data") or {}).get("seq_len")
+    if isinstance(seq_len, int):
+        state.run["seq_length"] = seq_len
     state.check(dict(weights), where)
     state.check_groups(decay_groups(weights, {n: t.shape for n, t in weights.items()}),
                        "the model (with and without weight decay)", where)

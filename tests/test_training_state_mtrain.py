@@ -215,6 +215,26 @@ def test_mtrain_run_resumes_in_megatron(megatron, corpus, tmp_path):
         (mtrain_losses, megatron_losses)
 
 
+def test_megatron_bf16_run_in_mtrain(megatron, corpus, tmp_path):
+    """A bf16 Megatron run: mtrain's fp32 weights are Megatron's fp32 master weights (the bf16 weights are their
+    rounding, checked), its moments Megatron's; mtrain resumes it (one step, a finite loss near Megatron's scale)."""
+    bf16 = [*FLAGS, "--bf16"]
+    train(megatron["python"], tmp_path, "bf16", bf16, 2, save=tmp_path / "megatron")
+    out = run_cli("--training-state", "--saver", "mtrain", "--load-dir", tmp_path / "megatron", "--save-dir",
+                  tmp_path / "run")
+    assert "fp32 master weights" in out
+    core, run = engine.load(tmp_path / "megatron", TS), engine.load(tmp_path / "run", TS)
+    assert run.config.dtype == "float32" and "fp32_param" not in run.training.tensors
+    for name, t in core.tensors.items():
+        master = core.training.tensors["fp32_param"][name].load()
+        assert torch.equal(run.tensors[name].load(), master), name
+        assert torch.equal(master.bfloat16(), t.load()), name
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(run.training.tensors[m][name].load(), core.training.tensors[m][name].load())
+    result, _ = mtrain_run(resume_config(tmp_path / "run", corpus, 1))
+    assert list(result.losses) == [3] and 4.0 < result.losses[3] < 7.0  # ~log(256) = 5.5 after 2 steps
+
+
 # -- bad input ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
