@@ -13,8 +13,9 @@ the same layout's kernels give the same bits, so bound 0. Layouts are compared o
 PP2 differ in the last bits from the second resumed step on (at PP2 the tied embedding's two gradients are summed
 in fp32 across the stages; at PP1 autograd adds them in bf16 first), as TP1 and TP2 do.
 
-Three Megatron launches in all (one per world size and purpose), each running several layouts one after the
-other: the checkpoints (world 2), the resumptions at PP1 (world 1), the resumptions at PP2 and TP2 (world 2).
+Three Megatron launches (one per world size and purpose), each running several layouts one after the other:
+the checkpoints (world 2), the resumptions at PP1 (world 1), the resumptions at PP2 and TP2 (world 2); two more
+for virtual pipeline stages.
 """
 
 from __future__ import annotations
@@ -162,3 +163,28 @@ def test_stages_read_as_one_state(losses):
         for moment, tensors in first.tensors.items():
             for name, t in tensors.items():
                 assert torch.equal(t.load(), other.tensors[moment][name].load()), (moment, name)
+
+
+def test_virtual_pipeline_stages_resume_exactly(mcore_python, tmp_path):
+    """PP2 with two virtual stages each (4 layers, Megatron's interleaved schedule, 2 micro-batches): Megatron's
+    torch checkpoints (`model0`, `model1` per rank file; the plain optimizer's indices run across both chunks,
+    distrib_optim.pt holds one flat buffer per chunk) -> torch_dist -> torch at PP2 VPP2 again: resumed, the
+    losses of Megatron resuming its own checkpoint, both optimizers (the same layout: bound 0)."""
+    python = mcore_python("0.19")
+    flags = ["--num-layers", "4", *FLAGS[2:FLAGS.index("--micro-batch-size")], "--micro-batch-size", "1", "--seed",
+             "7", *PP2, "--num-layers-per-virtual-pipeline-stage", "1", *TORCH]
+    runs = {"plain": flags, "distrib": [*flags, *DISTRIBUTED]}
+    out = lambda name: str(tmp_path / f"{name}.json")  # noqa: E731
+    launch(python, [{"flags": f, "steps": STEPS, "out": out(n), "save": str(tmp_path / n)} for n, f in runs.items()], 2)
+    for name in runs:
+        run_cli("--saver", "core", "--training-state", "--ckpt-format", "torch_dist", "--load-dir", tmp_path / name,
+                "--save-dir", tmp_path / f"{name}_dist")
+        run_cli("--saver", "core", "--training-state", "--ckpt-format", "torch", "--pp", "2", "--vpp", "2",
+                "--load-dir", tmp_path / f"{name}_dist", "--save-dir", tmp_path / f"{name}_ours")
+    launch(python, [{"flags": [*f, *RESUME], "steps": MORE, "out": out(f"resumed_{n}{s}"),
+                     "load": str(tmp_path / f"{n}{s}")} for n, f in runs.items() for s in ("", "_ours")], 2)
+    found = {n: json.loads(Path(out(n)).read_text()) for n in
+             (f"resumed_{n}{s}" for n in runs for s in ("", "_ours"))}
+    assert all(r["iteration"] == STEPS + MORE for r in found.values())
+    for name in runs:
+        assert found[f"resumed_{name}_ours"]["losses"] == found[f"resumed_{name}"]["losses"], name

@@ -61,7 +61,9 @@ def init_parallel(args) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                             expert_model_parallel_size=args.expert_model_parallel_size)
+                                             args.virtual_pipeline_model_parallel_size,
+                                             expert_model_parallel_size=args.expert_model_parallel_size,
+                                             expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 

@@ -2,16 +2,21 @@
 
     python tests/support/megatron_lm/train.py SPEC_JSON
 
-SPEC_JSON is {"flags": [...], "steps": K, "out": FILE, "save": DIR or null, "load": DIR or null, "world": N}
-(N processes, 1 by default, spawned with gloo: a TP run's ranks; batches are the same on each). Megatron parses
-the flags (with `--load`: optimizer, scheduler and RNG state loaded too, unless the flags say otherwise), wraps
-the GPTModel in its DistributedDataParallel, builds its optimizer (get_megatron_optimizer: Adam, the distributed
-one with --use-distributed-optimizer) and its OptimizerParamScheduler, and runs K training steps from the loaded
-iteration (0 without --load): step i's batch depends on i alone (a seeded generator), so two runs that reach
-the same iteration see the same data. Each step is Megatron's: zero the grad buffers, forward with labels
-(per-token losses), mean, backward, finish_grad_sync, optimizer.step(), scheduler.step(global batch size).
+SPEC_JSON is {"flags": [...], "steps": K, "out": FILE, "save": DIR or null, "load": DIR or null, "world": N}, or
+a list of them (all of one world size, run one after the other in the same processes: one start-up for several
+layouts). N processes (1 by default) are spawned with gloo: a run's TP/PP/EP ranks; batches are the same on each.
+Megatron parses the flags (with `--load`: optimizer, scheduler and RNG state loaded too, unless the flags say
+otherwise), wraps the GPTModel (one stage's chunks with PP/VPP) in its DistributedDataParallel, builds its
+optimizer (get_megatron_optimizer: Adam, the distributed one with --use-distributed-optimizer, chained with the
+experts' own at EP > 1) and its OptimizerParamScheduler, and runs K training steps from the loaded iteration (0
+without --load): step i's batch depends on i alone (a seeded generator), so two runs that reach the same
+iteration see the same data. Each step is Megatron's: zero the grad buffers, forward with labels (per-token
+losses), mean, backward, finish_grad_sync, optimizer.step(), scheduler.step(global batch size). With PP > 1 the
+forward and backward are Megatron's own pipeline schedule (1F1B, interleaved with virtual stages; activations and
+gradients sent over gloo), global batch / micro batch micro-batches each of the whole batch, and
+finalize_model_grads (a tied embedding's two gradients summed across the stages).
 With "save", save_checkpoint writes the model, optimizer, scheduler and RNG state after the last step. FILE gets
-{"losses": [...], "iteration": last iteration} as JSON.
+{"losses": [...], "iteration": last iteration} as JSON, from the last stage's first rank.
 Runs in the megatron-core 0.19 environment (scripts/megatron_envs.sh).
 """
 
@@ -162,8 +167,10 @@ def train(rank: int, spec: dict) -> None:
                 out = chunk(tokens, positions, causal, labels=labels)
                 return out, lambda out: (out.float().mean(), {"loss": out.float().mean().detach()})
 
-            found = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=None, model=model,
-                                                num_microbatches=1, seq_length=s,
+            found = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=[None] * len(model),
+                                                model=model,
+                                                num_microbatches=args.global_batch_size // args.micro_batch_size,
+                                                seq_length=s,
                                                 micro_batch_size=args.global_batch_size, forward_only=False)
             loss = found[0]["loss"] if found else torch.zeros(())
         else:
