@@ -27,11 +27,14 @@ optimizer's distrib_optim.pt (two chained flat buffers) is refused by name.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from mconvert import engine
+from mconvert.io.torch_pickle import safe_load
 from mconvert.options import Options
 from tests.support.cli import run_cli, run_megatron
 from tests.support.refusals import convert_refused
@@ -148,3 +151,33 @@ def test_refused(losses, tmp_path):
     root = losses["root"]
     convert_refused(root / "ep2_fully", tmp_path, "--ckpt-format", "torch", "--training-state", "--ep", "2",
                     culprits=("--training-state", "chained", "torch_dist"))
+
+
+def edited(src: Path, dst: Path, edit) -> Path:
+    """Our torch_dist checkpoint `src` copied with its common.pt edited by `edit(common)` (its integrity.json left
+    out: the edit changes the file it vouches for)."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("integrity.json"))
+    common = next(dst.glob("iter_*")) / "common.pt"
+    state = safe_load(common, mmap=False)
+    edit(state)
+    torch.save(state, common)
+    return dst
+
+
+def test_refused_groups_not_the_models(losses, tmp_path):
+    """The experts' optimizer without its group, and an expert group flagged as dense: refused by name (what
+    Megatron would build for the layout the checkpoint's args give), nothing written."""
+    root = losses["root"]
+
+    def no_expert_group(common):
+        common["optimizer"][1]["optimizer"]["param_groups"] = []
+
+    def unflagged(common):
+        common["optimizer"][1]["optimizer"]["param_groups"][0]["is_expert_parallel"] = False
+
+    src = edited(root / "ep1_to_ep2", tmp_path / "no_group", no_expert_group)
+    convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
+                    culprits=("2 param groups", "dense and experts", "has 3"))
+    src = edited(root / "ep1_to_ep2", tmp_path / "unflagged", unflagged)
+    convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
+                    culprits=("0 of the optimizer's param groups are flagged is_expert_parallel", "has 1"))
