@@ -166,7 +166,9 @@ def edited(src: Path, dst: Path, edit) -> Path:
 
 def test_refused_groups_not_the_models(losses, tmp_path):
     """The experts' optimizer without its group, and an expert group flagged as dense: refused by name (what
-    Megatron would build for the layout the checkpoint's args give), nothing written."""
+    Megatron would build for the layout the checkpoint's args give), nothing written. And an expert group with
+    its own learning rate cannot go into EP1's one optimizer, whose groups serve dense and expert parameters
+    alike."""
     root = losses["root"]
 
     def no_expert_group(common):
@@ -181,3 +183,10 @@ def test_refused_groups_not_the_models(losses, tmp_path):
     src = edited(root / "ep1_to_ep2", tmp_path / "unflagged", unflagged)
     convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
                     culprits=("0 of the optimizer's param groups are flagged is_expert_parallel", "has 1"))
+
+    def own_lr(common):
+        common["optimizer"][1]["optimizer"]["param_groups"][0]["max_lr"] = 2e-3
+
+    src = edited(root / "ep1_to_ep2", tmp_path / "own_lr", own_lr)
+    convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
+                    culprits=("max_lr", "EP1", "one group must serve both"))
