@@ -20,9 +20,10 @@ megatron/training/checkpointing.py), checked by running 0.19.2 (tests/support/me
   for the dense parameters, one for those with `is_expert_parallel`, under the expert-data-parallel groups),
   chained (ChainedOptimizer). The common state's `optimizer` is then {0: dense, 1: experts}, each in the form
   above (its own param groups, each flagged `is_expert_parallel`; its own `common_step` or sharding type); the
-  tensor keys stay unprefixed (`chained_optim_avoid_prefix`, megatron-core 0.14+ for the model-space types). In
-  the IR the groups of both are one list, dense first; savers split it again by the flag. Keys prefixed
-  `chained_N.` (older saves, bucket-space types) are refused by name.
+  tensor keys stay unprefixed (`chained_optim_avoid_prefix`, megatron-core 0.14+ for the model-space types). At
+  EP1 with expert TP = TP the experts are ordinary parameters of the one optimizer. In the IR the groups of
+  all optimizers are one list, dense first; savers re-form them for the output's layout (`target_groups`). Keys
+  prefixed `chained_N.` (older saves, bucket-space types) are refused by name.
 - RNG: `rng_state/shard_{pp}.{tp}_{PP}.{TP}` (one per model-parallel rank, the rank's `rng_state` in a
   one-item list; in the IR {(tp, pp): rng_state}, what the `torch` format stores in each rank file), kept when
   the output has the same TP and PP, otherwise dropped with a note (Megatron then resumes with --no-load-rng).

@@ -13,7 +13,10 @@ optimizer/__init__.py's _get_param_groups), checked by running 0.19.2 (tests/sup
   split by the default override (`wd_mult` 0 for biases and 1-d parameters) and sorted with the group without
   override (weight decay) first; torch numbers the parameters of group 0, then group 1. The rank file's model
   entries (`model`, or `model0`, `model1`, ... with virtual stages) keep the same order, so index i is the i-th
-  parameter of those entries that goes into its group.
+  parameter of those entries that goes into its group. Each pipeline stage's file numbers its own parameters.
+- MoE models at EP > 1 (or expert TP other than TP): `optimizer` is the list of the chained optimizers' state
+  dicts, [dense, experts], each as above over its own parameters (the experts': `mlp.experts.*`, this EP rank's
+  local experts); the dense one is repeated in every EP rank's file. At EP1 there is one optimizer.
 
 The distributed optimizer (`--use-distributed-optimizer`) keeps only the param groups (with `step`) and the grad
 scaler in the rank file's `optimizer`; its per-parameter state is `distrib_optim.pt` beside it (save_parameter_state:
@@ -25,7 +28,9 @@ output layer shared between pipeline stages gets a bucket of its own; with --ove
 once they reach --ddp-bucket-size (default max(4e7, 1e6 x DP)) elements, in the first chunk only. Megatron
 lays the buffers out by the resuming run's flags, so what is written assumes a run without --overlap-grad-reduce
 (or with buckets larger than a chunk); the numbers the file holds are read in the layout its args record. The
-whole rank's flat buffers are built in memory to be written (3 x 4 bytes per parameter of the rank).
+whole rank's flat buffers are built in memory to be written (3 x 4 bytes per parameter of the rank). MoE models'
+distrib_optim.pt (a list of the chained optimizers' states, the dense one only in the file of its data-parallel
+rank 0) is refused by name.
 """
 
 from __future__ import annotations
