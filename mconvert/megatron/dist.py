@@ -481,9 +481,11 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     if options.training_state and backend != "torch_dist":
         raise ConvertError(f"--training-state: the core saver writes training state in --ckpt-format torch_dist "
                            f"only so far, not {backend}")
-    if layout.pp > 1 or layout.vpp > 1 or layout.ep > 1:
+    # The weights do not depend on EP, but an MoE run's optimizer does (its experts' own optimizer at EP > 1)
+    if layout.pp > 1 or layout.vpp > 1 or (layout.ep > 1 and not (options.training_state and c.is_moe)):
         raise ConvertError(f"--ckpt-format {backend} checkpoints do not depend on the pipeline or expert layout; "
-                           "drop --pp/--vpp/--ep (Megatron reshards them when it loads)")
+                           "drop --pp/--vpp/--ep (Megatron reshards them when it loads; with --training-state, "
+                           "an MoE model's --ep is the resuming run's)")
     core.check_model(c, options)
     padded, iteration, args = rank_files.core_args(ir, out, options)
     it_dir = out / core.iteration_dir(iteration)
@@ -530,7 +532,10 @@ def _training_state(ir: ModelIR, options: Options, iteration: int, args, common:
                     progress: Progress) -> dict[str, Any]:
     """The training state's share of the common state (and args); returns the RNG objects to store."""
     kind, rng = dist_optim.prepare(ir, options, iteration, args, progress)
-    entries, metadata = dist_optim.common_entries(ir.training, kind)
+    layout = options.layout
+    parallel = dist_optim.experts_parallel(ir.config, layout.tp, layout.ep, layout.expert_tp)
+    groups = dist_optim.target_groups(ir.training, ir.tensors, parallel)
+    entries, metadata = dist_optim.common_entries(ir.training, kind, groups)
     common.update(entries)
     common["content_metadata"].update(metadata)
     return dist_optim.rng_items(rng, options.layout.tp, options.layout.pp)
