@@ -109,8 +109,10 @@ def _fail_cleanly(func):
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Cast all weights (default: keep the source's).")
 @click.option("--bf16", "bf16", is_flag=True, help="Same as --dtype bf16.")
 @click.option("--fp16", "fp16", is_flag=True, help="Same as --dtype fp16.")
-@click.option("--make-vocab-size-divisible-by", type=POSITIVE, default=128, show_default=True,
-              help="Megatron pads the vocabulary to a multiple of this times TP.")
+@click.option("--make-vocab-size-divisible-by", type=POSITIVE,
+              help="Pad the vocabulary to a multiple of this times TP, as Megatron-LM does (128: its default "
+              "table). Default: no padding, unless the vocabulary is not a multiple of TP (the note says which "
+              "value Megatron-LM resumes with).")
 @click.option("--true-vocab-size", type=POSITIVE,
               help="Real vocabulary size of a padded (Megatron) source.")
 @click.option("--tokenizer", "--tokenizer-model", "tokenizer", type=click.Path(exists=True, path_type=Path),

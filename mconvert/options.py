@@ -27,7 +27,7 @@ class Options:
     expert_layout: ExpertLayout = "sequential"
     ckpt_format: CkptFormat = "torch"
     dtype: DType | None = None  # cast every tensor; None keeps the source dtype
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int | None = None  # None: pad nothing if TP allows (rules.transforms.vocab_divisor)
     true_vocab_size: int | None = None  # for sources that store only a padded vocabulary
     tokenizer: Path | None = None  # tokenizer files to carry into the output
     max_shard_size: int = 5 * 1024**3  # bytes per safetensors shard (HF savers)

@@ -138,16 +138,17 @@ def test_crafted_run_configs_are_refused_by_name(bridge_like, tmp_path, edit, ex
 
 
 def test_padding_recorded_so_bridge_builds_the_stored_rows(llama_dir, tmp_path):
-    """--tp 2 pads 300 rows to 512 (a multiple of 128 x 2); the run_config.yaml records should_pad_vocab and the
-    multiple 256, so Bridge at TP 1 (its export) builds 512 rows too (checked with Bridge itself while writing
-    this; its export then holds all 512 rows). Read back, the recorded rows are checked against the stored ones."""
-    it_dir = without_args(to_dist(llama_dir, tmp_path / "dist", "--tp", "2"))
+    """--tp 2 --make-vocab-size-divisible-by 128 pads 300 rows to 512 (a multiple of 128 x 2); the run_config.yaml
+    records should_pad_vocab, the divisor 128 and TP 2, so Megatron's formula (Bridge's too) gives the 512 rows
+    stored. Read back, the recorded rows are checked against the stored ones."""
+    it_dir = without_args(to_dist(llama_dir, tmp_path / "dist", "--tp", "2", "--make-vocab-size-divisible-by", "128"))
     model = yaml.safe_load((it_dir / "run_config.yaml").read_text())["model"]
-    assert (model["vocab_size"], model["should_pad_vocab"], model["make_vocab_size_divisible_by"]) == (300, True, 256)
+    assert (model["vocab_size"], model["should_pad_vocab"], model["make_vocab_size_divisible_by"],
+            model["tensor_model_parallel_size"], model["pipeline_model_parallel_size"]) == (300, True, 128, 2, 1)
     assert engine.load(tmp_path / "dist", Options()).config.padded_vocab_size == 512
     text = (it_dir / "run_config.yaml").read_text()
-    (it_dir / "run_config.yaml").write_text(text.replace("make_vocab_size_divisible_by: 256",
-                                                         "make_vocab_size_divisible_by: 128"))
+    (it_dir / "run_config.yaml").write_text(text.replace("make_vocab_size_divisible_by: 128",
+                                                         "make_vocab_size_divisible_by: 64"))
     error = run_cli("inspect", tmp_path / "dist", expect_error=True)
     assert "run_config.yaml: vocab_size 300 (should_pad_vocab, make_vocab_size_divisible_by) makes 384 embedding " \
            "rows, the checkpoint stores 512" in error
@@ -166,7 +167,7 @@ def test_no_args_and_no_run_config_is_one_error(bridge_like, tmp_path):
     (out / "iter_0000001" / "run_config.yaml").unlink()
     error = run_cli("inspect", out, expect_error=True)
     assert "the common state has no 'args' and there is no run_config.yaml (Megatron-Bridge) or " \
-           "context/model.yaml (NeMo 2)" in error
+           "context/model.yaml or io.json (NeMo 2)" in error
 
 
 def nemo2(bridge_like: Path, tmp_path: Path, target: str = NEMO_LLAMA) -> Path:
@@ -208,9 +209,164 @@ def test_nemo2_refusals(bridge_like, tmp_path):
     convert_refused(out, tmp_path, culprits=("context/model.yaml", "model _target_ 'subprocess.Popen' is not a "
                                              "provider mconvert maps by name"))
     (out / "context" / "model.yaml").unlink()
-    (out / "context" / "io.json").write_text(json.dumps({"root": {"type": {"name": "LlamaModel"}}}))
     refused(run_cli("inspect", out, expect_error=True),
-            "io.json but no context/model.yaml: mconvert reads the model config from model.yaml only")
+            "neither context/model.yaml nor context/io.json: cannot tell the model shape")
+
+
+def test_nemo2_model_yaml_relying_on_class_defaults(bridge_like, tmp_path):
+    """NeMo records only the arguments a config class was given; what its class fixes by default is not in the
+    file, and mconvert does not import NeMo to learn it: the missing fields are named."""
+    out = nemo2(bridge_like, tmp_path)
+    path = out / "context" / "model.yaml"
+    top = yaml.safe_load(path.read_text())
+    for field in ("normalization", "gated_linear_unit", "rotary_base"):
+        del top["config"][field]
+    path.write_text(yaml.safe_dump(top))
+    convert_refused(out, tmp_path, culprits=("context/model.yaml", f"{NEMO_LLAMA} leaves normalization, "
+                                             "gated_linear_unit, rotary_base to the class's defaults"))
+
+
+# ---- NeMo 2's context/io.json: fiddle's JSON serialization, read as data ---------------------------------------
+
+def pyref(path: str) -> dict:
+    module, name = path.rsplit(".", 1)
+    return {"type": "pyref", "module": module, "name": name}
+
+
+class Fiddle:
+    """Writes a model.yaml-style config as NeMo 2 writes context/io.json: root TrainerContext -> model -> config,
+    each a fiddle Config whose metadata names the class it builds; lists are objects of their own."""
+
+    def __init__(self):
+        self.objects: dict = {}
+
+    def add(self, key: str, obj: dict) -> dict:
+        self.objects[key] = obj
+        return {"type": "ref", "key": key}
+
+    def config(self, key: str, target: str, fields: dict) -> dict:
+        meta = self.add(f"{key}_meta", {"type": pyref("fiddle.config.BuildableTraverserMetadata"), "metadata": None,
+                                        "items": [["Attr(name='fn_or_cls')", pyref(target)]]})
+        items = [[f"Attr(name='{k}')", self.value(f"{key}_{k}", v)] for k, v in fields.items()]
+        return self.add(key, {"type": pyref("fiddle._src.config.Config"), "items": items, "metadata": meta})
+
+    def value(self, key: str, v):
+        if isinstance(v, dict) and v.get("type") == "ref":  # already written
+            return v
+        if isinstance(v, dict) and set(v) == {"_target_", "_call_"}:
+            return pyref(v["_target_"])
+        if isinstance(v, dict):
+            return self.config(key, v["_target_"], {k: x for k, x in v.items() if k != "_target_"})
+        if isinstance(v, list):
+            return self.add(key, {"type": pyref("builtins.list"), "metadata": None,
+                                  "items": [[f"Index(index={i})", self.value(f"{key}_{i}", x)]
+                                            for i, x in enumerate(v)]})
+        return {"type": "leaf", "value": v, "paths": ["<root>"]}
+
+    def dump(self, config: dict) -> dict:
+        fields = {k: v for k, v in config.items() if k != "_target_"}
+        model = self.config("llama_model_1", "nemo.collections.llm.gpt.model.llama.LlamaModel",
+                            {"config": {"_target_": config["_target_"], **fields}})
+        root = self.config("trainer_context_1", "nemo.lightning.io.pl.TrainerContext", {"model": model})
+        return {"root": root, "objects": self.objects, "refcounts": {}, "version": "0.0.1"}
+
+
+def nemo2_io(bridge_like: Path, tmp_path: Path, edit=lambda graph: graph) -> Path:
+    """The tiny Llama as NeMo 2 with context/io.json only (`edit` may change the serialized graph)."""
+    out = nemo2(bridge_like, tmp_path)
+    config = yaml.safe_load((out / "context" / "model.yaml").read_text())["config"]
+    (out / "context" / "model.yaml").unlink()
+    (out / "context" / "io.json").write_text(json.dumps(edit(Fiddle().dump(config))))
+    return out
+
+
+def test_nemo2_reads_its_config_from_io_json(bridge_like, llama_dir, tmp_path):
+    out = nemo2_io(bridge_like, tmp_path)
+    assert "config=context/io.json" in run_cli("inspect", out)
+    same_model(llama_dir, out)
+
+
+def config_object(graph: dict) -> dict:
+    return graph["objects"]["llama_model_1_config"]
+
+
+def set_item(obj: dict, name: str, value) -> dict:
+    obj["items"] = [i for i in obj["items"] if i[0] != f"Attr(name='{name}')"] + [[f"Attr(name='{name}')", value]]
+    return obj
+
+
+def io_edit(fn):
+    def edit(graph):
+        fn(graph)
+        return graph
+    return edit
+
+
+def chain(length: int) -> dict:
+    """A model config whose num_layers is a list inside a list ... `length` deep, each an object of its own."""
+    objects = {"l0": {"type": pyref("builtins.list"), "items": [], "metadata": None}}
+    for i in range(1, length):
+        objects[f"l{i}"] = {"type": pyref("builtins.list"), "metadata": None,
+                            "items": [["Index(index=0)", {"type": "ref", "key": f"l{i - 1}"}]]}
+    return objects
+
+
+def deep_refs(graph: dict) -> dict:
+    graph["objects"] |= chain(50_000)
+    set_item(config_object(graph), "num_layers", {"type": "ref", "key": "l49999"})
+    return graph
+
+
+CRAFTED_IO = [
+    (io_edit(lambda g: g["objects"]["llama_model_1_config_meta"]["items"].__setitem__(
+        0, ["Attr(name='fn_or_cls')", pyref("mconvert_pwn_mark.Config")])),
+     "model _target_ 'mconvert_pwn_mark.Config' is not a provider mconvert maps by name"),
+    (io_edit(lambda g: set_item(config_object(g), "activation_func", pyref("os.system"))),
+     "model.activation_func names _target_ 'os.system', which is refused"),
+    (io_edit(lambda g: set_item(config_object(g), "ffn_hidden_size", {"type": "ref", "key": "llama_model_1_config"})),
+     "object 'llama_model_1_config' contains itself"),
+    (io_edit(lambda g: set_item(config_object(g), "num_layers", {"type": "ref", "key": "nowhere"})),
+     "reference to an object 'nowhere' the file does not hold"),
+    (io_edit(lambda g: config_object(g).__setitem__("items", [
+        i for i in config_object(g)["items"] if i[0] not in ("Attr(name='normalization')",
+                                                             "Attr(name='num_query_groups')")])),
+     f"{NEMO_LLAMA} leaves num_query_groups, normalization to the class's defaults"),
+    (io_edit(lambda g: g["objects"]["llama_model_1"]["items"].clear()),
+     "root.model (nemo.collections.llm.gpt.model.llama.LlamaModel) has no 'config' argument"),
+    (io_edit(lambda g: set_item(g["objects"]["llama_model_1"], "config", {"type": "leaf", "value": 3})),
+     "root.model.config is not a config object"),
+    (io_edit(lambda g: g["objects"]["llama_model_1_config"].__setitem__("type", pyref("builtins.dict"))),
+     "object 'llama_model_1_config': item \"Attr(name='activation_func')\" is not a key"),
+    (io_edit(lambda g: g.pop("objects")), "not a fiddle serialization"),
+    (deep_refs, "objects nested too deeply for a run's config"),
+]
+
+
+@pytest.mark.parametrize(("edit", "expected"), CRAFTED_IO, ids=["unknown-class", "os.system", "cycle",
+                                                                 "dangling", "class-defaults", "no-config",
+                                                                 "not-a-config", "not-a-dict", "not-fiddle",
+                                                                 "deep-refs"])
+def test_crafted_io_json_refused_by_name_and_never_imported(bridge_like, tmp_path, monkeypatch, edit, expected):
+    """Every class io.json names stays a name: a module on the path that would leave a mark when imported is named
+    as the model's class and refused, and the mark is never made."""
+    mark = tmp_path / "imported"
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "mconvert_pwn_mark.py").write_text(f"open({str(mark)!r}, 'w').close()\nclass Config: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    out = nemo2_io(bridge_like, tmp_path, edit)
+    convert_refused(out, tmp_path, culprits=("context/io.json", expected))
+    assert not mark.exists()
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("{", "not valid JSON"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("[1, 2]", "not a fiddle serialization"),
+])
+def test_io_json_that_is_not_a_serialized_graph(bridge_like, tmp_path, text, expected):
+    out = nemo2_io(bridge_like, tmp_path)
+    (out / "context" / "io.json").write_text(text)
+    convert_refused(out, tmp_path, culprits=("context/io.json", expected))
 
 
 # ---- with Megatron-Bridge itself --------------------------------------------------------------------------------
@@ -225,12 +381,43 @@ def bridge(*args: str | Path, cwd: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def test_bridge_exports_our_torch_dist_bit_for_bit(llama_dir, tmp_path):
-    """Bridge's AutoBridge.export_ckpt of our plain torch_dist output (no padding: Bridge exports every row it
-    holds) gives back the HF model's tensors."""
-    to_dist(llama_dir, tmp_path / "dist", "--make-vocab-size-divisible-by", "1")
-    bridge("export", tmp_path / "dist", llama_dir, tmp_path / "exported", cwd=tmp_path)
-    assert_same_files(llama_dir, tmp_path / "exported")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bridge_exports_our_torch_dist_bit_for_bit(tp, tmp_path):
+    """Bridge's AutoBridge.export_ckpt of our plain torch_dist output (the default: no vocabulary padding, 1000
+    rows being a multiple of TP; Bridge exports every row it holds) gives back the HF model's tensors. Megatron-LM's
+    classic divisor would have padded 1000 to 1024 (TP 1) or 1024 (TP 2): args record the divisor that pads
+    nothing, 8 at TP 1 and 4 at TP 2."""
+    src = make_hf_model(tmp_path / "hf", "llama", vocab_size=1000, seed=5)
+    it_dir = to_dist(src, tmp_path / "dist", "--tp", str(tp))
+    args = safe_load(it_dir / "common.pt", mmap=False)["args"]
+    assert (args.padded_vocab_size, args.make_vocab_size_divisible_by) == (1000, 8 // tp)
+    model = yaml.safe_load((it_dir / "run_config.yaml").read_text())["model"]
+    assert (model["vocab_size"], model["should_pad_vocab"], model["make_vocab_size_divisible_by"]) == \
+        (1000, False, 8 // tp)
+    bridge("export", tmp_path / "dist", src, tmp_path / "exported", cwd=tmp_path)
+    assert_same_files(src, tmp_path / "exported")
+
+
+@pytest.mark.parity
+def test_bridge_trains_from_our_torch_dist(tmp_path):
+    """Bridge's own training entry (finetune(), tests/support/bridge/driver.py `train`: gloo, CPU stand-ins) loads
+    our default torch_dist output and trains 2 steps on its mock data with finite losses; the first step's
+    per-token losses (before any update) are those of our reader's model (mtrain, loaded by mconvert) on the same
+    batch. Bound: both run the same float32 weights through other implementations of the same operations, so
+    logits agree to ~1e-6 (below 1e-5, as for megatron-core in tests/test_megatron019_loads_ours.py); a token's
+    cross entropy logsumexp(z) - z_label moves by at most 2 max|dz| = 2e-5, plus its own float32 rounding
+    (~1e-6 at a loss of ~7): 3e-5. A wrong row, norm or rotary setting moves losses by > 1e-3."""
+    src = make_hf_model(tmp_path / "hf", "llama", vocab_size=1000, seed=5)
+    to_dist(src, tmp_path / "dist")
+    bridge("train", tmp_path / "dist", src, tmp_path / "steps.pt", cwd=tmp_path)
+    steps = torch.load(tmp_path / "steps.pt", weights_only=True)
+    assert len(steps) == 2 and all(torch.isfinite(step["losses"]).all() for step in steps)
+    first = steps[0]
+    assert first["losses"].shape == first["tokens"].shape == (2, 16) and bool(first["loss_mask"].all())
+    with torch.no_grad():
+        logits = load_model(tmp_path / "dist")[0](first["tokens"])
+    ours = torch.nn.functional.cross_entropy(logits.transpose(1, 2).double(), first["labels"], reduction="none")
+    torch.testing.assert_close(first["losses"].double(), ours, atol=3e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])

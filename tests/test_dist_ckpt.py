@@ -80,7 +80,8 @@ def test_torch_to_dist_to_torch_reshards(fmt, llama_dir, tmp_path):
 
 
 def test_torch_dist_layout_is_megatrons(tmp_path):
-    run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", LLAMA / "hf", "--save-dir", tmp_path / "d")
+    run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--make-vocab-size-divisible-by", "128", "--load-dir",
+            LLAMA / "hf", "--save-dir", tmp_path / "d")  # padded as Megatron-LM pads
     from mconvert.io.dcp import DcpReader
 
     ours, theirs = DcpReader(tmp_path / "d" / "iter_0000001"), DcpReader(LLAMA / "torch_dist" / "iter_0000001")
@@ -110,7 +111,7 @@ def test_torch_dist_layout_is_megatrons(tmp_path):
 @pytest.mark.parametrize("tp,reference", [(1, "core_tp1pp1"), (2, "core_tp2pp2")])
 def test_megatron_core_loads_our_torch_dist(tp, reference, tmp_path, mcore_python):
     run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--tp", str(tp), "--load-dir", LLAMA / "hf",
-            "--save-dir", tmp_path / "d")
+            "--save-dir", tmp_path / "d", "--make-vocab-size-divisible-by", "128")  # Megatron's padding, as theirs
     helper = SCRIPTS / "mcore_load.py"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([mcore_python("0.16"), "-m", "torch.distributed.run", "--standalone",

@@ -39,7 +39,7 @@ def rewrite(path, edit):
 @pytest.fixture(scope="module")
 def gpt2_legacy(gpt2_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("legacy") / "tp2pp2"
-    to_legacy(gpt2_dir, out, "--tp", "2", "--pp", "2")
+    to_legacy(gpt2_dir, out, "--tp", "2", "--pp", "2", "--make-vocab-size-divisible-by", "128")  # padded: 300 -> 512
     return out
 
 
@@ -95,7 +95,7 @@ def test_megatron_core_fixture_to_legacy_and_back(tmp_path):
     run_cli("--loader", "core", "--saver", "legacy", "--tp", "1", "--pp", "4", "--load-dir", llama / "core_tp2pp2",
             "--save-dir", tmp_path / "legacy")
     run_cli("--loader", "legacy", "--saver", "core", "--tp", "2", "--pp", "2", "--load-dir", tmp_path / "legacy",
-            "--save-dir", tmp_path / "core")
+            "--save-dir", tmp_path / "core", "--make-vocab-size-divisible-by", "128")  # Megatron-LM's padding
     want = ir_tensors(llama / "hf")
     assert_same_tensors(want, ir_tensors(tmp_path / "legacy"))
     assert_same_tensors(want, ir_tensors(tmp_path / "core"))
@@ -257,7 +257,7 @@ def test_vocab_padding_and_true_vocab(gpt2_dir, gpt2_legacy, tmp_path):
 def test_gpt2_bpe_vocab_is_assumed_when_unrecorded(tmp_path):
     """Megatron's own GPT-2 runs store only the padded size; GPT2BPETokenizer has 50257 tokens (a shown note)."""
     src = make_hf_model(tmp_path / "src", "gpt2", seed=8, n_layer=1, n_embd=8, n_head=2, vocab_size=50257)
-    to_legacy(src, tmp_path / "legacy")
+    to_legacy(src, tmp_path / "legacy", "--make-vocab-size-divisible-by", "128")  # 50257 -> 50304, as Megatron-LM
     rewrite(rank_file(tmp_path / "legacy", "mp_rank_00"), lambda s: (delattr(s["args"], "vocab_size"),
                                                                       delattr(s["args"], "orig_vocab_size")))
     shutil.rmtree(next((tmp_path / "legacy").glob("*/tokenizer")))  # nothing else to tell the size

@@ -34,7 +34,7 @@ def test_written_structure_is_what_megatron_and_converters_read(gpt2_dir, tmp_pa
         "num_attention_heads", "ffn_hidden_size", "tokenizer_type", "openai_gelu", "bias_gelu_fusion",
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "use_legacy_models", "seq_length",
         "position_embedding_type", "normalization", "add_bias_linear", "untie_embeddings_and_output_weights")} == {
-        "padded_vocab_size": 384, "orig_vocab_size": 300, "max_position_embeddings": 128, "hidden_size": 64,
+        "padded_vocab_size": 300, "orig_vocab_size": 300, "max_position_embeddings": 128, "hidden_size": 64,
         "num_layers": 4, "num_attention_heads": 4, "ffn_hidden_size": 256, "tokenizer_type": "GPT2BPETokenizer",
         "openai_gelu": True, "bias_gelu_fusion": False, "tensor_model_parallel_size": 1,
         "pipeline_model_parallel_size": 1, "use_legacy_models": True, "seq_length": 128,
@@ -115,7 +115,7 @@ def test_third_party_fixture_matches_its_hf_source(name, tmp_path):
 def test_we_write_what_the_third_party_script_writes(name, layout, tmp_path):
     """Same rank files, same nested keys, same tensors; ours adds what Megatron needs (iteration, full args) and
     leaves out their PP-1 copy of the embedding for the head (Megatron writes that copy only at PP > 1)."""
-    to_legacy(GPT2 / "hf", tmp_path / "ours", *layout)
+    to_legacy(GPT2 / "hf", tmp_path / "ours", *layout, "--make-vocab-size-divisible-by", "128")  # padded as theirs
     ours, theirs = tmp_path / "ours" / "iter_0000001", GPT2 / name / "release"
     assert sorted(p.name for p in ours.iterdir() if p.name != "tokenizer") == sorted(p.name for p in theirs.iterdir())
     for d in sorted(theirs.iterdir()):

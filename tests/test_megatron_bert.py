@@ -30,10 +30,10 @@ TINY_BERT = dict(family="megatron_bert", num_layers=2, hidden_size=32, ffn_hidde
 
 
 @pytest.mark.parametrize("binary_head, layout", [
-    (True, ["--tp", "2", "--pp", "2"]),
+    (True, ["--tp", "2", "--pp", "2", "--make-vocab-size-divisible-by", "128"]),  # padded: 300 -> 512 rows
     (False, ["--tp", "1", "--pp", "2", "--vpp", "2", "--transformer-impl", "te"]),
     (True, ["--tp", "2", "--pp", "1", "--transformer-impl", "te"]),
-    (True, ["--ckpt-format", "torch_dist", "--transformer-impl", "te"]),
+    (True, ["--ckpt-format", "torch_dist", "--transformer-impl", "te", "--make-vocab-size-divisible-by", "128"]),
     (False, ["--ckpt-format", "torch_dist"]),
 ])
 def test_hf_megatron_bert_round_trips_through_core(tmp_path, binary_head, layout):

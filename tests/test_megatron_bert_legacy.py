@@ -34,7 +34,8 @@ def test_legacy_bert_layout_and_migration_to_core(bert_dir, tmp_path):
     """HF -> legacy TP2 PP2 -> core -> HF, bit for bit. The last stage nests as Megatron's legacy BertModel saves
     it: `lm_head` (flat: dense, layernorm, the output bias split over TP) and `binary_head` beside
     `language_model`, whose pooler is flat too; and it keeps `word_embeddings_for_head` (the tied output layer)."""
-    run_cli("--saver", "legacy", "--tp", "2", "--pp", "2", "--load-dir", bert_dir, "--save-dir", tmp_path / "legacy")
+    run_cli("--saver", "legacy", "--tp", "2", "--pp", "2", "--make-vocab-size-divisible-by", "128", "--load-dir",
+            bert_dir, "--save-dir", tmp_path / "legacy")
     last = safe_load(rank_file(tmp_path / "legacy", "mp_rank_01_001"), mmap=False)
     model = last["model"]
     assert sorted(model) == ["binary_head", "language_model", "lm_head", "word_embeddings_for_head"]

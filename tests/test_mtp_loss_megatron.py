@@ -126,10 +126,11 @@ def test_megatron_weighs_module_m_by_the_mask_of_its_target(tmp_path, mcore_pyth
 
 
 def test_megatron_scores_the_padded_vocabulary(tmp_path):
-    """With the default padding (300 -> 384 rows, mconvert's padded rows copies of the last real one, as
-    Megatron's tools pad) Megatron's cross entropy runs over all 384 logits: its losses are mtrain's with 84 more
-    copies of the last real logit in the softmax; mtrain scores the real vocabulary only. The losses of a
-    converted checkpoint trained by Megatron therefore start higher than mtrain's (0.24 here), by design."""
+    """With Megatron-LM's padding (--make-vocab-size-divisible-by 128: 300 -> 384 rows, mconvert's padded rows
+    copies of the last real one, as Megatron's tools pad) Megatron's cross entropy runs over all 384 logits: its
+    losses are mtrain's with 84 more copies of the last real logit in the softmax; mtrain scores the real
+    vocabulary only. The losses of a checkpoint converted with that padding and trained by Megatron therefore
+    start higher than mtrain's (0.24 here), by design."""
     from mtrain.inference import load_model
 
     core = convert(make_deepseek(tmp_path / "hf", seed=34, mtp=1), tmp_path / "core", "torch", divisible_by=128)

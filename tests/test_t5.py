@@ -100,7 +100,8 @@ def test_megatron_reads_our_tp2_t5_with_its_own_tensor_parallelism(t5_written, m
     leaves a factor 10, while a wrongly split tensor (heads, [k ; v] pairs, vocabulary) moves logits by > 1e-2."""
     run_cli("-q", "--saver", "legacy", "--tp", "2", "--load-dir", t5_written / "t5_tied", "--save-dir",
             tmp_path / "legacy")
-    run_cli("-q", "--saver", "core", "--tp", "2", "--load-dir", tmp_path / "legacy", "--save-dir", tmp_path / "tp2")
+    run_cli("-q", "--saver", "core", "--tp", "2", "--make-vocab-size-divisible-by", "128", "--load-dir",
+            tmp_path / "legacy", "--save-dir", tmp_path / "tp2")  # padded as Megatron-LM pads, split over 2 ranks
     shutil.copy(t5_written / "t5_tied.pt", tmp_path / "tp2.pt")
     _megatron_logits(mcore_python("0.19"), "load_tp", {"load": str(tmp_path / "tp2"), "out": str(tmp_path / "tp2.pt"),
                                                        "vocab": VOCAB, "tp": 2})

@@ -61,7 +61,8 @@ def pad_vocab(padded: int):
 
 
 def test_a_correct_conversion_passes_exactly(llama_dir, tmp_path):
-    run_cli("--saver", "core", "--tp", "2", "--pp", "2", "--load-dir", llama_dir, "--save-dir", tmp_path / "core")
+    run_cli("--saver", "core", "--tp", "2", "--pp", "2", "--make-vocab-size-divisible-by", "128", "--load-dir",
+            llama_dir, "--save-dir", tmp_path / "core")  # padded as Megatron-LM pads: 300 -> 512 rows
     out = run_cli("verify", llama_dir, tmp_path / "core", "--per-layer")
     assert "A: " in out and "(llama_mistral (Hugging Face), float32, run by mtrain)" in out
     assert "(core (Megatron torch), float32, run by mtrain)" in out

@@ -29,6 +29,7 @@ import yaml
 
 from mconvert.errors import ConvertError
 from mconvert.megatron.arguments import EXTRAS_ARG
+from mconvert.megatron.nemo_io import read_io_json
 
 RUN_CONFIG = "run_config.yaml"
 NEMO_MODEL_YAML = Path("context") / "model.yaml"
@@ -130,22 +131,40 @@ def bridge_model(path: Path) -> dict[str, Any]:
     return model
 
 
-def nemo_model(ckpt: Path) -> dict[str, Any]:
-    """The model config (`config:` of the model) of a NeMo 2 checkpoint, from context/model.yaml."""
+def nemo_model(ckpt: Path) -> tuple[dict[str, Any], Path]:
+    """The model config (`config:` of the model) of a NeMo 2 checkpoint and the file it came from:
+    context/model.yaml, else context/io.json read as data (mconvert.megatron.nemo_io)."""
     path = ckpt / NEMO_MODEL_YAML
-    if not path.is_file():
-        if (ckpt / NEMO_IO_JSON).is_file():
-            raise ConvertError(f"{ckpt}: NeMo 2 checkpoint with {NEMO_IO_JSON} but no {NEMO_MODEL_YAML}: mconvert "
-                               "reads the model config from model.yaml only (io.json is a serialized object graph; "
-                               "it is not interpreted)")
-        raise ConvertError(f"{ckpt}: no {NEMO_MODEL_YAML}: cannot tell the model shape")
-    top = read_yaml(path)
-    model = top.get("config")
-    if not isinstance(model, dict):
-        raise ConvertError(f"{path}: no 'config:' mapping (the model config NeMo 2 saves)")
+    if path.is_file():
+        model = read_yaml(path).get("config")
+        if not isinstance(model, dict):
+            raise ConvertError(f"{path}: no 'config:' mapping (the model config NeMo 2 saves)")
+    elif (ckpt / NEMO_IO_JSON).is_file():
+        path = ckpt / NEMO_IO_JSON
+        model = read_io_json(path, MAX_CONFIG_BYTES)
+    else:
+        raise ConvertError(f"{ckpt}: neither {NEMO_MODEL_YAML} nor {NEMO_IO_JSON}: cannot tell the model shape")
     _check_provider(model, path, lambda t: bool(NEMO_CONFIGS.fullmatch(t)) or t in PROVIDERS,
                     "NeMo 2 GPT, Llama, Qwen, Mixtral, Mistral and DeepSeek configs")
-    return model
+    _check_stated(model, path)
+    return model, path
+
+
+# What a NeMo 2 config class fixes by its defaults when the file leaves a field out; the defaults live in NeMo's
+# code, which mconvert does not import, so each must be stated.
+STATED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+          "normalization", "layernorm_epsilon", "activation_func", "gated_linear_unit", "position_embedding_type",
+          "add_bias_linear", "share_embeddings_and_output_weights", "seq_length")
+
+
+def _check_stated(model: dict[str, Any], path: Path) -> None:
+    missing = [f for f in STATED if f not in model]
+    if model.get("position_embedding_type", "rope") == "rope" and "rotary_base" not in model:
+        missing.append("rotary_base")
+    if missing:
+        raise ConvertError(f"{path}: {model['_target_']} leaves {', '.join(missing)} to the class's defaults (NeMo "
+                           "records only the arguments a config was given); mconvert does not import NeMo to learn "
+                           "them: add them to the file")
 
 
 def _check_provider(model: dict, path: Path, allowed, what: str) -> None:
@@ -228,9 +247,10 @@ GPT_PROVIDER = f"{BRIDGE}gpt_provider.GPTModelProvider"
 MLA_PROVIDER = f"{BRIDGE}mla_provider.MLAModelProvider"
 MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mscale",
             "mscale_all_dim", "beta_fast", "beta_slow", "original_max_position_embeddings")
-# Megatron-LM's parallel sizes are the writing run's; Bridge loads with its own (export: all 1)
-NOT_WRITTEN = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-               "make_vocab_size_divisible_by")
+# Written below from the vocabulary padding. The parallel sizes are the writing run's, as Bridge records its own:
+# its checkpoint loading compares them with the loading run's (checkpointing.py, for the RNG state) and its
+# export loads at TP 1, PP 1, EP 1 whatever they say (model_load_save.py).
+NOT_WRITTEN = ("make_vocab_size_divisible_by",)
 LAYER_SPECS = {"local": f"{BRIDGE}gpt_provider.local_layer_spec", "te": f"{BRIDGE}gpt_provider.default_layer_spec"}
 
 
@@ -238,10 +258,10 @@ def run_config(args: argparse.Namespace, impl: str) -> dict[str, Any]:
     """The run_config.yaml Megatron-Bridge reads for a checkpoint with these Megatron-LM `args`.
 
     The vocabulary: Bridge builds `vocab_size` rows, padded (should_pad_vocab) to a multiple of
-    make_vocab_size_divisible_by x its tensor-parallel size. The rows stored are Megatron-LM's padding for the
-    writing run's TP, so the multiple recorded is divisible_by x that TP, and Bridge at TP 1 (its export) builds
-    exactly the stored rows. Bridge's export writes every row it holds: only an unpadded vocabulary
-    (`--make-vocab-size-divisible-by 1`, or a vocabulary that is already a multiple) gives back the HF model.
+    make_vocab_size_divisible_by x its tensor-parallel size, Megatron-LM's formula: the divisor and the writing
+    run's TP are recorded, so that formula gives the stored rows. Bridge's export writes every row it holds: only
+    an unpadded vocabulary (mconvert's default wherever the vocabulary is a multiple of TP) gives back the HF
+    model. A padded one exports only when written at TP 1 (the export loads at TP 1 and pads for it).
     """
     a = vars(args)
     mla = bool(a.get("multi_latent_attention"))
@@ -261,9 +281,8 @@ def run_config(args: argparse.Namespace, impl: str) -> dict[str, Any]:
     model |= {"params_dtype": {"_target_": dtype, "_call_": False}, "bf16": bool(a.get("bf16")),
               "fp16": bool(a.get("fp16"))}
     padded, vocab = int(a["padded_vocab_size"]), int(a["vocab_size"])
-    multiple = int(a.get("make_vocab_size_divisible_by") or 1) * int(a.get("tensor_model_parallel_size") or 1)
     model |= {"vocab_size": vocab, "should_pad_vocab": padded != vocab,
-              "make_vocab_size_divisible_by": multiple if padded != vocab else 1}
+              "make_vocab_size_divisible_by": int(a.get("make_vocab_size_divisible_by") or 1)}
     if not mla:
         model["transformer_layer_spec"] = {"_target_": LAYER_SPECS[impl], "_call_": False}
     out: dict[str, Any] = {"model": model,

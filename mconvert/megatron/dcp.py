@@ -160,7 +160,7 @@ def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> No
                            "which this format is not checked to hold; use --ckpt-format torch_dist or torch, or "
                            "--skip-mtp to leave them out")
     core.check_model(c, options)
-    padded, iteration, args = rank_files.core_args(ir, out, options)
+    padded, iteration, args = rank_files.core_args(ir, out, options, progress)
     it_dir = out / core.iteration_dir(iteration)
     ctx = Ctx(c, padded)
     prefix = WRITE_PREFIX[fmt]

@@ -350,11 +350,12 @@ def _args_from_config_file(it_dir: Path, manifest) -> tuple[Any, str]:
     found = config_file(it_dir)
     if found is None:
         raise ConvertError(f"{it_dir}: the common state has no 'args' and there is no {bridge_config.RUN_CONFIG} "
-                           "(Megatron-Bridge) or context/model.yaml (NeMo 2); cannot tell the model shape")
+                           "(Megatron-Bridge) or context/model.yaml or io.json (NeMo 2); cannot tell the model "
+                           "shape")
     if manifest is not None and found.is_file():
         manifest.check_file(found.name)
-    model = bridge_config.bridge_model(found) if found.is_file() else bridge_config.nemo_model(found.parent)
-    where = found if found.is_file() else found.parent / bridge_config.NEMO_MODEL_YAML
+    model, where = (bridge_config.bridge_model(found), found) if found.is_file() else \
+        bridge_config.nemo_model(found.parent)
     return bridge_config.args_from_provider(model, str(where)), str(where.relative_to(it_dir.parent))
 
 
@@ -487,7 +488,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
                            "drop --pp/--vpp/--ep (Megatron reshards them when it loads; with --training-state, "
                            "an MoE model's --ep is the resuming run's)")
     core.check_model(c, options)
-    padded, iteration, args = rank_files.core_args(ir, out, options)
+    padded, iteration, args = rank_files.core_args(ir, out, options, progress)
     it_dir = out / core.iteration_dir(iteration)
     placed_rows = placements(c, options.transformer_impl)
     check_plan(ir.tensors, [(backend, [placed.row for placed in placed_rows])], where=f"saver core ({backend})")

@@ -81,7 +81,6 @@ from mconvert.rules.table import (
     linear,
     norm,
 )
-from mconvert.rules.transforms import padded_vocab_size
 
 CHECKPOINT_VERSION = 3.0
 KNOWN_VERSIONS = (0, 1, 2, 3)  # the values Megatron-LM ever wrote (0 = no key at all)
@@ -370,9 +369,8 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if missing := missing_features(c, SUPPORTS):
         raise ConvertError(f"Megatron's legacy model cannot hold this model: {', '.join(missing)}")
     layout.check_model(c)
-    padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
-    args = args_from_config(c, layout, padded_vocab_size=padded,
-                                   divisible_by=options.make_vocab_size_divisible_by)
+    divisor, padded = rank_files.vocab_padding(c.vocab_size, layout.tp, options, progress)
+    args = args_from_config(c, layout, padded_vocab_size=padded, divisible_by=divisor)
     iteration = rank_files.iteration(ir, options)
     ctx = Ctx(c, padded, tp=layout.tp)  # version 3.0 keeps version 2's QKV order (the default)
     if c.is_bert and (problems := _bert_problems(c)):

@@ -32,12 +32,12 @@ from mconvert.lazy import torch
 from mconvert.megatron import arguments, core
 from mconvert.megatron.rank_plan import Part
 from mconvert.options import Options
-from mconvert.progress import Progress
+from mconvert.progress import QUIET, Progress
 from mconvert.rules.layout import Chunk, ParallelLayout, chunks_of
 from mconvert.rules.mapping import Row, check_plan
 from mconvert.rules.row_plan import RowPlanner
 from mconvert.rules.table import Ctx
-from mconvert.rules.transforms import padded_vocab_size
+from mconvert.rules.transforms import padded_vocab_size, vocab_divisor
 
 
 def find_iteration(path: Path) -> tuple[Path, int | None]:
@@ -400,14 +400,36 @@ def iteration(ir: ModelIR, options: Options) -> int:
     return ir.source.iteration if ir.source.iteration is not None else 1
 
 
-def core_args(ir: ModelIR, out: Path, options: Options) -> tuple[int, int, argparse.Namespace]:
+def vocab_padding(vocab: int, tp: int, options: Options, progress: Progress = QUIET) -> tuple[int, int]:
+    """(make_vocab_size_divisible_by, padded rows) of a Megatron output, as every Megatron saver pads.
+
+    --make-vocab-size-divisible-by N pads as Megatron-LM does (to a multiple of N x TP). By default nothing is
+    padded: the divisor is the largest power of two <= 128 that Megatron's formula pads nothing with at this TP
+    (as Megatron-Bridge chooses it), and only a vocabulary that is not a multiple of TP is padded, by the least
+    (divisor 1). The note says which --make-vocab-size-divisible-by Megatron-LM resumes with (its
+    --use-checkpoint-args restores padded_vocab_size, not the divisor: docs/formats.md)."""
+    asked = options.make_vocab_size_divisible_by
+    divisor = asked if asked is not None else vocab_divisor(vocab, tp)
+    padded = padded_vocab_size(vocab, divisor, tp)
+    if asked is None and workers.team().leader:
+        rows = "not padded" if padded == vocab else \
+            f"padded to {padded} rows ({vocab} is not a multiple of TP {tp}; the padded rows raise the loss Megatron " \
+            "reports)"
+        classic = padded_vocab_size(vocab, 128, tp)
+        progress.note(f"note: vocabulary of {vocab} rows {rows}; resume Megatron-LM at TP {tp} with "
+                      f"--make-vocab-size-divisible-by {divisor} (recorded in args"
+                      f"{f'; its default 128 builds {classic} rows' if classic != padded else ''})")
+    return divisor, padded
+
+
+def core_args(ir: ModelIR, out: Path, options: Options,
+              progress: Progress = QUIET) -> tuple[int, int, argparse.Namespace]:
     """(padded vocabulary, iteration, Megatron `args`) of a core checkpoint in `options.ckpt_format`: what the
     torch, torch_dist and DCP savers each start from."""
     c, layout = ir.config, options.layout
-    padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, layout.tp)
+    divisor, padded = vocab_padding(c.vocab_size, layout.tp, options, progress)
     number = iteration(ir, options)
-    args = arguments.args_from_config(c, layout, padded_vocab_size=padded,
-                                      divisible_by=options.make_vocab_size_divisible_by,
+    args = arguments.args_from_config(c, layout, padded_vocab_size=padded, divisible_by=divisor,
                                       impl=options.transformer_impl, ckpt_format=options.ckpt_format,
                                       expert_layout=options.expert_layout,
                                       tokenizer_model=tokenizer_model(ir, out, options, number))

@@ -79,7 +79,6 @@ from mconvert.rules.table import (
     linear,
     norm,
 )
-from mconvert.rules.transforms import padded_vocab_size
 
 ENTRY = "model"
 DROP = (r".*\._extra_state",)
@@ -184,13 +183,12 @@ def config_from_args(args: Any, *, encoder_layers: int, decoder_layers: int, tie
     return config
 
 
-def args_from_config(c: ModelConfig, options: Options, *, padded: int, impl: str, legacy_model: bool,
+def args_from_config(c: ModelConfig, options: Options, *, padded: int, divisor: int, impl: str, legacy_model: bool,
                      tokenizer_model: str | None) -> argparse.Namespace:
     """Megatron args of a T5: the decoder's as a GPT's, then the stack sizes under every name Megatron-LM reads."""
     decoder_view = c.replace(family="llama", encoder_num_layers=0, lm_head_bias=False)
     args = arguments.args_from_config(decoder_view, options.layout, padded_vocab_size=padded,
-                                      divisible_by=options.make_vocab_size_divisible_by, impl=impl,
-                                      tokenizer_model=tokenizer_model)
+                                      divisible_by=divisor, impl=impl, tokenizer_model=tokenizer_model)
     args.num_layers, args.encoder_num_layers, args.decoder_num_layers = c.num_layers, c.encoder_num_layers, c.num_layers
     args.encoder_seq_length = args.seq_length = c.max_position_embeddings
     args.decoder_seq_length = c.max_position_embeddings
@@ -398,9 +396,9 @@ def _save(ir: ModelIR, out: Path, options: Options, progress: Progress, *, legac
         raise ConvertError(f"{where}: " + "; ".join(problems))
     options.layout.check_model(c)
     impl = "local" if legacy_model else options.transformer_impl
-    padded = padded_vocab_size(c.vocab_size, options.make_vocab_size_divisible_by, options.layout.tp)
+    divisor, padded = rank_files.vocab_padding(c.vocab_size, options.layout.tp, options, progress)
     iteration = rank_files.iteration(ir, options)
-    args = args_from_config(c, options, padded=padded, impl=impl, legacy_model=legacy_model,
+    args = args_from_config(c, options, padded=padded, divisor=divisor, impl=impl, legacy_model=legacy_model,
                             tokenizer_model=rank_files.tokenizer_model(ir, out, options, iteration))
     planned = expand(LEGACY_TABLE if legacy_model else core_table(impl), c) + ([] if legacy_model else _core_copies(c))
     chunk = Chunk(0, 0, range(c.num_layers), has_embedding=True, has_head=True)

@@ -186,7 +186,7 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
         return save_dist(ir, out, options, progress)
     c, layout = ir.config, options.layout
     core.check_model(c, options)
-    padded, iteration, args = rank_files.core_args(ir, out, options)
+    padded, iteration, args = rank_files.core_args(ir, out, options, progress)
     ctx = Ctx(c, padded, tp=layout.tp, etp=layout.expert_tp, local_experts=(c.num_experts or 0) // layout.ep)
     parts = plan(ir, options)
     top = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration}

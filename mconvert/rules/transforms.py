@@ -154,6 +154,17 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def vocab_divisor(vocab_size: int, tp: int) -> int:
+    """The make_vocab_size_divisible_by that pads nothing, as Megatron-Bridge chooses it (its bridges'
+    `make_vocab_size_divisible_by`), here for `tp` ranks: the largest power of two <= 128 such that `divisor * tp`
+    divides the vocabulary. 1 when the vocabulary is not a multiple of `tp`: padding is then unavoidable, and 1
+    pads least."""
+    divisor = 128
+    while divisor > 1 and vocab_size % (divisor * tp):
+        divisor //= 2
+    return divisor
+
+
 def pad_vocab(weight: Tensor, padded_size: int) -> Tensor:
     """Append rows up to `padded_size`, each a copy of the last real row (as Megatron's tools do)."""
     extra = padded_size - weight.shape[0]

@@ -52,7 +52,8 @@ def sources(tmp_path_factory, llama_dir, gpt2_dir, mixtral_dir) -> dict[str, Pat
         return root / name
 
     out = {"llama_mistral": llama_dir, "gpt2_hf": gpt2_dir, "mixtral_hf": mixtral_dir}
-    out["core"] = convert(llama_dir, "core", "core", "--tp", "2", "--pp", "2")
+    # the vocabulary padded as Megatron-LM pads it (300 -> 512 rows, 256 per rank): padding rows to get wrong too
+    out["core"] = convert(llama_dir, "core", "core", "--tp", "2", "--pp", "2", "--make-vocab-size-divisible-by", "128")
     out["torch_dist"] = convert(llama_dir, "torch_dist", "core", "--ckpt-format", "torch_dist")
     # Without its integrity.json, which would refuse every changed file before anything else looks at it (see
     # tests/test_megatron019_written.py): these tests reach the checks behind it, as does an attacker who
