@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import io
 import mmap
 import os
@@ -97,6 +98,18 @@ class StoredTensor:
                 return False
             expected *= size
         return True
+
+    def dense(self) -> StoredTensor | None:
+        """A non-contiguous view whose elements are the consecutive elements of its storage in another order (a
+        transposed matrix): those elements as a flat contiguous tensor, else None."""
+        if self.is_contiguous() or not self.numel:
+            return None
+        expected = 1
+        for step, size in sorted((s, n) for n, s in zip(self.shape, self.stride) if n != 1):
+            if step != expected:
+                return None
+            expected *= size
+        return dataclasses.replace(self, shape=(self.numel,), stride=(1,))
 
     def file_bytes(self) -> FileBytes | None:
         """Where the tensor's elements lie in the file, row-major, when they do (a contiguous view)."""

@@ -36,11 +36,20 @@ from mconvert.ir.names import expected_shapes
 @dataclass(frozen=True, eq=False)
 class Elements:
     """The stored tensors whose elements, unchanged and of the same dtype, make up a tensor: TP pieces joined,
-    split or with padding rows dropped (a subset of their elements). `replicas`: each piece is the whole tensor,
-    and reading it checks that they are equal."""
+    split or with padding rows dropped (a subset of their elements), the chunks of a stored block, or a stored
+    view's storage. A piece knows its bytes by `file_bytes` or, in turn, by its own `elements_of`.
+
+    `replicas`: each piece is the whole tensor, and reading it checks that they are equal. `how`: what rearranges
+    the pieces (a rule's join and shard, compared by identity; empty when unknown). `copies`: stored copies that
+    reading the tensor checks against it (a tied output layer), each as pieces rearranged the same way as
+    `pieces`: equal bytes piece by piece make an equal copy. `check`: run before the pieces' bytes are trusted (an
+    integrity manifest verifying their files)."""
 
     pieces: tuple[LazyTensor, ...]
     replicas: bool = False
+    how: tuple[Any, ...] = ()
+    copies: tuple[tuple[LazyTensor, ...], ...] = ()
+    check: Callable[[], None] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, eq=False)
