@@ -244,6 +244,36 @@ def read(path: Path | str, offset: int = 0, length: int | None = None) -> Any:
         raise Unreadable(f"{type(e).__name__}: {e}") from None
 
 
+def read_plain(path: Path | str, offset: int = 0, length: int | None = None) -> Any:
+    """`read` for archives of settings (a common state, args): `Unreadable` also when the objects hold a tensor,
+    which callers then want as torch's own (read with torch)."""
+    value = read(path, offset, length)
+    if _holds_tensor(value):
+        raise Unreadable("the objects hold tensors")
+    return value
+
+
+def _holds_tensor(value: Any) -> bool:
+    """Is there a tensor anywhere in `value` (containers and objects' attributes, each object visited once)?"""
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, StoredTensor):
+            return True
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        inner = getattr(item, "__dict__", None)
+        if isinstance(item, dict):
+            todo += item.values()
+        elif isinstance(item, (list, tuple)):
+            todo += item
+        elif isinstance(inner, dict):
+            todo += inner.values()
+    return False
+
+
 def _data_offset(f, info: zipfile.ZipInfo) -> int:
     """Where a record's bytes start: after its local header, whose name and extra field lengths are its own."""
     f.seek(info.header_offset)

@@ -44,7 +44,7 @@ def _finite_pieces(t: LazyTensor) -> bool:
     so is `t`, a subset of their elements. Replicas must also hold the same bytes, and each stored copy the same
     bytes as the pieces (reading `t` would check that; where they differ, `t` is loaded and says so). False when
     anything is not known this way: `t` is then loaded and counted."""
-    found = t.elements_of
+    found = t.elements_of.resolved() if t.elements_of is not None else None
     if found is None or t.dtype_name not in BIT_PATTERNS or any(p.dtype_name != t.dtype_name for p in found.pieces):
         return False
     if found.check is not None:
@@ -74,10 +74,19 @@ def _raw(where: FileBytes, nbytes: int, start: int = 0) -> bytes:
 
 
 def _same_bytes(a: LazyTensor, b: LazyTensor) -> bool:
-    """Do two stored tensors of one shape and dtype hold the same bytes, read from their files a chunk at a time?
-    False also when either has no `file_bytes`."""
-    if a.file_bytes is None or b.file_bytes is None or a.nbytes != b.nbytes:
+    """Do two stored tensors of one shape and dtype hold the same bytes, read from their files a chunk at a time
+    (or piece by piece, when both are made of pieces of the same shapes)? False when that is not known."""
+    if a.nbytes != b.nbytes:
         return False
+    if a.file_bytes is None or b.file_bytes is None:
+        x, y = (t.elements_of.resolved() if t.elements_of is not None else None for t in (a, b))
+        if x is None or y is None or x.replicas or y.replicas or x.copies or y.copies or \
+                [p.shape for p in x.pieces] != [p.shape for p in y.pieces]:
+            return False
+        for found in (x, y):
+            if found.check is not None:
+                found.check()
+        return all(_same_bytes(p, q) for p, q in zip(x.pieces, y.pieces))
     step = _CHUNK * 4
     return all(_raw(a.file_bytes, min(step, a.nbytes - at), at) == _raw(b.file_bytes, min(step, a.nbytes - at), at)
                for at in range(0, a.nbytes, step))
