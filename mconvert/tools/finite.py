@@ -1,4 +1,5 @@
-"""Counting NaN and infinite values, for `mconvert inspect`.
+"""Counting NaN and infinite values, for `mconvert inspect`, and comparing stored bytes (replicas, tied copies,
+and `mconvert compare`'s tensors stored unchanged on both sides).
 
 A tensor whose bytes lie unchanged in a file (`LazyTensor.file_bytes`, a safetensors entry) is counted from the
 file with numpy, by bit pattern, without importing torch; any other is loaded and counted by torch. IEEE formats
@@ -53,7 +54,7 @@ def _finite_pieces(t: LazyTensor) -> bool:
                            or len({_raw(p.file_bytes, p.nbytes) for p in found.pieces}) != 1):
         return False
     for copy in found.copies:
-        if not all(_same_bytes(p, q) for p, q in zip(found.pieces, copy)):
+        if not all(same_bytes(p, q) for p, q in zip(found.pieces, copy)):
             return False
     return all(_finite(p) for p in found.pieces)
 
@@ -73,7 +74,7 @@ def _raw(where: FileBytes, nbytes: int, start: int = 0) -> bytes:
         return f.read(nbytes)
 
 
-def _same_bytes(a: LazyTensor, b: LazyTensor) -> bool:
+def same_bytes(a: LazyTensor, b: LazyTensor) -> bool:
     """Do two stored tensors of one shape and dtype hold the same bytes, read from their files a chunk at a time
     (or piece by piece, when both are made of pieces of the same shapes)? False when that is not known."""
     if a.nbytes != b.nbytes:
@@ -86,7 +87,7 @@ def _same_bytes(a: LazyTensor, b: LazyTensor) -> bool:
         for found in (x, y):
             if found.check is not None:
                 found.check()
-        return all(_same_bytes(p, q) for p, q in zip(x.pieces, y.pieces))
+        return all(same_bytes(p, q) for p, q in zip(x.pieces, y.pieces))
     step = _CHUNK * 4
     return all(_raw(a.file_bytes, min(step, a.nbytes - at), at) == _raw(b.file_bytes, min(step, a.nbytes - at), at)
                for at in range(0, a.nbytes, step))
