@@ -159,6 +159,16 @@ def test_torch_dist_with_integrity_manifest(tmp_path, monkeypatch):
     assert "does not match" not in out and not imported
 
 
+@pytest.mark.parametrize("fmt", ["torch_dcp", "fsdp_dtensor"])
+def test_dcp_formats_are_inspected_without_torch(fmt, tmp_path, monkeypatch):
+    """Megatron's torch_dcp and fsdp_dtensor (DCP with `args` as a bytes item) take the same torch-free reading."""
+    out_dir = tmp_path / fmt
+    run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", FIXTURES / "llama_gqa/hf", "--save-dir", out_dir,
+            "-q")
+    out, imported = inspect_in_a_process(out_dir)
+    assert not imported and f"format:      core (Megatron {fmt})" in out and out == torch_path(out_dir, monkeypatch)
+
+
 def test_common_state_holding_a_tensor_is_read_by_torch(tmp_path):
     """`read_plain` is for settings: a tensor inside sends the file to torch, whose tensors callers then get."""
     import torch

@@ -16,6 +16,7 @@ Writing is planned, then done file by file, possibly in parallel: see `mconvert.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 import mmap
@@ -392,8 +393,10 @@ class DcpReader:
         """The stored chunks' parts that make up the block at leading `index` (see `read`), each with the place of
         its bytes in its file, found from the chunks' archive headers without torch; None where a chunk is not
         read this way (the block is then read by `read`). Their files are verified against the integrity
-        manifest before their bytes are used (`Elements.check`)."""
+        manifest first, as `read` verifies each file it maps."""
         entry, index, lo, hi, pieces = self._select(fqn, index)
+        for file in sorted({c.file for c in pieces}) if self.manifest is not None else ():
+            self.manifest.check_file(file)
         k, parts = len(index), []
         for c in pieces:
             stored = self._header(c)
@@ -406,13 +409,11 @@ class DcpReader:
             view = tuple(i - o for i, o in zip(index, c.offsets))
             parts.append(LazyTensor(c.sizes[k:], entry.dtype_name, lambda c=c, view=view: self._chunk(c)[view],
                                     f"{c.file}:{fqn}", file_bytes=where))
-        files = sorted({c.file for c in pieces})
-        return Elements(tuple(parts), check=lambda: self._verify(files))
+        return Elements(tuple(parts))
 
-    def _verify(self, files: list[str]) -> None:
-        """Files checked against the integrity manifest (once each), as `read` checks those it maps."""
-        for f in files if self.manifest is not None else ():
-            self.manifest.check_file(f)
+    def lazy_elements(self, fqn: str, index: tuple[int, ...] = ()) -> Elements:
+        """`elements`, found when first asked (`Elements.find`): building a model's lazy tensors parses no header."""
+        return Elements(find=functools.cache(lambda: self.elements(fqn, index)))
 
     def _header(self, c: StoredChunk) -> StoredTensor | None:
         """Chunk `c`'s tensor as its archive header describes it (read once, without torch), or None when that

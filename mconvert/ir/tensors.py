@@ -42,15 +42,14 @@ class Elements:
     `replicas`: each piece is the whole tensor, and reading it checks that they are equal. `how`: what rearranges
     the pieces (a rule's join and shard, compared by identity; empty when unknown). `copies`: stored copies that
     reading the tensor checks against it (a tied output layer), each as pieces rearranged the same way as
-    `pieces`: equal bytes piece by piece make an equal copy. `check`: run before the pieces' bytes are trusted (an
-    integrity manifest verifying their files). `find`: a reader that finds the pieces only when asked (parsing
-    headers costs what a conversion need not pay); `resolved()` gives them."""
+    `pieces`: equal bytes piece by piece make an equal copy. `find`: a reader that finds the pieces only when asked
+    (parsing headers costs what a conversion need not pay, and an integrity manifest verifies the files first);
+    `resolved()` gives them."""
 
     pieces: tuple[LazyTensor, ...] = ()
     replicas: bool = False
     how: tuple[Any, ...] = ()
     copies: tuple[tuple[LazyTensor, ...], ...] = ()
-    check: Callable[[], None] | None = field(default=None, repr=False)
     find: Callable[[], Elements | None] | None = field(default=None, repr=False)
 
     def resolved(self) -> Elements | None:

@@ -45,7 +45,6 @@ tensor is written whole, layers stacked, one layer block at a time. `--tp` only 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -384,8 +383,8 @@ class Unprefixed:
     def values_bound(self, keys) -> int:
         return self._store.values_bound([self._prefix + k for k in keys])
 
-    def elements(self, key: str, index=()):
-        return self._store.elements(self._prefix + key, index)
+    def lazy_elements(self, key: str, index=()):
+        return self._store.lazy_elements(self._prefix + key, index)
 
 
 def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
@@ -487,11 +486,9 @@ def _lazy(store, placed: Placed, it_dir: Path) -> LazyTensor:
 
 
 def _elements(store, key: str, index: tuple[int, ...]) -> Elements | None:
-    """Where a block's bytes lie in the files (torch_dist), found when first asked: `inspect` counts NaN/Inf
-    there without torch."""
-    if not hasattr(store, "elements"):
-        return None
-    return Elements(find=functools.cache(lambda: store.elements(key, index)))
+    """Where a block's bytes lie in the files (torch_dist; not zarr), found when first asked: `inspect` counts
+    NaN/Inf there without torch."""
+    return store.lazy_elements(key, index) if hasattr(store, "lazy_elements") else None
 
 
 def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
