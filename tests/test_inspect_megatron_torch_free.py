@@ -1,6 +1,7 @@
-"""`mconvert inspect` of Megatron legacy and torch_dist checkpoints imports no torch, and prints what the torch path
-prints: rank files, `common.pt` and `common_state` are read by `mconvert.io.torch_archive`, `.metadata` names its
-dtypes, each stored block's bytes are found from the chunks' archive headers, and NaN/Inf are counted in the files.
+"""`mconvert inspect` of Megatron legacy and torch_dist checkpoints (and of every other fixture) imports no torch,
+and prints what the torch path prints: rank files, `common.pt` and `common_state` are read by
+`mconvert.io.torch_archive`, `.metadata` names its dtypes, each stored block's bytes are found from the chunks'
+archive headers, and NaN/Inf are counted in the files.
 
 The torch path is the same report with those readers turned off: every pickle read by torch (`safe_load`), every
 block and tensor loaded and counted by `torch.isnan` / `torch.isinf`. These are behaviour tests (which modules are
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from mconvert import engine
 from mconvert.errors import ConvertError
 from mconvert.io import torch_archive
 from mconvert.io.dcp import DcpReader
@@ -30,12 +32,11 @@ from tests.support.paths import FIXTURES
 
 pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"Megatron fixtures not found at {FIXTURES}")
 
-# Every checkpoint of the shared fixtures. GPT-2's HF weights are Conv1D [in, out], transposed into the IR by
-# torch: that one may import torch, and must still print the same.
-TORCH_FREE = ["gpt2/legacy_tp1pp1", "gpt2/legacy_tp2pp2", "llama_gqa/torch_dist", "llama_gqa/torch_dist_head",
-              "llama_gqa/core_tp1pp1", "llama_gqa/core_tp2pp2", "llama_gqa/core_tp1pp2_bf16", "llama_gqa/hf",
-              "mixtral/hf"]
-WITH_TORCH = ["gpt2/hf"]
+# Every checkpoint of the shared fixtures (GPT-2's HF weights are Conv1D [in, out]: transposed into the IR, whose
+# elements are the stored ones, so they are counted in the file too).
+FIXTURE_DIRS = ["gpt2/hf", "gpt2/legacy_tp1pp1", "gpt2/legacy_tp2pp2", "llama_gqa/torch_dist",
+                "llama_gqa/torch_dist_head", "llama_gqa/core_tp1pp1", "llama_gqa/core_tp2pp2",
+                "llama_gqa/core_tp1pp2_bf16", "llama_gqa/hf", "mixtral/hf"]
 
 
 def inspect_in_a_process(path: Path, *args: str) -> tuple[str, bool]:
@@ -66,11 +67,11 @@ def torch_path(path: Path, monkeypatch, as_json: bool = False) -> str:
             return f"exit 1\nError: {e}\n"
 
 
-@pytest.mark.parametrize("name", TORCH_FREE + WITH_TORCH)
+@pytest.mark.parametrize("name", FIXTURE_DIRS)
 def test_each_fixture_is_inspected_without_torch_as_torch_reads_it(name, monkeypatch):
     out, imported = inspect_in_a_process(FIXTURES / name)
     assert out == torch_path(FIXTURES / name, monkeypatch)
-    assert imported == (name in WITH_TORCH), f"mconvert inspect of {name}: torch imported {imported}"
+    assert not imported, f"mconvert inspect of {name} imported torch"
 
 
 @pytest.mark.parametrize("name", ["gpt2/legacy_tp2pp2", "llama_gqa/torch_dist_head"])
@@ -167,6 +168,19 @@ def test_dcp_formats_are_inspected_without_torch(fmt, tmp_path, monkeypatch):
             "-q")
     out, imported = inspect_in_a_process(out_dir)
     assert not imported and f"format:      core (Megatron {fmt})" in out and out == torch_path(out_dir, monkeypatch)
+
+
+@pytest.mark.parametrize("saver", ["core", "legacy"])
+def test_tied_head_copies_written_by_mconvert(saver, tmp_path, monkeypatch):
+    """GPT-2 (tied embeddings) at PP 2: the last stage's copy of the embedding (`output_layer` /
+    `word_embeddings_for_head`, TP pieces) is compared with the embedding's pieces byte for byte, without torch."""
+    out_dir = tmp_path / saver
+    run_cli("--saver", saver, "--tp", "2", "--pp", "2", "--load-dir", FIXTURES / "gpt2/hf", "--save-dir", out_dir,
+            "-q")
+    stored = engine.load(out_dir, Options())["embed.weight"].elements_of
+    assert len(stored.pieces) == 2 and len(stored.copies) == 1  # TP pieces, and the head's copy of them
+    out, imported = inspect_in_a_process(out_dir)
+    assert not imported and "tie_embeddings            True" in out and out == torch_path(out_dir, monkeypatch)
 
 
 def test_common_state_holding_a_tensor_is_read_by_torch(tmp_path):
