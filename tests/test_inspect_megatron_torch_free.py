@@ -193,3 +193,24 @@ def test_common_state_holding_a_tensor_is_read_by_torch(tmp_path):
         torch_archive.read_plain(path)
     torch.save({"args": None, "iteration": 3, "nested": [{"x": (1, 2)}]}, path)
     assert torch_archive.read_plain(path) == {"args": None, "iteration": 3, "nested": [{"x": (1, 2)}]}
+
+
+def test_blocks_cut_into_chunks_are_compared_part_by_part(tmp_path):
+    """SwiGLU's fc1 block of one layer (two DCP chunks, gate and up, in order along rows) equals the same block of a
+    copy byte for byte, and differs from another layer's; pieces whose order is not the tensor's (a transposed
+    view's storage) are never compared that way."""
+    from mconvert.ir.tensors import Elements, LazyTensor
+
+    shutil.copytree(FIXTURES / "llama_gqa/torch_dist", tmp_path / "copy")
+    readers = [DcpReader(FIXTURES / "llama_gqa/torch_dist/iter_0000001"), DcpReader(tmp_path / "copy/iter_0000001")]
+    fc1 = "decoder.layers.mlp.linear_fc1.weight"
+
+    def block(reader: DcpReader, layer: int) -> LazyTensor:
+        return LazyTensor((704, 128), "float32", lambda: None, "", elements_of=reader.lazy_elements(fc1, (layer,)))
+
+    found = readers[0].elements(fc1, (2,))
+    assert found.in_order and len(found.pieces) == 2
+    assert finite.same_bytes(block(readers[0], 2), block(readers[1], 2))
+    assert not finite.same_bytes(block(readers[0], 2), block(readers[1], 1))
+    unordered = LazyTensor((704, 128), "float32", lambda: None, "", elements_of=Elements(found.pieces))
+    assert not finite.same_bytes(unordered, block(readers[1], 2))

@@ -398,6 +398,7 @@ class DcpReader:
         for file in sorted({c.file for c in pieces}) if self.manifest is not None else ():
             self.manifest.check_file(file)
         k, parts = len(index), []
+        pieces = sorted(pieces, key=lambda c: c.offsets[k:])
         for c in pieces:
             stored = self._header(c)
             if stored is None or stored.dtype_name != entry.dtype_name or stored.shape != c.sizes or \
@@ -409,7 +410,10 @@ class DcpReader:
             view = tuple(i - o for i, o in zip(index, c.offsets))
             parts.append(LazyTensor(c.sizes[k:], entry.dtype_name, lambda c=c, view=view: self._chunk(c)[view],
                                     f"{c.file}:{fqn}", file_bytes=where))
-        return Elements(tuple(parts))
+        # cut along the block's first dimension only: the parts' bytes, one after another, are the block's
+        in_order = k < len(entry.shape) and all(c.offsets[k + 1:] == (0,) * len(c.offsets[k + 1:]) and
+                                                c.sizes[k + 1:] == entry.shape[k + 1:] for c in pieces)
+        return Elements(tuple(parts), in_order=in_order or len(parts) == 1)
 
     def lazy_elements(self, fqn: str, index: tuple[int, ...] = ()) -> Elements:
         """`elements`, found when first asked (`Elements.find`): building a model's lazy tensors parses no header."""

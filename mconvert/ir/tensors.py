@@ -42,14 +42,16 @@ class Elements:
     `replicas`: each piece is the whole tensor, and reading it checks that they are equal. `how`: what rearranges
     the pieces (a rule's join and shard, compared by identity; empty when unknown). `copies`: stored copies that
     reading the tensor checks against it (a tied output layer), each as pieces rearranged the same way as
-    `pieces`: equal bytes piece by piece make an equal copy. `find`: a reader that finds the pieces only when asked
-    (parsing headers costs what a conversion need not pay, and an integrity manifest verifies the files first);
-    `resolved()` gives them."""
+    `pieces`: equal bytes piece by piece make an equal copy. `in_order`: the pieces' bytes, one after another, are
+    the tensor's own, row-major (a block cut along its first dimension). `find`: a reader that finds the pieces
+    only when asked (parsing headers costs what a conversion need not pay, and an integrity manifest verifies the
+    files first); `resolved()` gives them."""
 
     pieces: tuple[LazyTensor, ...] = ()
     replicas: bool = False
     how: tuple[Any, ...] = ()
     copies: tuple[tuple[LazyTensor, ...], ...] = ()
+    in_order: bool = False
     find: Callable[[], Elements | None] | None = field(default=None, repr=False)
 
     def resolved(self) -> Elements | None:
