@@ -36,11 +36,27 @@ from mconvert.ir.names import expected_shapes
 @dataclass(frozen=True, eq=False)
 class Elements:
     """The stored tensors whose elements, unchanged and of the same dtype, make up a tensor: TP pieces joined,
-    split or with padding rows dropped (a subset of their elements). `replicas`: each piece is the whole tensor,
-    and reading it checks that they are equal."""
+    split or with padding rows dropped (a subset of their elements), the chunks of a stored block, or a stored
+    view's storage. A piece knows its bytes by `file_bytes` or, in turn, by its own `elements_of`.
 
-    pieces: tuple[LazyTensor, ...]
+    `replicas`: each piece is the whole tensor, and reading it checks that they are equal. `how`: what rearranges
+    the pieces (a rule's join and shard, compared by identity; empty when unknown). `copies`: stored copies that
+    reading the tensor checks against it (a tied output layer), each as pieces rearranged the same way as
+    `pieces`: equal bytes piece by piece make an equal copy. `in_order`: the pieces' bytes, one after another, are
+    the tensor's own, row-major (a block cut along its first dimension). `find`: a reader that finds the pieces
+    only when asked (parsing headers costs what a conversion need not pay, and an integrity manifest verifies the
+    files first); `resolved()` gives them."""
+
+    pieces: tuple[LazyTensor, ...] = ()
     replicas: bool = False
+    how: tuple[Any, ...] = ()
+    copies: tuple[tuple[LazyTensor, ...], ...] = ()
+    in_order: bool = False
+    find: Callable[[], Elements | None] | None = field(default=None, repr=False)
+
+    def resolved(self) -> Elements | None:
+        """These elements, or those `find` finds (None: not known that way)."""
+        return self if self.find is None else self.find()
 
 
 @dataclass(frozen=True, eq=False)
