@@ -111,8 +111,8 @@ def _fail_cleanly(func):
 @click.option("--fp16", "fp16", is_flag=True, help="Same as --dtype fp16.")
 @click.option("--make-vocab-size-divisible-by", type=POSITIVE,
               help="Pad the vocabulary to a multiple of this times TP, as Megatron-LM does (128: its default "
-              "table). Default: no padding, unless the vocabulary is not a multiple of TP (the note says which "
-              "value Megatron-LM resumes with).")
+              "table). Default: a Megatron source's own divisor; else no padding, unless the vocabulary is not a "
+              "multiple of TP (the note says which value Megatron-LM resumes with).")
 @click.option("--true-vocab-size", type=POSITIVE,
               help="Real vocabulary size of a padded (Megatron) source.")
 @click.option("--tokenizer", "--tokenizer-model", "tokenizer", type=click.Path(exists=True, path_type=Path),
