@@ -10,7 +10,9 @@ one with --use-distributed-optimizer) and its OptimizerParamScheduler, and runs 
 iteration (0 without --load): step i's batch depends on i alone (a seeded generator), so two runs that reach
 the same iteration see the same data. Each step is Megatron's: zero the grad buffers, forward with labels
 (per-token losses), mean, backward, finish_grad_sync, optimizer.step(), scheduler.step(global batch size).
-With "save", save_checkpoint writes the model, optimizer, scheduler and RNG state after the last step. FILE gets
+With "save", save_checkpoint writes the model, optimizer, scheduler and RNG state after the last step (with
+"optimizer_sharding", the distributed optimizer's sharding type is that one, as the content metadata of older
+Megatron-LM releases chose it: e.g. dp_zero_gather_scatter, which 0.19 still writes and reads). FILE gets
 {"losses": [...], "iteration": last iteration} as JSON.
 Runs in the megatron-core 0.19 environment (scripts/megatron_envs.sh).
 """
@@ -99,6 +101,10 @@ def run(rank: int, spec_json: str, world: int) -> None:
     flags = [*spec["flags"], "--train-iters", "1000", "--lr-decay-iters", "1000"]
     if spec.get("save"):
         flags += ["--save", spec["save"], "--save-interval", "1000"]
+    if spec.get("optimizer_sharding"):
+        build = checkpointing._build_sharded_state_dict_metadata
+        checkpointing._build_sharded_state_dict_metadata = lambda *a, **k: build(*a, **k) | {
+            "distrib_optim_sharding_type": spec["optimizer_sharding"]}
     if spec.get("load"):
         flags += ["--load", spec["load"]]
     args = cpu.megatron_args(flags)
