@@ -122,13 +122,16 @@ def run(rank: int, spec_json: str, world: int) -> None:
         # Its loader then copies every state tensor of torch's Adam but `step` (set from the param groups, not
         # stored per parameter) out of the loaded ones, which have no `step`: looked up as None, which it skips
         # (with Transformer Engine's FusedAdam, what runs on GPUs, the state has no `step` tensor to look up).
+        # The dp_reshardable loader's tensors do hold a `step`: the loading optimizer's own (its per-parameter
+        # state, a non-persistent entry of the sharded state dict), taken before the param groups set it, so it
+        # would undo the step just loaded; it is dropped, as it is absent on GPUs.
         for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
             if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
                 inner._init_optimizer_states_with_dummy_values()
                 load_states = type(inner)._set_main_param_and_optimizer_states
                 type(inner)._set_main_param_and_optimizer_states = \
                     lambda self, param, tensors, f=load_states: f(self, param, collections.defaultdict(
-                        lambda: None, tensors))
+                        lambda: None, {k: v for k, v in tensors.items() if k != "step"}))
         iteration, _ = checkpointing.load_checkpoint(model, optimizer, scheduler, strict=True)
     losses = []
     s = SEQ
