@@ -197,13 +197,14 @@ def test_refused_other_number_of_param_groups(runs, tmp_path):
 
 
 def test_refused_sharding_type(runs, tmp_path):
-    """dp_reshardable, the distributed optimizer's default: its buckets are not read, refused by name."""
-    def bucket_space(common):
-        common["optimizer"]["param_state_sharding_type"] = "dp_reshardable"
+    """fsdp_dtensor, Megatron-FSDP's type, in a torch_dist checkpoint: not read, refused by name (the
+    bucket-space types are read: tests/test_training_state_buckets.py)."""
+    def fsdp(common):
+        common["optimizer"]["param_state_sharding_type"] = "fsdp_dtensor"
 
-    src = rewrite(runs["dist"], tmp_path / "src", common=bucket_space)
+    src = rewrite(runs["dist"], tmp_path / "src", common=fsdp)
     convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
-                    culprits=("dp_reshardable", "--dist-ckpt-optim-fully-reshardable"))
+                    culprits=("fsdp_dtensor", "--dist-ckpt-optim-fully-reshardable"))
 
 
 def test_refused_by_savers_and_options_without_training_state(runs, tmp_path):

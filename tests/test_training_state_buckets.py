@@ -107,6 +107,18 @@ def test_resumed_under_tp1_as_megatron_reshards_it(megatron, tmp_path):
         train_megatron(python, tmp_path, "reference", tp1, 3, load=megatron["resave"])
 
 
+def test_read_from_several_buckets(megatron, tmp_path):
+    """--overlap-grad-reduce with --ddp-bucket-size 20000: Megatron cuts the chunk's buffer into 4 buckets, one
+    stored tensor each; every bf16 weight read is its fp32 master weight rounded (as above)."""
+    flags = [*FLAGS, "--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
+    train_megatron(megatron["python"], tmp_path, "buckets", flags, 2, save=tmp_path / "ckpt")
+    assert len([k for k in DcpReader(tmp_path / "ckpt" / "iter_0000002").tensors if k.endswith(".param")]) == 4
+    ir = engine.load(tmp_path / "ckpt", STATE)
+    assert (ir.training.optimizer_kind, ir.training.step) == ("dp_reshardable", 2)
+    for name, weight in ir.tensors.items():
+        assert torch.equal(ir.training.tensors["fp32_param"][name].load().to(torch.bfloat16), weight.load()), name
+
+
 @pytest.mark.parametrize("fmt, kind", [("torch_dist", "plain"), ("torch_dist", "fully_sharded_model_space"),
                                        ("torch", "fully_reshardable"), ("torch", "plain")])
 def test_written_in_every_other_type(megatron, tmp_path, fmt, kind):

@@ -157,8 +157,7 @@ class Buffers:
                 if m:
                     g, v, dtype, b, name = int(m[1]), int(m[2]), m[3], int(m[4]), m[5]
                     found.setdefault((g, v), {}).setdefault(dtype, {}).setdefault(b, {})[name] = key
-            unknown = sorted(map(str, set(found) - expected))
-            if unknown or set(found) != expected:
+            if set(found) != expected:
                 raise ConvertError(f"{where}: dp_reshardable buffers for (model-parallel rank, chunk) "
                                    f"{sorted(found)}; the args' layout has {sorted(expected)}")
             for gv, dtypes in found.items():
