@@ -222,8 +222,9 @@ def prepare(ir, options, iteration: int, args, progress) -> tuple[str, dict[tupl
         raise ConvertError(f"--iteration {iteration} contradicts the training state's iteration {state.iteration} "
                            "(its schedule and data position belong to that iteration)")
     kind = output_kind(state, options)
-    if kind != state.optimizer_kind and options.optimizer_sharding is None:
-        progress.note(f"the distributed optimizer's state is written as {kind!r}, not as the source's "
+    if state.optimizer_kind in NOT_WRITTEN and options.optimizer_sharding is None:
+        where = " (distrib_optim.pt)" if options.ckpt_format == "torch" else ""
+        progress.note(f"the distributed optimizer's state is written as {kind!r}{where}, not as the source's "
                       f"{state.optimizer_kind!r} ({NOT_WRITTEN[state.optimizer_kind]}); Megatron-LM resumes it with "
                       "or without --dist-ckpt-optim-fully-reshardable")
     args.consumed_train_samples = state.consumed_samples or 0
