@@ -140,10 +140,11 @@ def _fail_cleanly(func):
 @click.option("--training-state", is_flag=True,
               help="Carry the training state too: fp32 master weights, Adam's moments, step, param groups, LR "
               "schedule, iteration, consumed samples (and RNG when the layout is unchanged). Core torch, torch_dist.")
-@click.option("--optimizer-sharding", type=click.Choice(["plain", "fully_reshardable", "fully_sharded_model_space"]),
+@click.option("--optimizer-sharding", type=click.Choice(["plain", "fully_reshardable", "fully_sharded_model_space",
+                                                       "dp_reshardable", "dp_zero_gather_scatter"]),
               help="Saver core, --training-state: write the plain optimizer or the distributed optimizer in this "
-              "sharding type (default: as the source). With --ckpt-format torch any distributed type means "
-              "distrib_optim.pt.")
+              "sharding type (default: as the source; fully_reshardable for dp_reshardable and dp_zero_gather_scatter, "
+              "which are read, not written). With --ckpt-format torch any distributed type means distrib_optim.pt.")
 @click.option("--force", is_flag=True, help="Replace an existing, non-empty --save-dir.")
 @click.option("--verify", "verify_output", is_flag=True,
               help="Before moving the output into place, run it and the source on the same tokens (as `mconvert "

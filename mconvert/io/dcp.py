@@ -430,6 +430,25 @@ class DcpReader:
                 found = None
             self._headers[key] = found if isinstance(found, StoredTensor) else None
         return self._headers[key]
+    def read_range(self, fqn: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of a 1-d tensor (one parameter's window on a flat optimizer buffer): a view of
+        the mapped chunk holding them all, else copied from the chunks overlapping them."""
+        entry = self.tensors.get(fqn)
+        if entry is None or len(entry.shape) != 1 or not 0 <= start <= stop <= entry.shape[0]:
+            raise ConvertError(f"{self.root}: no 1-d tensor {fqn!r} holding elements [{start}, {stop})")
+        pieces = [c for c in entry.chunks if c.offsets[0] < stop and c.offsets[0] + c.sizes[0] > start]
+        if len(pieces) == 1 and pieces[0].offsets[0] <= start and stop <= pieces[0].offsets[0] + pieces[0].sizes[0]:
+            o = pieces[0].offsets[0]
+            return self._chunk(pieces[0])[start - o:stop - o]
+        out, covered = torch.empty(stop - start, dtype=entry.dtype), 0
+        for c in pieces:
+            a, b = max(c.offsets[0], start), min(c.offsets[0] + c.sizes[0], stop)
+            out[a - start:b - start] = self._chunk(c)[a - c.offsets[0]:b - c.offsets[0]]
+            covered += b - a
+        if covered != stop - start:
+            raise ConvertError(f"{self.root}: the chunks of {fqn} cover {covered} of the {stop - start} elements "
+                               f"[{start}, {stop}) asked for: the checkpoint is incomplete")
+        return out
 
     def read_bytes(self, fqn: str) -> bytes:
         info = self.bytes_items.get(fqn)

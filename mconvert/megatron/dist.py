@@ -518,7 +518,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     if options.training_state:
         objects = _training_state(ir, options, iteration, args, common, progress)
         items += dist_optim.items(ir.training, placed_rows, lambda ts, placed: _blocks(ts, placed, planner),
-                                  options.optimizer_sharding or ir.training.optimizer_kind or dist_optim.PLAIN)
+                                  dist_optim.output_kind(ir.training, options))
 
     def finish(results: list) -> None:
         hashed = write_dcp_metadata(results) if backend == "torch_dist" else {}

@@ -28,9 +28,9 @@ megatron/training/checkpointing.py), checked by running 0.19.2 (tests/support/me
   one-item list; in the IR {(tp, pp): rng_state}, what the `torch` format stores in each rank file), kept when
   the output has the same TP and PP, otherwise dropped with a note (Megatron then resumes with --no-load-rng).
 
-The distributed optimizer's default `dp_reshardable` (flat per-DP-rank buckets, bytes of its internal buffer
-layout) and the deprecated `dp_zero_gather_scatter` are refused by name: Megatron itself reshards them only
-across DP; re-save with --dist-ckpt-optim-fully-reshardable.
+The distributed optimizer's default `dp_reshardable` and the deprecated `dp_zero_gather_scatter` keep its state in
+its own bucket layout, which Megatron itself reshards only across DP: read by mconvert.megatron.bucket_optim into
+the same IR tensors, written as `fully_reshardable` unless --optimizer-sharding says otherwise.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import LazyTensor, LoadCache
 from mconvert.ir.training_state import MOMENTS, TrainingState, decay_groups
 from mconvert.lazy import torch
+from mconvert.megatron import bucket_optim
 from mconvert.rules.mapping import to_ir
 from mconvert.rules.table import Ctx
 
@@ -58,11 +59,11 @@ READABLE = {
     "fully_reshardable": {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
 }
 REFUSED = {
-    "dp_reshardable": "flat buffers in the distributed optimizer's own bucket layout, which Megatron itself "
-                      "reshards only across data-parallel ranks",
-    "dp_zero_gather_scatter": "the deprecated gathered bucket layout",
     "fsdp_dtensor": "Megatron-FSDP's state, which belongs in an fsdp_dtensor checkpoint",
 }
+NOT_WRITTEN = {kind: "its flat buffers follow the resuming run's bucket layout (DP size, bucket size, flags) "
+                     "that a checkpoint does not record; 'fully_reshardable' is read by any layout and written "
+                     "instead" for kind in bucket_optim.KINDS}
 RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)")
 
 
@@ -88,7 +89,8 @@ def chained(optim: Any) -> list | None:
 def sharding_type(common: dict, where: str) -> str:
     """The sharding type the common state records (PLAIN for the plain optimizer); refused unless readable."""
     parts = chained(common.get("optimizer"))
-    if not parts or any(not isinstance(p, dict) or inner(p) is None for p in parts):
+    if not parts or any(not isinstance(p, dict) or (inner(p) is None and "param_state_sharding_type" not in p)
+                         for p in parts):
         raise ConvertError(f"{where}: the checkpoint holds no optimizer state (saved with --no-save-optim, or "
                            "converted without --training-state); --training-state needs one saved by training")
     kinds = {p.get("param_state_sharding_type", PLAIN) for p in parts}
@@ -100,9 +102,10 @@ def sharding_type(common: dict, where: str) -> str:
         raise ConvertError(f"{where}: distributed-optimizer state of sharding type {kind!r} ({REFUSED[kind]}) "
                            "cannot be converted; re-save it from Megatron-LM with "
                            "--dist-ckpt-optim-fully-reshardable (sharding type 'fully_reshardable')")
-    if kind not in READABLE:
+    if kind not in READABLE and kind not in bucket_optim.KINDS:
         raise ConvertError(f"{where}: unknown distributed-optimizer sharding type {kind!r}; this tool reads "
-                           f"{', '.join(k for k in READABLE if k != PLAIN)} and the plain optimizer")
+                           f"{', '.join([*(k for k in READABLE if k != PLAIN), *bucket_optim.KINDS])} and the "
+                           "plain optimizer")
     return kind
 
 
@@ -117,12 +120,27 @@ def inner(optim: dict) -> dict | None:
 def read(store, common: dict, config: ModelConfig, placed_blocks: list, lazy: Callable, padded: int,
          it_dir: Path, weights: dict[str, LazyTensor]) -> TrainingState:
     """The training state of a torch_dist checkpoint, its moments lazy and mapped to IR names by the weights'
-    own blocks (`placed_blocks`, read through `lazy(store, placed, it_dir)`)."""
+    own blocks (`placed_blocks`, read through `lazy(store, placed, it_dir)`), or for the bucket-space types by
+    mconvert.megatron.bucket_optim."""
     where = str(it_dir)
     kind = sharding_type(common, where)
+    args = common["args"]
+    layout = (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1))
+    stored = {k for k in store.tensors if is_optimizer_key(k)}
+    if kind in bucket_optim.KINDS:
+        dense_only(config, where)  # before the layout: the experts' state is a second optimizer's
+        tops = [bucket_optim.optimizer_state(store, layout[0] * layout[1], where)]
+        tensors = bucket_optim.read(store, kind, args, config, padded, weights, where)
+        used = {k for k in stored if kind == "dp_reshardable" and bucket_optim.BUCKET_KEY.fullmatch(k)}
+    else:
+        tops = chained(common["optimizer"])
+        tensors, used = _model_space(store, kind, config, placed_blocks, lazy, padded, it_dir)
+    extra = sorted(stored - used)
+    if extra:
+        raise ConvertError(f"{where}: optimizer state for tensors the model does not have: {format_names(extra)}")
     groups = []
-    for n, part in enumerate(chained(common["optimizer"])):
-        optim = inner(part)
+    for n, part in enumerate(tops):
+        optim = inner(part) or {}
         found = optim.get("param_groups") or []
         if not isinstance(found, list) or any(not isinstance(g, dict) for g in found):
             raise ConvertError(f"{where}: optimizer param_groups (chained optimizer {n}) holds something other "
@@ -136,6 +154,21 @@ def read(store, common: dict, config: ModelConfig, placed_blocks: list, lazy: Ca
             for g in found:
                 g["step"] = float(step)
         groups += found
+    rng = {(int(m[2]), int(m[1])): bucket_optim.unwrapped(store.read_object(k), f"{where}:{k}", "the rank's RNG state")
+           for k in getattr(store, "bytes_items", {}) for m in [RNG_KEY.fullmatch(k)] if m}  # shard_{pp}.{tp}_..
+    state = TrainingState(tensors, groups, common.get("opt_param_scheduler"), int(common.get("iteration", 0)),
+                          getattr(args, "consumed_train_samples", None), tops[0].get("grad_scaler"),
+                          rng or None, layout if rng else None, optimizer_kind=kind)
+    state.run = run_settings(args)
+    state.check(weights, where)
+    check_groups(state, config, weights, where, args_experts_parallel(config, args))
+    return state
+
+
+def _model_space(store, kind: str, config: ModelConfig, placed_blocks: list, lazy: Callable, padded: int,
+                 it_dir: Path) -> tuple[dict[str, dict[str, LazyTensor]], set[str]]:
+    """({moment: {IR name: tensor}}, the keys read) of the types that store each moment under its weight's key."""
+    where = str(it_dir)
     stored = {k for k in store.tensors if is_optimizer_key(k)}
     prefixed = sorted(k for k in stored if CHAINED_KEY.match(k))
     if prefixed:
@@ -156,21 +189,7 @@ def read(store, common: dict, config: ModelConfig, placed_blocks: list, lazy: Ca
         source = {p.row.key: [lazy(store, p, it_dir)] for p in blocks}
         tensors[moment] = to_ir(source, [p.row for p in blocks], Ctx(config, padded), where=where,
                                 cache=LoadCache(4))
-    extra = sorted(stored - used)
-    if extra:
-        raise ConvertError(f"{where}: optimizer state for tensors the model does not have: {format_names(extra)}")
-    args = common["args"]
-    rng = {(int(m[2]), int(m[1])): _unwrapped(store.read_object(k), f"{where}:{k}")
-           for k in getattr(store, "bytes_items", {}) for m in [RNG_KEY.fullmatch(k)] if m}  # shard_{pp}.{tp}_..
-    layout = (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1))
-    state = TrainingState(tensors, groups, common.get("opt_param_scheduler"), int(common.get("iteration", 0)),
-                          getattr(args, "consumed_train_samples", None),
-                          chained(common["optimizer"])[0].get("grad_scaler"),
-                          rng or None, layout if rng else None, optimizer_kind=kind)
-    state.run = run_settings(args)
-    state.check(weights, where)
-    check_groups(state, config, weights, where, args_experts_parallel(config, args))
-    return state
+    return tensors, used
 
 
 RUN_ARGS = ("global_batch_size", "micro_batch_size", "train_iters", "clip_grad", "optimizer",
@@ -251,6 +270,13 @@ def _decays(group: dict) -> bool:
     return float(group.get("wd_mult", 1.0)) != 0.0
 
 
+def dense_only(config: ModelConfig, where: str) -> None:
+    if config.is_moe:
+        raise ConvertError(f"{where}: --training-state reads the bucket-space optimizer types of dense models only "
+                           "(Megatron keeps the experts' state in a second, chained optimizer); re-save with "
+                           "--dist-ckpt-optim-fully-reshardable")
+
+
 def items(state: TrainingState, placed_rows: Iterable, blocks: Callable, kind: str) -> list:
     """The dcp_writer items of every moment, placed as the weights are (`blocks(tensors, placed)`)."""
     names = READABLE[kind]
@@ -293,13 +319,6 @@ def common_entries(state: TrainingState, kind: str, groups: list[list[dict]]) ->
     return entries, metadata
 
 
-def _unwrapped(obj: Any, where: str) -> Any:
-    """A ShardedObject is stored inside a one-item list: the rank's `rng_state` is its item."""
-    if not isinstance(obj, list) or len(obj) != 1:
-        raise ConvertError(f"{where}: expected a one-item list holding the rank's RNG state")
-    return obj[0]
-
-
 def rng_items(rng: dict[tuple[int, int], Any], tp: int, pp: int) -> dict[str, Any]:
     """The torch_dist bytes items of RNG states {(tp rank, pp rank): the rank's `rng_state`}."""
     return {f"rng_state/shard_{p}.{t}_{pp}.{tp}": [value] for (t, p), value in rng.items()}
@@ -316,9 +335,12 @@ def prepare(ir, options, iteration: int, args, progress) -> tuple[str, dict[tupl
     if iteration != state.iteration:
         raise ConvertError(f"--iteration {iteration} contradicts the training state's iteration {state.iteration} "
                            "(its schedule and data position belong to that iteration)")
-    kind = options.optimizer_sharding or state.optimizer_kind or PLAIN
-    if kind not in READABLE:
-        raise ConvertError(f"--optimizer-sharding {kind}: this tool writes {', '.join(READABLE)}")
+    kind = output_kind(state, options)
+    if state.optimizer_kind in NOT_WRITTEN and options.optimizer_sharding is None:
+        where = " (distrib_optim.pt)" if options.ckpt_format == "torch" else ""
+        progress.note(f"the distributed optimizer's state is written as {kind!r}{where}, not as the source's "
+                      f"{state.optimizer_kind!r} ({NOT_WRITTEN[state.optimizer_kind]}); Megatron-LM resumes it with "
+                      "or without --dist-ckpt-optim-fully-reshardable")
     args.consumed_train_samples = state.consumed_samples or 0
     args.use_distributed_optimizer = kind != PLAIN
     args.no_save_optim = args.no_load_optim = False  # Megatron loads no optimizer from a run saved without one
@@ -327,6 +349,19 @@ def prepare(ir, options, iteration: int, args, progress) -> tuple[str, dict[tupl
         progress.note(note)
     args.no_save_rng = args.no_load_rng = not rng
     return kind, rng
+
+
+def output_kind(state: TrainingState, options) -> str:
+    """How the output stores the optimizer: --optimizer-sharding, else the source's kind where it is written,
+    else (bucket-space sources) fully_reshardable."""
+    kind = options.optimizer_sharding or state.optimizer_kind or PLAIN
+    if kind in NOT_WRITTEN and options.optimizer_sharding is None:
+        return "fully_reshardable"
+    if kind in NOT_WRITTEN:
+        raise ConvertError(f"--optimizer-sharding {kind}: not written: {NOT_WRITTEN[kind]}")
+    if kind not in READABLE:
+        raise ConvertError(f"--optimizer-sharding {kind}: this tool writes {', '.join(READABLE)}")
+    return kind
 
 
 def rng_kept(state: TrainingState, tp: int, pp: int) -> tuple[dict[tuple[int, int], Any], str | None]:

@@ -48,6 +48,7 @@ from mconvert.ir.tensors import LazyTensor, LoadCache
 from mconvert.ir.training_state import TrainingState
 from mconvert.lazy import torch
 from mconvert.megatron import dist_optim
+from mconvert.megatron.grad_buffer import bucket_offsets, bucket_size, shared
 from mconvert.megatron.rank_files import RankFiles, read_parts
 from mconvert.rules.mapping import to_ir
 from mconvert.rules.table import Ctx
@@ -158,32 +159,6 @@ def _optimizer_moments(files: RankFiles, idx: tuple[int, int, int], optim: Any, 
     return moments, groups, steps.pop() if steps else None
 
 
-def bucket_offsets(params: list[tuple[str, int, bool]], bucket_size: int | None) -> tuple[dict[str, int], int]:
-    """Where each parameter (key, numel, shared between stages) starts in a chunk's coalesced flat tensor, and
-    its length: Megatron's grad-buffer layout with the distributed optimizer, without the padding after buckets
-    (bucket ends are padded to multiples of 128, so offsets within a bucket keep their 64-alignment)."""
-    offsets, done, start, members, end = {}, 0, 0, 0, 0
-    for key, numel, shared in reversed(params):
-        start = -(-start // 64) * 64
-        if shared and members:
-            done, start, members = done + start, 0, 0
-        end = start + numel
-        offsets[key] = done + start
-        members += 1
-        if (bucket_size is not None and end >= bucket_size) or shared:
-            done, start, members = done + end, 0, 0
-        else:
-            start = end
-    return offsets, done + (end if members else 0)
-
-
-def shared(key: str, *, tied: bool, pp: int, stages: int) -> bool:
-    """Megatron marks a tied embedding `shared_embedding` when the first and last stage are different ranks."""
-    first = pp == 0 and key == "embedding.word_embeddings.weight"
-    last = pp == stages - 1 and key == "output_layer.weight"
-    return tied and stages > 1 and (first or last)
-
-
 def _distributed_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[str], config: ModelConfig):
     """{moment: {entry: {key: tensor}}}, the param groups and Adam's step of one rank's distrib_optim.pt."""
     where = files.rel(idx)
@@ -205,11 +180,7 @@ def _distributed_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iter
     if sorted(str(k) for k in flat if k != "buckets_coalesced") != [str(v) for v in range(len(entries))]:
         raise ConvertError(f"{pfile}: expected one grad buffer per model chunk ({len(entries)}), found keys "
                            f"{sorted(map(str, flat))} (mixed-dtype or expert buffers are not read)")
-    args = files.args
-    size = None
-    if getattr(args, "overlap_grad_reduce", False):
-        dp = int(getattr(args, "data_parallel_size", 1) or 1)
-        size = getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * dp)
+    size = bucket_size(files.args)
     moments: dict[str, dict[str, dict[str, Any]]] = {"exp_avg": {}, "exp_avg_sq": {}}
     if config.dtype != "float32":
         moments["fp32_param"] = {}

@@ -17,7 +17,9 @@ losses), mean, backward, finish_grad_sync, optimizer.step(), scheduler.step(glob
 forward and backward are Megatron's own pipeline schedule (1F1B, interleaved with virtual stages; activations and
 gradients sent over gloo), global batch / micro batch micro-batches each of the whole batch, and
 finalize_model_grads (a tied embedding's two gradients summed across the stages).
-With "save", save_checkpoint writes the model, optimizer, scheduler and RNG state after the last step. FILE gets
+With "save", save_checkpoint writes the model, optimizer, scheduler and RNG state after the last step (with
+"optimizer_sharding", the distributed optimizer's sharding type is that one, as the content metadata of older
+Megatron-LM releases chose it: e.g. dp_zero_gather_scatter, which 0.19 still writes and reads). FILE gets
 {"losses": [...], "iteration": last iteration} as JSON, from the last stage's first rank.
 Runs in the megatron-core 0.19 environment (scripts/megatron_envs.sh).
 """
@@ -123,6 +125,10 @@ def train(rank: int, spec: dict) -> None:
     flags = [*spec["flags"], "--train-iters", "1000", "--lr-decay-iters", "1000"]
     if spec.get("save"):
         flags += ["--save", spec["save"], "--save-interval", "1000"]
+    if spec.get("optimizer_sharding"):
+        build = checkpointing._build_sharded_state_dict_metadata
+        checkpointing._build_sharded_state_dict_metadata = lambda *a, **k: build(*a, **k) | {
+            "distrib_optim_sharding_type": spec["optimizer_sharding"]}
     if spec.get("load"):
         flags += ["--load", spec["load"]]
     args = cpu.megatron_args(flags)
@@ -140,13 +146,16 @@ def train(rank: int, spec: dict) -> None:
         # Its loader then copies every state tensor of torch's Adam but `step` (set from the param groups, not
         # stored per parameter) out of the loaded ones, which have no `step`: looked up as None, which it skips
         # (with Transformer Engine's FusedAdam, what runs on GPUs, the state has no `step` tensor to look up).
+        # The dp_reshardable loader's tensors do hold a `step`: the loading optimizer's own (its per-parameter
+        # state, a non-persistent entry of the sharded state dict), taken before the param groups set it, so it
+        # would undo the step just loaded; it is dropped, as it is absent on GPUs.
         for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
             if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
                 inner._init_optimizer_states_with_dummy_values()
                 load_states = type(inner)._set_main_param_and_optimizer_states
                 type(inner)._set_main_param_and_optimizer_states = \
                     lambda self, param, tensors, f=load_states: f(self, param, collections.defaultdict(
-                        lambda: None, tensors))
+                        lambda: None, {k: v for k, v in tensors.items() if k != "step"}))
         iteration, _ = checkpointing.load_checkpoint(model, optimizer, scheduler, strict=True)
     losses = []
     s = SEQ
