@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -37,15 +38,16 @@ class LazyModule:
 
 
 def _import_long_lived(name: str) -> ModuleType:
-    """Import `name` without garbage collection, then freeze what exists (see the module docstring)."""
-    enabled = gc.isenabled()
+    """Import `name` without garbage collection, then freeze what exists (see the module docstring); a module
+    someone imported already is only looked up."""
+    if name in sys.modules or not gc.isenabled():
+        return importlib.import_module(name)
     gc.disable()
     try:
         return importlib.import_module(name)
     finally:
-        if enabled:
-            gc.freeze()
-            gc.enable()
+        gc.freeze()
+        gc.enable()
 
 
 if TYPE_CHECKING:
