@@ -115,12 +115,12 @@ def tree_memory(pid: int) -> int:
     return total
 
 
-def measure(cmd: list[str], stdout: list[str] | None = None) -> Run:
-    """Run `cmd`, then `sync`: wall seconds (both), the command's CPU seconds, its peak process-tree memory (its
-    standard output appended to `stdout` when given)."""
+def measure(cmd: list[str], stdout: list[str] | None = None, env: dict[str, str] | None = None) -> Run:
+    """Run `cmd` (in `env`, default: ours), then `sync`: wall seconds (both), the command's CPU seconds, its peak
+    process-tree memory (its standard output appended to `stdout` when given)."""
     start = time.perf_counter()
     sink = tempfile.TemporaryFile() if stdout is not None else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.PIPE, env=env)
     peak = 0
     done = threading.Event()
 
@@ -207,10 +207,17 @@ def prepare(models: Path, layers: int, moe_layers: int) -> tuple[Path, Path]:
 
 
 def bench_cases(models: Path, hf: Path, moe: Path, rounds: int, workers: list[int], vs_cp: bool,
-                only: str = "") -> None:
+                only: str = "", baseline: Path | None = None) -> None:
+    """Each case beside `cp -r` (with `vs_cp`), at each worker count; with `baseline` (a directory holding another
+    version's `mconvert` package) that version too, in the same rounds (PYTHONPATH puts it first)."""
     table = {name: case for name, case in cases(models, hf, moe).items() if only.lower() in name.lower()}
     out = models / "out"
-    runs: dict[tuple[str, int], list[Run]] = {}
+    variants = [(f"workers {w}", w, None) for w in workers]
+    if baseline is not None:
+        old = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(baseline.resolve()),
+                                                                         os.environ.get("PYTHONPATH")])))
+        variants += [(f"baseline w{w}", w, old) for w in workers]
+    runs: dict[tuple[str, str], list[Run]] = {}
     cps: dict[str, list[Run]] = {}
     imports: dict[str, list[Run]] = {}  # `import torch` alone, in the same round: the fixed part of the CPU
     for r in range(rounds):
@@ -218,14 +225,14 @@ def bench_cases(models: Path, hf: Path, moe: Path, rounds: int, workers: list[in
             if vs_cp:
                 shutil.rmtree(out, ignore_errors=True)
                 cps.setdefault(name, []).append(measure(["cp", "-r", str(src), str(out)]))
-            for w in workers:
+            for label, w, env in variants:
                 shutil.rmtree(out, ignore_errors=True)
                 run = measure([*mconvert_cmd(), *args, "--workers", str(w), "--load-dir", str(src),
-                               "--save-dir", str(out)])
-                runs.setdefault((name, w), []).append(run)
+                               "--save-dir", str(out)], env=env)
+                runs.setdefault((name, label), []).append(run)
                 ratio = (f" ({run.wall / cps[name][-1].wall:.2f}x cp; CPU {run.cpu:.2f} s, "
                          f"{run.cpu / cps[name][-1].cpu:.2f}x cp)") if vs_cp else f" (CPU {run.cpu:.2f} s)"
-                print(f"round {r + 1}/{rounds}: {name:<20} workers {w}: {run.wall:6.2f} s{ratio}", flush=True)
+                print(f"round {r + 1}/{rounds}: {name:<20} {label}: {run.wall:6.2f} s{ratio}", flush=True)
             imports.setdefault(name, []).append(measure([sys.executable, "-c", "import torch"]))
         shutil.rmtree(out, ignore_errors=True)
     gb = [sum(f.stat().st_size for f in m.rglob("*") if f.is_file()) / 1e9 for m in (hf, moe)]
@@ -233,20 +240,20 @@ def bench_cases(models: Path, hf: Path, moe: Path, rounds: int, workers: list[in
           "(median); (CPU-torch)/cp: the conversion's CPU beyond that fixed cost, over cp's")
     print(f"\nLlama with 1.1B shapes ({hf.name}), {gb[0]:.2f} GB bf16; Mixtral ({moe.name}), {gb[1]:.2f} GB bf16; "
           f"medians over {rounds} interleaved rounds; memory = peak RssAnon+RssShmem; CPU = user + sys")
-    print(f"{'case':<22} {'variant':<12} {'wall s':>7} {'user s':>7} {'sys s':>6} {'CPU s':>6} {'peak MiB':>9} "
+    print(f"{'case':<22} {'variant':<13} {'wall s':>7} {'user s':>7} {'sys s':>6} {'CPU s':>6} {'peak MiB':>9} "
           f"{'wall/cp':>8} {'CPU/cp':>7} {'(CPU-torch)/cp':>15} {'1->N':>6}")
     for name in table:
         rows = [("cp -r + sync", cps[name])] if vs_cp else []
-        rows += [(f"workers {w}", runs[(name, w)]) for w in workers]
+        rows += [(label, runs[(name, label)]) for label, _, _ in variants]
         for i, (label, rs) in enumerate(rows):
-            line = (f"{name if i == 0 else '':<22} {label:<12} {_med(rs, 'wall'):7.2f} {_med(rs, 'user'):7.2f} "
+            line = (f"{name if i == 0 else '':<22} {label:<13} {_med(rs, 'wall'):7.2f} {_med(rs, 'user'):7.2f} "
                     f"{_med(rs, 'sys'):6.2f} {_med(rs, 'cpu'):6.2f} {max(x.peak for x in rs) / 2**20:9.0f}")
             if vs_cp and label != "cp -r + sync":
                 line += f" {statistics.median(x.wall / c.wall for x, c in zip(rs, cps[name])):7.2f}x"
                 line += f" {statistics.median(x.cpu / c.cpu for x, c in zip(rs, cps[name])):6.2f}x"
                 beyond = [(x.cpu - t.cpu) / c.cpu for x, c, t in zip(rs, cps[name], imports[name])]
                 line += f" {statistics.median(beyond):14.2f}x"
-            one = runs.get((name, 1))
+            one = runs.get((name, "workers 1"))
             if one is not None and label.startswith("workers") and label != "workers 1":
                 line += f" {statistics.median(a.wall / b.wall for a, b in zip(one, rs)):5.2f}x"
             print(line)
@@ -329,6 +336,9 @@ def main() -> None:
     parser.add_argument("--moe-layers", type=int, default=8, help="layers of the Mixtral the MoE cases convert")
     parser.add_argument("--cases", default="", help="only the cases whose name contains this (e.g. 'dcp')")
     parser.add_argument("--workers", default="1,2", help="worker counts to compare, e.g. 1,2")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a directory holding another version's mconvert package (e.g. from `git archive main "
+                             "mconvert | tar -x -C DIR`), timed beside this one in every round")
     parser.add_argument("--models", type=Path, default=Path("/tmp/bench-models"), help="models and outputs live here")
     parser.add_argument("--growth", default="4,8,16", help="layer counts for the memory-growth check ('' to skip)")
     parser.add_argument("--keep", action="store_true", help="keep the models for the next run")
@@ -342,7 +352,7 @@ def main() -> None:
             return
         hf, moe = prepare(args.models, args.layers, args.moe_layers)
         bench_cases(args.models, hf, moe, args.rounds, [int(w) for w in args.workers.split(",")], args.vs_cp,
-                    args.cases)
+                    args.cases, args.baseline)
         if args.growth:
             bench_growth(args.models, [int(n) for n in args.growth.split(",")])
         bench_startup(args.models, args.rounds)

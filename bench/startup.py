@@ -3,10 +3,10 @@
     python bench/startup.py [--rounds 5] [--fixtures DIR]
 
 For each case (the Megatron fixtures of ../shared/fixtures: core `torch` at TP1 and TP2 PP2, legacy, torch_dist with
-and without common.pt, and the HF checkpoint they came from) it prints, medians over interleaved rounds, the wall
-time and the CPU seconds (user + sys) of the command as its own process, whether torch was imported (from
-`python -X importtime`), and the modules whose import cost most. CPU seconds are the figure to compare on a shared
-machine: wall time there measures the neighbours too.
+and without common.pt, and the HF checkpoint they came from; `mconvert compare` of some pairs) it prints, medians
+over interleaved rounds, the wall time and the CPU seconds (user + sys) of the command as its own process, whether
+torch was imported (from `python -X importtime`), and the modules whose import cost most. CPU seconds are the
+figure to compare on a shared machine: wall time there measures the neighbours too.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ CHECKPOINTS = {
     "torch_dist (common.pt)": "llama_gqa/torch_dist",
     "torch_dist (common_state)": "llama_gqa/torch_dist_head",
 }
+COMPARES = {  # `mconvert compare A B`
+    "HF safetensors with itself": ("llama_gqa/hf", "llama_gqa/hf"),
+    "core torch TP1 PP1 with HF": ("llama_gqa/core_tp1pp1", "llama_gqa/hf"),
+    "legacy TP2 PP2 with TP1 PP1": ("gpt2/legacy_tp2pp2", "gpt2/legacy_tp1pp1"),
+}
 
 
 def run(args: list[str]) -> tuple[float, float, str]:
@@ -42,7 +47,7 @@ def run(args: list[str]) -> tuple[float, float, str]:
                           text=True, cwd=REPO)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode:
+    if done.returncode not in (0, 1) or (done.returncode and args[0] != "compare"):  # compare: 1 = they differ
         sys.exit(f"mconvert {' '.join(args)} failed:\n{done.stderr[-2000:]}")
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), done.stderr
 
@@ -67,6 +72,8 @@ def main() -> None:
     cases = {"mconvert --help": ["--help"], "mconvert --version": ["--version"]}
     cases |= {f"inspect {name}": ["inspect", str(args.fixtures / rel)] for name, rel in CHECKPOINTS.items()
               if (args.fixtures / rel).is_dir()}
+    cases |= {f"compare {name}": ["compare", str(args.fixtures / a), str(args.fixtures / b)]
+              for name, (a, b) in COMPARES.items() if (args.fixtures / a).is_dir() and (args.fixtures / b).is_dir()}
     walls: dict[str, list[float]] = {c: [] for c in cases}
     cpus: dict[str, list[float]] = {c: [] for c in cases}
     notes: dict[str, str] = {}

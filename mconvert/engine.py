@@ -128,7 +128,8 @@ def load(path: Path, options: Options, loader: str | None = None) -> ModelIR:
                                "optimizer state included); give one of them")
         if ir.training is None:
             raise ConvertError(f"{path}: --training-state: loader {plugin.name} ({ir.source.format}) reads no "
-                               "training state from this checkpoint; it reads core torch and torch_dist checkpoints")
+                               "training state from this checkpoint; it is read from core torch and torch_dist "
+                               "checkpoints and mtrain runs")
         ir.training.check(ir.tensors, str(path))
     if options.merge_adapter is not None:  # checked against the base's names and shapes, merged lazily
         if options.training_state:

@@ -11,7 +11,6 @@ way, so mconvert never imports the trainer.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,8 +84,10 @@ def _load_plugins(kind: str) -> None:
     for package in BUILTIN:
         for info in pkgutil.iter_modules(importlib.import_module(package).__path__, package + "."):
             importlib.import_module(info.name)
+    from importlib import metadata  # 20 ms: not for `mconvert --help`
+
     group = f"mconvert.{kind}s"
-    for ep in importlib.metadata.entry_points(group=group):
+    for ep in metadata.entry_points(group=group):
         try:
             ep.load()
         except Exception as e:  # a broken third-party plugin must not break the built-in ones

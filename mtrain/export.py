@@ -38,11 +38,11 @@ def _step_dir(path: Path) -> Path | None:
     return None
 
 
-@register_loader("mtrain", detect=lambda p: _step_dir(p) is not None, options=("tokenizer",))
+@register_loader("mtrain", detect=lambda p: _step_dir(p) is not None, options=("tokenizer", "training_state"))
 def load(path: Path, options: Options) -> ModelIR:
     """mtrain checkpoints (DCP): a step directory, or a run's checkpoint directory (its latest step)."""
     from mconvert.io.dcp import DcpReader
-    from mtrain import checkpoint
+    from mtrain import checkpoint, run_state
     from mtrain.models import state_dict_adapter
 
     step_dir = _step_dir(path)
@@ -52,6 +52,9 @@ def load(path: Path, options: Options) -> ModelIR:
     meta = checkpoint.read_meta(step_dir)
     config = checkpoint.model_config(step_dir, meta)
     if meta.get("lora") is not None:
+        if options.training_state:
+            raise ConvertError(f"{step_dir}: --training-state: a LoRA run's optimizer state belongs to its adapters, "
+                               "not to the merged model")
         return _lora_ir(step_dir, meta, config, options)
     reader = DcpReader(step_dir)  # its allow-listed unpickler: torch's own reader would unpickle anything
     prefix = checkpoint.MODEL_PREFIX
@@ -78,7 +81,12 @@ def load(path: Path, options: Options) -> ModelIR:
     tensors = state_dict_adapter.to_ir(
         config, {name: lazy(name) for name in wanted},
         take=lambda t, e: t.map(lambda x, e=e: x[e].clone(), shape=t.shape[1:], origin=f"{t.origin}[{e}]"))
-    return ModelIR(config, tensors, _source(step_dir, meta), _assets(step_dir, options))
+    training, source = None, _source(step_dir, meta)
+    if options.training_state:
+        training = run_state.read(reader, step_dir, meta, config, tensors)
+        source.notes.append("training state: mtrain's RNG states are not carried (a Megatron run resumes it with "
+                            "--no-load-rng)")
+    return ModelIR(config, tensors, source, _assets(step_dir, options), training)
 
 
 def _assets(step_dir: Path, options: Options) -> dict[str, Path]:

@@ -33,7 +33,12 @@ def resume_notes(meta: dict[str, Any], config: Config, layout: dict[str, Any], w
     """Lines that follow 'resumed from …': a changed layout, a changed learning-rate schedule."""
     notes = []
     saved_layout, saved_world = meta.get("parallel"), meta.get("world_size")
-    if saved_layout != layout or saved_world != world:
+    source = meta.get("converted_from")
+    if isinstance(source, dict):  # written by mconvert's saver `mtrain` (run_saver.py)
+        notes.append(f"converted by mconvert from the {source.get('format')} checkpoint {source.get('path')} "
+                     f"(iteration {source.get('iteration')}): weights, AdamW state, step and data position carried; "
+                     "RNG states are not (drawn afresh)")
+    elif saved_layout != layout or saved_world != world:
         notes.append(f"layout: saved by {_ranks(saved_world)} ({describe_layout(saved_layout)}), now {_ranks(world)} "
                      f"({describe_layout(layout)}): weights and optimizer state are resharded; RNG states are not "
                      "restored (each belongs to a rank of the saving layout)")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mconvert.errors import ConvertError
 from mconvert.io.dcp import DcpReader
 from mconvert.io.dcp_writer import DcpWriter
 
@@ -74,3 +76,21 @@ def test_reading_needs_no_torch_distributed_checkpoint(tmp_path):
             "print(bool(torch.equal(t, torch.ones(2, 3))), 'torch.distributed.checkpoint' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "False"]
+
+
+def test_ranges_of_a_flat_tensor_in_several_chunks(tmp_path):
+    """read_range (the distributed optimizer's windows on its flat buckets): a window inside one chunk is a view
+    of the file, one across chunks is copied from each, one past the end is refused by name."""
+    flat = torch.arange(100, dtype=torch.float32)
+    with DcpWriter(tmp_path) as writer:
+        for start, stop in ((0, 30), (30, 64), (64, 100)):
+            writer.add_chunk("bucket", (100,), (start,), flat[start:stop])
+        writer.finish()
+    reader = DcpReader(tmp_path)
+    inside, again = reader.read_range("bucket", 35, 50), reader.read_range("bucket", 40, 64)
+    assert torch.equal(inside, flat[35:50]) and torch.equal(again, flat[40:64])
+    assert again.data_ptr() - inside.data_ptr() == 5 * 4  # windows on the same mapped chunk
+    assert torch.equal(reader.read_range("bucket", 10, 90), flat[10:90])
+    assert reader.read_range("bucket", 7, 7).numel() == 0
+    with pytest.raises(ConvertError, match="bucket.*101"):
+        reader.read_range("bucket", 90, 101)

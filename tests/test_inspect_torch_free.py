@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,35 @@ def test_a_tensor_without_file_bytes_is_loaded_by_torch(llama_dir):
     assert embed.file_bytes is not None
     mapped = embed.map(lambda t: t * float("nan"))
     assert mapped.file_bytes is None and finite.count(mapped) == (embed.numel, 0)
+
+
+def compare_in_a_process(a: Path, b: Path) -> tuple[str, bool]:
+    """(what `mconvert compare A B` prints and its exit status, whether torch was imported)."""
+    code = ("import sys\nfrom mconvert.cli import main\n"
+            f"try:\n    main(['compare', {str(a)!r}, {str(b)!r}])\nexcept SystemExit as e:\n    print('exit', e.code)\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    return run.stdout, run.stderr.strip().splitlines()[-1] == "True"
+
+
+def test_compare_of_tensors_stored_unchanged_reads_bytes_without_torch(llama_dir, tmp_path, monkeypatch):
+    """Two HF directories: tensors stored as they are on both sides are compared byte for byte, without torch;
+    a tensor whose bytes differ is loaded and judged by torch, with the message torch's comparison gives."""
+    from mconvert.tools.inspect import compare
+
+    def by_torch(a: Path, b: Path) -> str:
+        with monkeypatch.context() as m:
+            m.setattr(finite, "same_bytes", lambda x, y: False)
+            text, same = compare(a, b, None, None, Options())
+        return f"{text}\nexit {0 if same else 1}\n"
+
+    other = tmp_path / "copy"
+    shutil.copytree(llama_dir, other)
+    out, imported = compare_in_a_process(llama_dir, other)
+    assert not imported and "39/39 tensors bit-identical\n" in out and out == by_torch(llama_dir, other)
+    weights = load_file(other / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"].clone()
+    weights["model.norm.weight"][3] += 1
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    out, imported = compare_in_a_process(llama_dir, other)
+    assert "final_norm.weight: differs, max |diff| 1\n" in out and out == by_torch(llama_dir, other)

@@ -38,7 +38,7 @@ ALLOWED = {
     "tools": {"ir", "rules", "io", "engine", "mtrain"} | SUPPORT,
     "cli": {"ir", "rules", "io", "engine", "tools"} | SUPPORT,
     "errors": set(), "lazy": set(), "progress": set(), "registry": {"errors", "ir"}, "staging": {"errors"},
-    "workers": {"errors", "progress", "staging"}, "options": {"ir", "rules", "errors"},
+    "workers": {"errors", "lazy", "progress", "staging"}, "options": {"ir", "rules", "errors"},
     "__main__": {"cli"},
     # mtrain/export.py is a plugin (the `mtrain` loader): it registers itself
     "mtrain": {"ir", "rules", "io", "errors", "options", "staging", "workers", "engine", "registry"},

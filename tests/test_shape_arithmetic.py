@@ -69,3 +69,24 @@ def test_pieces_that_do_not_fit_are_left_to_the_rules_on_meta(name):
             else:
                 with pytest.raises(ConvertError, match="the config contradicts the tensors"):
                     _ir_shapes_of(row, wrong, ctx, want)
+
+
+@pytest.mark.parametrize("num_query_groups", [4, 2])
+def test_gpt2_conv1d_joins_agree_with_the_rules_on_meta(num_query_groups):
+    """GPT-2's Conv1D weights (transposed, q/k/v stacked then transposed) and its stacked q/k/v biases."""
+    from mconvert.hf import gpt2
+
+    config = CONFIG.replace(family="gpt2", num_query_groups=num_query_groups, norm="layernorm",
+                            activation="gelu_tanh", position_embedding="learned", qkv_bias=True, proj_bias=True,
+                            mlp_bias=True, tie_embeddings=True)
+    ctx = Ctx(config, config.vocab_size)
+    want = expected_shapes(config)
+    rows = [r for r in expand(gpt2.TABLE, config) if r.rule.join in (gpt2.CONV1D_QKV, gpt2.CONCAT_QKV)
+            or r.rule.join.name == "transpose"]
+    assert len(rows) == 5
+    for row in rows:
+        pieces = row.rule.piece_shapes([tuple(want[n]) for n in row.ir], ctx)
+        lazy = [dataclasses.make_dataclass("P", [("shape", tuple)])(p) for p in pieces]
+        assert _arithmetic_shapes(row, lazy, ctx, want) == [tuple(want[n]) for n in row.ir], row.key
+        metas = row.rule.backward([torch.empty(p, device="meta") for p in pieces], ctx)
+        assert [tuple(m.shape) for m in metas] == [tuple(want[n]) for n in row.ir], row.key

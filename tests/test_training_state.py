@@ -10,7 +10,6 @@ for). Bad inputs are refused by name with nothing written.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from mconvert import engine
 from mconvert.io.dcp import DcpReader
 from mconvert.io.torch_pickle import safe_load
 from mconvert.options import Options
-from tests.support.cli import run_cli, run_megatron
+from tests.support.cli import run_cli
+from tests.support.cli import train_megatron as train
 from tests.support.refusals import convert_refused
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
@@ -30,15 +30,6 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--ckpt-format", "torch_dist", "--bf16", "--lr", "1e-3", "--global-batch-size", "2",
          "--micro-batch-size", "2", "--seed", "7"]  # vocabulary 256: no padding rows
 DIST = [*FLAGS, "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
-
-
-def train(python, tmp: Path, name: str, flags: list[str], steps: int, *, save: Path | None = None,
-          load: Path | None = None, world: int = 1) -> list[float]:
-    out = tmp / f"{name}.json"
-    spec = {"flags": flags, "steps": steps, "out": str(out), "save": save and str(save), "load": load and str(load),
-            "world": world}
-    run_megatron(python, "train.py", json.dumps(spec))
-    return json.loads(out.read_text())["losses"]
 
 
 @pytest.fixture(scope="module")
@@ -197,13 +188,14 @@ def test_refused_other_number_of_param_groups(runs, tmp_path):
 
 
 def test_refused_sharding_type(runs, tmp_path):
-    """dp_reshardable, the distributed optimizer's default: its buckets are not read, refused by name."""
-    def bucket_space(common):
-        common["optimizer"]["param_state_sharding_type"] = "dp_reshardable"
+    """fsdp_dtensor, Megatron-FSDP's type, in a torch_dist checkpoint: not read, refused by name (the
+    bucket-space types are read: tests/test_training_state_buckets.py)."""
+    def fsdp(common):
+        common["optimizer"]["param_state_sharding_type"] = "fsdp_dtensor"
 
-    src = rewrite(runs["dist"], tmp_path / "src", common=bucket_space)
+    src = rewrite(runs["dist"], tmp_path / "src", common=fsdp)
     convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
-                    culprits=("dp_reshardable", "--dist-ckpt-optim-fully-reshardable"))
+                    culprits=("fsdp_dtensor", "--dist-ckpt-optim-fully-reshardable"))
 
 
 def test_refused_by_savers_and_options_without_training_state(runs, tmp_path):

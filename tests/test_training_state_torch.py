@@ -22,9 +22,10 @@ import torch
 
 from mconvert import engine
 from mconvert.io.torch_pickle import safe_load
-from mconvert.megatron.torch_optim import bucket_offsets
+from mconvert.megatron.grad_buffer import bucket_offsets
 from mconvert.options import Options
 from tests.support.cli import run_cli, run_megatron
+from tests.support.cli import train_megatron as train
 from tests.support.refusals import convert_refused
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
@@ -34,15 +35,6 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 TORCH = [*FLAGS, "--ckpt-format", "torch"]
 DIST = [*FLAGS, "--ckpt-format", "torch_dist"]
 RANK_FILE = "iter_0000003/mp_rank_00/model_optim_rng.pt"
-
-
-def train(python, tmp: Path, name: str, flags: list[str], steps: int, *, save: Path | None = None,
-          load: Path | None = None, world: int = 1) -> list[float]:
-    out = tmp / f"{name}.json"
-    spec = {"flags": flags, "steps": steps, "out": str(out), "save": save and str(save), "load": load and str(load),
-            "world": world}
-    run_megatron(python, "train.py", json.dumps(spec))
-    return json.loads(out.read_text())["losses"]
 
 
 def convert(src: Path, dst: Path, fmt: str, *extra: str) -> str:

@@ -64,3 +64,33 @@ def test_an_asked_divisor_pads_as_megatron_lm(llama_dir, tmp_path):
     assert "vocabulary of" not in out
     args = args_of(tmp_path / "m", "mp_rank_00")
     assert (args.padded_vocab_size, args.make_vocab_size_divisible_by) == (512, 128)
+
+
+
+@pytest.mark.parametrize(("saver", "tp", "rel", "padded"), [
+    (("core",), 1, "mp_rank_00", 384), (("core", "--ckpt-format", "torch_dist"), 4, None, 512),
+    (("legacy",), 2, "mp_rank_00", 512),
+], ids=["core-tp1", "torch_dist-tp4", "legacy-tp2"])
+def test_a_megatron_source_keeps_its_divisor(saver, tp, rel, padded, llama_dir, tmp_path):
+    """A Megatron-LM checkpoint resharded keeps the divisor its run pads with, so its resume with unchanged flags
+    builds the stored table: 300 rows padded to 512 at TP 2 (Megatron-LM's 128) become 384 rows at TP 1 and stay
+    512 at TP 4 and in legacy TP 2, each with divisor 128 recorded and said; the real rows unchanged."""
+    run_cli("--saver", "core", "--tp", "2", "--make-vocab-size-divisible-by", "128", "--load-dir", llama_dir,
+            "--save-dir", tmp_path / "src")
+    out = run_cli("--loader", "core", "--saver", *saver, "--tp", str(tp), "--load-dir", tmp_path / "src",
+                  "--save-dir", tmp_path / "m")
+    assert f"note: vocabulary of 300 rows padded to {padded} rows with the source's divisor 128; resume " \
+           f"Megatron-LM at TP {tp} with --make-vocab-size-divisible-by 128 (recorded in args)" in out
+    args = args_of(tmp_path / "m", rel) if rel else args_of(tmp_path / "m")
+    assert (args.padded_vocab_size, args.make_vocab_size_divisible_by) == (padded, 128)
+    assert_same_tensors(ir_tensors(llama_dir), ir_tensors(tmp_path / "m"))
+
+
+def test_an_unpadded_source_stays_unpadded(llama_dir, tmp_path):
+    """mconvert's own default output (300 rows, divisor 2 at TP 2) resharded to TP 4: still no padded row (300 is
+    a multiple of 4 but not of 2 x 4, so divisor 1)."""
+    run_cli("--saver", "core", "--tp", "2", "--load-dir", llama_dir, "--save-dir", tmp_path / "src")
+    run_cli("--loader", "core", "--saver", "core", "--tp", "4", "--load-dir", tmp_path / "src", "--save-dir",
+            tmp_path / "m")
+    args = args_of(tmp_path / "m", "mp_rank_00")
+    assert (args.padded_vocab_size, args.make_vocab_size_divisible_by) == (300, 1)

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from mconvert.io import block_writer, hf_dir
-from mconvert.workers import assign
+from mconvert.lazy import torch
+from mconvert.progress import QUIET
+from mconvert.workers import Job, assign, run
 from tests.support.cli import run_cli
 from tests.support.paths import REPO, SCRIPTS
 
@@ -113,6 +115,19 @@ def test_assignment_balances_bytes_and_ignores_timing():
     assert assign([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]  # 5, 4, 3, 2, 1 each to the least loaded: 8 and 7
     assert assign([5, 1, 4, 2, 3], 1) == [[0, 1, 2, 3, 4]]
     assert assign([1, 1], 4) == [[0], [1], [], []]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_jobs_run_torch_on_one_thread_each(workers):
+    """Jobs only move bytes: torch's own threads would busy-wait between their copies (workers.one_op_thread)."""
+    before = torch.get_num_threads()
+    seen = run([Job(f"job {i}", 1, lambda advance: torch.get_num_threads()) for i in range(3)], workers=workers,
+               progress=QUIET)
+    assert seen == [1, 1, 1]
+    assert torch.get_num_threads() == before
+    with pytest.raises(ZeroDivisionError):  # a failing job restores it too
+        run([Job("fails", 1, lambda advance: 1 / 0)], workers=workers, progress=QUIET)
+    assert torch.get_num_threads() == before
 
 
 def test_shard_ranges_cut_by_bytes():

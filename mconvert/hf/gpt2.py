@@ -43,17 +43,26 @@ def _qkv_rows(ctx) -> tuple[int, int]:
     return c.num_attention_heads * c.head_dim, c.num_query_groups * c.head_dim
 
 
+def _conv1d_shape(shapes, ctx) -> tuple[int, int] | None:
+    """[rows_i, h] matrices stacked, then transposed: [h, sum of rows] (shape arithmetic, see `Join.shape`)."""
+    if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
+        return None
+    return shapes[0][1], sum(s[0] for s in shapes)
+
+
 # c_attn.weight [h, q|k|v] <-> IR q, k, v [rows, h]: stack the rows whole, then the Conv1D transpose.
 CONV1D_QKV = Join(
     "conv1d_qkv",
     lambda ts, ctx: transforms.transpose(transforms.concat_qkv(*ts)),
     lambda t, ctx: list(transforms.split_concat_qkv(transforms.transpose(t), *_qkv_rows(ctx))),
+    shape=_conv1d_shape,
 )
 # c_attn.bias [q;k;v] <-> IR q, k, v biases.
 CONCAT_QKV = Join(
     "concat_qkv",
     lambda ts, ctx: transforms.concat_qkv(*ts),
     lambda t, ctx: list(transforms.split_concat_qkv(t, *_qkv_rows(ctx))),
+    shape=lambda shapes, ctx: (sum(s[0] for s in shapes),) if all(len(s) == 1 for s in shapes) else None,
 )
 
 

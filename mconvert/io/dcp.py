@@ -6,7 +6,9 @@ chunk is a small torch.save archive and every bytes item raw bytes, at recorded 
 
 Reading needs no process group: `.metadata` is unpickled with an allow-list of DCP's own classes (torch's
 reader uses plain pickle, which would run code from an untrusted file), and chunks are memory-mapped, so asking
-for one layer of a layer-stacked tensor touches only that layer's bytes.
+for one layer of a layer-stacked tensor touches only that layer's bytes. Neither the metadata nor where a block's
+bytes lie (`DcpReader.elements`, for `mconvert inspect`) needs torch: shapes are tuples, dtypes names, and the
+chunks' archive headers are parsed by `mconvert.io.torch_archive`.
 
 Writing is planned, then done file by file, possibly in parallel: see `mconvert.io.dcp_writer`.
 """
@@ -14,6 +16,7 @@ Writing is planned, then done file by file, possibly in parallel: see `mconvert.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 import mmap
@@ -26,11 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mconvert.errors import ConvertError, format_names
+from mconvert.io import torch_archive
 from mconvert.io.contained import inside
 from mconvert.io.integrity import Manifest
+from mconvert.io.torch_archive import StoredTensor, TorchDType, Unreadable, dtype_of
 from mconvert.io.torch_pickle import locate_tensor, safe_load_bytes
 from mconvert.ir import dtypes
 from mconvert.ir.blocks import Blocks, FileBytes
+from mconvert.ir.tensors import Elements, LazyTensor
 from mconvert.lazy import torch
 
 METADATA = ".metadata"
@@ -47,7 +53,7 @@ _DCP_CLASSES = {
                                                              "TensorWriteData")),
 }
 _PLAIN = {
-    ("torch", "Size"): lambda *args: torch.Size(*args),  # torch is imported when a pickle asks for it
+    ("torch", "Size"): lambda *args: tuple(*args),  # a tuple: reading the metadata imports no torch
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id, as torch's own dcp.save records it
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
@@ -73,11 +79,16 @@ class Record:
 
 
 class _TensorProperties(Record):
-    """torch pickles TensorProperties as the tuple (dtype, layout, requires_grad, memory format, pin_memory)."""
+    """torch pickles TensorProperties as the tuple (dtype, layout, requires_grad, memory format, pin_memory).
+    The dtype is read as its name (`dtype_name`); `dtype` gives the torch.dtype."""
+
+    @property
+    def dtype_name(self) -> str | None:
+        return dtype_of(self.__dict__["dtype"] if "dtype" in self.__dict__ else self.state[0])
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.__dict__["dtype"] if "dtype" in self.__dict__ else self.state[0]
+        return dtypes.to_torch(self.dtype_name)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.__dict__})"
@@ -104,7 +115,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if key in _PLAIN:
             return _PLAIN[key]
         if module == "torch" and name in _DTYPES:
-            return dtypes.to_torch(name)
+            return TorchDType(name)
         raise ConvertError(f"{self.where}: refusing to unpickle: it asks for the Python global `{module}.{name}`, "
                            "which is not one of torch.distributed.checkpoint's metadata classes")
 
@@ -153,8 +164,10 @@ def check_records(md, path: Path) -> None:
         if type(meta).__name__ != "TensorStorageMetadata":
             continue
         chunks = getattr(meta, "chunks", None)
-        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
-        if not (ints(getattr(meta, "size", None)) and isinstance(dtype, torch.dtype) and isinstance(chunks, list)
+        properties = getattr(meta, "properties", None)
+        dtype = getattr(properties, "dtype_name", None) if isinstance(properties, Record) else \
+            dtype_of(getattr(properties, "dtype", None))  # DCP's own TensorProperties (mtrain's resume)
+        if not (ints(getattr(meta, "size", None)) and dtype in _DTYPES and isinstance(chunks, list)
                 and all(ints(getattr(c, "offsets", None)) and ints(getattr(c, "sizes", None)) for c in chunks)):
             raise ConvertError(f"{path}: corrupt tensor record for {fqn!r}")
         check_tiling(path, fqn, tuple(meta.size), [(tuple(c.offsets), tuple(c.sizes)) for c in chunks])
@@ -210,8 +223,12 @@ class StoredChunk:
 @dataclass(frozen=True)
 class TensorEntry:
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str
     chunks: tuple[StoredChunk, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtypes.to_torch(self.dtype_name)
 
 
 class DcpReader:
@@ -237,13 +254,14 @@ class DcpReader:
                     info = self._storage(where, fqn, tuple(c.offsets))
                     chunks.append(StoredChunk(tuple(c.offsets), tuple(c.sizes), info.relative_path, info.offset,
                                         info.length))
-                self.tensors[fqn] = TensorEntry(tuple(meta.size), meta.properties.dtype, tuple(chunks))
+                self.tensors[fqn] = TensorEntry(tuple(meta.size), meta.properties.dtype_name, tuple(chunks))
         self._check_files()
         if self.manifest is not None:
             self.manifest.check_complete()
         self._maps: dict[str, mmap.mmap] = {}
         self._identities: dict[str, tuple[int, int, int, int]] = {}
         self._decoded: dict[tuple[str, int], tuple[torch.Tensor, FileBytes | None]] = {}
+        self._headers: dict[tuple[str, int], StoredTensor | None] = {}
         self._lock = threading.Lock()
 
     def _storage(self, where: dict, fqn: str, offsets) -> Record:
@@ -371,6 +389,67 @@ class DcpReader:
                                f"asked for (index {index}): the checkpoint is incomplete")
         return out
 
+    def elements(self, fqn: str, index: tuple[int, ...] = ()) -> Elements | None:
+        """The stored chunks' parts that make up the block at leading `index` (see `read`), each with the place of
+        its bytes in its file, found from the chunks' archive headers without torch; None where a chunk is not
+        read this way (the block is then read by `read`). Their files are verified against the integrity
+        manifest first, as `read` verifies each file it maps."""
+        entry, index, lo, hi, pieces = self._select(fqn, index)
+        for file in sorted({c.file for c in pieces}) if self.manifest is not None else ():
+            self.manifest.check_file(file)
+        k, parts = len(index), []
+        pieces = sorted(pieces, key=lambda c: c.offsets[k:])
+        for c in pieces:
+            stored = self._header(c)
+            if stored is None or stored.dtype_name != entry.dtype_name or stored.shape != c.sizes or \
+                    not stored.is_contiguous() or any(not o <= i < o + s for i, o, s in zip(index, c.offsets, c.sizes)):
+                return None
+            at = stored.storage_offset + sum((i - o) * step for i, o, step in zip(index, c.offsets, stored.stride))
+            where = FileBytes(stored.path, stored.data_offset + at * dtypes.itemsize(entry.dtype_name),
+                              stored.identity)
+            view = tuple(i - o for i, o in zip(index, c.offsets))
+            parts.append(LazyTensor(c.sizes[k:], entry.dtype_name, lambda c=c, view=view: self._chunk(c)[view],
+                                    f"{c.file}:{fqn}", file_bytes=where))
+        # cut along the block's first dimension only: the parts' bytes, one after another, are the block's
+        in_order = k < len(entry.shape) and all(c.offsets[k + 1:] == (0,) * len(c.offsets[k + 1:]) and
+                                                c.sizes[k + 1:] == entry.shape[k + 1:] for c in pieces)
+        return Elements(tuple(parts), in_order=in_order or len(parts) == 1)
+
+    def lazy_elements(self, fqn: str, index: tuple[int, ...] = ()) -> Elements:
+        """`elements`, found when first asked (`Elements.find`): building a model's lazy tensors parses no header."""
+        return Elements(find=functools.cache(lambda: self.elements(fqn, index)))
+
+    def _header(self, c: StoredChunk) -> StoredTensor | None:
+        """Chunk `c`'s tensor as its archive header describes it (read once, without torch), or None when that
+        reader does not read it."""
+        key = (c.file, c.start)
+        if key not in self._headers:
+            try:
+                found = torch_archive.read(self.root / c.file, c.start, c.length)
+            except Unreadable:
+                found = None
+            self._headers[key] = found if isinstance(found, StoredTensor) else None
+        return self._headers[key]
+    def read_range(self, fqn: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of a 1-d tensor (one parameter's window on a flat optimizer buffer): a view of
+        the mapped chunk holding them all, else copied from the chunks overlapping them."""
+        entry = self.tensors.get(fqn)
+        if entry is None or len(entry.shape) != 1 or not 0 <= start <= stop <= entry.shape[0]:
+            raise ConvertError(f"{self.root}: no 1-d tensor {fqn!r} holding elements [{start}, {stop})")
+        pieces = [c for c in entry.chunks if c.offsets[0] < stop and c.offsets[0] + c.sizes[0] > start]
+        if len(pieces) == 1 and pieces[0].offsets[0] <= start and stop <= pieces[0].offsets[0] + pieces[0].sizes[0]:
+            o = pieces[0].offsets[0]
+            return self._chunk(pieces[0])[start - o:stop - o]
+        out, covered = torch.empty(stop - start, dtype=entry.dtype), 0
+        for c in pieces:
+            a, b = max(c.offsets[0], start), min(c.offsets[0] + c.sizes[0], stop)
+            out[a - start:b - start] = self._chunk(c)[a - c.offsets[0]:b - c.offsets[0]]
+            covered += b - a
+        if covered != stop - start:
+            raise ConvertError(f"{self.root}: the chunks of {fqn} cover {covered} of the {stop - start} elements "
+                               f"[{start}, {stop}) asked for: the checkpoint is incomplete")
+        return out
+
     def read_bytes(self, fqn: str) -> bytes:
         info = self.bytes_items.get(fqn)
         if info is None:
@@ -378,8 +457,14 @@ class DcpReader:
         return bytes(self._map(info.relative_path)[info.offset:info.offset + info.length])
 
     def read_object(self, fqn: str):
-        """A bytes item holding a torch.save'd object, unpickled safely."""
-        return safe_load_bytes(self.read_bytes(fqn), f"{self.root}:{fqn}")
+        """A bytes item holding a torch.save'd object, unpickled safely: without torch when it holds no tensor
+        (`torch_archive.read_plain`), else by torch."""
+        data = self.read_bytes(fqn)  # verified against the manifest, if any
+        info = self.bytes_items[fqn]
+        try:
+            return torch_archive.read_plain(self.root / info.relative_path, info.offset, info.length)
+        except Unreadable:
+            return safe_load_bytes(data, f"{self.root}:{fqn}")
 
 
 def _covers(c: StoredChunk, lo: Sequence[int], hi: Sequence[int], k: int) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import io
 import mmap
 import os
@@ -97,6 +98,18 @@ class StoredTensor:
                 return False
             expected *= size
         return True
+
+    def dense(self) -> StoredTensor | None:
+        """A non-contiguous view whose elements are the consecutive elements of its storage in another order (a
+        transposed matrix): those elements as a flat contiguous tensor, else None."""
+        if self.is_contiguous() or not self.numel:
+            return None
+        expected = 1
+        for step, size in sorted((s, n) for n, s in zip(self.shape, self.stride) if n != 1):
+            if step != expected:
+                return None
+            expected *= size
+        return dataclasses.replace(self, shape=(self.numel,), stride=(1,))
 
     def file_bytes(self) -> FileBytes | None:
         """Where the tensor's elements lie in the file, row-major, when they do (a contiguous view)."""
@@ -229,6 +242,36 @@ def read(path: Path | str, offset: int = 0, length: int | None = None) -> Any:
         raise
     except Exception as e:  # not a zip, truncated, a damaged pickle: torch's reader gives the established error
         raise Unreadable(f"{type(e).__name__}: {e}") from None
+
+
+def read_plain(path: Path | str, offset: int = 0, length: int | None = None) -> Any:
+    """`read` for archives of settings (a common state, args): `Unreadable` also when the objects hold a tensor,
+    which callers then want as torch's own (read with torch)."""
+    value = read(path, offset, length)
+    if _holds_tensor(value):
+        raise Unreadable("the objects hold tensors")
+    return value
+
+
+def _holds_tensor(value: Any) -> bool:
+    """Is there a tensor anywhere in `value` (containers and objects' attributes, each object visited once)?"""
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, StoredTensor):
+            return True
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        inner = getattr(item, "__dict__", None)
+        if isinstance(item, dict):
+            todo += item.values()
+        elif isinstance(item, (list, tuple)):
+            todo += item
+        elif isinstance(inner, dict):
+            todo += inner.values()
+    return False
 
 
 def _data_offset(f, info: zipfile.ZipInfo) -> int:

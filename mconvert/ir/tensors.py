@@ -36,11 +36,27 @@ from mconvert.ir.names import expected_shapes
 @dataclass(frozen=True, eq=False)
 class Elements:
     """The stored tensors whose elements, unchanged and of the same dtype, make up a tensor: TP pieces joined,
-    split or with padding rows dropped (a subset of their elements). `replicas`: each piece is the whole tensor,
-    and reading it checks that they are equal."""
+    split or with padding rows dropped (a subset of their elements), the chunks of a stored block, or a stored
+    view's storage. A piece knows its bytes by `file_bytes` or, in turn, by its own `elements_of`.
 
-    pieces: tuple[LazyTensor, ...]
+    `replicas`: each piece is the whole tensor, and reading it checks that they are equal. `how`: what rearranges
+    the pieces (a rule's join and shard, compared by identity; empty when unknown). `copies`: stored copies that
+    reading the tensor checks against it (a tied output layer), each as pieces rearranged the same way as
+    `pieces`: equal bytes piece by piece make an equal copy. `in_order`: the pieces' bytes, one after another, are
+    the tensor's own, row-major (a block cut along its first dimension). `find`: a reader that finds the pieces
+    only when asked (parsing headers costs what a conversion need not pay, and an integrity manifest verifies the
+    files first); `resolved()` gives them."""
+
+    pieces: tuple[LazyTensor, ...] = ()
     replicas: bool = False
+    how: tuple[Any, ...] = ()
+    copies: tuple[tuple[LazyTensor, ...], ...] = ()
+    in_order: bool = False
+    find: Callable[[], Elements | None] | None = field(default=None, repr=False)
+
+    def resolved(self) -> Elements | None:
+        """These elements, or those `find` finds (None: not known that way)."""
+        return self if self.find is None else self.find()
 
 
 @dataclass(frozen=True, eq=False)
@@ -188,15 +204,20 @@ class ModelIR:
                                    source=dataclasses.replace(self.source, notes=[*self.source.notes, note]))
 
     def cast(self, dtype: DType) -> ModelIR:
-        """The same model with every tensor converted to `dtype` at load time."""
+        """The same model with every tensor converted to `dtype` at load time (with a training state, the fp32
+        master weights kept or made the weights: TrainingState.cast)."""
         def kind(name: str) -> str:  # DeepSeek and Megatron keep the router's expert bias in float32
             return "float32" if name.endswith(".router.expert_bias") else dtype
 
+        source = self.tensors
+        training = self.training.cast(source, dtype) if self.training is not None else None
+        if self.training is not None and dtype == "float32" and "fp32_param" in self.training.tensors:
+            source = {n: self.training.tensors["fp32_param"].get(n, t) for n, t in source.items()}  # the masters
         tensors = {
             n: t if t.dtype_name == kind(n) else t.map(lambda x, d=dtypes.to_torch(kind(n)): x.to(d), dtype=kind(n))
-            for n, t in self.tensors.items()
+            for n, t in source.items()
         }
-        return dataclasses.replace(self, config=self.config.replace(dtype=dtype), tensors=tensors)
+        return dataclasses.replace(self, config=self.config.replace(dtype=dtype), tensors=tensors, training=training)
 
 
 def _config_summary(c: ModelConfig) -> str:

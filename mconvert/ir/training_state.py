@@ -8,6 +8,9 @@ reshards them by the same table as the weights (a moment is just another tensor 
     exp_avg      Adam's first moment
     exp_avg_sq   Adam's second moment
 
+Param groups and the schedule are stated in Megatron's terms (megatron-core is the yardstick): each group a torch
+AdamW group with Megatron's `wd_mult`, `lr_mult`, `max_lr`, `min_lr`, ..., the schedule Megatron's
+`opt_param_scheduler` state, counted in samples; other formats' loaders and savers translate (mtrain/run_state.py).
 The rest is layout independent: the optimizer's param groups (their settings: lr, weight decay, betas, eps, ...,
 and `step`, Adam's step count, which every parameter of a group shares), the LR/WD scheduler's state, the
 iteration, the samples consumed and the grad scaler of fp16 runs. RNG states belong to the ranks that drew them:
@@ -16,6 +19,7 @@ a saver keeps them only for the layout they were saved in (`rng_layout`) and oth
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +45,9 @@ class TrainingState:
     rng_layout: tuple[int, ...] | None = None  # (tp, pp, ...) the RNG states were drawn in
     optimizer_kind: str | None = None  # how the source stored it (e.g. Megatron's sharding type), for savers
     notes: list[str] = field(default_factory=list)
+    # the run settings the schedule and groups are stated with, under Megatron's argument names (global_batch_size,
+    # micro_batch_size, train_iters, clip_grad, optimizer, decoupled_weight_decay, seq_length), those the source has
+    run: dict[str, Any] = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -77,6 +84,17 @@ class TrainingState:
         if len(steps) != 1:
             raise ConvertError(f"{where}: the param groups disagree on the step ({sorted(map(str, steps))}); "
                                "one step per run is what Megatron and mtrain resume from")
+
+    def cast(self, weights: Mapping[str, LazyTensor], dtype: str) -> TrainingState:
+        """The state beside `weights` cast to `dtype`: fp32 weights cast to half precision stay as the fp32 master
+        weights (what a mixed-precision optimizer holds); cast to float32, the master weights become the weights
+        (ModelIR.cast takes them) and leave the state."""
+        masters = self.tensors.get("fp32_param")
+        if dtype == "float32" and masters is not None:
+            return dataclasses.replace(self, tensors={k: v for k, v in self.tensors.items() if k != "fp32_param"})
+        if dtype != "float32" and masters is None and all(t.dtype_name == "float32" for t in weights.values()):
+            return dataclasses.replace(self, tensors={**self.tensors, "fp32_param": dict(weights)})
+        return self
 
     def check_groups(self, expected: int, what: str, where: str) -> None:
         """The number of param groups must be what the target optimizer builds for these parameters."""

@@ -115,7 +115,7 @@ def load_dcp(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     padded = embed.shape[0]
     notes: list[str] = []
     assets = rank_files.tokenizer(options, it_dir, args, notes)
-    config, config_notes = rank_files.config(args, options, padded, dtype_name(embed.dtype), it_dir, assets,
+    config, config_notes = rank_files.config(args, options, padded, dtype_name(embed.dtype_name), it_dir, assets,
                                              store.values_bound(model))
     if config.mtp_layers:
         raise ConvertError(f"{it_dir}: a {args.ckpt_format} checkpoint with multi-token-prediction modules "
@@ -130,8 +130,8 @@ def load_dcp(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
                            f"{' or '.join(EXPERT_LAYOUTS)}")
     split = has_halves(model)
     key_rows = rows(config, impl, expert_layout or "sequential", split_swiglu=split, prefix=prefix)
-    source = {k: [LazyTensor(tuple(e.shape), e.dtype, lambda k=k: store.read(k), f"{it_dir.name}:{k}")]
-              for k, e in model.items()}
+    source = {k: [LazyTensor(tuple(e.shape), e.dtype_name, lambda k=k: store.read(k), f"{it_dir.name}:{k}",
+                             elements_of=store.lazy_elements(k))] for k, e in model.items()}
     tensors = to_ir(source, key_rows, Ctx(config, padded), where=str(it_dir), drop=DROP, cache=LoadCache(4))
     fmt = args.ckpt_format if getattr(args, "ckpt_format", None) in FORMATS else \
         "fsdp_dtensor" if split else "torch_dcp"

@@ -53,7 +53,7 @@ from typing import Any
 
 from mconvert import workers
 from mconvert.errors import ConvertError, mismatch
-from mconvert.io import dcp_writer, hf_dir
+from mconvert.io import dcp_writer, hf_dir, torch_archive
 from mconvert.io.dcp import DcpReader
 from mconvert.io.integrity import Manifest, write_manifest
 from mconvert.io.torch_pickle import safe_load
@@ -63,7 +63,7 @@ from mconvert.ir.blocks import as_blocks, reshape
 from mconvert.ir.checks import MEGATRON_INTEGERS, check_integers
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
-from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
+from mconvert.ir.tensors import Elements, LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.lazy import torch
 from mconvert.megatron import arguments, bridge_config, core, dist_optim, rank_files
 from mconvert.megatron import mla as mla_keys
@@ -317,7 +317,10 @@ def read_common(it_dir: Path, store) -> dict[str, Any]:
     if (it_dir / COMMON_FILE).is_file():
         if manifest is not None:
             manifest.check_file(COMMON_FILE)
-        common = safe_load(it_dir / COMMON_FILE, mmap=False)
+        try:  # settings only, usually: read without torch
+            common = torch_archive.read_plain(it_dir / COMMON_FILE)
+        except torch_archive.Unreadable:
+            common = safe_load(it_dir / COMMON_FILE, mmap=False)
     elif COMMON_STATE in getattr(store, "bytes_items", {}):
         common = store.read_object(COMMON_STATE)
         common = common[0] if isinstance(common, list) and common else common
@@ -381,6 +384,9 @@ class Unprefixed:
     def values_bound(self, keys) -> int:
         return self._store.values_bound([self._prefix + k for k in keys])
 
+    def lazy_elements(self, key: str, index=()):
+        return self._store.lazy_elements(self._prefix + key, index)
+
 
 def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     store, backend = open_store(it_dir)
@@ -434,7 +440,8 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
                            + mismatch(missing, extra))
     tensors = to_ir(source, rows, Ctx(config, padded), where=str(it_dir), cache=LoadCache(4))
     if tied_copy in store.tensors:  # a stored copy of the tied embedding: checked, never silently dropped
-        copy = LazyTensor(*_shape_dtype(store, tied_copy), lambda: store.read(tied_copy), f"{it_dir.name}:{tied_copy}")
+        copy = LazyTensor(*_shape_dtype(store, tied_copy), lambda: store.read(tied_copy), f"{it_dir.name}:{tied_copy}",
+                          elements_of=_elements(store, tied_copy, ()))
         verify_copies(tensors, "embed.weight", [[copy]], core.TIED_OUTPUT, Ctx(config, padded))
     training = None
     if options.training_state:
@@ -457,9 +464,10 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
                    training)
 
 
-def _shape_dtype(store, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+def _shape_dtype(store, key: str) -> tuple[tuple[int, ...], torch.dtype | str]:
+    """A stored tensor's shape and dtype (a name for torch_dist, read without torch; a torch.dtype for zarr)."""
     entry = store.tensors[key]
-    return (tuple(entry.shape), entry.dtype) if hasattr(entry, "shape") else entry
+    return (tuple(entry.shape), entry.dtype_name) if hasattr(entry, "shape") else entry
 
 
 def _lazy(store, placed: Placed, it_dir: Path) -> LazyTensor:
@@ -474,7 +482,14 @@ def _lazy(store, placed: Placed, it_dir: Path) -> LazyTensor:
                            f"{list(placed.stack)}")
     origin = f"{it_dir.name}:{key}" + (f"{list(index)}" if index else "")
     blocks = (lambda: store.read_blocks(key, index)) if hasattr(store, "read_blocks") else None
-    return LazyTensor(tuple(shape[len(index):]), dtype, lambda: store.read(key, index), origin, blocks)
+    return LazyTensor(tuple(shape[len(index):]), dtype, lambda: store.read(key, index), origin, blocks,
+                      elements_of=_elements(store, key, index))
+
+
+def _elements(store, key: str, index: tuple[int, ...]) -> Elements | None:
+    """Where a block's bytes lie in the files (torch_dist; not zarr), found when first asked: `inspect` counts
+    NaN/Inf there without torch."""
+    return store.lazy_elements(key, index) if hasattr(store, "lazy_elements") else None
 
 
 def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
@@ -482,9 +497,11 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     if options.training_state and backend != "torch_dist":
         raise ConvertError(f"--training-state: the core saver writes training state in --ckpt-format torch_dist "
                            f"only so far, not {backend}")
-    if layout.pp > 1 or layout.vpp > 1 or layout.ep > 1:
+    # The weights do not depend on EP, but an MoE run's optimizer does (its experts' own optimizer at EP > 1)
+    if layout.pp > 1 or layout.vpp > 1 or (layout.ep > 1 and not (options.training_state and c.is_moe)):
         raise ConvertError(f"--ckpt-format {backend} checkpoints do not depend on the pipeline or expert layout; "
-                           "drop --pp/--vpp/--ep (Megatron reshards them when it loads)")
+                           "drop --pp/--vpp/--ep (Megatron reshards them when it loads; with --training-state, "
+                           "an MoE model's --ep is the resuming run's)")
     core.check_model(c, options)
     padded, iteration, args = rank_files.core_args(ir, out, options, progress)
     it_dir = out / core.iteration_dir(iteration)
@@ -501,7 +518,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     if options.training_state:
         objects = _training_state(ir, options, iteration, args, common, progress)
         items += dist_optim.items(ir.training, placed_rows, lambda ts, placed: _blocks(ts, placed, planner),
-                                  options.optimizer_sharding or ir.training.optimizer_kind or dist_optim.PLAIN)
+                                  dist_optim.output_kind(ir.training, options))
 
     def finish(results: list) -> None:
         hashed = write_dcp_metadata(results) if backend == "torch_dist" else {}
@@ -531,7 +548,10 @@ def _training_state(ir: ModelIR, options: Options, iteration: int, args, common:
                     progress: Progress) -> dict[str, Any]:
     """The training state's share of the common state (and args); returns the RNG objects to store."""
     kind, rng = dist_optim.prepare(ir, options, iteration, args, progress)
-    entries, metadata = dist_optim.common_entries(ir.training, kind)
+    layout = options.layout
+    parallel = dist_optim.experts_parallel(ir.config, layout.tp, layout.ep, layout.expert_tp)
+    groups = dist_optim.target_groups(ir.training, ir.tensors, parallel)
+    entries, metadata = dist_optim.common_entries(ir.training, kind, groups)
     common.update(entries)
     common["content_metadata"].update(metadata)
     return dist_optim.rng_items(rng, options.layout.tp, options.layout.pp)

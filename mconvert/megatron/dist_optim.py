@@ -16,13 +16,21 @@ megatron/training/checkpointing.py), checked by running 0.19.2 (tests/support/me
   distributed optimizer `param_state_sharding_type`, also in `content_metadata` as `distrib_optim_sharding_type`
   (megatron-core reads it there to choose its loader); fp16 runs add `grad_scaler`. `opt_param_scheduler` is the
   LR/WD schedule, `iteration` the step, `args.consumed_train_samples` the position in the data.
+- MoE models: megatron-core keeps the experts' parameters in a second optimizer (get_megatron_optimizer: one
+  for the dense parameters, one for those with `is_expert_parallel`, under the expert-data-parallel groups),
+  chained (ChainedOptimizer). The common state's `optimizer` is then {0: dense, 1: experts}, each in the form
+  above (its own param groups, each flagged `is_expert_parallel`; its own `common_step` or sharding type); the
+  tensor keys stay unprefixed (`chained_optim_avoid_prefix`, megatron-core 0.14+ for the model-space types). At
+  EP1 with expert TP = TP the experts are ordinary parameters of the one optimizer. In the IR the groups of
+  all optimizers are one list, dense first; savers re-form them for the output's layout (`target_groups`). Keys
+  prefixed `chained_N.` (older saves, bucket-space types) are refused by name.
 - RNG: `rng_state/shard_{pp}.{tp}_{PP}.{TP}` (one per model-parallel rank, the rank's `rng_state` in a
   one-item list; in the IR {(tp, pp): rng_state}, what the `torch` format stores in each rank file), kept when
   the output has the same TP and PP, otherwise dropped with a note (Megatron then resumes with --no-load-rng).
 
-The distributed optimizer's default `dp_reshardable` (flat per-DP-rank buckets, bytes of its internal buffer
-layout) and the deprecated `dp_zero_gather_scatter` are refused by name: Megatron itself reshards them only
-across DP; re-save with --dist-ckpt-optim-fully-reshardable.
+The distributed optimizer's default `dp_reshardable` and the deprecated `dp_zero_gather_scatter` keep its state in
+its own bucket layout, which Megatron itself reshards only across DP: read by mconvert.megatron.bucket_optim into
+the same IR tensors, written as `fully_reshardable` unless --optimizer-sharding says otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import LazyTensor, LoadCache
 from mconvert.ir.training_state import MOMENTS, TrainingState, decay_groups
 from mconvert.lazy import torch
+from mconvert.megatron import bucket_optim
 from mconvert.rules.mapping import to_ir
 from mconvert.rules.table import Ctx
 
@@ -50,32 +59,53 @@ READABLE = {
     "fully_reshardable": {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
 }
 REFUSED = {
-    "dp_reshardable": "flat buffers in the distributed optimizer's own bucket layout, which Megatron itself "
-                      "reshards only across data-parallel ranks",
-    "dp_zero_gather_scatter": "the deprecated gathered bucket layout",
     "fsdp_dtensor": "Megatron-FSDP's state, which belongs in an fsdp_dtensor checkpoint",
 }
+NOT_WRITTEN = {kind: "its flat buffers follow the resuming run's bucket layout (DP size, bucket size, flags) "
+                     "that a checkpoint does not record; 'fully_reshardable' is read by any layout and written "
+                     "instead" for kind in bucket_optim.KINDS}
 RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)")
 
 
+CHAINED_KEY = re.compile(r"chained_\d+\.optimizer\.")
+EXPERT = re.compile(r"layers\.\d+\.moe\.experts\.")  # IR names of the expert-parallel parameters
+
+
 def is_optimizer_key(key: str) -> bool:
-    return key.startswith("optimizer.")
+    return key.startswith("optimizer.") or bool(CHAINED_KEY.match(key))
+
+
+def chained(optim: Any) -> list | None:
+    """The state dicts of Megatron's chained optimizers, in order (dense, experts): {0: ..., 1: ...} in the
+    torch_dist common state, a list in the torch format; a single optimizer's state dict is a list of one. None
+    for anything else."""
+    if isinstance(optim, list):
+        return optim
+    if isinstance(optim, dict) and optim and all(isinstance(k, int) for k in optim):
+        return [optim[k] for k in sorted(optim)] if sorted(optim) == list(range(len(optim))) else None
+    return [optim] if isinstance(optim, dict) else None
 
 
 def sharding_type(common: dict, where: str) -> str:
     """The sharding type the common state records (PLAIN for the plain optimizer); refused unless readable."""
-    optim = common.get("optimizer")
-    if not isinstance(optim, dict) or inner(optim) is None:
+    parts = chained(common.get("optimizer"))
+    if not parts or any(not isinstance(p, dict) or (inner(p) is None and "param_state_sharding_type" not in p)
+                         for p in parts):
         raise ConvertError(f"{where}: the checkpoint holds no optimizer state (saved with --no-save-optim, or "
                            "converted without --training-state); --training-state needs one saved by training")
-    kind = optim.get("param_state_sharding_type", PLAIN)
+    kinds = {p.get("param_state_sharding_type", PLAIN) for p in parts}
+    if len(kinds) != 1:
+        raise ConvertError(f"{where}: the chained optimizers were saved with different sharding types "
+                           f"({', '.join(sorted(map(str, kinds)))})")
+    kind = kinds.pop()
     if kind in REFUSED:
         raise ConvertError(f"{where}: distributed-optimizer state of sharding type {kind!r} ({REFUSED[kind]}) "
                            "cannot be converted; re-save it from Megatron-LM with "
                            "--dist-ckpt-optim-fully-reshardable (sharding type 'fully_reshardable')")
-    if kind not in READABLE:
+    if kind not in READABLE and kind not in bucket_optim.KINDS:
         raise ConvertError(f"{where}: unknown distributed-optimizer sharding type {kind!r}; this tool reads "
-                           f"{', '.join(k for k in READABLE if k != PLAIN)} and the plain optimizer")
+                           f"{', '.join([*(k for k in READABLE if k != PLAIN), *bucket_optim.KINDS])} and the "
+                           "plain optimizer")
     return kind
 
 
@@ -90,22 +120,61 @@ def inner(optim: dict) -> dict | None:
 def read(store, common: dict, config: ModelConfig, placed_blocks: list, lazy: Callable, padded: int,
          it_dir: Path, weights: dict[str, LazyTensor]) -> TrainingState:
     """The training state of a torch_dist checkpoint, its moments lazy and mapped to IR names by the weights'
-    own blocks (`placed_blocks`, read through `lazy(store, placed, it_dir)`)."""
+    own blocks (`placed_blocks`, read through `lazy(store, placed, it_dir)`), or for the bucket-space types by
+    mconvert.megatron.bucket_optim."""
     where = str(it_dir)
     kind = sharding_type(common, where)
-    optim = inner(common["optimizer"])
-    groups = [dict(g) for g in optim.get("param_groups") or []]
-    if any(not isinstance(g, dict) for g in groups):
-        raise ConvertError(f"{where}: optimizer.param_groups holds something other than dicts")
-    for g in groups:
-        g.pop("params", None)
-    if kind == PLAIN:
-        step = (optim.get("state") or {}).get("common_step")
-        if step is None:
-            raise ConvertError(f"{where}: the plain optimizer's state has no common_step (Adam's step count)")
-        for g in groups:
-            g["step"] = float(step)
+    args = common["args"]
+    layout = (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1))
     stored = {k for k in store.tensors if is_optimizer_key(k)}
+    if kind in bucket_optim.KINDS:
+        dense_only(config, where)  # before the layout: the experts' state is a second optimizer's
+        tops = [bucket_optim.optimizer_state(store, layout[0] * layout[1], where)]
+        tensors = bucket_optim.read(store, kind, args, config, padded, weights, where)
+        used = {k for k in stored if kind == "dp_reshardable" and bucket_optim.BUCKET_KEY.fullmatch(k)}
+    else:
+        tops = chained(common["optimizer"])
+        tensors, used = _model_space(store, kind, config, placed_blocks, lazy, padded, it_dir)
+    extra = sorted(stored - used)
+    if extra:
+        raise ConvertError(f"{where}: optimizer state for tensors the model does not have: {format_names(extra)}")
+    groups = []
+    for n, part in enumerate(tops):
+        optim = inner(part) or {}
+        found = optim.get("param_groups") or []
+        if not isinstance(found, list) or any(not isinstance(g, dict) for g in found):
+            raise ConvertError(f"{where}: optimizer param_groups (chained optimizer {n}) holds something other "
+                               "than dicts")
+        found = [{k: v for k, v in g.items() if k != "params"} for g in found]
+        if kind == PLAIN:
+            step = (optim.get("state") or {}).get("common_step")
+            if step is None:
+                raise ConvertError(f"{where}: the plain optimizer's state (chained optimizer {n}) has no "
+                                   "common_step (Adam's step count)")
+            for g in found:
+                g["step"] = float(step)
+        groups += found
+    rng = {(int(m[2]), int(m[1])): bucket_optim.unwrapped(store.read_object(k), f"{where}:{k}", "the rank's RNG state")
+           for k in getattr(store, "bytes_items", {}) for m in [RNG_KEY.fullmatch(k)] if m}  # shard_{pp}.{tp}_..
+    state = TrainingState(tensors, groups, common.get("opt_param_scheduler"), int(common.get("iteration", 0)),
+                          getattr(args, "consumed_train_samples", None), tops[0].get("grad_scaler"),
+                          rng or None, layout if rng else None, optimizer_kind=kind)
+    state.run = run_settings(args)
+    state.check(weights, where)
+    check_groups(state, config, weights, where, args_experts_parallel(config, args))
+    return state
+
+
+def _model_space(store, kind: str, config: ModelConfig, placed_blocks: list, lazy: Callable, padded: int,
+                 it_dir: Path) -> tuple[dict[str, dict[str, LazyTensor]], set[str]]:
+    """({moment: {IR name: tensor}}, the keys read) of the types that store each moment under its weight's key."""
+    where = str(it_dir)
+    stored = {k for k in store.tensors if is_optimizer_key(k)}
+    prefixed = sorted(k for k in stored if CHAINED_KEY.match(k))
+    if prefixed:
+        raise ConvertError(f"{where}: optimizer state saved under chained-optimizer prefixes "
+                           f"({format_names(prefixed, 3)}), without megatron-core's chained_optim_avoid_prefix; "
+                           "re-save it with megatron-core 0.14 or newer")
     names = READABLE[kind]
     present = [m for m in MOMENTS if any(k.startswith(f"{PREFIX}{names[m]}.") for k in stored)]
     tensors, used = {}, set()
@@ -120,29 +189,92 @@ def read(store, common: dict, config: ModelConfig, placed_blocks: list, lazy: Ca
         source = {p.row.key: [lazy(store, p, it_dir)] for p in blocks}
         tensors[moment] = to_ir(source, [p.row for p in blocks], Ctx(config, padded), where=where,
                                 cache=LoadCache(4))
-    extra = sorted(stored - used)
-    if extra:
-        raise ConvertError(f"{where}: optimizer state for tensors the model does not have: {format_names(extra)}")
-    args = common["args"]
-    rng = {(int(m[2]), int(m[1])): _unwrapped(store.read_object(k), f"{where}:{k}")
-           for k in getattr(store, "bytes_items", {}) for m in [RNG_KEY.fullmatch(k)] if m}  # shard_{pp}.{tp}_..
-    layout = (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1))
-    state = TrainingState(tensors, groups, common.get("opt_param_scheduler"), int(common.get("iteration", 0)),
-                          getattr(args, "consumed_train_samples", None), common["optimizer"].get("grad_scaler"),
-                          rng or None, layout if rng else None, optimizer_kind=kind)
-    state.check(weights, where)
-    check_groups(state, config, weights, where)
-    return state
+    return tensors, used
 
 
-def check_groups(state: TrainingState, config: ModelConfig, weights: dict[str, LazyTensor], where: str) -> None:
-    """Megatron's optimizer forms one group with weight decay and one without (dense models); a checkpoint with
-    another number cannot be what this model's run resumes from."""
+RUN_ARGS = ("global_batch_size", "micro_batch_size", "train_iters", "clip_grad", "optimizer",
+            "decoupled_weight_decay", "seq_length")
+
+
+def run_settings(args) -> dict[str, Any]:
+    """The run's settings a schedule and optimizer are stated with (TrainingState.run), as its args give them."""
+    return {k: getattr(args, k) for k in RUN_ARGS if getattr(args, k, None) is not None}
+
+
+def experts_parallel(config: ModelConfig, tp: int, ep: int, etp: int | None) -> bool:
+    """Does megatron-core give the experts an optimizer of their own in this layout? Only when their parameters
+    are expert-parallel (tensor_parallel/layers.py: EP > 1, or an expert tensor-parallel size other than TP);
+    otherwise they are ordinary parameters of the one optimizer."""
+    return bool(config.is_moe) and (ep > 1 or (etp or tp) != tp)
+
+
+def args_experts_parallel(config: ModelConfig, args: Any) -> bool:
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    return experts_parallel(config, tp, int(getattr(args, "expert_model_parallel_size", 1) or 1),
+                            getattr(args, "expert_tensor_parallel_size", None))
+
+
+def check_groups(state: TrainingState, config: ModelConfig, weights: dict[str, LazyTensor], where: str,
+                 parallel: bool) -> None:
+    """Megatron's optimizer forms one group with weight decay and one without (those that have parameters), and
+    when the experts are expert-parallel (`parallel`) again for the experts' own optimizer, whose groups are
+    flagged `is_expert_parallel`; a checkpoint with another number cannot be what this model's run resumes from."""
+    shapes = {n: t.shape for n, t in weights.items()}
+    experts = [n for n in weights if EXPERT.match(n)]
+    dense = [n for n in weights if not EXPERT.match(n)]
+    if parallel and experts:
+        expected, flagged = decay_groups(dense, shapes) + decay_groups(experts, shapes), decay_groups(experts, shapes)
+        what = "Megatron's optimizers for this model (with and without weight decay, dense and experts)"
+    else:
+        expected, flagged = decay_groups(weights, shapes), 0
+        what = "Megatron's optimizer for this model (with and without weight decay)"
+    state.check_groups(expected, what, where)
+    found = sum(bool(g.get("is_expert_parallel")) for g in state.param_groups)
+    if found != flagged:
+        raise ConvertError(f"{where}: {found} of the optimizer's param groups are flagged is_expert_parallel; "
+                           f"{what} has {flagged}")
+
+
+def target_groups(state: TrainingState, weights: dict[str, LazyTensor], parallel: bool) -> list[list[dict]]:
+    """The param groups of each optimizer megatron-core builds in the target layout (dense, then the experts' when
+    `parallel`): the experts' groups are the dense ones flagged `is_expert_parallel` when the source had them
+    inside its one optimizer, and go back into the dense groups of the same weight decay when the target has one
+    optimizer (their settings must then be the same, or the run could not have one group for both)."""
+    flagged = [g for g in state.param_groups if g.get("is_expert_parallel")]
+    dense = [g for g in state.param_groups if not g.get("is_expert_parallel")]
+    experts = [n for n in weights if EXPERT.match(n)]
+    if not (parallel and experts):
+        for g in flagged:
+            twin = [d for d in dense if _decays(d) == _decays(g)]
+            differ = sorted(k for k in set(g) | set(twin[0] if twin else {}) if k != "is_expert_parallel"
+                            and (not twin or g.get(k) != twin[0].get(k)))
+            if differ:
+                raise ConvertError("--training-state: the experts' param group differs from the dense one of the same "
+                                   f"weight decay in {', '.join(differ)}; the output's layout gives the experts no "
+                                   "optimizer of their own (EP1, expert TP = TP), so one group must serve both")
+        return [dense]
+    shapes = {n: weights[n].shape for n in experts}
+    kinds = [d for d in (True, False) if any((len(shapes[n]) > 1 and not n.endswith(".bias")) == d for n in experts)]
+    out = []
+    for decays in kinds:
+        mine = [g for g in flagged if _decays(g) == decays] or \
+            [dict(g) | {"is_expert_parallel": True} for g in dense if _decays(g) == decays]
+        if not mine:
+            raise ConvertError(f"--training-state: no param group {'with' if decays else 'without'} weight decay to "
+                               "give the experts' optimizer")
+        out.append(mine[0])
+    return [dense, out]
+
+
+def _decays(group: dict) -> bool:
+    return float(group.get("wd_mult", 1.0)) != 0.0
+
+
+def dense_only(config: ModelConfig, where: str) -> None:
     if config.is_moe:
-        raise ConvertError(f"{where}: --training-state reads dense models only so far (Megatron keeps the experts' "
-                           "state in a second, chained optimizer)")
-    expected = decay_groups(weights, {n: t.shape for n, t in weights.items()})
-    state.check_groups(expected, "Megatron's optimizer for this model (with and without weight decay)", where)
+        raise ConvertError(f"{where}: --training-state reads the bucket-space optimizer types of dense models only "
+                           "(Megatron keeps the experts' state in a second, chained optimizer); re-save with "
+                           "--dist-ckpt-optim-fully-reshardable")
 
 
 def items(state: TrainingState, placed_rows: Iterable, blocks: Callable, kind: str) -> list:
@@ -157,36 +289,34 @@ def items(state: TrainingState, placed_rows: Iterable, blocks: Callable, kind: s
     return out
 
 
-def common_entries(state: TrainingState, kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(entries of the common state, entries of content_metadata) for the optimizer written as `kind`."""
-    groups = [dict(g) for g in state.param_groups]
-    optim: dict[str, Any]
-    if kind == PLAIN:
-        for g in groups:
-            g.pop("step", None)
-        optim = {"state": {"common_step": torch.tensor(float(state.step))}, "param_groups": groups}
-        if "fp32_param" in state.tensors:  # Float16OptimizerWithFloat16Params wraps it; FP32Optimizer does not
-            optim = {"optimizer": optim}
-    else:
-        for g in groups:
-            g["step"] = float(state.step)
-        optim = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": kind}
-    if state.grad_scaler is not None:
-        optim["grad_scaler"] = state.grad_scaler
-    entries = {"optimizer": optim, "iteration": state.iteration}
+def common_entries(state: TrainingState, kind: str, groups: list[list[dict]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(entries of the common state, entries of content_metadata) for the optimizer written as `kind`, with the
+    param groups of each optimizer (`target_groups`): one optimizer's state dict, or the chained optimizers'
+    {0: dense, 1: experts}."""
+    parts = []
+    for part in groups:
+        groups_of = [dict(g) for g in part]
+        optim: dict[str, Any]
+        if kind == PLAIN:
+            for g in groups_of:
+                g.pop("step", None)
+            optim = {"state": {"common_step": torch.tensor(float(state.step))}, "param_groups": groups_of}
+            if "fp32_param" in state.tensors:  # Float16OptimizerWithFloat16Params wraps it; FP32Optimizer does not
+                optim = {"optimizer": optim}
+        else:
+            for g in groups_of:
+                g["step"] = float(state.step)
+            optim = {"optimizer": {"param_groups": groups_of}, "param_state_sharding_type": kind}
+        if state.grad_scaler is not None:
+            optim["grad_scaler"] = state.grad_scaler
+        parts.append(optim)
+    entries = {"optimizer": parts[0] if len(parts) == 1 else dict(enumerate(parts)), "iteration": state.iteration}
     if state.scheduler is not None:
         entries["opt_param_scheduler"] = state.scheduler
     metadata = {} if kind == PLAIN else {"distrib_optim_sharding_type": kind}
     if kind == "fully_reshardable":
         metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
     return entries, metadata
-
-
-def _unwrapped(obj: Any, where: str) -> Any:
-    """A ShardedObject is stored inside a one-item list: the rank's `rng_state` is its item."""
-    if not isinstance(obj, list) or len(obj) != 1:
-        raise ConvertError(f"{where}: expected a one-item list holding the rank's RNG state")
-    return obj[0]
 
 
 def rng_items(rng: dict[tuple[int, int], Any], tp: int, pp: int) -> dict[str, Any]:
@@ -205,9 +335,12 @@ def prepare(ir, options, iteration: int, args, progress) -> tuple[str, dict[tupl
     if iteration != state.iteration:
         raise ConvertError(f"--iteration {iteration} contradicts the training state's iteration {state.iteration} "
                            "(its schedule and data position belong to that iteration)")
-    kind = options.optimizer_sharding or state.optimizer_kind or PLAIN
-    if kind not in READABLE:
-        raise ConvertError(f"--optimizer-sharding {kind}: this tool writes {', '.join(READABLE)}")
+    kind = output_kind(state, options)
+    if state.optimizer_kind in NOT_WRITTEN and options.optimizer_sharding is None:
+        where = " (distrib_optim.pt)" if options.ckpt_format == "torch" else ""
+        progress.note(f"the distributed optimizer's state is written as {kind!r}{where}, not as the source's "
+                      f"{state.optimizer_kind!r} ({NOT_WRITTEN[state.optimizer_kind]}); Megatron-LM resumes it with "
+                      "or without --dist-ckpt-optim-fully-reshardable")
     args.consumed_train_samples = state.consumed_samples or 0
     args.use_distributed_optimizer = kind != PLAIN
     args.no_save_optim = args.no_load_optim = False  # Megatron loads no optimizer from a run saved without one
@@ -216,6 +349,19 @@ def prepare(ir, options, iteration: int, args, progress) -> tuple[str, dict[tupl
         progress.note(note)
     args.no_save_rng = args.no_load_rng = not rng
     return kind, rng
+
+
+def output_kind(state: TrainingState, options) -> str:
+    """How the output stores the optimizer: --optimizer-sharding, else the source's kind where it is written,
+    else (bucket-space sources) fully_reshardable."""
+    kind = options.optimizer_sharding or state.optimizer_kind or PLAIN
+    if kind in NOT_WRITTEN and options.optimizer_sharding is None:
+        return "fully_reshardable"
+    if kind in NOT_WRITTEN:
+        raise ConvertError(f"--optimizer-sharding {kind}: not written: {NOT_WRITTEN[kind]}")
+    if kind not in READABLE:
+        raise ConvertError(f"--optimizer-sharding {kind}: this tool writes {', '.join(READABLE)}")
+    return kind
 
 
 def rng_kept(state: TrainingState, tp: int, pp: int) -> tuple[dict[tuple[int, int], Any], str | None]:

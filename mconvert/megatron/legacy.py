@@ -369,7 +369,7 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if missing := missing_features(c, SUPPORTS):
         raise ConvertError(f"Megatron's legacy model cannot hold this model: {', '.join(missing)}")
     layout.check_model(c)
-    divisor, padded = rank_files.vocab_padding(c.vocab_size, layout.tp, options, progress)
+    divisor, padded = rank_files.vocab_padding(c, layout.tp, options, progress)
     args = args_from_config(c, layout, padded_vocab_size=padded, divisible_by=divisor)
     iteration = rank_files.iteration(ir, options)
     ctx = Ctx(c, padded, tp=layout.tp)  # version 3.0 keeps version 2's QKV order (the default)

@@ -27,7 +27,7 @@ from mconvert.io.torch_zip import TorchFileWriter
 from mconvert.ir.blocks import Blocks, FileBytes
 from mconvert.ir.checks import MEGATRON_INTEGERS, check_integers
 from mconvert.ir.config import ModelConfig
-from mconvert.ir.tensors import LazyTensor, ModelIR
+from mconvert.ir.tensors import Elements, LazyTensor, ModelIR
 from mconvert.lazy import torch
 from mconvert.megatron import arguments, core
 from mconvert.megatron.rank_plan import Part
@@ -187,10 +187,12 @@ class RankFiles:
         tensor: viewed in the file's map when asked for, with the bytes' place in the file when they lie there
         unchanged (`blocks`: for writers, `file_bytes`: for `inspect`)."""
         if isinstance(value, StoredTensor):
-            where = value.file_bytes()
+            where, flat = value.file_bytes(), value.dense()
+            # a transposed view (HF's legacy scripts save some so): its elements lie in one run of the file
+            elements = Elements((self.lazy(idx, flat, origin, blocks=False),)) if flat is not None else None
             return LazyTensor(value.shape, value.dtype_name, lambda: self._mapped.tensor(value), origin,
                               (lambda: Blocks.of(self._mapped.tensor(value), where)) if blocks else None,
-                              file_bytes=where)
+                              file_bytes=where, elements_of=elements)
         return LazyTensor(tuple(value.shape), value.dtype, lambda: value, origin,
                           (lambda: Blocks.of(value, self.source(idx, value))) if blocks else None)
 
@@ -400,21 +402,29 @@ def iteration(ir: ModelIR, options: Options) -> int:
     return ir.source.iteration if ir.source.iteration is not None else 1
 
 
-def vocab_padding(vocab: int, tp: int, options: Options, progress: Progress = QUIET) -> tuple[int, int]:
+def vocab_padding(config: ModelConfig, tp: int, options: Options, progress: Progress = QUIET) -> tuple[int, int]:
     """(make_vocab_size_divisible_by, padded rows) of a Megatron output, as every Megatron saver pads.
 
-    --make-vocab-size-divisible-by N pads as Megatron-LM does (to a multiple of N x TP). By default nothing is
+    --make-vocab-size-divisible-by N pads as Megatron-LM does (to a multiple of N x TP). By default a Megatron
+    source's divisor is kept (a Megatron-LM run resharded keeps its flags: its table at the new TP is what its
+    resume builds); the source records only its padded rows, so its divisor is the largest power of two <= 128
+    that Megatron's formula gives those rows with at some TP (128 for Megatron-LM's default). Otherwise nothing is
     padded: the divisor is the largest power of two <= 128 that Megatron's formula pads nothing with at this TP
     (as Megatron-Bridge chooses it), and only a vocabulary that is not a multiple of TP is padded, by the least
     (divisor 1). The note says which --make-vocab-size-divisible-by Megatron-LM resumes with (its
     --use-checkpoint-args restores padded_vocab_size, not the divisor: docs/formats.md)."""
-    asked = options.make_vocab_size_divisible_by
-    divisor = asked if asked is not None else vocab_divisor(vocab, tp)
+    vocab, asked = config.vocab_size, options.make_vocab_size_divisible_by
+    kept = None if asked is not None else source_divisor(vocab, config.padded_vocab_size)
+    divisor = asked if asked is not None else kept or vocab_divisor(vocab, tp)
     padded = padded_vocab_size(vocab, divisor, tp)
     if asked is None and workers.team().leader:
-        rows = "not padded" if padded == vocab else \
-            f"padded to {padded} rows ({vocab} is not a multiple of TP {tp}; the padded rows raise the loss Megatron " \
-            "reports)"
+        if kept:
+            rows = f"padded to {padded} rows with the source's divisor {kept}"
+        elif padded == vocab:
+            rows = "not padded"
+        else:
+            rows = f"padded to {padded} rows ({vocab} is not a multiple of TP {tp}; the padded rows raise the loss " \
+                "Megatron reports)"
         classic = padded_vocab_size(vocab, 128, tp)
         progress.note(f"note: vocabulary of {vocab} rows {rows}; resume Megatron-LM at TP {tp} with "
                       f"--make-vocab-size-divisible-by {divisor} (recorded in args"
@@ -422,12 +432,24 @@ def vocab_padding(vocab: int, tp: int, options: Options, progress: Progress = QU
     return divisor, padded
 
 
+def source_divisor(vocab: int, padded: int | None) -> int | None:
+    """The make_vocab_size_divisible_by a Megatron source padded `vocab` to `padded` rows with (None when it padded
+    nothing, or no power of two <= 128 gives those rows at any TP): the largest that does at some TP, since only
+    the padded rows are recorded."""
+    if not padded or padded <= vocab:
+        return None
+    for d in (128, 64, 32, 16, 8, 4, 2, 1):
+        if padded % d == 0 and any(padded_vocab_size(vocab, d, t) == padded for t in range(1, padded // d + 1)):
+            return d
+    return None
+
+
 def core_args(ir: ModelIR, out: Path, options: Options,
               progress: Progress = QUIET) -> tuple[int, int, argparse.Namespace]:
     """(padded vocabulary, iteration, Megatron `args`) of a core checkpoint in `options.ckpt_format`: what the
     torch, torch_dist and DCP savers each start from."""
     c, layout = ir.config, options.layout
-    divisor, padded = vocab_padding(c.vocab_size, layout.tp, options, progress)
+    divisor, padded = vocab_padding(c, layout.tp, options, progress)
     number = iteration(ir, options)
     args = arguments.args_from_config(c, layout, padded_vocab_size=padded, divisible_by=divisor,
                                       impl=options.transformer_impl, ckpt_format=options.ckpt_format,

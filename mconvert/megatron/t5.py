@@ -396,7 +396,7 @@ def _save(ir: ModelIR, out: Path, options: Options, progress: Progress, *, legac
         raise ConvertError(f"{where}: " + "; ".join(problems))
     options.layout.check_model(c)
     impl = "local" if legacy_model else options.transformer_impl
-    divisor, padded = rank_files.vocab_padding(c.vocab_size, options.layout.tp, options, progress)
+    divisor, padded = rank_files.vocab_padding(c, options.layout.tp, options, progress)
     iteration = rank_files.iteration(ir, options)
     args = args_from_config(c, options, padded=padded, divisor=divisor, impl=impl, legacy_model=legacy_model,
                             tokenizer_model=rank_files.tokenizer_model(ir, out, options, iteration))

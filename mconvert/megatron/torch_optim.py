@@ -13,7 +13,10 @@ optimizer/__init__.py's _get_param_groups), checked by running 0.19.2 (tests/sup
   split by the default override (`wd_mult` 0 for biases and 1-d parameters) and sorted with the group without
   override (weight decay) first; torch numbers the parameters of group 0, then group 1. The rank file's model
   entries (`model`, or `model0`, `model1`, ... with virtual stages) keep the same order, so index i is the i-th
-  parameter of those entries that goes into its group.
+  parameter of those entries that goes into its group. Each pipeline stage's file numbers its own parameters.
+- MoE models at EP > 1 (or expert TP other than TP): `optimizer` is the list of the chained optimizers' state
+  dicts, [dense, experts], each as above over its own parameters (the experts': `mlp.experts.*`, this EP rank's
+  local experts); the dense one is repeated in every EP rank's file. At EP1 there is one optimizer.
 
 The distributed optimizer (`--use-distributed-optimizer`) keeps only the param groups (with `step`) and the grad
 scaler in the rank file's `optimizer`; its per-parameter state is `distrib_optim.pt` beside it (save_parameter_state:
@@ -25,7 +28,9 @@ output layer shared between pipeline stages gets a bucket of its own; with --ove
 once they reach --ddp-bucket-size (default max(4e7, 1e6 x DP)) elements, in the first chunk only. Megatron
 lays the buffers out by the resuming run's flags, so what is written assumes a run without --overlap-grad-reduce
 (or with buckets larger than a chunk); the numbers the file holds are read in the layout its args record. The
-whole rank's flat buffers are built in memory to be written (3 x 4 bytes per parameter of the rank).
+whole rank's flat buffers are built in memory to be written (3 x 4 bytes per parameter of the rank). MoE models'
+distrib_optim.pt (a list of the chained optimizers' states, the dense one only in the file of its data-parallel
+rank 0) is refused by name.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from mconvert.ir.tensors import LazyTensor, LoadCache
 from mconvert.ir.training_state import TrainingState
 from mconvert.lazy import torch
 from mconvert.megatron import dist_optim
+from mconvert.megatron.grad_buffer import bucket_offsets, bucket_size, shared
 from mconvert.megatron.rank_files import RankFiles, read_parts
 from mconvert.rules.mapping import to_ir
 from mconvert.rules.table import Ctx
@@ -73,10 +79,41 @@ def parameters(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[str])
     return out
 
 
+def is_expert_key(key: str) -> bool:
+    """A parameter of an MoE layer's experts (megatron-core's `mlp.experts.*`: sequential, grouped or legacy)."""
+    return ".mlp.experts." in key
+
+
 def _rank_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[str]):
-    """{moment: {entry: {key: tensor}}}, the param groups and Adam's step of one rank file."""
-    where = files.rel(idx)
+    """{moment: {entry: {key: tensor}}}, the param groups and Adam's step of one rank file: its one optimizer's,
+    or with chained optimizers (a list: dense, then the experts' own at EP > 1) each over its own parameters."""
     optim = files.torch_state(idx).get("optimizer")
+    parts = dist_optim.chained(optim)
+    params = parameters(files, idx, drop)
+    if parts is None or len(parts) == 1:
+        return _optimizer_moments(files, idx, parts[0] if parts else optim, params)
+    if len(parts) != 2:
+        raise ConvertError(f"{files.rel(idx)}: optimizer holds {len(parts)} chained optimizers; megatron-core chains "
+                           "two (dense, experts)")
+    moments, groups, steps = {}, [], set()
+    for part, mine in zip(parts, ([p for p in params if not is_expert_key(p[1])],
+                                  [p for p in params if is_expert_key(p[1])]), strict=True):
+        found, part_groups, step = _optimizer_moments(files, idx, part, mine)
+        for m, entries in found.items():
+            for entry, tensors in entries.items():
+                moments.setdefault(m, {}).setdefault(entry, {}).update(tensors)
+        groups += part_groups
+        steps.add(step)
+    if len(steps) != 1:
+        raise ConvertError(f"{files.rel(idx)}: the chained optimizers disagree on Adam's step "
+                           f"({sorted(map(str, steps))})")
+    return moments, groups, steps.pop()
+
+
+def _optimizer_moments(files: RankFiles, idx: tuple[int, int, int], optim: Any, params: list):
+    """{moment: {entry: {key: tensor}}}, the param groups and Adam's step of one optimizer's state dict over
+    `params` (entry, key, tensor) in named_parameters() order."""
+    where = files.rel(idx)
     inner = dist_optim.inner(optim) if isinstance(optim, dict) else None
     if inner is None:
         raise ConvertError(f"{where}: the checkpoint holds no optimizer state (saved with --no-save-optim, or "
@@ -84,7 +121,6 @@ def _rank_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[st
     groups, state = inner.get("param_groups"), inner.get("state")
     if not isinstance(groups, list) or not isinstance(state, dict) or any(not isinstance(g, dict) for g in groups):
         raise ConvertError(f"{where}: optimizer.param_groups / optimizer.state are not what torch's Adam writes")
-    params = parameters(files, idx, drop)
     masters = optim.get("fp32_from_fp16_params") if inner is not optim else None
     if masters is not None and (not isinstance(masters, list) or len(masters) != len(groups)):
         raise ConvertError(f"{where}: optimizer.fp32_from_fp16_params does not hold one list per param group")
@@ -123,32 +159,6 @@ def _rank_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[st
     return moments, groups, steps.pop() if steps else None
 
 
-def bucket_offsets(params: list[tuple[str, int, bool]], bucket_size: int | None) -> tuple[dict[str, int], int]:
-    """Where each parameter (key, numel, shared between stages) starts in a chunk's coalesced flat tensor, and
-    its length: Megatron's grad-buffer layout with the distributed optimizer, without the padding after buckets
-    (bucket ends are padded to multiples of 128, so offsets within a bucket keep their 64-alignment)."""
-    offsets, done, start, members, end = {}, 0, 0, 0, 0
-    for key, numel, shared in reversed(params):
-        start = -(-start // 64) * 64
-        if shared and members:
-            done, start, members = done + start, 0, 0
-        end = start + numel
-        offsets[key] = done + start
-        members += 1
-        if (bucket_size is not None and end >= bucket_size) or shared:
-            done, start, members = done + end, 0, 0
-        else:
-            start = end
-    return offsets, done + (end if members else 0)
-
-
-def shared(key: str, *, tied: bool, pp: int, stages: int) -> bool:
-    """Megatron marks a tied embedding `shared_embedding` when the first and last stage are different ranks."""
-    first = pp == 0 and key == "embedding.word_embeddings.weight"
-    last = pp == stages - 1 and key == "output_layer.weight"
-    return tied and stages > 1 and (first or last)
-
-
 def _distributed_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[str], config: ModelConfig):
     """{moment: {entry: {key: tensor}}}, the param groups and Adam's step of one rank's distrib_optim.pt."""
     where = files.rel(idx)
@@ -170,11 +180,7 @@ def _distributed_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iter
     if sorted(str(k) for k in flat if k != "buckets_coalesced") != [str(v) for v in range(len(entries))]:
         raise ConvertError(f"{pfile}: expected one grad buffer per model chunk ({len(entries)}), found keys "
                            f"{sorted(map(str, flat))} (mixed-dtype or expert buffers are not read)")
-    args = files.args
-    size = None
-    if getattr(args, "overlap_grad_reduce", False):
-        dp = int(getattr(args, "data_parallel_size", 1) or 1)
-        size = getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * dp)
+    size = bucket_size(files.args)
     moments: dict[str, dict[str, dict[str, Any]]] = {"exp_avg": {}, "exp_avg_sq": {}}
     if config.dtype != "float32":
         moments["fp32_param"] = {}
@@ -231,19 +237,35 @@ def read(files: RankFiles, parts: list, ctx: Ctx, config: ModelConfig, weights: 
            for tp in range(files.tp) for pp in range(files.pp)}
     rng = rng if all(v is not None for v in rng.values()) else None
     state = TrainingState(tensors, groups, top.get("opt_param_scheduler"), int(top.get("iteration", 0)),
-                          getattr(files.args, "consumed_train_samples", None), top["optimizer"].get("grad_scaler"),
+                          getattr(files.args, "consumed_train_samples", None),
+                          dist_optim.chained(top["optimizer"])[0].get("grad_scaler"),
                           rng, (files.tp, files.pp) if rng else None,
                           optimizer_kind=DISTRIBUTED if distributed else dist_optim.PLAIN)
+    state.run = dist_optim.run_settings(files.args)
     state.check(weights, where)
-    dist_optim.check_groups(state, config, weights, where)
+    dist_optim.check_groups(state, config, weights, where, dist_optim.args_experts_parallel(config, files.args))
     return state
 
 
 def rank_entries(state: TrainingState, stored: dict[str, list[tuple[str, str, Any]]],
-                 add: Callable[[Any], Any]) -> dict[str, Any]:
+                 add: Callable[[Any], Any], groups: list[list[dict]]) -> dict[str, Any]:
     """The top-level entries one rank file adds for the plain optimizer: `stored` holds, per moment (and "" for
-    the weights), (entry, key, stored tensor) in the file's parameter order; `add` stores a small tensor."""
-    groups = [{k: v for k, v in g.items() if k != "step"} for g in state.param_groups]
+    the weights), (entry, key, stored tensor) in the file's parameter order; `add` stores a small tensor; `groups`
+    the param groups of each optimizer (dist_optim.target_groups): one, or chained (dense, experts), each over
+    its own parameters."""
+    if len(groups) == 1:
+        return _rank_entries(state, _plain_optimizer(state, stored, add, groups[0]))
+    parts = []
+    for part, expert in zip(groups, (False, True), strict=True):
+        keep = [i for i, (_, key, _) in enumerate(stored[""]) if is_expert_key(key) == expert]
+        parts.append(_plain_optimizer(state, {m: [v[i] for i in keep] for m, v in stored.items()}, add, part))
+    return _rank_entries(state, parts)
+
+
+def _plain_optimizer(state: TrainingState, stored: dict[str, list[tuple[str, str, Any]]],
+                     add: Callable[[Any], Any], param_groups: list[dict]) -> dict[str, Any]:
+    """One plain optimizer's state dict over the parameters in `stored`, with `param_groups`."""
+    groups = [{k: v for k, v in g.items() if k != "step"} for g in param_groups]
     params = stored[""]
     members = [[i for i, (_, key, t) in enumerate(params) if no_decay(key, t.shape) != decays(g, "saver core")]
                for g in groups]
@@ -264,7 +286,7 @@ def rank_entries(state: TrainingState, stored: dict[str, list[tuple[str, str, An
                                                                for m in members]}
         if state.grad_scaler is not None:
             optim["grad_scaler"] = state.grad_scaler
-    return _rank_entries(state, optim)
+    return optim
 
 
 def distributed_entries(state: TrainingState, stored: dict[str, list[tuple[str, str, Any]]], folder: Path, *,
@@ -301,7 +323,7 @@ def distributed_entries(state: TrainingState, stored: dict[str, list[tuple[str, 
     return _rank_entries(state, optim)
 
 
-def _rank_entries(state: TrainingState, optim: dict[str, Any]) -> dict[str, Any]:
+def _rank_entries(state: TrainingState, optim: dict[str, Any] | list) -> dict[str, Any]:
     """A rank file's training-state entries: the optimizer's, and the LR schedule's when the source had one."""
     out: dict[str, Any] = {"optimizer": optim}
     if state.scheduler is not None:

@@ -115,7 +115,8 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
         moves_rows = functools.cache(lambda row=row, pieces=pieces: planner.moves_rows(row.rule, "backward",
                                                                                         [p.shape for p in pieces]))
         moved = row.rule.join.shape is not None and row.rule.shard.shape is not None  # elements only rearranged
-        elements = Elements(tuple(pieces), row.rule.shard is REPLICATE and len(pieces) > 1) if moved else None
+        elements = Elements(tuple(pieces), row.rule.shard is REPLICATE and len(pieces) > 1,
+                            (row.rule.join, row.rule.shard)) if moved else None
         for i, name in enumerate(row.ir):
 
             def thunk(row=row, pieces=pieces, i=i):
@@ -257,4 +258,20 @@ def verify_copies(tensors: dict[str, LazyTensor], name: str, copies: list[list[L
                                    f"differs from {base.origin}; the checkpoint is inconsistent")
         return value
 
-    tensors[name] = LazyTensor(base.shape, base.dtype_name, thunk, base.origin)
+    tensors[name] = LazyTensor(base.shape, base.dtype_name, thunk, base.origin,
+                               elements_of=_with_copies(base, copies, rule))
+
+
+def _with_copies(base: LazyTensor, copies: list[list[LazyTensor]], rule: Rule) -> Elements | None:
+    """`base`'s stored elements with the copies reading it checks (`Elements.copies`), when each copy is stored
+    as `base` is: the same rule's join and shard over pieces of the same shapes and dtype (then equal bytes make an
+    equal copy, and `inspect` compares them without torch). None otherwise: reading the tensor checks them."""
+    found = base.elements_of
+    if found is None and base.file_bytes is not None:  # stored as is (see to_ir)
+        found = Elements((base,), how=(IDENTITY, REPLICATE))
+    if found is None or found.how != (rule.join, rule.shard) or found.replicas:
+        return None
+    stored = [(tuple(p.shape), p.dtype_name) for p in found.pieces]
+    if any([(tuple(p.shape), p.dtype_name) for p in pieces] != stored for pieces in copies):
+        return None
+    return dataclasses.replace(found, copies=found.copies + tuple(tuple(pieces) for pieces in copies))

@@ -79,7 +79,8 @@ def _vocab_padded(shapes: list[Shape], ctx: Ctx) -> Shape | None:
 
 
 IDENTITY = Join("identity", lambda ts, ctx: ts[0], lambda t, ctx: [t], shape=lambda shapes, ctx: shapes[0])
-TRANSPOSE = Join("transpose", lambda ts, ctx: transforms.transpose(ts[0]), lambda t, ctx: [transforms.transpose(t)])
+TRANSPOSE = Join("transpose", lambda ts, ctx: transforms.transpose(ts[0]), lambda t, ctx: [transforms.transpose(t)],
+                 shape=lambda shapes, ctx: shapes[0][::-1] if len(shapes[0]) == 2 else None)
 QKV = Join(
     "grouped_qkv",
     lambda ts, ctx: transforms.fuse_qkv(*ts, ctx.config.num_attention_heads, ctx.config.num_query_groups),

@@ -1,4 +1,5 @@
-"""Counting NaN and infinite values, for `mconvert inspect`.
+"""Counting NaN and infinite values, for `mconvert inspect`, and comparing stored bytes (replicas, tied copies,
+and `mconvert compare`'s tensors stored unchanged on both sides).
 
 A tensor whose bytes lie unchanged in a file (`LazyTensor.file_bytes`, a safetensors entry) is counted from the
 file with numpy, by bit pattern, without importing torch; any other is loaded and counted by torch. IEEE formats
@@ -41,24 +42,51 @@ def count(t: LazyTensor) -> tuple[int, int] | None:
 
 def _finite_pieces(t: LazyTensor) -> bool:
     """Are the stored tensors `t` rearranges (`LazyTensor.elements_of`) all finite, read from their files? Then
-    so is `t`, a subset of their elements. Replicas must also hold the same bytes (reading `t` would check that;
-    where they differ, `t` is loaded and says so). False when anything is not known this way: `t` is then
-    loaded and counted."""
-    found = t.elements_of
-    if found is None or t.dtype_name not in BIT_PATTERNS or \
-            any(p.file_bytes is None or p.dtype_name != t.dtype_name for p in found.pieces):
+    so is `t`, a subset of their elements. Replicas must also hold the same bytes, and each stored copy the same
+    bytes as the pieces (reading `t` would check that; where they differ, `t` is loaded and says so). False when
+    anything is not known this way: `t` is then loaded and counted."""
+    found = t.elements_of.resolved() if t.elements_of is not None else None
+    if found is None or t.dtype_name not in BIT_PATTERNS or any(p.dtype_name != t.dtype_name for p in found.pieces):
         return False
-    if found.replicas and len({_raw(p.file_bytes, p.nbytes) for p in found.pieces}) != 1:
+    if found.replicas and (any(p.file_bytes is None for p in found.pieces)
+                           or len({_raw(p.file_bytes, p.nbytes) for p in found.pieces}) != 1):
         return False
-    return all(count_file(p.file_bytes, p.dtype_name, p.numel) == (0, 0) for p in found.pieces)
+    for copy in found.copies:
+        if not all(same_bytes(p, q) for p, q in zip(found.pieces, copy)):
+            return False
+    return all(_finite(p) for p in found.pieces)
 
 
-def _raw(where: FileBytes, nbytes: int) -> bytes:
+def _finite(piece: LazyTensor) -> bool:
+    """A stored piece's values are all finite: counted in its file, or in the pieces it is made of."""
+    if piece.file_bytes is not None:
+        return count_file(piece.file_bytes, piece.dtype_name, piece.numel) == (0, 0)
+    return _finite_pieces(piece)
+
+
+def _raw(where: FileBytes, nbytes: int, start: int = 0) -> bytes:
     if FileBytes.identity_of(os.stat(where.path)) != where.identity:
         raise ConvertError(f"{where.path}: the file changed since its header was read")
     with open(where.path, "rb") as f:
-        f.seek(where.offset)
+        f.seek(where.offset + start)
         return f.read(nbytes)
+
+
+def same_bytes(a: LazyTensor, b: LazyTensor) -> bool:
+    """Do two stored tensors of one shape and dtype hold the same bytes, read from their files a chunk at a time
+    (or piece by piece, when both are their pieces' bytes in order, `Elements.in_order`, cut alike)? False when
+    that is not known."""
+    if a.nbytes != b.nbytes:
+        return False
+    if a.file_bytes is None or b.file_bytes is None:
+        x, y = (t.elements_of.resolved() if t.elements_of is not None else None for t in (a, b))
+        if x is None or y is None or not (x.in_order and y.in_order) or \
+                [p.shape for p in x.pieces] != [p.shape for p in y.pieces]:
+            return False
+        return all(same_bytes(p, q) for p, q in zip(x.pieces, y.pieces))
+    step = _CHUNK * 4
+    return all(_raw(a.file_bytes, min(step, a.nbytes - at), at) == _raw(b.file_bytes, min(step, a.nbytes - at), at)
+               for at in range(0, a.nbytes, step))
 
 
 def count_tensor(t: torch.Tensor) -> tuple[int, int] | None:

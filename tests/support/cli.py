@@ -65,6 +65,17 @@ def run_megatron(python: Path, script: str, *args: str, timeout: int = 1200) -> 
     return result.stdout
 
 
+def train_megatron(python: Path, tmp: Path, name: str, flags: list[str], steps: int, *, save: Path | None = None,
+                   load: Path | None = None, world: int = 1, **spec) -> list[float]:
+    """Megatron-LM trains `steps` steps (tests/support/megatron_lm/train.py; `spec`: its further keys, e.g.
+    optimizer_sharding); returns the losses."""
+    out = tmp / f"{name}.json"
+    spec |= {"flags": flags, "steps": steps, "out": str(out), "save": save and str(save),
+             "load": load and str(load), "world": world}
+    run_megatron(python, "train.py", json.dumps(spec))
+    return json.loads(out.read_text())["losses"]
+
+
 def run_mcore_logits_helper(core: Path, tokens: torch.Tensor, tmp: Path, *extra: str, python: Path | None = None,
                             timeout: int = 900) -> str:
     """tests/support/scripts/mcore_logits.py run by `python` (default: this environment's, megatron-core 0.16.1) on the

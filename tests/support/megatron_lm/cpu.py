@@ -61,24 +61,29 @@ def init_parallel(args) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                             expert_model_parallel_size=args.expert_model_parallel_size)
+                                             args.virtual_pipeline_model_parallel_size,
+                                             expert_model_parallel_size=args.expert_model_parallel_size,
+                                             expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
 
-def build_model(args):
-    """The GPTModel Megatron-LM's gpt_builder makes from these args with the local spec (no Transformer Engine)."""
+def build_model(args, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None):
+    """The GPTModel Megatron-LM's gpt_builder makes from these args with the local spec (no Transformer Engine):
+    the whole model, or one pipeline stage's (virtual) chunk of it."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
     if args.num_experts:
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                          vp_stage=vp_stage)
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                    max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+                    max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+                    post_process=post_process, vp_stage=vp_stage,
                     parallel_output=True,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,

@@ -1,0 +1,269 @@
+"""The distributed optimizer's bucket-space state in megatron-core `torch_dist` checkpoints (`--training-state`):
+sharding types `dp_reshardable` and `dp_zero_gather_scatter`.
+
+What megatron-core 0.16-0.19 write (optimizer/distrib_optimizer.py: sharded_state_dict,
+sharded_param_state_dp_reshardable, sharded_param_state_dp_zero, get_parameter_state_dp_zero; the same code in both),
+checked by running 0.19.2 (tests/test_training_state_buckets.py):
+
+Each model-parallel rank keeps the state of its own parameters (TP pieces, one pipeline stage) in the grad buffers
+of its model chunks (`gbuf_idx` v, one per virtual chunk; one dtype pair each, `(param dtype, grad dtype)`), laid
+out as mconvert.megatron.grad_buffer describes: parameters in reverse named_parameters() order, each
+at a multiple of 64 elements, buckets padded at their end to a multiple of lcm(DP, 128). The rank is named by its
+`data_parallel_group_idx` G, its rank in the model-parallel group: G = tp + TP x pp. The values per moment (`param`
+the fp32 master weights, `exp_avg`, `exp_avg_sq`) are fp32 and exclude the padding after each bucket, which is
+why they do not depend on the DP size:
+
+    dp_reshardable (Megatron-LM's default for the distributed optimizer): one flat tensor per bucket and moment,
+        optimizer.distributed.dp_group_idx_{G}.gbuf_idx_{v}.dtype_{DTYPES}.bucket_idx_{b}.{moment}
+      [the bucket's unpadded size], DTYPES e.g. `(torch.bfloat16, torch.float32)`; each DP rank's piece of each
+      parameter is a chunk of its own (the gaps between parameters are stored too, uninitialized).
+    dp_zero_gather_scatter (deprecated: older releases wrote it without --ckpt-fully-parallel-save): one object
+        optimizer.distributed.dp_group_idx_{G}.param_state
+      holding what the `torch` format keeps in distrib_optim.pt, {"buckets_coalesced": True, v: {dtype pair:
+      {moment: the buffer's buckets one after another, "numel_unpadded": n}}}. It is read whole, one rank at a
+      time (4 bytes per moment and parameter of the rank).
+
+The rest of the optimizer's state dict is an object per rank, `optimizer.distributed.dp_group_idx_{G}.optimizer`
+(param groups, each with the step) and `.grad_scaler` (fp16); the common state holds only
+`param_state_sharding_type`.
+
+Nothing names the parameters: they are the rank's parameters in Megatron's model, which for megatron-core's local
+spec are the rows of a `torch`-format rank file (mconvert.megatron.rank_plan: the same order, checked by Megatron
+resuming what the `torch` saver writes), in the layout the args record. Each parameter's window on its bucket must
+start and end where the stored chunks do (dp_reshardable), and the buffers must hold exactly the parameters' values.
+Transformer Engine's spec (another order of parameters inside its fused modules), multi-token prediction, BERT and
+MoE models are refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+from mconvert.errors import ConvertError, format_names
+from mconvert.ir.config import ModelConfig
+from mconvert.ir.tensors import LazyTensor, LoadCache
+from mconvert.lazy import torch
+from mconvert.megatron import core, rank_plan
+from mconvert.megatron.grad_buffer import bucket_offsets, bucket_size, shared
+from mconvert.rules.layout import LayoutError, ParallelLayout
+from mconvert.rules.mapping import Row, to_ir
+from mconvert.rules.table import Ctx
+
+KINDS = ("dp_reshardable", "dp_zero_gather_scatter")
+PREFIX = "optimizer.distributed.dp_group_idx_"
+BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
+                        r"\.(\w+)")
+STORED = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # IR moment -> buffer name
+SHARD = "/shard_0_1"  # a ShardedObject of one piece, as torch_dist stores it
+
+
+def optimizer_state(store, groups: int, where: str) -> dict[str, Any]:
+    """The optimizer's state dict without parameter state ({"optimizer": {"param_groups"}, "grad_scaler"}), one
+    per model-parallel rank, which must agree (Megatron forms the same groups on every rank of a dense model)."""
+    found = []
+    for g in range(groups):
+        state = {}
+        for name in ("optimizer", "grad_scaler"):
+            key = f"{PREFIX}{g}.{name}{SHARD}"
+            if key in store.bytes_items:
+                state[name] = unwrapped(store.read_object(key), f"{where}:{key}", f"the rank's {name} state")
+        if "optimizer" not in state:
+            raise ConvertError(f"{where}: no {PREFIX}{g}.optimizer (the param groups of model-parallel rank {g})")
+        found.append(state)
+    differ = [g for g in range(1, groups) if found[g] != found[0]]
+    if differ:
+        raise ConvertError(f"{where}: the optimizer state of model-parallel rank(s) {differ} differs from rank 0's "
+                           "(param groups or grad scaler); one run's ranks share them")
+    return found[0]
+
+
+def read(store, kind: str, args, config: ModelConfig, padded: int, weights: dict[str, LazyTensor],
+         where: str) -> dict[str, dict[str, LazyTensor]]:
+    """{moment: {IR name: tensor}} of a bucket-space checkpoint, lazily: each parameter's TP pieces are windows
+    on its rank's buffers, joined by the `torch` format's own table."""
+    layout = _layout(args, config, where)
+    table = core.table("local", "sequential", config.is_mla, config.is_bert)
+    parts = rank_plan.plan(table, config, layout.chunks(config.num_layers), ep=1,
+                           entry_names=rank_plan.entries(layout.vpp), tied_copy=core.TIED_OUTPUT)
+    ctx = Ctx(config, padded, tp=layout.tp)
+    buffers = Buffers(store, kind, layout, where)
+    moments = [m for m in STORED if m != "fp32_param" or config.dtype != "float32"]  # fp32 runs: the weights
+    size = bucket_size(args)
+    source: dict[str, dict[str, list[LazyTensor]]] = {m: {} for m in moments}
+    rows: list[Row] = []
+    for part in parts:
+        pp, v = part.chunk.pp, part.chunk.vpp
+        params = part.rows + part.copies  # named_parameters() order: a tied output layer's copy comes last
+        shapes = [row.rule.piece_shapes([tuple(weights[n].shape) for n in row.ir], ctx) for row in params]
+        for tp in range(layout.tp):
+            mine = [(row.key, math.prod(s[tp]), shared(row.key, tied=config.tie_embeddings, pp=pp,
+                                                        stages=layout.pp)) for row, s in zip(params, shapes)]
+            offsets, total = bucket_offsets(mine, size if v == 0 else None)
+            windows = buffers.windows(tp + layout.tp * pp, v, total, [(offsets[k], n) for k, n, _ in mine])
+            for m in moments:
+                for (key, numel, _), row, s, window in zip(mine, params, shapes, windows):
+                    if row in part.rows:  # the copy's state follows the embedding's: not read
+                        source[m].setdefault(f"{pp}/{part.entry}/{key}", []).append(
+                            window(STORED[m], s[tp], f"{where}:{buffers.label(tp + layout.tp * pp, v)} {m} "
+                                                     f"(stage {pp}) {part.entry}.{key} TP {tp}"))
+        rows += [Row(f"{pp}/{part.entry}/{r.key}", r.ir, r.rule) for r in part.rows]
+    return {m: to_ir(source[m], rows, ctx, where=where, cache=LoadCache(4)) for m in moments}
+
+
+def _layout(args, config: ModelConfig, where: str) -> ParallelLayout:
+    """The TP/PP/VPP layout of the run that saved the checkpoint, from its args; what is not read refused."""
+    impl = getattr(args, "transformer_impl", "transformer_engine")
+    refused = [("Transformer Engine's spec (args.transformer_impl: its fused modules order their parameters in a "
+                "way not checked here)", impl != "local"),
+               ("multi-token-prediction modules", bool(config.mtp_layers)), ("BERT", config.is_bert),
+               ("multi-latent attention", config.is_mla),
+               ("args.pipeline_model_parallel_layout", bool(getattr(args, "pipeline_model_parallel_layout", None))),
+               ("args.account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split",
+                bool(getattr(args, "account_for_embedding_in_pipeline_split", False)
+                     or getattr(args, "account_for_loss_in_pipeline_split", False)))]
+    named = [what for what, present in refused if present]
+    if named:
+        raise ConvertError(f"{where}: distributed-optimizer state in bucket space (dp_reshardable, "
+                           f"dp_zero_gather_scatter) is read for megatron-core's local spec of dense GPT models "
+                           f"only; this checkpoint has {', '.join(named)}. Re-save it from Megatron-LM with "
+                           "--dist-ckpt-optim-fully-reshardable")
+    try:
+        return ParallelLayout(tp=int(args.tensor_model_parallel_size), pp=int(args.pipeline_model_parallel_size),
+                              vpp=int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1),
+                              first_stage_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
+                              last_stage_layers=getattr(args, "decoder_last_pipeline_num_layers", None))
+    except (LayoutError, AttributeError, TypeError, ValueError) as e:
+        raise ConvertError(f"{where}: the args' parallel layout cannot be read ({e})") from None
+
+
+class Buffers:
+    """The stored flat buffers of every (model-parallel rank, chunk), and windows on them."""
+
+    def __init__(self, store, kind: str, layout: ParallelLayout, where: str) -> None:
+        self.store, self.kind, self.where = store, kind, where
+        self.ranks, self.vpp = layout.tp * layout.pp, layout.vpp
+        # (rank, chunk) -> [{buffer name: key} per bucket], dp_reshardable
+        self.buckets: dict[tuple[int, int], list[dict[str, str]]] = {}
+        expected = {(g, v) for g in range(self.ranks) for v in range(layout.vpp)}
+        if kind == "dp_reshardable":
+            if not hasattr(store, "read_range"):
+                raise ConvertError(f"{where}: dp_reshardable state is read from torch_dist checkpoints only")
+            found: dict[tuple[int, int], dict[str, dict[int, dict[str, str]]]] = {}
+            for key in store.tensors:
+                m = BUCKET_KEY.fullmatch(key)
+                if m:
+                    g, v, dtype, b, name = int(m[1]), int(m[2]), m[3], int(m[4]), m[5]
+                    found.setdefault((g, v), {}).setdefault(dtype, {}).setdefault(b, {})[name] = key
+            if set(found) != expected:
+                raise ConvertError(f"{where}: dp_reshardable buffers for (model-parallel rank, chunk) "
+                                   f"{sorted(found)}; the args' layout has {sorted(expected)}")
+            for gv, dtypes in found.items():
+                if len(dtypes) != 1:
+                    raise ConvertError(f"{where}: model-parallel rank {gv[0]} chunk {gv[1]} has buffers of "
+                                       f"{len(dtypes)} dtypes ({sorted(dtypes)}); one is what this tool reads")
+                buckets = next(iter(dtypes.values()))
+                if sorted(buckets) != list(range(len(buckets))):
+                    raise ConvertError(f"{where}: model-parallel rank {gv[0]} chunk {gv[1]} has buckets "
+                                       f"{sorted(buckets)}, not 0..{len(buckets) - 1}")
+                self.buckets[gv] = [buckets[b] for b in range(len(buckets))]
+        else:
+            keys = {g: f"{PREFIX}{g}.param_state{SHARD}" for g in range(self.ranks)}
+            absent = [k for k in keys.values() if k not in store.bytes_items]
+            if absent:
+                raise ConvertError(f"{where}: dp_zero_gather_scatter state missing: {format_names(absent)}")
+            self.keys = keys
+            self.cache = LoadCache(max(2, layout.tp))  # the TP ranks of one stage are read together
+
+    def label(self, g: int, v: int) -> str:
+        return f"{PREFIX}{g}.gbuf_idx_{v}" if self.kind == "dp_reshardable" else f"{PREFIX}{g}.param_state[{v}]"
+
+    def windows(self, g: int, v: int, total: int, spans: list[tuple[int, int]]) -> list[Callable]:
+        """For each parameter's (offset, numel) in the chunk's coalesced buffer: window(buffer name, shape,
+        origin) -> LazyTensor. The buffers must hold `total` values and (dp_reshardable) a chunk must start and end
+        at each parameter's ends."""
+        if self.kind == "dp_reshardable":
+            return self._bucket_windows(g, v, total, spans)
+        coalesced = self._coalesced(g, v)
+        numel = coalesced.get("numel_unpadded") if isinstance(coalesced, dict) else None
+        if numel != total:
+            raise ConvertError(f"{self.where}: {self.label(g, v)} holds {numel} values; the model's parameters "
+                               f"take {total} in Megatron's bucket layout (saved with another --ddp-bucket-size or "
+                               "--overlap-grad-reduce than its args say, or for another model)")
+
+        def window(start: int, numel: int) -> Callable:
+            def lazy(name: str, shape: tuple[int, ...], origin: str) -> LazyTensor:
+                return LazyTensor(shape, torch.float32,
+                                  lambda: self._coalesced(g, v)[name][start:start + numel].view(shape), origin)
+            return lazy
+        return [window(start, numel) for start, numel in spans]
+
+    def _coalesced(self, g: int, v: int) -> dict:
+        """Chunk v's {buffer name: flat tensor, "numel_unpadded"} of rank g's dp_zero_gather_scatter object."""
+        def load() -> Any:
+            where = f"{self.where}:{self.keys[g]}"
+            state = unwrapped(self.store.read_object(self.keys[g]), where, "the rank's parameter state")
+            if not isinstance(state, dict) or state.get("buckets_coalesced") is not True:
+                raise ConvertError(f"{where}: not the coalesced buffers megatron-core 0.16-0.19 write "
+                                   "(buckets_coalesced)")
+            return state
+
+        state = self.cache.get(g, load)
+        chunks = {k: b for k, b in state.items() if k != "buckets_coalesced"}
+        buffer = chunks.get(v)
+        if sorted(map(str, chunks)) != [str(c) for c in range(self.vpp)] or not isinstance(buffer, dict) \
+                or len(buffer) != 1:
+            raise ConvertError(f"{self.where}:{self.keys[g]}: expected one grad buffer of one dtype per model chunk, "
+                               f"found {sorted(map(str, chunks))}")
+        out = next(iter(buffer.values()))
+        for name in STORED.values():
+            t = out.get(name) if isinstance(out, dict) else None
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.float32 or \
+                    t.numel() != out.get("numel_unpadded"):
+                raise ConvertError(f"{self.where}:{self.keys[g]}: chunk {v}'s {name} is not a flat fp32 tensor of "
+                                   f"numel_unpadded values")
+        return out
+
+    def _bucket_windows(self, g: int, v: int, total: int, spans: list[tuple[int, int]]) -> list[Callable]:
+        buckets = self.buckets[(g, v)]
+        sizes = []
+        for b, names in enumerate(buckets):
+            if set(names) != set(STORED.values()):
+                raise ConvertError(f"{self.where}: {self.label(g, v)} bucket {b} holds {sorted(names)}; Adam's "
+                                   f"distributed optimizer stores {sorted(STORED.values())}")
+            shapes = {tuple(self.store.tensors[k].shape) for k in names.values()}
+            if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+                raise ConvertError(f"{self.where}: {self.label(g, v)} bucket {b}'s tensors are not flat and of one "
+                                   f"size ({sorted(shapes)})")
+            sizes.append(next(iter(shapes))[0])
+        if sum(sizes) != total:
+            raise ConvertError(f"{self.where}: {self.label(g, v)} holds {sum(sizes)} values in {len(sizes)} "
+                               f"bucket(s); the model's parameters take {total} in Megatron's bucket layout (saved "
+                               "with another --ddp-bucket-size or --overlap-grad-reduce than its args say, or for "
+                               "another model)")
+        starts = [sum(sizes[:b]) for b in range(len(sizes))]
+        out = []
+        for start, numel in spans:
+            b = max(i for i, s in enumerate(starts) if s <= start)
+            lo, hi = start - starts[b], start - starts[b] + numel
+            key = buckets[b]["exp_avg"]
+            ends = {e for c in self.store.tensors[key].chunks for e in (c.offsets[0], c.offsets[0] + c.sizes[0])}
+            if hi > sizes[b] or lo not in ends or hi not in ends:
+                raise ConvertError(f"{self.where}: {key} is not stored as parameters of the sizes this model has "
+                                   f"at [{lo}, {hi}) (its chunks end at {sorted(ends)[:8]}...): not the parameters "
+                                   "of this model's layout, in this order")
+
+            def window(name: str, shape: tuple[int, ...], origin: str, keys=buckets[b], lo=lo, hi=hi) -> LazyTensor:
+                return LazyTensor(shape, torch.float32, lambda: self.store.read_range(keys[name], lo, hi).view(shape),
+                                  origin)
+            out.append(window)
+        return out
+
+
+def unwrapped(obj: Any, where: str, what: str) -> Any:
+    """A ShardedObject is stored inside a one-item list: `what` is its item."""
+    if not isinstance(obj, list) or len(obj) != 1:
+        raise ConvertError(f"{where}: expected a one-item list holding {what}")
+    return obj[0]

@@ -1,0 +1,210 @@
+"""`--training-state` from the distributed optimizer's bucket-space sharding types: `dp_reshardable` (Megatron-LM's
+default) and `dp_zero_gather_scatter` (mconvert.megatron.bucket_optim).
+
+megatron-core 0.19.2 itself (tests/support/megatron_lm/train.py: its DDP, distributed optimizer, save_checkpoint
+and load_checkpoint, gloo on CPU) trains a tiny bf16 GPT 3 steps under TP2 x DP2 and saves dp_reshardable (each DP
+rank's piece of a parameter a chunk of its own, some parameters cut between the two), and under TP2 saves
+dp_zero_gather_scatter; Megatron re-saves the first as fully_reshardable itself (its own conversion). Every value
+we read must be the one Megatron's re-save holds (bit for bit: both are the same fp32 numbers moved), and the
+conversions must resume as Megatron resumes its own checkpoints: the same losses, exactly (bound 0: the stored
+fp32 moments and master weights and the bf16 weights are moved without arithmetic, and the same inputs through
+the same CPU kernels give the same bits).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mconvert import engine, workers
+from mconvert.errors import ConvertError
+from mconvert.io import dcp_writer
+from mconvert.io.dcp import DcpReader
+from mconvert.ir.config import ModelConfig
+from mconvert.megatron import bucket_optim
+from mconvert.options import Options
+from mconvert.progress import Progress
+from tests.support.cli import run_cli, train_megatron
+from tests.support.refusals import convert_refused
+
+FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+         "--ckpt-format", "torch_dist", "--bf16", "--lr", "1e-3", "--global-batch-size", "4",
+         "--micro-batch-size", "2", "--seed", "7", "--use-distributed-optimizer"]  # vocabulary 256: no padding
+TP2 = [*FLAGS, "--tensor-model-parallel-size", "2"]
+ITER = "iter_0000003"
+STATE = Options(training_state=True)
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory, mcore_python):
+    """Megatron's checkpoints after 3 steps: dp_reshardable (TP2 x DP2, 4 processes), dp_zero_gather_scatter
+    (TP2), and its own fully_reshardable re-save of the first (loaded under TP2 x DP1: Megatron reshards
+    dp_reshardable across DP itself); and its resumption of the first under TP2 x DP1 for 3 steps."""
+    python = mcore_python("0.19")
+    tmp = tmp_path_factory.mktemp("training_state_buckets")
+    r = {"python": python, "tmp": tmp, "dpr": tmp / "dpr", "dz": tmp / "dz", "resave": tmp / "resave"}
+    train_megatron(python, tmp, "dpr", TP2, 3, save=r["dpr"], world=4)
+    train_megatron(python, tmp, "dz", TP2, 3, save=r["dz"], world=2, optimizer_sharding="dp_zero_gather_scatter")
+    train_megatron(python, tmp, "resave", [*TP2, "--dist-ckpt-optim-fully-reshardable"], 0, load=r["dpr"],
+                   save=r["resave"], world=2)
+    r["resumed"] = train_megatron(python, tmp, "resumed", TP2, 3, load=r["dpr"], world=2)
+    return r
+
+
+def convert(src: Path, dst: Path, *extra: str) -> str:
+    return run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--training-state", *extra, "--load-dir", src,
+                   "--save-dir", dst)
+
+
+def assert_same_moments(a, b) -> None:
+    assert sorted(a.tensors) == sorted(b.tensors) == ["exp_avg", "exp_avg_sq", "fp32_param"]
+    for moment, tensors in a.tensors.items():
+        assert sorted(tensors) == sorted(b.tensors[moment])
+        for name, t in tensors.items():
+            assert torch.equal(t.load(), b.tensors[moment][name].load()), (moment, name)
+
+
+def test_read_as_megatron_reshards_it(megatron):
+    """Both types read into the IR hold, value for value, what Megatron's own fully_reshardable re-save holds;
+    the step, groups, schedule and position are the source's. Independently of Megatron's re-save: each bf16
+    weight is its fp32 master weight rounded (Megatron copies the masters into the model after each step), which
+    a window on the wrong place of a buffer would break."""
+    dpr = engine.load(megatron["dpr"], STATE)
+    dz, resave = engine.load(megatron["dz"], STATE), engine.load(megatron["resave"], STATE)
+    assert (dpr.training.optimizer_kind, dz.training.optimizer_kind) == ("dp_reshardable", "dp_zero_gather_scatter")
+    assert_same_moments(dpr.training, resave.training)
+    assert_same_moments(dz.training, resave.training)  # TP2 x DP1 trained as TP2 x DP2: the same numbers
+    for name, weight in dpr.tensors.items():
+        assert torch.equal(dpr.training.tensors["fp32_param"][name].load().to(torch.bfloat16), weight.load()), name
+    t = dpr.training
+    assert (t.step, t.iteration, t.consumed_samples, t.rng_layout) == (3, 3, 12, (2, 1))
+    assert t.scheduler == resave.training.scheduler == dz.training.scheduler
+    assert t.param_groups == dz.training.param_groups == resave.training.param_groups and len(t.param_groups) == 2
+
+
+def test_resumed_under_tp2_as_the_original(megatron, tmp_path):
+    """dp_reshardable -> fully_reshardable (TP2: RNG kept): resumed under TP2 x DP1, the losses of Megatron
+    resuming its dp_reshardable checkpoint there."""
+    out = convert(megatron["dpr"], tmp_path / "out", "--tp", "2")
+    assert "written as 'fully_reshardable'" in out and "RNG state dropped" not in out
+    assert train_megatron(megatron["python"], tmp_path, "ours", TP2, 3, load=tmp_path / "out", world=2) == \
+        megatron["resumed"]
+
+
+def test_resumed_under_tp1_as_megatron_reshards_it(megatron, tmp_path):
+    """dp_reshardable (TP2 x DP2) -> TP1: resumed by a one-process run, the losses of Megatron resharding its own
+    fully_reshardable re-save to TP1 (TP1 sums the row-parallel layers in another order than TP2: TP1 is compared
+    with TP1)."""
+    out = convert(megatron["dpr"], tmp_path / "out")
+    assert "RNG state dropped" in out
+    tp1 = [*FLAGS, "--no-load-rng"]
+    python = megatron["python"]
+    assert train_megatron(python, tmp_path, "ours", tp1, 3, load=tmp_path / "out") == \
+        train_megatron(python, tmp_path, "reference", tp1, 3, load=megatron["resave"])
+
+
+def test_read_from_several_buckets(megatron, tmp_path):
+    """--overlap-grad-reduce with --ddp-bucket-size 20000: Megatron cuts the chunk's buffer into 4 buckets, one
+    stored tensor each; every bf16 weight read is its fp32 master weight rounded (as above)."""
+    flags = [*FLAGS, "--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
+    train_megatron(megatron["python"], tmp_path, "buckets", flags, 2, save=tmp_path / "ckpt")
+    assert len([k for k in DcpReader(tmp_path / "ckpt" / "iter_0000002").tensors if k.endswith(".param")]) == 4
+    ir = engine.load(tmp_path / "ckpt", STATE)
+    assert (ir.training.optimizer_kind, ir.training.step) == ("dp_reshardable", 2)
+    for name, weight in ir.tensors.items():
+        assert torch.equal(ir.training.tensors["fp32_param"][name].load().to(torch.bfloat16), weight.load()), name
+
+
+@pytest.mark.parametrize("fmt, kind", [("torch_dist", "plain"), ("torch_dist", "fully_sharded_model_space"),
+                                       ("torch", "fully_reshardable"), ("torch", "plain")])
+def test_written_in_every_other_type(megatron, tmp_path, fmt, kind):
+    """dp_zero_gather_scatter -> each type written (torch: TP2, distrib_optim.pt or the plain optimizer in the
+    rank files), read back value for value."""
+    run_cli("--saver", "core", "--ckpt-format", fmt, "--training-state", "--optimizer-sharding", kind, "--tp", "2",
+            "--load-dir", megatron["dz"], "--save-dir", tmp_path / "out")
+    source, back = engine.load(megatron["dz"], STATE).training, engine.load(tmp_path / "out", STATE).training
+    assert_same_moments(source, back)
+    assert (back.step, back.iteration, back.consumed_samples, back.scheduler, back.param_groups) == \
+        (source.step, source.iteration, source.consumed_samples, source.scheduler, source.param_groups)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+
+def copy_edited(src: Path, dst: Path, *, replace: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """Megatron's checkpoint copied chunk by chunk (the chunks as Megatron stored them, the objects byte for byte),
+    with tensors `replace`d (whole, one chunk) or dropped."""
+    store, out = DcpReader(src / ITER), dst / ITER
+    out.mkdir(parents=True)
+    items = []
+    for fqn, entry in store.tensors.items():
+        if fqn in drop:
+            continue
+        if fqn in (replace or {}):
+            t = replace[fqn]
+            items.append(dcp_writer.Item(fqn, t.nbytes, lambda t=t: t, tuple(t.shape), (0,) * t.dim(),
+                                         tuple(t.shape), t.dtype))
+            continue
+        whole = store.read(fqn)
+        for c in entry.chunks:
+            piece = whole[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))].clone()
+            items.append(dcp_writer.Item(fqn, piece.nbytes, lambda p=piece: p, entry.shape, c.offsets, c.sizes,
+                                         entry.dtype))
+    items += [dcp_writer.Item(k, len(b), lambda b=b: b) for k in store.bytes_items for b in [store.read_bytes(k)]]
+    jobs, finish = dcp_writer.plan(out, items)
+    workers.run(jobs, workers=1, progress=Progress(enabled=False), finish=finish)
+    (out / "metadata.json").write_bytes((src / ITER / "metadata.json").read_bytes())
+    (dst / "latest_checkpointed_iteration.txt").write_text("3")
+    return dst
+
+
+BUCKET = "optimizer.distributed.dp_group_idx_1.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0"
+
+
+def test_copy_is_read_as_the_original(megatron, tmp_path):
+    """The copy the refusals below edit is itself read as Megatron's checkpoint."""
+    src = copy_edited(megatron["dpr"], tmp_path / "src")
+    assert_same_moments(engine.load(src, STATE).training, engine.load(megatron["dpr"], STATE).training)
+
+
+def test_refused_buffer_of_another_size(megatron, tmp_path):
+    replace = {f"{BUCKET}.{m}": torch.zeros(1000) for m in ("param", "exp_avg", "exp_avg_sq")}
+    src = copy_edited(megatron["dpr"], tmp_path / "src", replace=replace)
+    convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
+                    culprits=("dp_group_idx_1.gbuf_idx_0", "1000", "bucket layout"))
+
+
+def test_refused_buffer_not_cut_at_the_parameters(megatron, tmp_path):
+    """A bucket stored whole (one chunk) cannot be checked against the parameters' places: refused."""
+    store = DcpReader(megatron["dpr"] / ITER)
+    replace = {f"{BUCKET}.exp_avg": store.read(f"{BUCKET}.exp_avg").clone()}
+    src = copy_edited(megatron["dpr"], tmp_path / "src", replace=replace)
+    convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
+                    culprits=(f"{BUCKET}.exp_avg", "not stored as parameters"))
+
+
+def test_refused_missing_rank(megatron, tmp_path):
+    drop = tuple(f"{BUCKET}.{m}" for m in ("param", "exp_avg", "exp_avg_sq"))
+    src = copy_edited(megatron["dpr"], tmp_path / "src", drop=drop)
+    convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
+                    culprits=("dp_reshardable buffers", "(1, 0)"))
+
+
+def test_refused_writing_bucket_types(megatron, tmp_path):
+    for kind in bucket_optim.KINDS:
+        convert_refused(megatron["dz"], tmp_path, "--ckpt-format", "torch_dist", "--training-state",
+                        "--optimizer-sharding", kind, culprits=(f"--optimizer-sharding {kind}", "not written"))
+
+
+def test_refused_models_whose_parameter_order_is_not_checked():
+    """Transformer Engine's spec (and MTP, BERT, MLA models) keep their parameters in an order not checked here:
+    refused by name before anything is read."""
+    args = SimpleNamespace(transformer_impl="transformer_engine", tensor_model_parallel_size=1,
+                           pipeline_model_parallel_size=1)
+    config = ModelConfig(family="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                         num_query_groups=4, head_dim=16, vocab_size=256, max_position_embeddings=16)
+    with pytest.raises(ConvertError, match="Transformer Engine.*--dist-ckpt-optim-fully-reshardable"):
+        bucket_optim.read(None, "dp_reshardable", args, config, 256, {}, "ckpt")

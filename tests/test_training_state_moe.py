@@ -1,0 +1,192 @@
+"""`--training-state` for MoE models: megatron-core's chained optimizers (dense + experts) across EP and TP.
+
+At EP > 1 (or an expert TP other than TP) megatron-core gives the experts' parameters an optimizer of their own
+(ChainedOptimizer: the torch_dist common state's `optimizer` is {0: dense, 1: experts}); at EP1 with expert TP =
+TP they are ordinary parameters of the one optimizer. So the optimizer part of a torch_dist checkpoint depends on
+EP, and Megatron 0.19 cannot resume its own EP2 MoE checkpoint at EP1 ("Could not find parameter group"): the
+conversion re-forms the groups for the target's EP (`--ep`).
+
+megatron-core 0.19.2 (tests/support/megatron_lm/train.py, on CPU) trains a tiny Mixtral-like bf16 model (4
+sequential experts, top 2, no load balancing loss) 3 steps at EP2 (two processes, each the same batch) with the
+plain optimizer and with the distributed one (fully_reshardable), and saves torch_dist. Converted to EP1 and back
+to EP2, each is resumed for 2 steps. The losses must equal, exactly, those of
+Megatron resuming the original in the same layout: the conversions move stored values without arithmetic (bound
+0). At EP1 the losses also equal the EP2 resumption: the EP2 ranks see the same batch, so each expert's
+gradient is the EP1 one counted twice and halved by the average over the two data-parallel ranks, and the dense
+gradients are averaged copies of the EP1 ones (exact here: x + x and halving are exact in binary floating
+point, and the expert's two copies of each token are summed blockwise by the matmul). (MoE at TP > 1 is not
+trained here: megatron-core refuses MoE training at TP > 1 without sequence parallelism, which its local-spec
+norms, all that runs on CPU, do not support.)
+
+Sequential and grouped experts are the same keys in torch_dist (`decoder.layers.mlp.experts.experts.*`, one
+expert axis), so the state read here is the grouped layout's too. In the `torch` format each EP rank file's
+`optimizer` is the list of the two optimizers' state dicts (each indexing its own parameters); the distributed
+optimizer's distrib_optim.pt (two chained flat buffers) is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mconvert import engine
+from mconvert.io.torch_pickle import safe_load
+from mconvert.options import Options
+from tests.support.cli import run_cli, run_megatron
+from tests.support.refusals import convert_refused
+
+pytestmark = pytest.mark.parity
+
+FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+         "--bf16", "--lr", "1e-3", "--global-batch-size", "2", "--micro-batch-size", "1", "--seed", "7",
+         "--ffn-hidden-size", "128", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--num-experts", "4",
+         "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96", "--moe-router-load-balancing-type", "none",
+         "--moe-aux-loss-coeff", "0", "--ckpt-format", "torch_dist"]
+EP2 = ["--expert-model-parallel-size", "2"]
+FULLY = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
+RESUME = ["--no-load-rng"]
+STEPS, MORE = 3, 2
+
+TORCH = ["--ckpt-format", "torch"]  # after FLAGS: the last --ckpt-format counts
+SAVED = {"ep2": [*FLAGS, *EP2], "ep2_fully": [*FLAGS, *EP2, *FULLY], "ep2_torch": [*FLAGS, *EP2, *TORCH]}  # world 2
+CONVERTED = {  # name -> (source, options), in order
+    "ep2_to_ep1": ("ep2", []),
+    "ep2_fully_to_ep1_plain": ("ep2_fully", ["--optimizer-sharding", "plain"]),
+    "ep2_fully_to_ep1": ("ep2_fully", []),
+    "ep1_to_ep2": ("ep2_to_ep1", ["--ep", "2"]),
+    "ep1_fully_to_ep2": ("ep2_fully_to_ep1", ["--ep", "2"]),
+    "ep2_torch_to_ep1": ("ep2_torch", TORCH),
+    "ep1_torch_to_ep2": ("ep2_torch_to_ep1", [*TORCH, "--ep", "2"]),
+}
+RESUMED_EP1 = {  # world 1
+    "ep2_to_ep1": ("ep2_to_ep1", FLAGS),
+    "ep2_fully_to_ep1_plain": ("ep2_fully_to_ep1_plain", FLAGS),
+    "ep2_fully_to_ep1": ("ep2_fully_to_ep1", [*FLAGS, *FULLY]),
+    "ep2_torch_to_ep1": ("ep2_torch_to_ep1", [*FLAGS, *TORCH]),
+}
+RESUMED_WORLD2 = {
+    "megatron_ep2": ("ep2", [*FLAGS, *EP2]),
+    "megatron_ep2_fully": ("ep2_fully", [*FLAGS, *EP2, *FULLY]),
+    "ep1_to_ep2": ("ep1_to_ep2", [*FLAGS, *EP2]),
+    "ep1_fully_to_ep2": ("ep1_fully_to_ep2", [*FLAGS, *EP2, *FULLY]),
+    "megatron_ep2_torch": ("ep2_torch", [*FLAGS, *EP2, *TORCH]),
+    "ep1_torch_to_ep2": ("ep1_torch_to_ep2", [*FLAGS, *EP2, *TORCH]),
+}
+
+
+def launch(python, runs: list[dict], world: int) -> None:
+    for r in runs:
+        r["world"] = world
+    run_megatron(python, "train.py", json.dumps(runs))
+
+
+@pytest.fixture(scope="module")
+def losses(tmp_path_factory, mcore_python) -> dict:
+    """Every run's losses ({name: [loss per step]}); checkpoints under `root`. Three Megatron launches."""
+    python = mcore_python("0.19")
+    root = tmp_path_factory.mktemp("training_state_moe")
+    out = lambda name: str(root / f"{name}.json")  # noqa: E731
+    launch(python, [{"flags": f, "steps": STEPS, "out": out(n), "save": str(root / n)} for n, f in SAVED.items()], 2)
+    for name, (src, options) in CONVERTED.items():
+        run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--training-state", *options, "--load-dir",
+                root / src, "--save-dir", root / name)  # a later --ckpt-format in `options` wins
+    for resumed, world in ((RESUMED_EP1, 1), (RESUMED_WORLD2, 2)):
+        launch(python, [{"flags": [*f, *RESUME], "steps": MORE, "out": out(f"resumed_{n}"), "load": str(root / ckpt)}
+                        for n, (ckpt, f) in resumed.items()], world)
+    found = {"root": root}
+    for name in [*SAVED, *(f"resumed_{n}" for n in (*RESUMED_EP1, *RESUMED_WORLD2))]:
+        record = json.loads(Path(out(name)).read_text())
+        assert record["iteration"] == STEPS + (MORE if name.startswith("resumed_") else 0), name  # loaded, resumed
+        found[name] = record["losses"]
+    return found
+
+
+def test_ep2_to_ep1_resumes_exactly(losses):
+    """EP2 -> EP1: the chained optimizers' groups merged into the one optimizer's (plain, and the distributed
+    optimizer's state written as the plain one): resumed, the losses of Megatron resuming the original at EP2."""
+    assert losses["ep2"] == losses["ep2_fully"] == losses["ep2_torch"]  # the three runs train the same steps
+    reference = losses["resumed_megatron_ep2"]
+    assert losses["resumed_ep2_to_ep1"] == reference
+    assert losses["resumed_ep2_fully_to_ep1_plain"] == reference
+    assert losses["resumed_ep2_torch_to_ep1"] == reference  # the torch format: each EP rank file's two optimizers
+
+
+def test_ep1_to_ep2_resumes_exactly(losses):
+    """EP1 -> EP2: the experts' groups split off again into their own optimizer (our EP1 outputs, so the round
+    trip EP2 -> EP1 -> EP2): resumed, the losses of Megatron resuming its own EP2 checkpoint, plain and
+    fully_reshardable."""
+    assert losses["resumed_ep1_to_ep2"] == losses["resumed_megatron_ep2"]
+    assert losses["resumed_ep1_fully_to_ep2"] == losses["resumed_megatron_ep2_fully"]
+    assert losses["resumed_ep1_torch_to_ep2"] == losses["resumed_megatron_ep2_torch"]
+
+
+def test_groups_follow_the_layout(losses):
+    """What travels: EP2's three groups (dense with and without decay, experts flagged is_expert_parallel) become
+    EP1's two and come back; step, schedule and every moment value for value."""
+    root, options = losses["root"], Options(training_state=True)
+    ep2 = engine.load(root / "ep2", options).training
+    ep1 = engine.load(root / "ep2_to_ep1", options).training
+    back = engine.load(root / "ep1_to_ep2", options).training
+    assert [g.get("is_expert_parallel") for g in ep2.param_groups] == [False, False, True]
+    assert [g.get("is_expert_parallel") for g in ep1.param_groups] == [False, False]
+    assert back.param_groups == ep2.param_groups
+    assert (back.step, back.scheduler, back.iteration) == (ep2.step, ep2.scheduler, ep2.iteration) == \
+        (ep1.step, ep1.scheduler, ep1.iteration)
+    for moment, tensors in ep2.tensors.items():
+        assert "layers.1.moe.experts.3.down.weight" in tensors
+        for name, t in tensors.items():
+            assert t.load().equal(ep1.tensors[moment][name].load()), (moment, name)
+            assert t.load().equal(back.tensors[moment][name].load()), (moment, name)
+
+
+def test_refused(losses, tmp_path):
+    """The distributed optimizer's distrib_optim.pt of an MoE model (two chained flat buffers): refused by name,
+    nothing written."""
+    root = losses["root"]
+    convert_refused(root / "ep2_fully", tmp_path, "--ckpt-format", "torch", "--training-state", "--ep", "2",
+                    culprits=("--training-state", "chained", "torch_dist"))
+
+
+def edited(src: Path, dst: Path, edit) -> Path:
+    """Our torch_dist checkpoint `src` copied with its common.pt edited by `edit(common)` (its integrity.json left
+    out: the edit changes the file it vouches for)."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("integrity.json"))
+    common = next(dst.glob("iter_*")) / "common.pt"
+    state = safe_load(common, mmap=False)
+    edit(state)
+    torch.save(state, common)
+    return dst
+
+
+def test_refused_groups_not_the_models(losses, tmp_path):
+    """The experts' optimizer without its group, and an expert group flagged as dense: refused by name (what
+    Megatron would build for the layout the checkpoint's args give), nothing written. And an expert group with
+    its own learning rate cannot go into EP1's one optimizer, whose groups serve dense and expert parameters
+    alike."""
+    root = losses["root"]
+
+    def no_expert_group(common):
+        common["optimizer"][1]["optimizer"]["param_groups"] = []
+
+    def unflagged(common):
+        common["optimizer"][1]["optimizer"]["param_groups"][0]["is_expert_parallel"] = False
+
+    src = edited(root / "ep1_to_ep2", tmp_path / "no_group", no_expert_group)
+    convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
+                    culprits=("2 param groups", "dense and experts", "has 3"))
+    src = edited(root / "ep1_to_ep2", tmp_path / "unflagged", unflagged)
+    convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
+                    culprits=("0 of the optimizer's param groups are flagged is_expert_parallel", "has 1"))
+
+    def own_lr(common):
+        common["optimizer"][1]["optimizer"]["param_groups"][0]["max_lr"] = 2e-3
+
+    src = edited(root / "ep1_to_ep2", tmp_path / "own_lr", own_lr)
+    convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
+                    culprits=("max_lr", "EP1", "one group must serve both"))
