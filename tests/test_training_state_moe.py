@@ -36,7 +36,8 @@ import torch
 from mconvert import engine
 from mconvert.io.torch_pickle import safe_load
 from mconvert.options import Options
-from tests.support.cli import run_cli, run_megatron
+from tests.support.cli import run_cli
+from tests.support.cli import train_megatron_runs as launch
 from tests.support.refusals import convert_refused
 
 pytestmark = pytest.mark.parity
@@ -78,12 +79,6 @@ RESUMED_WORLD2 = {
     "megatron_ep2_torch": ("ep2_torch", [*FLAGS, *EP2, *TORCH]),
     "ep1_torch_to_ep2": ("ep1_torch_to_ep2", [*FLAGS, *EP2, *TORCH]),
 }
-
-
-def launch(python, runs: list[dict], world: int) -> None:
-    for r in runs:
-        r["world"] = world
-    run_megatron(python, "train.py", json.dumps(runs))
 
 
 @pytest.fixture(scope="module")

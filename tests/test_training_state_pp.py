@@ -28,7 +28,8 @@ import torch
 
 from mconvert import engine
 from mconvert.options import Options
-from tests.support.cli import run_cli, run_megatron
+from tests.support.cli import run_cli
+from tests.support.cli import train_megatron_runs as launch
 
 pytestmark = pytest.mark.parity
 
@@ -84,12 +85,6 @@ RESUMED_WORLD2 = {
     "tp2_dist_to_pp2_torch": ("tp2_dist_to_pp2_torch", [*FLAGS, *PP2, *TORCH]),
     "tp2_torch_to_pp2_distrib": ("tp2_torch_to_pp2_distrib", [*FLAGS, *PP2, *TORCH, *DISTRIBUTED]),
 }
-
-
-def launch(python, runs: list[dict], world: int) -> None:
-    for r in runs:
-        r["world"] = world
-    run_megatron(python, "train.py", json.dumps(runs))
 
 
 @pytest.fixture(scope="module")

@@ -76,6 +76,11 @@ def train_megatron(python: Path, tmp: Path, name: str, flags: list[str], steps: 
     return json.loads(out.read_text())["losses"]
 
 
+def train_megatron_runs(python: Path, runs: list[dict], world: int) -> None:
+    """Several train.py runs in one launch of `world` processes (one start-up for several layouts)."""
+    run_megatron(python, "train.py", json.dumps([r | {"world": world} for r in runs]))
+
+
 def run_mcore_logits_helper(core: Path, tokens: torch.Tensor, tmp: Path, *extra: str, python: Path | None = None,
                             timeout: int = 900) -> str:
     """tests/support/scripts/mcore_logits.py run by `python` (default: this environment's, megatron-core 0.16.1) on the
