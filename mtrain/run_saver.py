@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from mconvert.errors import ConvertError
 from mconvert.io import dcp_writer
 from mconvert.io.dcp_writer import Item
@@ -26,14 +24,18 @@ from mconvert.ir.tensors import LazyTensor, ModelIR
 from mconvert.options import Options
 from mconvert.registry import register_saver
 from mconvert.workers import run as run_jobs
-from mtrain import checkpoint, run_state
-from mtrain.config import from_dict
-from mtrain.errors import TrainError
 
 
 @register_saver("mtrain", options=("training_state",))
 def save(ir: ModelIR, out: Path, options: Options, progress) -> None:
     """An mtrain run directory that `mtrain pretrain --checkpoint.dir` resumes (needs --training-state)."""
+    # the trainer (and torch.distributed.checkpoint) only when this saver runs: every conversion loads the plugins
+    import torch
+
+    from mtrain import checkpoint, run_state
+    from mtrain.config import from_dict
+    from mtrain.errors import TrainError
+
     where = f"{ir.source.path}"
     if not options.training_state or ir.training is None:
         raise ConvertError("saver mtrain writes a run to resume, its optimizer state included: give --training-state "
@@ -93,6 +95,8 @@ def _tensor(fqn: str, t: LazyTensor) -> Item:
     """A whole fp32 tensor, read (and cast, where the source is not fp32) when its file is written."""
     if t.dtype_name != "float32":
         t = t.map(lambda x: x.float(), dtype="float32")
+    import torch
+
     shape = tuple(t.shape)
     return Item(fqn, t.nbytes, t.load, shape, (0,) * len(shape), shape, torch.float32)
 
