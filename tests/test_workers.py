@@ -61,13 +61,10 @@ def test_experts_with_more_workers(mixtral_dir, tmp_path):
     assert one == four
 
 
-def test_file_to_file_copies_write_what_memory_writes(llama_dir, tmp_path, monkeypatch):
-    """With every mapped piece, however small, sent by copy_file_range, the outputs are those written from memory."""
-    core = convert(llama_dir, tmp_path / "core", TARGETS["core TP2 PP2"])
-    dist = convert(llama_dir, tmp_path / "dist", TARGETS["torch_dist"])
-    chain = [(llama_dir, "core", TARGETS["core TP2 PP2"]), (core, "hf", ["--saver", "llama_mistral"]),
-             (core, "dist", TARGETS["torch_dist"]), (dist, "hf2", ["--saver", "llama_mistral"])]
-    out = tmp_path / "out"
+def copied_and_written(chain, out, monkeypatch):
+    """Convert each (source, name, target) of `chain` into out/name twice: first with every mapped piece, however
+    small, sent by copy_file_range (counted), then with no copy_file_range at all, so everything is written from
+    memory. Returns (bytes of each copy, outputs of the first round, outputs of the second)."""
     copied = []
     real = os.copy_file_range
 
@@ -81,11 +78,21 @@ def test_file_to_file_copies_write_what_memory_writes(llama_dir, tmp_path, monke
     for src, name, target in chain:
         convert(src, out / name, target)
     by_copies = taken(out)
-    assert sum(copied) > 600_000  # most of each model's bytes (about 750 KB) went file to file
     monkeypatch.delattr(os, "copy_file_range")
     for src, name, target in chain:
         convert(src, out / name, target)
-    assert taken(out) == by_copies
+    return copied, by_copies, taken(out)
+
+
+def test_file_to_file_copies_write_what_memory_writes(llama_dir, tmp_path, monkeypatch):
+    """With every mapped piece, however small, sent by copy_file_range, the outputs are those written from memory."""
+    core = convert(llama_dir, tmp_path / "core", TARGETS["core TP2 PP2"])
+    dist = convert(llama_dir, tmp_path / "dist", TARGETS["torch_dist"])
+    chain = [(llama_dir, "core", TARGETS["core TP2 PP2"]), (core, "hf", ["--saver", "llama_mistral"]),
+             (core, "dist", TARGETS["torch_dist"]), (dist, "hf2", ["--saver", "llama_mistral"])]
+    copied, by_copies, by_memory = copied_and_written(chain, tmp_path / "out", monkeypatch)
+    assert sum(copied) > 600_000  # most of each model's bytes (about 750 KB) went file to file
+    assert by_memory == by_copies
 
 
 def test_torchrun_ranks_write_the_same_bytes(llama_dir, tmp_path):
@@ -151,25 +158,9 @@ def test_legacy_and_bin_sources_copy_file_to_file(llama_dir, tmp_path, monkeypat
     shutil.copy(llama_dir / "config.json", binary / "config.json")
     chain = [(legacy, "hf", ["--saver", "llama_mistral"]), (legacy, "core", TARGETS["core TP2 PP2"]),
              (binary, "dist", TARGETS["torch_dist"]), (binary, "hf2", ["--saver", "llama_mistral"])]
-    out = tmp_path / "out"
-    copied = []
-    real = os.copy_file_range
-
-    def counting(src, dst, count, *args):
-        n = real(src, dst, count, *args)
-        copied.append(n)
-        return n
-
-    monkeypatch.setattr(block_writer, "SPAN_MIN", 0)
-    monkeypatch.setattr(os, "copy_file_range", counting)
-    for src, name, target in chain:
-        convert(src, out / name, target)
-    by_copies = taken(out)
+    copied, by_copies, by_memory = copied_and_written(chain, tmp_path / "out", monkeypatch)
     model_bytes = (llama_dir / "model.safetensors").stat().st_size
     # Each of the 4 conversions copies at least half the model file to file (legacy -> HF all but the rows that
     # TP=2 stores column-split; HF-style .bin -> anything all but those and the fused q/k/v and gate/up).
     assert sum(copied) > 4 * model_bytes // 2, (sum(copied), model_bytes)
-    monkeypatch.delattr(os, "copy_file_range")
-    for src, name, target in chain:
-        convert(src, out / name, target)
-    assert taken(out) == by_copies
+    assert by_memory == by_copies
