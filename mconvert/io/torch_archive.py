@@ -21,6 +21,7 @@ import argparse
 import collections
 import dataclasses
 import io
+import math
 import mmap
 import os
 import pathlib
@@ -86,10 +87,7 @@ class StoredTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def is_contiguous(self) -> bool:
         expected = 1
