@@ -34,7 +34,8 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
 # Options that only some loaders/savers understand; giving one to a plugin that ignores it is an error.
 PLUGIN_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers", "transformer_impl",
                   "expert_layout", "ckpt_format", "make_vocab_size_divisible_by", "iteration", "true_vocab_size",
-                  "max_shard_size", "fp8_weights", "mtp_layer_name", "training_state", "optimizer_sharding")
+                  "max_shard_size", "fp8_weights", "mtp_layer_name", "training_state", "optimizer_sharding",
+                  "integrity_manifest")
 
 
 def parse_size(text: str) -> int:
@@ -146,6 +147,12 @@ def _fail_cleanly(func):
               help="Saver core, --training-state: write the plain optimizer or the distributed optimizer in this "
               "sharding type (default: as the source; fully_reshardable for dp_reshardable and dp_zero_gather_scatter, "
               "which are read, not written). With --ckpt-format torch any distributed type means distrib_optim.pt.")
+@click.option("--integrity-manifest/--no-integrity-manifest", default=True, show_default=True,
+              help="Saver core, --ckpt-format torch_dist: write integrity.json, the SHA-256 of every file, as "
+              "megatron-core does when saving with --verify-integrity. --no-integrity-manifest skips all hashing "
+              "(SHA-256 costs about twice cp's CPU per byte). What is lost: a corrupt or changed file is no longer "
+              "detected when the checkpoint is read (by mconvert or Megatron), and a Megatron run given "
+              "--verify-integrity refuses to load the output (it finds no integrity.json to check).")
 @click.option("--force", is_flag=True, help="Replace an existing, non-empty --save-dir.")
 @click.option("--verify", "verify_output", is_flag=True,
               help="Before moving the output into place, run it and the source on the same tokens (as `mconvert "
@@ -256,8 +263,16 @@ def _check_applicable(ctx: click.Context, loader: registry.Plugin, saver: regist
     understood = loader.options | saver.options
     ignored = [n for n in given if n not in understood]
     if ignored:
-        flags = ", ".join("--" + n.replace("_", "-") for n in ignored)
+        flags = ", ".join(_flag_given(ctx, n) for n in ignored)
         raise ConvertError(f"{flags} does not apply to loader {loader.name} / saver {saver.name}")
+
+
+def _flag_given(ctx: click.Context, name: str) -> str:
+    """The option as the user spelled it: `--no-integrity-manifest` for the off side of an on/off pair."""
+    param = next(p for p in ctx.command.params if p.name == name)
+    if isinstance(param, click.Option) and param.secondary_opts and ctx.params.get(name) is False:
+        return param.secondary_opts[0]
+    return "--" + name.replace("_", "-")
 
 
 def _options(o: dict):
@@ -284,6 +299,7 @@ def _options(o: dict):
         merge_adapter=o["merge_adapter"],
         training_state=o["training_state"],
         optimizer_sharding=o["optimizer_sharding"],
+        integrity_manifest=o["integrity_manifest"],
     )
 
 

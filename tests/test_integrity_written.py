@@ -89,3 +89,28 @@ def test_write_digest_reads_back_what_was_not_fed(tmp_path):
             digest.feed(10, b"x")
         assert digest.hexdigest() == _sha256(path)
         assert digest.fed == len(data)
+
+
+def test_no_integrity_manifest_skips_hashing(hf_model, tmp_path, monkeypatch):
+    """--no-integrity-manifest: no integrity.json and not a byte hashed (no WriteDigest, no second pass); the
+    output reads back to the same model. Refused where it means nothing: another --ckpt-format (no manifest
+    there) or a saver without one."""
+    made, second_pass = [], []
+    monkeypatch.setattr(dcp_writer, "WriteDigest", lambda f: made.append(f) or integrity.WriteDigest(f))
+    monkeypatch.setattr(integrity, "file_digest", lambda path: second_pass.append(path) or "")
+    out = tmp_path / "dist"
+    run_cli("-q", "--saver", "core", "--ckpt-format", "torch_dist", "--no-integrity-manifest", "--workers", "2",
+            "--load-dir", hf_model("llama"), "--save-dir", out)
+    assert sorted(p.name for p in (out / IT).iterdir() if p.name.endswith(".distcp"))  # written ...
+    assert not (out / IT / "integrity.json").exists() and made == [] and second_pass == []  # ... unhashed
+    run_cli("-q", "--saver", "llama_mistral", "--load-dir", out, "--save-dir", tmp_path / "back")
+    run_cli("compare", hf_model("llama"), tmp_path / "back")
+
+    out = run_cli("--saver", "core", "--ckpt-format", "torch_dcp", "--no-integrity-manifest", "--load-dir",
+                  hf_model("llama"), "--save-dir", tmp_path / "dcp", expect_error=True)
+    assert out.strip() == ("Error: --no-integrity-manifest: only --ckpt-format torch_dist has an integrity manifest "
+                           "(integrity.json); --ckpt-format torch_dcp writes none anyway")
+    out = run_cli("--saver", "llama_mistral", "--no-integrity-manifest", "--load-dir", hf_model("llama"),
+                  "--save-dir", tmp_path / "hf", expect_error=True)
+    assert out.strip() == "Error: --no-integrity-manifest does not apply to loader llama_mistral / saver llama_mistral"
+    assert not (tmp_path / "dcp").exists() and not (tmp_path / "hf").exists()

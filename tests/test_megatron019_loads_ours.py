@@ -27,7 +27,10 @@ CASES = {
     # no tokenizer carried: none in args, the run names its own
     "llama-torch_dist-no-tokenizer": ("llama", "torch_dist",
                                       ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"]),
+    # written without integrity.json: Megatron loads it when not asked to verify it
+    "llama-torch_dist-no-manifest": ("llama", "torch_dist", []),
 }
+CONVERT_FLAGS = {"llama-torch_dist-no-manifest": ["--no-integrity-manifest"]}  # ours, beside --ckpt-format
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,8 @@ def loaded(tmp_path_factory, mcore_python, llama_dir, mixtral_dir, gpt2_dir, tok
     specs, out = [], {}
     for case, (family, fmt, flags) in CASES.items():
         src = bare if case.endswith("no-tokenizer") else sources[family]
-        run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", src, "--save-dir", root / case)
+        run_cli("--saver", "core", "--ckpt-format", fmt, *CONVERT_FLAGS.get(case, []), "--load-dir", src,
+                "--save-dir", root / case)
         record = root / f"{case}.pt"
         torch.save({"tokens": tokens}, record)
         specs.append({"load": str(root / case), "flags": flags, "out": str(record), "fsdp": fmt == "fsdp_dtensor"})
@@ -61,6 +65,8 @@ def test_megatron_019_resumes_from_our_checkpoint(case, loaded, tokens):
     # Megatron-LM builds the 300 rows stored (its own default divisor, 128, would have made 384)
     assert (args["ckpt_format"], args["iteration"], args["padded_vocab_size"]) == (fmt, 1, 300)
     assert args["num_experts"] == (4 if family == "mixtral" else None)
+    if fmt == "torch_dist":  # with the manifest unless told otherwise (and then Megatron verified it: its flags)
+        assert (ckpt / "iter_0000001" / "integrity.json").is_file() == (case not in CONVERT_FLAGS)
     if case.endswith("no-tokenizer"):
         assert args["tokenizer_type"] == "NullTokenizer" and args["tokenizer_model"] is None
     else:  # Megatron built its tokenizer from the one we carry, named in our args

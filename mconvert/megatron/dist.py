@@ -525,7 +525,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
         torch_save(common, it_dir / COMMON_FILE, background=False)
         bridge_config.write_run_config(it_dir / bridge_config.RUN_CONFIG, args, options.transformer_impl)
         hf_dir.write_json(it_dir / core.METADATA_JSON, metadata_json(backend))
-        if backend == "torch_dist":  # megatron-core verifies it with --verify-integrity
+        if backend == "torch_dist" and options.integrity_manifest:  # megatron-core verifies it (--verify-integrity)
             write_manifest(it_dir, known=hashed)  # the .distcp files hashed by the workers that wrote them
         rank_files.finish_checkpoint(ir, out, it_dir, iteration)
 
@@ -537,7 +537,8 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
         jobs, write_dcp_metadata = dcp_writer.plan(it_dir, items + [dcp_writer.Item(k, len(data), lambda: data)
                                                                     for k in extra_keys]
                                                    + [dcp_writer.Item(k, len(b), lambda b=b: b)
-                                                      for k, b in objects_data.items()], digests=True)
+                                                      for k, b in objects_data.items()],
+                                                   digests=options.integrity_manifest)
     else:
         jobs = [Job(f"{it_dir.name} ({backend})", ir.nbytes,
                     lambda advance: _write_zarr(it_dir, items, dict.fromkeys(extra_keys, extra_state), advance))]

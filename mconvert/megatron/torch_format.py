@@ -163,7 +163,7 @@ def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> t
 @register_saver("core", aliases=("megatron", "mcore"),
                 options=(*LAYOUT_OPTIONS, "transformer_impl", "expert_layout", "ckpt_format",
                          "make_vocab_size_divisible_by", "iteration", "mtp_layer_name", "training_state",
-                         "optimizer_sharding"),
+                         "optimizer_sharding", "integrity_manifest"),
                 supports=frozenset(FEATURES) - {"post_norm"})  # torch_dcp, fsdp_dtensor refuse MTP modules themselves
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`,
@@ -180,6 +180,9 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if options.training_state and options.ckpt_format not in ("torch", "torch_dist"):
         raise ConvertError(f"--training-state: the core saver writes training state in --ckpt-format torch or "
                            f"torch_dist only so far, not {options.ckpt_format}")
+    if not options.integrity_manifest and options.ckpt_format != "torch_dist":
+        raise ConvertError(f"--no-integrity-manifest: only --ckpt-format torch_dist has an integrity manifest "
+                           f"(integrity.json); --ckpt-format {options.ckpt_format} writes none anyway")
     if options.ckpt_format in core_dcp.FORMATS:
         return save_dcp(ir, out, options, progress)
     if options.ckpt_format != "torch":
