@@ -8,7 +8,8 @@ torch_dist) are made from it with mconvert, untimed. Then, in every round, each 
 right after `cp -r` of its source (this machine's speed drifts several-fold within seconds, so variants are
 interleaved and compared within a round):
 
-    dense (Llama):  HF -> core TP2 PP2, core -> HF, core -> torch_dist, torch_dist -> core, torch_dist -> HF,
+    dense (Llama):  HF -> core TP2 PP2, core -> HF, core -> torch_dist (with integrity.json, and without it:
+                    --no-integrity-manifest), torch_dist -> core, torch_dist -> HF,
                     core -> torch_dcp, torch_dcp -> HF, core -> fsdp_dtensor, fsdp_dtensor -> HF,
                     legacy TP2 PP2 -> HF, pytorch_model.bin -> core TP2
     MoE (Mixtral):  HF -> core TP1 EP2, core EP2 -> HF, core EP2 -> torch_dist
@@ -169,6 +170,8 @@ def cases(models: Path, hf: Path, moe: Path) -> dict[str, tuple[Path, list[str]]
         "HF -> core TP2 PP2": (hf, ["--saver", "core", "--tp", "2", "--pp", "2"]),
         "core -> HF": (models / "core_tp2pp2", to_hf),
         "core -> torch_dist": (models / "core_tp2pp2", ["--saver", "core", "--ckpt-format", "torch_dist"]),
+        "core -> torch_dist (no manifest)": (models / "core_tp2pp2", ["--saver", "core", "--ckpt-format",
+                                                                      "torch_dist", "--no-integrity-manifest"]),
         "torch_dist -> core": (models / "torch_dist", ["--saver", "core", "--tp", "2", "--pp", "2"]),
         "torch_dist -> HF": (models / "torch_dist", to_hf),
         "core -> torch_dcp": (models / "core_tp2pp2", ["--saver", "core", "--ckpt-format", "torch_dcp"]),
@@ -232,7 +235,7 @@ def bench_cases(models: Path, hf: Path, moe: Path, rounds: int, workers: list[in
                 runs.setdefault((name, label), []).append(run)
                 ratio = (f" ({run.wall / cps[name][-1].wall:.2f}x cp; CPU {run.cpu:.2f} s, "
                          f"{run.cpu / cps[name][-1].cpu:.2f}x cp)") if vs_cp else f" (CPU {run.cpu:.2f} s)"
-                print(f"round {r + 1}/{rounds}: {name:<20} {label}: {run.wall:6.2f} s{ratio}", flush=True)
+                print(f"round {r + 1}/{rounds}: {name:<32} {label}: {run.wall:6.2f} s{ratio}", flush=True)
             imports.setdefault(name, []).append(measure([sys.executable, "-c", "import torch"]))
         shutil.rmtree(out, ignore_errors=True)
     gb = [sum(f.stat().st_size for f in m.rglob("*") if f.is_file()) / 1e9 for m in (hf, moe)]
@@ -240,13 +243,13 @@ def bench_cases(models: Path, hf: Path, moe: Path, rounds: int, workers: list[in
           "(median); (CPU-torch)/cp: the conversion's CPU beyond that fixed cost, over cp's")
     print(f"\nLlama with 1.1B shapes ({hf.name}), {gb[0]:.2f} GB bf16; Mixtral ({moe.name}), {gb[1]:.2f} GB bf16; "
           f"medians over {rounds} interleaved rounds; memory = peak RssAnon+RssShmem; CPU = user + sys")
-    print(f"{'case':<22} {'variant':<13} {'wall s':>7} {'user s':>7} {'sys s':>6} {'CPU s':>6} {'peak MiB':>9} "
+    print(f"{'case':<32} {'variant':<13} {'wall s':>7} {'user s':>7} {'sys s':>6} {'CPU s':>6} {'peak MiB':>9} "
           f"{'wall/cp':>8} {'CPU/cp':>7} {'(CPU-torch)/cp':>15} {'1->N':>6}")
     for name in table:
         rows = [("cp -r + sync", cps[name])] if vs_cp else []
         rows += [(label, runs[(name, label)]) for label, _, _ in variants]
         for i, (label, rs) in enumerate(rows):
-            line = (f"{name if i == 0 else '':<22} {label:<13} {_med(rs, 'wall'):7.2f} {_med(rs, 'user'):7.2f} "
+            line = (f"{name if i == 0 else '':<32} {label:<13} {_med(rs, 'wall'):7.2f} {_med(rs, 'user'):7.2f} "
                     f"{_med(rs, 'sys'):6.2f} {_med(rs, 'cpu'):6.2f} {max(x.peak for x in rs) / 2**20:9.0f}")
             if vs_cp and label != "cp -r + sync":
                 line += f" {statistics.median(x.wall / c.wall for x, c in zip(rs, cps[name])):7.2f}x"

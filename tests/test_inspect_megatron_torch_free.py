@@ -10,25 +10,21 @@ imported, what is printed), not timed ones; `bench/startup.py` measures the time
 
 from __future__ import annotations
 
-import json
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mconvert import engine
-from mconvert.errors import ConvertError
 from mconvert.io import torch_archive
 from mconvert.io.dcp import DcpReader
 from mconvert.io.integrity import MANIFEST
 from mconvert.options import Options
 from mconvert.tools import finite
-from mconvert.tools.inspect import describe, report
 from tests.support.cli import run_cli
 from tests.support.paths import FIXTURES
+from tests.support.torch_free import inspect_in_a_process, torch_path
 
 pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"Megatron fixtures not found at {FIXTURES}")
 
@@ -37,34 +33,6 @@ pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"Megatron fixture
 FIXTURE_DIRS = ["gpt2/hf", "gpt2/legacy_tp1pp1", "gpt2/legacy_tp2pp2", "llama_gqa/torch_dist",
                 "llama_gqa/torch_dist_head", "llama_gqa/core_tp1pp1", "llama_gqa/core_tp2pp2",
                 "llama_gqa/core_tp1pp2_bf16", "llama_gqa/hf", "mixtral/hf"]
-
-
-def inspect_in_a_process(path: Path, *args: str) -> tuple[str, bool]:
-    """(what `mconvert inspect [ARGS] PATH` prints, or its error; whether torch was imported)."""
-    code = ("import sys\nfrom mconvert.cli import main\n"
-            f"try:\n    main(['inspect', *{list(args)!r}, {str(path)!r}])\nexcept SystemExit as e:\n"
-            "    print('exit', e.code) if e.code else None\n"
-            "print('torch' in sys.modules, file=sys.stderr)")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
-    lines = run.stderr.strip().splitlines()
-    return run.stdout + "".join(line + "\n" for line in lines[:-1] if line.startswith("Error:")), lines[-1] == "True"
-
-
-def torch_path(path: Path, monkeypatch, as_json: bool = False) -> str:
-    """The report as torch reads it: pickles by `safe_load`, blocks by torch, values counted by torch."""
-    def unreadable(*args, **kwargs):
-        raise torch_archive.Unreadable("the torch path")
-
-    with monkeypatch.context() as m:
-        m.setattr(torch_archive, "read", unreadable)
-        m.setattr(DcpReader, "elements", lambda self, fqn, index=(): None)
-        m.setattr(finite, "count", lambda t: finite.count_tensor(t.load()))
-        try:
-            if as_json:
-                return json.dumps(report(path, None, Options()), indent=1, default=str) + "\n"
-            return describe(path, None, Options()) + "\n"
-        except ConvertError as e:
-            return f"exit 1\nError: {e}\n"
 
 
 @pytest.mark.parametrize("name", FIXTURE_DIRS)

@@ -18,8 +18,10 @@ from pathlib import Path
 
 from mconvert.errors import ConvertError
 from mconvert.io import safetensors as safetensors_io
+from mconvert.io import torch_archive
 from mconvert.io.contained import inside, open_inside
-from mconvert.io.torch_pickle import file_sources, safe_load
+from mconvert.io.torch_archive import Mapped, StoredTensor
+from mconvert.io.torch_pickle import file_sources
 from mconvert.ir.blocks import Blocks, FileBytes
 from mconvert.ir.tensors import LazyTensor
 from mconvert.lazy import torch
@@ -126,9 +128,13 @@ def _open_file(path: Path) -> dict[str, LazyTensor]:
         return {k: LazyTensor(i.shape, i.dtype_name, lambda k=k: f.get(k), f"{path.name}:{k}",
                               lambda k=k: f.get_blocks(k), FileBytes(where, i.start, f.identity))
                 for k, i in f.infos.items()}
-    state = safe_load(path)
+    state = torch_archive.load(path)  # without torch when it can (see torch_archive), else allow-listed by torch
     if not isinstance(state, dict):
         raise ConvertError(f"{path}: expected a dict of tensors, found {type(state).__name__}")
+    if any(isinstance(v, StoredTensor) for v in state.values()):
+        mapped = Mapped()
+        return {k: torch_archive.lazy_tensor(v, f"{path.name}:{k}", mapped) for k, v in state.items()
+                if isinstance(v, StoredTensor)}
     sources = functools.cache(lambda: file_sources(path, state))  # where the mapped tensors' bytes lie in the file
     return {k: LazyTensor(tuple(v.shape), v.dtype, lambda v=v: v, f"{path.name}:{k}",
                           lambda v=v: Blocks.of(v, sources().get(id(v))))

@@ -39,7 +39,8 @@ from typing import Any
 from mconvert.errors import ConvertError
 from mconvert.io.torch_pickle import STAND_INS, StandIn, _ReadWindow, _stand_in, safe_load
 from mconvert.ir import dtypes
-from mconvert.ir.blocks import FileBytes
+from mconvert.ir.blocks import Blocks, FileBytes
+from mconvert.ir.tensors import Elements, LazyTensor
 from mconvert.lazy import torch
 
 # torch.<Name>Storage in a persistent id -> the dtype of its elements
@@ -305,6 +306,18 @@ def load(path: Path | str) -> Any:
         return read(path)
     except Unreadable:
         return safe_load(path)
+
+
+def lazy_tensor(value: StoredTensor, origin: str, mapped: Mapped, *, blocks: bool = True) -> LazyTensor:
+    """A stored tensor as a lazy one: viewed in its file's map when asked for, with the place of its bytes in the
+    file when they lie there unchanged (`blocks`: for writers; `file_bytes`: for `inspect`). A transposed view
+    (HF's legacy scripts save some so) names its storage's run of elements (`elements_of`), where `inspect` counts
+    NaN/Inf without torch."""
+    where, flat = value.file_bytes(), value.dense()
+    elements = Elements((lazy_tensor(flat, origin, mapped, blocks=False),)) if flat is not None else None
+    return LazyTensor(value.shape, value.dtype_name, lambda: mapped.tensor(value), origin,
+                      (lambda: Blocks.of(mapped.tensor(value), where)) if blocks else None,
+                      file_bytes=where, elements_of=elements)
 
 
 class Mapped:

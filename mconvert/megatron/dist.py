@@ -464,8 +464,8 @@ def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
                    training)
 
 
-def _shape_dtype(store, key: str) -> tuple[tuple[int, ...], torch.dtype | str]:
-    """A stored tensor's shape and dtype (a name for torch_dist, read without torch; a torch.dtype for zarr)."""
+def _shape_dtype(store, key: str) -> tuple[tuple[int, ...], str]:
+    """A stored tensor's shape and dtype name (read without torch)."""
     entry = store.tensors[key]
     return (tuple(entry.shape), entry.dtype_name) if hasattr(entry, "shape") else entry
 
@@ -487,8 +487,8 @@ def _lazy(store, placed: Placed, it_dir: Path) -> LazyTensor:
 
 
 def _elements(store, key: str, index: tuple[int, ...]) -> Elements | None:
-    """Where a block's bytes lie in the files (torch_dist; not zarr), found when first asked: `inspect` counts
-    NaN/Inf there without torch."""
+    """Where a block's bytes lie in the files, found when first asked: `inspect` counts NaN/Inf there without
+    torch."""
     return store.lazy_elements(key, index) if hasattr(store, "lazy_elements") else None
 
 

@@ -27,7 +27,7 @@ from mconvert.io.torch_zip import TorchFileWriter
 from mconvert.ir.blocks import Blocks, FileBytes
 from mconvert.ir.checks import MEGATRON_INTEGERS, check_integers
 from mconvert.ir.config import ModelConfig
-from mconvert.ir.tensors import Elements, LazyTensor, ModelIR
+from mconvert.ir.tensors import LazyTensor, ModelIR
 from mconvert.lazy import torch
 from mconvert.megatron import arguments, core
 from mconvert.megatron.rank_plan import Part
@@ -187,12 +187,7 @@ class RankFiles:
         tensor: viewed in the file's map when asked for, with the bytes' place in the file when they lie there
         unchanged (`blocks`: for writers, `file_bytes`: for `inspect`)."""
         if isinstance(value, StoredTensor):
-            where, flat = value.file_bytes(), value.dense()
-            # a transposed view (HF's legacy scripts save some so): its elements lie in one run of the file
-            elements = Elements((self.lazy(idx, flat, origin, blocks=False),)) if flat is not None else None
-            return LazyTensor(value.shape, value.dtype_name, lambda: self._mapped.tensor(value), origin,
-                              (lambda: Blocks.of(self._mapped.tensor(value), where)) if blocks else None,
-                              file_bytes=where, elements_of=elements)
+            return torch_archive.lazy_tensor(value, origin, self._mapped, blocks=blocks)
         return LazyTensor(tuple(value.shape), value.dtype, lambda: value, origin,
                           (lambda: Blocks.of(value, self.source(idx, value))) if blocks else None)
 
