@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from mconvert.errors import ConvertError
 from mconvert.ir.blocks import FileBytes
 from mconvert.lazy import np, torch
+from mconvert.tools import stored
 
 if TYPE_CHECKING:
     from mconvert.ir.tensors import LazyTensor
@@ -73,20 +74,9 @@ def _raw(where: FileBytes, nbytes: int, start: int = 0) -> bytes:
 
 
 def same_bytes(a: LazyTensor, b: LazyTensor) -> bool:
-    """Do two stored tensors of one shape and dtype hold the same bytes, read from their files a chunk at a time
-    (or piece by piece, when both are their pieces' bytes in order, `Elements.in_order`, cut alike)? False when
-    that is not known."""
-    if a.nbytes != b.nbytes:
-        return False
-    if a.file_bytes is None or b.file_bytes is None:
-        x, y = (t.elements_of.resolved() if t.elements_of is not None else None for t in (a, b))
-        if x is None or y is None or not (x.in_order and y.in_order) or \
-                [p.shape for p in x.pieces] != [p.shape for p in y.pieces]:
-            return False
-        return all(same_bytes(p, q) for p, q in zip(x.pieces, y.pieces))
-    step = _CHUNK * 4
-    return all(_raw(a.file_bytes, min(step, a.nbytes - at), at) == _raw(b.file_bytes, min(step, a.nbytes - at), at)
-               for at in range(0, a.nbytes, step))
+    """Do two stored tensors of one shape and dtype hold the same bytes, read from their files (`stored.same`)?
+    False when that is not known."""
+    return stored.same(a, b)
 
 
 def count_tensor(t: torch.Tensor) -> tuple[int, int] | None:

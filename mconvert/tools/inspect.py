@@ -11,7 +11,7 @@ from mconvert.ir.tensors import ModelIR
 from mconvert.lazy import torch
 from mconvert.options import Options
 from mconvert.progress import human_bytes
-from mconvert.tools import finite
+from mconvert.tools import finite, stored
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -115,9 +115,8 @@ def _compare_tensor(ir_a: ModelIR, ir_b: ModelIR, name: str) -> str | None:
     lazy_x, lazy_y = ir_a[name], ir_b[name]
     if tuple(lazy_x.shape) != tuple(lazy_y.shape):
         return f"shape {list(lazy_x.shape)} vs {list(lazy_y.shape)}"
-    if lazy_x.dtype_name == lazy_y.dtype_name and lazy_x.file_bytes is not None and \
-            lazy_y.file_bytes is not None and finite.same_bytes(lazy_x, lazy_y):
-        return None  # both stored as they are, byte for byte the same: read without torch
+    if stored.same(lazy_x, lazy_y):
+        return None  # both stored unchanged (or only cut and joined), bit for bit the same: read without torch
     x, y = lazy_x.load(), lazy_y.load()
     if x.dtype != y.dtype:
         diff = (x.double() - y.double()).abs().max().item()

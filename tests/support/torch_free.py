@@ -13,7 +13,7 @@ from mconvert.errors import ConvertError
 from mconvert.io import torch_archive, zarr
 from mconvert.io.dcp import DcpReader
 from mconvert.options import Options
-from mconvert.tools import finite, inspect
+from mconvert.tools import finite, inspect, stored
 
 
 def in_a_process(*argv: str) -> tuple[str, bool]:
@@ -42,7 +42,7 @@ def _torch_only(m) -> None:
     m.setattr(DcpReader, "elements", lambda self, fqn, index=(): None)
     m.setattr(zarr.ZarrReader, "elements", lambda self, key, index=(): None)
     m.setattr(finite, "count", lambda t: finite.count_tensor(t.load()))
-    m.setattr(finite, "same_bytes", lambda a, b: False)
+    m.setattr(stored, "same", lambda a, b: False)
 
 
 def torch_path(path: Path, monkeypatch, as_json: bool = False) -> str:
