@@ -168,6 +168,9 @@ def _experts(files: RankFiles, chunks: list[str], config, notes: list[str]) -> t
 def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     """Megatron-core GPT: `torch` (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt, local or TE names), `torch_dist`,
     `zarr`, `torch_dcp` or `fsdp_dtensor` (--ckpt-format); BertModel in `torch` or `torch_dist`."""
+    if not options.integrity_manifest and options.ckpt_format != "torch_dist":
+        raise ConvertError(f"--no-integrity-manifest: only --ckpt-format torch_dist has an integrity manifest "
+                           f"(integrity.json); --ckpt-format {options.ckpt_format} writes none anyway")
     if ir.config.is_encoder_decoder:
         return get_saver("core_t5").func(ir, out, options, progress)  # mconvert.megatron.t5
     check_expert_layout(ir, options)
@@ -180,9 +183,6 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if options.training_state and options.ckpt_format not in ("torch", "torch_dist"):
         raise ConvertError(f"--training-state: the core saver writes training state in --ckpt-format torch or "
                            f"torch_dist only so far, not {options.ckpt_format}")
-    if not options.integrity_manifest and options.ckpt_format != "torch_dist":
-        raise ConvertError(f"--no-integrity-manifest: only --ckpt-format torch_dist has an integrity manifest "
-                           f"(integrity.json); --ckpt-format {options.ckpt_format} writes none anyway")
     if options.ckpt_format in core_dcp.FORMATS:
         return save_dcp(ir, out, options, progress)
     if options.ckpt_format != "torch":
