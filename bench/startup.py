@@ -107,6 +107,11 @@ def import_costs(importtime: str) -> dict[str, int]:
     return costs
 
 
+def imports_torch(importtime: str) -> bool:
+    """Was torch imported, at any depth (a plugin may import it inside a function)?"""
+    return any(re.match(r"import time:\s+\d+ \|\s+\d+ \|\s*torch$", line) for line in importtime.splitlines())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -140,7 +145,7 @@ def main() -> None:
                 cpus[case].append(cpu)
                 costs = import_costs(err)
                 top = ", ".join(f"{k} {v / 1e6:.2f}s" for k, v in sorted(costs.items(), key=lambda kv: -kv[1])[:3])
-                notes[case] = f"{'torch imported' if 'torch' in costs else 'no torch'}; {top}"
+                notes[case] = f"{'torch imported' if imports_torch(err) else 'no torch'}; {top}"
             print(f"round {r + 1}/{args.rounds} done (load average {os.getloadavg()[0]:.1f})", flush=True)
     print(f"\nmedians of {args.rounds} rounds:")
     print(f"{'case':<60} {'wall s':>7} {'CPU s':>7}   imports")
