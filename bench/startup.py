@@ -108,8 +108,8 @@ def import_costs(importtime: str) -> dict[str, int]:
 
 
 def imports_torch(importtime: str) -> bool:
-    """Was torch imported, at any depth (a plugin may import it inside a function)?"""
-    return any(re.match(r"import time:\s+\d+ \|\s+\d+ \|\s*torch$", line) for line in importtime.splitlines())
+    """Was torch (or any of its modules) imported, at any depth (a plugin may import it inside a function)?"""
+    return any(re.match(r"import time:\s+\d+ \|\s+\d+ \|\s*torch(\.|$)", line) for line in importtime.splitlines())
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from mconvert import engine
 from mconvert.io import hf_dir
 from mconvert.options import Options
-from mconvert.tools import finite
+from mconvert.tools import finite, stored
 from mconvert.tools.inspect import describe
 from tests.support.cli import run_cli
 from tests.support.models import make_hf_model
@@ -150,7 +150,7 @@ def test_compare_of_tensors_stored_unchanged_reads_bytes_without_torch(llama_dir
 
     def by_torch(a: Path, b: Path) -> str:
         with monkeypatch.context() as m:
-            m.setattr(finite, "same_bytes", lambda x, y: False)
+            m.setattr(stored, "same", lambda x, y: False)
             text, same = compare(a, b, None, None, Options())
         return f"{text}\nexit {0 if same else 1}\n"
 
