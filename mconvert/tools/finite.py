@@ -1,5 +1,5 @@
-"""Counting NaN and infinite values, for `mconvert inspect`, and comparing stored bytes (replicas, tied copies,
-and `mconvert compare`'s tensors stored unchanged on both sides).
+"""Counting NaN and infinite values, for `mconvert inspect` (replicas and tied copies are checked to hold the same
+bytes as they are counted; comparing stored bytes is `mconvert.tools.stored`).
 
 A tensor whose bytes lie unchanged in a file (`LazyTensor.file_bytes`, a safetensors entry) is counted from the
 file with numpy, by bit pattern, without importing torch; any other is loaded and counted by torch. IEEE formats
@@ -53,7 +53,7 @@ def _finite_pieces(t: LazyTensor) -> bool:
                            or len({_raw(p.file_bytes, p.nbytes) for p in found.pieces}) != 1):
         return False
     for copy in found.copies:
-        if not all(same_bytes(p, q) for p, q in zip(found.pieces, copy)):
+        if not all(stored.same(p, q) for p, q in zip(found.pieces, copy)):
             return False
     return all(_finite(p) for p in found.pieces)
 
@@ -71,12 +71,6 @@ def _raw(where: FileBytes, nbytes: int, start: int = 0) -> bytes:
     with open(where.path, "rb") as f:
         f.seek(where.offset + start)
         return f.read(nbytes)
-
-
-def same_bytes(a: LazyTensor, b: LazyTensor) -> bool:
-    """Do two stored tensors of one shape and dtype hold the same bytes, read from their files (`stored.same`)?
-    False when that is not known."""
-    return stored.same(a, b)
 
 
 def count_tensor(t: torch.Tensor) -> tuple[int, int] | None:
