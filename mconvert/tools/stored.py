@@ -18,6 +18,7 @@ the caller loads them with torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -36,10 +37,13 @@ _RAW = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}  # element width -> the unsigned
 
 @dataclass(frozen=True)
 class Rows:
-    """A tensor of `shape` whose rows [a, b) `read(a, b)` gives as an array of raw integers."""
+    """A tensor of `shape` whose rows [a, b) `read(a, b)` gives as an array of raw integers, once every one of
+    `checks` holds (what reading the tensor itself would check: replicas and stored copies equal; they read bytes,
+    so they run only when the other side can be read this way too)."""
 
     shape: tuple[int, ...]
     read: Callable[[int, int], np.ndarray]
+    checks: tuple[Callable[[], bool], ...] = ()
 
 
 def same(a: LazyTensor, b: LazyTensor) -> bool:
@@ -48,7 +52,7 @@ def same(a: LazyTensor, b: LazyTensor) -> bool:
     if tuple(a.shape) != tuple(b.shape) or a.dtype_name != b.dtype_name:
         return False
     x, y = rows_of(a), rows_of(b)
-    return x is not None and y is not None and equal(x, y)
+    return x is not None and y is not None and all(check() for check in x.checks + y.checks) and equal(x, y)
 
 
 def equal(x: Rows, y: Rows) -> bool:
@@ -75,17 +79,18 @@ def rows_of(t: LazyTensor) -> Rows | None:
     if found is None or not found.pieces or any(p.dtype_name != t.dtype_name for p in found.pieces):
         return None
     pieces = [rows_of(p) for p in found.pieces]
-    if any(p is None for p in pieces):
+    if any(p is None for p in pieces) or any(len(copy) != len(pieces) for copy in found.copies):
         return None
-    for copy in found.copies:  # reading `t` checks its stored copies: only when they are the same bytes
-        if len(copy) != len(pieces) or not all(same(p, q) for p, q in zip(found.pieces, copy)):
-            return None
+    # reading `t` checks its stored copies and replicas: the same bytes here, else the caller's load decides
+    checks = tuple(c for p in pieces for c in p.checks)
+    checks += tuple(lambda copy=copy: all(same(p, q) for p, q in zip(found.pieces, copy)) for copy in found.copies)
     if not found.how:
-        return _stacked(pieces, shape) if found.in_order else None
+        whole = _stacked(pieces, shape) if found.in_order else None
+        return None if whole is None else dataclasses.replace(whole, checks=checks)
     join, shard = found.how
     if shard is REPLICATE:
-        if found.replicas and not all(equal(pieces[0], p) for p in pieces[1:]):
-            return None  # reading `t` refuses replicas that differ: the caller's load says so
+        if found.replicas:
+            checks += (lambda: all(equal(pieces[0], p) for p in pieces[1:]),)
         whole = pieces[0]
     elif shard is COLUMN:
         whole = _stacked(pieces, None)
@@ -96,9 +101,9 @@ def rows_of(t: LazyTensor) -> Rows | None:
     if whole is None or len(whole.shape) != len(shape) or whole.shape[1:] != shape[1:]:
         return None
     if join is IDENTITY and whole.shape == shape:
-        return whole
+        return dataclasses.replace(whole, checks=checks)
     if join is VOCAB and shape and whole.shape[0] >= shape[0]:
-        return Rows(shape, whole.read)  # the padding rows after the first `vocab_size` are never read
+        return Rows(shape, whole.read, checks)  # the padding rows after the first `vocab_size` are never read
     return None
 
 
