@@ -45,12 +45,13 @@ def parameter_names(config: ModelConfig, where: str) -> dict[str, tuple[str, int
     if config.moe_router_expert_bias:
         raise ConvertError(f"{where}: --training-state with mtrain runs: the router's expert bias "
                            "(moe_router_expert_bias) is a buffer its load balancing moves, not Adam, and is not "
-                           "carried yet")
+                           "carried yet; to start from the weights alone: mtrain finetune --load SOURCE")
     biases = sorted({model for ir, (model, e) in table.items() if e is not None and ir.endswith(".bias")})
     if biases:
         raise ConvertError(f"{where}: --training-state with mtrain runs: mtrain stacks the experts' biases into "
                            f"matrices ({format_names(biases)}) that its AdamW decays, Megatron's biases are not "
-                           "decayed; the optimizers differ")
+                           "decayed; the optimizers differ (to start from the weights alone: mtrain finetune --load "
+                           "SOURCE)")
     return table
 
 

@@ -1,0 +1,176 @@
+"""`--training-state` for MoE models between Megatron-core and mtrain: the experts' Adam state, stacked in mtrain.
+
+megatron-core 0.19.2 (tests/support/megatron_lm/train.py, fp32 on CPU) trains a tiny Mixtral-like model (4
+sequential experts, top 2, no load-balancing loss) 3 steps at EP1 (one optimizer) and at EP2 (two processes: the
+experts get an optimizer of their own, chained after the dense one) and saves torch_dist. Each becomes an mtrain
+run (mtrain keeps one AdamW: the experts' groups go into the dense groups of the same weight decay; each layer's
+experts' moments are stacked as its expert weights are, [E, ...]) that mtrain resumes for 2 steps, in one process
+and (the EP2 one) under its own EP2. The mtrain runs go back to Megatron in the layout they came from (`--ep 2`
+re-forms the chained optimizer) and Megatron resumes them on mtrain's tokens, against mtrain's own resumption.
+
+Conversions move stored values: compared value for value. Losses of Megatron and mtrain (or of two layouts) on the
+same tokens from the same state are compared within LOSS_BOUND: test_training_state_mtrain derives it for the
+dense model of the same width (float32 sums in other orders, a mean of 32 per-token losses through 2 layers of
+width 64: ~1e-5 relative, bound 1e-4 absolute on ~5.5). Routing adds no term: the top-2 choice is discrete, and
+a rounding-sized change in the router's logits changes it only where two logits tie to within ~1e-6, which the
+tokens here do not reach (they would move a loss by far more than the bound, and the test would say so).
+Measured: every pair within 2 float32 ulps of the loss (<= 9.6e-7); mtrain's EP2 equal to its one process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from mconvert import engine
+from mconvert.errors import ConvertError
+from mconvert.options import Options
+from mtrain.config import from_dict
+from tests.support.cli import run_cli, train_megatron_runs
+from tests.support.corpus import build_corpus
+from tests.support.launch import launch, losses
+from tests.support.mtrain_runs import mtrain_run, mtrain_tokens, resume_config
+from tests.test_training_state_moe import FLAGS as BF16_FLAGS
+from tests.test_training_state_mtrain import LOSS_BOUND
+
+pytestmark = pytest.mark.parity
+
+TS = Options(training_state=True)
+FLAGS = [f for f in BF16_FLAGS if f != "--bf16"]  # fp32: mtrain's weights are fp32, its losses compare to ~1e-5
+STEPS, MORE = 3, 2
+EP = {"ep1": [], "ep2": ["--expert-model-parallel-size", "2"]}  # Megatron's flags after FLAGS
+WORLD = {"ep1": 1, "ep2": 2}
+BACK = {"ep1": [], "ep2": ["--ep", "2"]}  # mconvert's layout back to Megatron
+
+
+def config_of(run, corpus, **parallel):
+    raw = resume_config(run, corpus, MORE).to_dict()
+    raw["parallel"] |= {"ep": 1} | parallel
+    return raw
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, mcore_python) -> dict:
+    """Every checkpoint under `root` and the losses of each resumption. Four Megatron launches (a training and a
+    resuming one per world size), one mtrain launch (2 processes)."""
+    python = mcore_python("0.19")
+    root = tmp_path_factory.mktemp("training_state_mtrain_moe")
+    corpus = build_corpus(root / "corpus")
+    for name, flags in EP.items():
+        train_megatron_runs(python, [{"flags": [*FLAGS, *flags], "steps": STEPS, "out": str(root / f"{name}.json"),
+                                      "save": str(root / name)}], WORLD[name])
+    out = {"root": root}
+    for name in EP:
+        run_cli("--training-state", "--saver", "mtrain", "-q", "--load-dir", root / name, "--save-dir",
+                root / f"{name}_run")
+        shutil.copytree(root / f"{name}_run", root / f"{name}_converted")  # kept as converted
+    shutil.copytree(root / "ep2_run", root / "ep2_ep2")  # resumed by mtrain under EP2
+    launch([{"config": config_of(root / "ep2_ep2", corpus, ep=2), "out": str(root / "mtrain_ep2.json")}], root, 2)
+    out["mtrain_ep2"] = losses(root / "mtrain_ep2.json")
+    resumes = {}
+    for name in EP:
+        config = from_dict(config_of(root / f"{name}_run", corpus))
+        tokens = root / f"{name}_tokens.pt"
+        torch.save(mtrain_tokens(config, STEPS * config.train.global_batch_size, range(STEPS, STEPS + 2 * MORE)),
+                   tokens)
+        result, _ = mtrain_run(config)  # steps 4 and 5
+        out[f"{name}_mtrain"] = result.losses
+        run_cli("--training-state", "--saver", "core", "--ckpt-format", "torch_dist", *BACK[name], "-q",
+                "--load-dir", root / f"{name}_run", "--save-dir", root / f"{name}_core")
+        result, _ = mtrain_run(from_dict(config_of(root / f"{name}_run", corpus)))  # steps 6 and 7
+        out[f"{name}_mtrain_again"] = result.losses
+        flags = [*FLAGS, *EP[name], "--no-load-rng"]
+        resumes[name] = [{"flags": flags, "steps": MORE, "load": str(root / ckpt), "tokens": str(tokens),
+                          "out": str(root / f"{ckpt}_resumed.json")} for ckpt in (name, f"{name}_core")]
+    for name, specs in resumes.items():
+        train_megatron_runs(python, specs, WORLD[name])
+        out[f"{name}_megatron"], out[f"{name}_core_megatron"] = (
+            json.loads((root / f"{ckpt}_resumed.json").read_text())["losses"] for ckpt in (name, f"{name}_core"))
+    return out
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) == MORE and all(abs(x - y) <= LOSS_BOUND for x, y in zip(a, b))
+
+
+def in_order(found: dict[int, float]) -> list[float]:
+    return [found[s] for s in sorted(found)]
+
+
+@pytest.mark.parametrize("name", EP)
+def test_megatron_moe_run_resumes_in_mtrain(runs, name):
+    """Megatron's MoE checkpoint as an mtrain run: weights, every expert's moments (stacked), step and schedule are
+    Megatron's value for value, with one pair of AdamW groups; mtrain's next 2 steps on the same tokens give
+    Megatron's own resumption's losses within LOSS_BOUND."""
+    root = runs["root"]
+    core, run = engine.load(root / name, TS), engine.load(root / f"{name}_converted", TS)
+    assert "layers.1.moe.experts.3.down.weight" in core.tensors
+    for ir_name, t in core.tensors.items():
+        assert torch.equal(run.tensors[ir_name].load(), t.load()), ir_name
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(run.training.tensors[m][ir_name].load(), core.training.tensors[m][ir_name].load())
+    assert [g.get("is_expert_parallel") for g in core.training.param_groups] == \
+        ([False, False, True] if name == "ep2" else [False, False])
+    assert len(run.training.param_groups) == 2
+    assert (run.training.step, run.training.iteration, run.training.scheduler) == \
+        (core.training.step, core.training.iteration, core.training.scheduler) == \
+        (STEPS, STEPS, core.training.scheduler)
+    ours = in_order(runs[f"{name}_mtrain"])
+    assert close(ours, runs[f"{name}_megatron"]), (ours, runs[f"{name}_megatron"])
+
+
+def test_mtrain_resumes_the_ep2_run_under_ep2(runs):
+    """mtrain's own EP2 (each rank two experts and their moments) resuming Megatron's EP2 run: the losses of its
+    one-process resumption, within LOSS_BOUND."""
+    ep2, one = in_order(runs["mtrain_ep2"]), in_order(runs["ep2_mtrain"])
+    assert close(ep2, one), (ep2, one)
+
+
+@pytest.mark.parametrize("name", EP)
+def test_mtrain_moe_run_resumes_in_megatron(runs, name):
+    """The mtrain run (Megatron's, trained on by mtrain to step 5) back in Megatron's layout: its state value for
+    value, the param groups Megatron's own checkpoint has (at EP2 the experts' optimizer's group again), the schedule
+    at iteration 5; Megatron's next 2 steps give the losses of mtrain resuming its run, within LOSS_BOUND."""
+    root = runs["root"]
+    run, core = engine.load(root / f"{name}_run" / "step_0000005", TS), engine.load(root / f"{name}_core", TS)
+    for ir_name, t in run.tensors.items():
+        assert torch.equal(core.tensors[ir_name].load(), t.load()), ir_name
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(core.training.tensors[m][ir_name].load(), run.training.tensors[m][ir_name].load())
+    theirs = engine.load(root / name, TS).training
+    ours = core.training
+    assert [sorted(g) for g in ours.param_groups] == [sorted(g) for g in theirs.param_groups]
+    assert [g.get("is_expert_parallel") for g in ours.param_groups] == \
+        [g.get("is_expert_parallel") for g in theirs.param_groups]
+    gbs = theirs.run["global_batch_size"]
+    assert ours.scheduler == theirs.scheduler | {"num_steps": (STEPS + MORE) * gbs}
+    assert (ours.step, ours.iteration, ours.consumed_samples) == (STEPS + MORE, STEPS + MORE, (STEPS + MORE) * gbs)
+    again = in_order(runs[f"{name}_mtrain_again"])
+    assert close(again, runs[f"{name}_core_megatron"]), (again, runs[f"{name}_core_megatron"])
+
+
+# -- refused -------------------------------------------------------------------------------------------------------
+
+def refused(ir, tmp_path, *culprits: str) -> None:
+    with pytest.raises(ConvertError) as e:
+        engine.save(ir, tmp_path / "out", TS, "mtrain")
+    assert all(c in str(e.value) for c in culprits), str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_refused_what_mtrain_cannot_hold(runs, tmp_path):
+    """An experts' group with a learning rate of its own (mtrain's one AdamW has one group for dense and expert
+    matrices), the router's expert bias (a buffer the load balancing moves, without Adam state) and stacked expert
+    biases (mtrain decays them, Megatron does not): refused by name, nothing written."""
+    ir = engine.load(runs["root"] / "ep2", TS)
+    ir.training.param_groups[2]["max_lr"] = 2e-3
+    refused(ir, tmp_path, "max_lr", "mtrain's AdamW", "one group must serve both")
+    ir = engine.load(runs["root"] / "ep2", TS)
+    ir.config = ir.config.replace(moe_router_expert_bias=True, moe_router_score="sigmoid")
+    refused(ir, tmp_path, "moe_router_expert_bias", "not carried", "mtrain finetune --load")
+    ir = engine.load(runs["root"] / "ep2", TS)
+    ir.config = ir.config.replace(mlp_bias=True)
+    refused(ir, tmp_path, "layers.0.moe.experts.gate_bias", "decays", "mtrain finetune --load")
