@@ -5,7 +5,8 @@
 
 RUN gets `latest` and `step_{iteration}/` as mtrain's own Checkpointer writes them (checkpoint.py): DCP with
 `model.*` (fp32: a mixed-precision source's master weights, which mtrain's optimizer updates), AdamW's
-`optimizer.state.{param}.{exp_avg,exp_avg_sq,step}` and each parameter's group settings, and mtrain.json with the
+`optimizer.state.{param}.{exp_avg,exp_avg_sq,step}` (a MoE layer's experts stacked, as their weights, one expert's
+chunk at a time) and each parameter's group settings, and mtrain.json with the
 step, consumed samples, the model config and a training config holding the source's schedule, AdamW settings,
 batch sizes and gradient clipping (run_state.py says how they map, and refuses what does not). mtrain's resume
 compares that config with the one it runs with and says what differs. RNG states and an fp16 grad scaler do not

@@ -9,6 +9,9 @@ biases and 1-d parameters), the schedule Megatron's `opt_param_scheduler` dict, 
     optimizer.param_groups.{param}.{lr,betas,...}       each parameter's group settings (bytes items)
     mtrain.json config.optim / config.train             the schedule: lr_at(step, optim, train.steps)
 
+(a MoE model's experts stacked as their weights: `optimizer.state.layers.{L}.moe.experts.gate.exp_avg` [E, f, h] holds
+the IR's `layers.{L}.moe.experts.{e}.gate.weight` moments; Megatron's chained experts' optimizer, at EP > 1, has
+groups of its own, which go into mtrain's one AdamW's groups when their settings are the dense ones'),
 so the two meet as follows (mtrain/optim.py's lr_at against OptimizerParamScheduler.get_lr): Megatron's step i runs
 at get_lr(num_steps = i * global batch), mtrain's at lr_at(i); after warmup both are min_lr + coeff * (max_lr -
 min_lr) with the same linear/cosine coefficient of (i - warmup) / (decay - warmup), and constant after decay. In
