@@ -32,7 +32,9 @@ from mtrain.config import from_dict
 from tests.support.cli import run_cli, train_megatron_runs
 from tests.support.corpus import build_corpus
 from tests.support.launch import launch, losses
+from tests.support.models import TINY_MIXTRAL
 from tests.support.mtrain_runs import mtrain_run, mtrain_tokens, resume_config
+from tests.support.training import tiny_config
 from tests.test_training_state_moe import FLAGS as BF16_FLAGS
 from tests.test_training_state_mtrain import LOSS_BOUND
 
@@ -150,6 +152,33 @@ def test_mtrain_moe_run_resumes_in_megatron(runs, name):
     assert (ours.step, ours.iteration, ours.consumed_samples) == (STEPS + MORE, STEPS + MORE, (STEPS + MORE) * gbs)
     again = in_order(runs[f"{name}_mtrain_again"])
     assert close(again, runs[f"{name}_core_megatron"]), (again, runs[f"{name}_core_megatron"])
+
+
+# -- mtrain -> Megatron -> mtrain ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_mtrain_moe_through_core_ep2_resumes_exactly(tmp_path, fmt):
+    """mtrain's own MoE run (Mixtral-like, with its load-balancing loss) trains 2 of 4 steps; converted to Megatron
+    at EP2 (the experts' chained optimizer; `torch`: each EP rank's file holds both optimizers' state) and back, it
+    resumes with the losses, bit for bit, of resuming the original and of the run that never stopped: the
+    conversions move stored values without arithmetic (bound 0)."""
+    corpus = build_corpus(tmp_path / "corpus")
+
+    def config(run, **train):
+        return tiny_config(corpus, model=TINY_MIXTRAL, train={"steps": 4, **train}, checkpoint={"dir": str(run)})
+
+    full, _ = mtrain_run(config(tmp_path / "full"))
+    mtrain_run(config(tmp_path / "a", exit_after_steps=2))
+    shutil.copytree(tmp_path / "a", tmp_path / "a_copy")
+    original, _ = mtrain_run(config(tmp_path / "a_copy"))
+    run_cli("--training-state", "--saver", "core", "--ckpt-format", fmt, "--ep", "2", "-q", "--load-dir",
+            tmp_path / "a", "--save-dir", tmp_path / "core")
+    core = engine.load(tmp_path / "core", TS).training
+    assert [g.get("is_expert_parallel") for g in core.param_groups] == [False, False, True]
+    run_cli("--training-state", "--saver", "mtrain", "-q", "--load-dir", tmp_path / "core", "--save-dir",
+            tmp_path / "b")
+    resumed, _ = mtrain_run(config(tmp_path / "b"))
+    assert resumed.losses == original.losses == {s: full.losses[s] for s in (3, 4)}
 
 
 # -- refused -------------------------------------------------------------------------------------------------------
