@@ -28,24 +28,11 @@ from mtrain import checkpoint
 from mtrain.optim import lr_at
 from tests.support.cli import run_cli, run_megatron
 from tests.support.corpus import build_corpus
-from tests.support.mtrain_runs import mtrain_run, mtrain_tokens, resume_config
+from tests.support.mtrain_runs import FLAGS, LOSS_BOUND, mtrain_run, mtrain_tokens, resume_config
 from tests.support.refusals import convert_refused
 from tests.support.training import tiny_config
 
 TS = Options(training_state=True)
-# Megatron's run: a GPT (LayerNorm, GELU, learned positions, tied embeddings) in fp32; vocabulary 256: no padding
-FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
-         "--max-position-embeddings", "16", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
-         "--ckpt-format", "torch_dist", "--lr", "1e-3", "--global-batch-size", "2", "--micro-batch-size", "2",
-         "--seed", "7"]
-# The losses of one training step taken by Megatron and by mtrain from the same state on the same 32 tokens. Both
-# compute the same function in float32 with sums in other orders (fused QKV, their softmax and cross entropy): each
-# rounding is within float32's 2^-24 relative, a mean of 32 per-token losses of ~5.5 through 2 layers of width 64
-# carries at most some hundreds of them, so the losses agree to ~1e-5 relative; 1e-4 (absolute, on ~5.5) leaves a
-# factor of 10 and still catches what a lost optimizer state does to the next step (a fresh Adam's first step
-# moves every weight by lr). Measured: Megatron -> mtrain 1 ulp apart (4.8e-7), mtrain -> Megatron equal; Megatron
-# resuming with --no-load-optim (a fresh Adam) moves the second loss by 4e-2, 400 times the bound.
-LOSS_BOUND = 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ and (the EP2 one) under its own EP2. The mtrain runs go back to Megatron in the 
 re-forms the chained optimizer) and Megatron resumes them on mtrain's tokens, against mtrain's own resumption.
 
 Conversions move stored values: compared value for value. Losses of Megatron and mtrain (or of two layouts) on the
-same tokens from the same state are compared within LOSS_BOUND: test_training_state_mtrain derives it for the
+same tokens from the same state are compared within LOSS_BOUND: tests/support/mtrain_runs.py derives it for the
 dense model of the same width (float32 sums in other orders, a mean of 32 per-token losses through 2 layers of
 width 64: ~1e-5 relative, bound 1e-4 absolute on ~5.5). Routing adds no term: the top-2 choice is discrete, and
 a rounding-sized change in the router's logits changes it only where two logits tie to within ~1e-6, which the
@@ -33,15 +33,20 @@ from tests.support.cli import run_cli, train_megatron_runs
 from tests.support.corpus import build_corpus
 from tests.support.launch import launch, losses
 from tests.support.models import TINY_MIXTRAL
-from tests.support.mtrain_runs import mtrain_run, mtrain_tokens, resume_config
+from tests.support.mtrain_runs import LOSS_BOUND, mtrain_run, mtrain_tokens, resume_config
 from tests.support.training import tiny_config
-from tests.test_training_state_moe import FLAGS as BF16_FLAGS
-from tests.test_training_state_mtrain import LOSS_BOUND
 
 pytestmark = pytest.mark.parity
 
 TS = Options(training_state=True)
-FLAGS = [f for f in BF16_FLAGS if f != "--bf16"]  # fp32: mtrain's weights are fp32, its losses compare to ~1e-5
+# test_training_state_moe's Mixtral-like model in fp32 (mtrain's weights are fp32; its losses compare to ~1e-5)
+FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+         "--lr", "1e-3", "--global-batch-size", "2", "--micro-batch-size", "1", "--seed", "7",
+         "--ffn-hidden-size", "128", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--num-experts", "4",
+         "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96", "--moe-router-load-balancing-type", "none",
+         "--moe-aux-loss-coeff", "0", "--ckpt-format", "torch_dist"]
 STEPS, MORE = 3, 2
 EP = {"ep1": [], "ep2": ["--expert-model-parallel-size", "2"]}  # Megatron's flags after FLAGS
 WORLD = {"ep1": 1, "ep2": 2}
