@@ -67,9 +67,11 @@ def runs(tmp_path_factory, mcore_python) -> dict:
     root = tmp_path_factory.mktemp("training_state_mtrain_moe")
     corpus = build_corpus(root / "corpus")
     for name, flags in EP.items():
+        bf16 = [{"flags": [*FLAGS, *flags, "--bf16"], "steps": STEPS, "out": str(root / "ep2_bf16.json"),
+                 "save": str(root / "ep2_bf16")}] if name == "ep2" else []
         train_megatron_runs(python, [{"flags": [*FLAGS, *flags], "steps": STEPS, "out": str(root / f"{name}.json"),
-                                      "save": str(root / name)}], WORLD[name])
-    out = {"root": root}
+                                      "save": str(root / name)}, *bf16], WORLD[name])
+    out = {"root": root, "corpus": corpus}
     for name in EP:
         run_cli("--training-state", "--saver", "mtrain", "-q", "--load-dir", root / name, "--save-dir",
                 root / f"{name}_run")
@@ -159,18 +161,45 @@ def test_mtrain_moe_run_resumes_in_megatron(runs, name):
     assert close(again, runs[f"{name}_core_megatron"]), (again, runs[f"{name}_core_megatron"])
 
 
+def test_megatron_bf16_moe_run_in_mtrain(runs, tmp_path):
+    """Megatron's bf16 EP2 run: mtrain's fp32 weights, the experts' included, are Megatron's fp32 master weights
+    (the bf16 weights their rounding), its moments Megatron's; mtrain resumes it (one step, a finite loss near
+    Megatron's scale)."""
+    root = runs["root"]
+    out = run_cli("--training-state", "--saver", "mtrain", "--load-dir", root / "ep2_bf16", "--save-dir",
+                  tmp_path / "run")
+    assert "fp32 master weights" in out
+    core, run = engine.load(root / "ep2_bf16", TS), engine.load(tmp_path / "run", TS)
+    assert run.config.dtype == "float32" and "fp32_param" not in run.training.tensors
+    assert "layers.0.moe.experts.2.up.weight" in core.tensors
+    for name, t in core.tensors.items():
+        master = core.training.tensors["fp32_param"][name].load()
+        assert torch.equal(run.tensors[name].load(), master), name
+        assert torch.equal(master.bfloat16(), t.load()), name
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(run.training.tensors[m][name].load(), core.training.tensors[m][name].load())
+    raw = config_of(tmp_path / "run", runs["corpus"])
+    raw["train"]["exit_after_steps"] = 1
+    result, _ = mtrain_run(from_dict(raw))
+    assert list(result.losses) == [STEPS + 1] and 4.0 < result.losses[STEPS + 1] < 7.0  # ~log(256) = 5.5
+
+
 # -- mtrain -> Megatron -> mtrain ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
-def test_mtrain_moe_through_core_ep2_resumes_exactly(tmp_path, fmt):
-    """mtrain's own MoE run (Mixtral-like, with its load-balancing loss) trains 2 of 4 steps; converted to Megatron
-    at EP2 (the experts' chained optimizer; `torch`: each EP rank's file holds both optimizers' state) and back, it
-    resumes with the losses, bit for bit, of resuming the original and of the run that never stopped: the
-    conversions move stored values without arithmetic (bound 0)."""
+@pytest.mark.parametrize("fmt, model", [
+    ("torch_dist", TINY_MIXTRAL),
+    ("torch", TINY_MIXTRAL),
+    ("torch_dist", TINY_MIXTRAL | {"family": "qwen3_moe", "moe_shared_expert_ffn_hidden_size": 32}),
+], ids=["torch_dist", "torch", "shared_experts"])
+def test_mtrain_moe_through_core_ep2_resumes_exactly(tmp_path, fmt, model):
+    """mtrain's own MoE run (Mixtral-like, with its load-balancing loss; and with a shared expert) trains 2 of 4
+    steps; converted to Megatron at EP2 (the experts' chained optimizer; `torch`: each EP rank's file holds both
+    optimizers' state) and back, it resumes with the losses, bit for bit, of resuming the original and of the run
+    that never stopped: the conversions move stored values without arithmetic (bound 0)."""
     corpus = build_corpus(tmp_path / "corpus")
 
     def config(run, **train):
-        return tiny_config(corpus, model=TINY_MIXTRAL, train={"steps": 4, **train}, checkpoint={"dir": str(run)})
+        return tiny_config(corpus, model=model, train={"steps": 4, **train}, checkpoint={"dir": str(run)})
 
     full, _ = mtrain_run(config(tmp_path / "full"))
     mtrain_run(config(tmp_path / "a", exit_after_steps=2))
