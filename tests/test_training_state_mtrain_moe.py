@@ -5,8 +5,9 @@ sequential experts, top 2, no load-balancing loss) 3 steps at EP1 (one optimizer
 experts get an optimizer of their own, chained after the dense one) and saves torch_dist. Each becomes an mtrain
 run (mtrain keeps one AdamW: the experts' groups go into the dense groups of the same weight decay; each layer's
 experts' moments are stacked as its expert weights are, [E, ...]) that mtrain resumes for 2 steps, in one process
-and (the EP2 one) under its own EP2. The mtrain runs go back to Megatron in the layout they came from (`--ep 2`
-re-forms the chained optimizer) and Megatron resumes them on mtrain's tokens, against mtrain's own resumption.
+and under its own EP2 (the EP2 one) or TP2 (the EP1 one). The mtrain runs go back to Megatron in the layout they
+came from (`--ep 2` re-forms the chained optimizer) and Megatron resumes them on mtrain's tokens, against mtrain's
+own resumption.
 
 Conversions move stored values: compared value for value. Losses of Megatron and mtrain (or of two layouts) on the
 same tokens from the same state are compared within LOSS_BOUND: tests/support/mtrain_runs.py derives it for the
@@ -77,8 +78,10 @@ def runs(tmp_path_factory, mcore_python) -> dict:
                 root / f"{name}_run")
         shutil.copytree(root / f"{name}_run", root / f"{name}_converted")  # kept as converted
     shutil.copytree(root / "ep2_run", root / "ep2_ep2")  # resumed by mtrain under EP2
-    launch([{"config": config_of(root / "ep2_ep2", corpus, ep=2), "out": str(root / "mtrain_ep2.json")}], root, 2)
-    out["mtrain_ep2"] = losses(root / "mtrain_ep2.json")
+    shutil.copytree(root / "ep1_run", root / "ep1_tp2")  # and under TP2 (each expert's ffn split)
+    launch([{"config": config_of(root / "ep2_ep2", corpus, ep=2), "out": str(root / "mtrain_ep2.json")},
+            {"config": config_of(root / "ep1_tp2", corpus, tp=2), "out": str(root / "mtrain_tp2.json")}], root, 2)
+    out["mtrain_ep2"], out["mtrain_tp2"] = losses(root / "mtrain_ep2.json"), losses(root / "mtrain_tp2.json")
     resumes = {}
     for name in EP:
         config = from_dict(config_of(root / f"{name}_run", corpus))
@@ -131,11 +134,13 @@ def test_megatron_moe_run_resumes_in_mtrain(runs, name):
     assert close(ours, runs[f"{name}_megatron"]), (ours, runs[f"{name}_megatron"])
 
 
-def test_mtrain_resumes_the_ep2_run_under_ep2(runs):
-    """mtrain's own EP2 (each rank two experts and their moments) resuming Megatron's EP2 run: the losses of its
-    one-process resumption, within LOSS_BOUND."""
-    ep2, one = in_order(runs["mtrain_ep2"]), in_order(runs["ep2_mtrain"])
-    assert close(ep2, one), (ep2, one)
+@pytest.mark.parametrize("name, layout", [("ep2", "mtrain_ep2"), ("ep1", "mtrain_tp2")])
+def test_mtrain_resumes_the_converted_run_in_its_layouts(runs, name, layout):
+    """mtrain's own EP2 (each rank two experts and their moments) resuming Megatron's EP2 run, and its TP2 (each
+    expert's ffn split, as its moments) resuming the EP1 run: the losses of its one-process resumption, within
+    LOSS_BOUND."""
+    parallel, one = in_order(runs[layout]), in_order(runs[f"{name}_mtrain"])
+    assert close(parallel, one), (parallel, one)
 
 
 @pytest.mark.parametrize("name", EP)
