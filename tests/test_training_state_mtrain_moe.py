@@ -33,8 +33,9 @@ from mtrain.config import from_dict
 from tests.support.cli import run_cli, train_megatron_runs
 from tests.support.corpus import build_corpus
 from tests.support.launch import launch, losses
-from tests.support.models import TINY_MIXTRAL
+from tests.support.models import TINY_DEEPSEEK, TINY_MIXTRAL
 from tests.support.mtrain_runs import LOSS_BOUND, mtrain_run, mtrain_tokens, resume_config
+from tests.support.refusals import convert_refused
 from tests.support.training import tiny_config
 
 pytestmark = pytest.mark.parity
@@ -241,3 +242,12 @@ def test_refused_what_mtrain_cannot_hold(runs, tmp_path):
     ir = engine.load(runs["root"] / "ep2", TS)
     ir.config = ir.config.replace(mlp_bias=True)
     refused(ir, tmp_path, "layers.0.moe.experts.gate_bias", "decays", "mtrain finetune --load")
+
+
+def test_refused_an_mtrain_run_with_the_expert_bias(tmp_path):
+    """mtrain's own DeepSeek-like run (sigmoid routing with the expert bias) to Megatron with its training state:
+    the expert bias is refused by name, nothing written."""
+    corpus = build_corpus(tmp_path / "corpus")
+    mtrain_run(tiny_config(corpus, model=TINY_DEEPSEEK, train={"steps": 3}, checkpoint={"dir": str(tmp_path / "a")}))
+    convert_refused(tmp_path / "a", tmp_path, "--training-state", "--ckpt-format", "torch_dist",
+                    culprits=("moe_router_expert_bias", "not carried"))
