@@ -5,7 +5,8 @@
 
 RUN gets `latest` and `step_{iteration}/` as mtrain's own Checkpointer writes them (checkpoint.py): DCP with
 `model.*` (fp32: a mixed-precision source's master weights, which mtrain's optimizer updates), AdamW's
-`optimizer.state.{param}.{exp_avg,exp_avg_sq,step}` and each parameter's group settings, and mtrain.json with the
+`optimizer.state.{param}.{exp_avg,exp_avg_sq,step}` (a MoE layer's experts stacked, as their weights, one expert's
+chunk at a time) and each parameter's group settings, and mtrain.json with the
 step, consumed samples, the model config and a training config holding the source's schedule, AdamW settings,
 batch sizes and gradient clipping (run_state.py says how they map, and refuses what does not). mtrain's resume
 compares that config with the one it runs with and says what differs. RNG states and an fp16 grad scaler do not
@@ -61,14 +62,17 @@ def save(ir: ModelIR, out: Path, options: Options, progress) -> None:
     if state.grad_scaler is not None:
         progress.note("fp16 grad scaler dropped: mtrain trains fp32 weights (bf16 autocast) without loss scaling")
     adam_step = torch.tensor(float(state.step))
+    stacks: dict[str, list[tuple[str, int | None]]] = {}  # model parameter -> its IR tensors (experts in order)
+    for ir_name, (model, expert) in names.items():
+        stacks.setdefault(model, []).append((ir_name, expert))
     items = []
-    for ir_name, model in names.items():
-        weight = ir[ir_name]
-        items.append(_tensor(f"{checkpoint.MODEL_PREFIX}{model}", masters.get(ir_name, weight)))
+    for model, sources in stacks.items():
+        weights = {ir_name: masters.get(ir_name, ir[ir_name]) for ir_name, _ in sources}
+        items += _tensor(f"{checkpoint.MODEL_PREFIX}{model}", sources, weights)
         for moment in run_state.MOMENTS:
-            items.append(_tensor(f"{run_state.STATE}{model}.{moment}", state.tensors[moment][ir_name]))
+            items += _tensor(f"{run_state.STATE}{model}.{moment}", sources, state.tensors[moment])
         items.append(Item(f"{run_state.STATE}{model}.step", 4, lambda: adam_step.clone(), (), (), (), torch.float32))
-        group = decay if len(weight.shape) >= 2 else no_decay
+        group = decay if len(ir[sources[0][0]].shape) >= 2 else no_decay
         items += [_object(f"{run_state.GROUPS}{model}.{k}", v) for k, v in group.items()]
     step_dir = out / checkpoint.step_name(step)
     step_dir.mkdir(parents=True, exist_ok=True)
@@ -91,14 +95,23 @@ def save(ir: ModelIR, out: Path, options: Options, progress) -> None:
     run_jobs(jobs, workers=options.workers, progress=progress, finish=finish)
 
 
-def _tensor(fqn: str, t: LazyTensor) -> Item:
-    """A whole fp32 tensor, read (and cast, where the source is not fp32) when its file is written."""
-    if t.dtype_name != "float32":
-        t = t.map(lambda x: x.float(), dtype="float32")
+def _tensor(fqn: str, sources: list[tuple[str, int | None]], tensors: dict[str, LazyTensor]) -> list[Item]:
+    """A whole fp32 tensor, read (and cast, where the source is not fp32) when its file is written; a stacked
+    expert parameter is written as one chunk per expert (one expert's tensor in memory at a time)."""
     import torch
 
-    shape = tuple(t.shape)
-    return Item(fqn, t.nbytes, t.load, shape, (0,) * len(shape), shape, torch.float32)
+    out = []
+    for ir_name, expert in sources:
+        t = tensors[ir_name]
+        if t.dtype_name != "float32":
+            t = t.map(lambda x: x.float(), dtype="float32")
+        shape = tuple(t.shape)
+        if expert is None:
+            out.append(Item(fqn, t.nbytes, t.load, shape, (0,) * len(shape), shape, torch.float32))
+        else:
+            out.append(Item(fqn, t.nbytes, lambda t=t: t.load()[None], (len(sources), *shape),
+                            (expert, *(0,) * len(shape)), (1, *shape), torch.float32))
+    return out
 
 
 def _object(fqn: str, value) -> Item:

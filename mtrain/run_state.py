@@ -9,6 +9,9 @@ biases and 1-d parameters), the schedule Megatron's `opt_param_scheduler` dict, 
     optimizer.param_groups.{param}.{lr,betas,...}       each parameter's group settings (bytes items)
     mtrain.json config.optim / config.train             the schedule: lr_at(step, optim, train.steps)
 
+(a MoE model's experts stacked as their weights: `optimizer.state.layers.{L}.moe.experts.gate.exp_avg` [E, f, h] holds
+the IR's `layers.{L}.moe.experts.{e}.gate.weight` moments; Megatron's chained experts' optimizer, at EP > 1, has
+groups of its own, which go into mtrain's one AdamW's groups when their settings are the dense ones'),
 so the two meet as follows (mtrain/optim.py's lr_at against OptimizerParamScheduler.get_lr): Megatron's step i runs
 at get_lr(num_steps = i * global batch), mtrain's at lr_at(i); after warmup both are min_lr + coeff * (max_lr -
 min_lr) with the same linear/cosine coefficient of (i - warmup) / (decay - warmup), and constant after decay. In
@@ -26,8 +29,8 @@ import torch
 
 from mconvert.errors import ConvertError, format_names
 from mconvert.ir.config import ModelConfig
-from mconvert.ir.tensors import LazyTensor
-from mconvert.ir.training_state import TrainingState, decay_groups
+from mconvert.ir.tensors import LazyTensor, LoadCache
+from mconvert.ir.training_state import TrainingState, decay_groups, one_optimizer_groups
 from mtrain.config import OptimConfig, build_section
 from mtrain.errors import TrainError
 from mtrain.models import state_dict_adapter
@@ -38,12 +41,21 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 DECAY_STYLES = ("linear", "cosine", "constant")  # Megatron's lr_decay_style values mtrain's schedule has
 
 
-def parameter_names(config: ModelConfig, where: str) -> dict[str, str]:
-    """IR name -> mtrain parameter name of a dense model (a MoE model stacks its experts: not carried yet)."""
-    if config.is_moe:
-        raise ConvertError(f"{where}: --training-state with mtrain runs covers dense models so far (mtrain stacks "
-                           "the experts' moments as it stacks their weights)")
-    return {ir: model for ir, (model, _) in state_dict_adapter.ir_sources(config).items()}
+def parameter_names(config: ModelConfig, where: str) -> dict[str, tuple[str, int | None]]:
+    """IR name -> (mtrain parameter name, expert index or None): a MoE model's experts are stacked, each expert's
+    weight (and its moments) one slice of the parameter `layers.{L}.moe.experts.{gate,up,down}` [E, ...]."""
+    table = state_dict_adapter.ir_sources(config)
+    if config.moe_router_expert_bias:
+        raise ConvertError(f"{where}: --training-state with mtrain runs: the router's expert bias "
+                           "(moe_router_expert_bias) is a buffer its load balancing moves, not Adam, and is not "
+                           "carried yet; to start from the weights alone: mtrain finetune --load SOURCE")
+    biases = sorted({model for ir, (model, e) in table.items() if e is not None and ir.endswith(".bias")})
+    if biases:
+        raise ConvertError(f"{where}: --training-state with mtrain runs: mtrain stacks the experts' biases into "
+                           f"matrices ({format_names(biases)}) that its AdamW decays, Megatron's biases are not "
+                           "decayed; the optimizers differ (to start from the weights alone: mtrain finetune --load "
+                           "SOURCE)")
+    return table
 
 
 # -- mtrain run -> IR --------------------------------------------------------------------------------------------
@@ -52,30 +64,31 @@ def read(reader, step_dir, meta: dict, config: ModelConfig, weights: Mapping[str
     """The training state of an mtrain step directory (`reader`: its DcpReader), in the IR's terms."""
     where = str(step_dir)
     names = parameter_names(config, where)
+    models = {names[ir][0] for ir in weights}
     stored = [k for k in reader.tensors if k.startswith(STATE)]
     if not stored:
         raise ConvertError(f"{where}: the checkpoint holds no optimizer state (optimizer.state.*); --training-state "
                            "needs a checkpoint saved by training")
-    known = {f"{STATE}{names[n]}.{m}" for n in weights for m in (*MOMENTS, "step")}
+    known = {f"{STATE}{model}.{m}" for model in models for m in (*MOMENTS, "step")}
     extra = sorted(set(stored) - known)
     if extra:
         raise ConvertError(f"{where}: optimizer state for tensors the model does not have: {format_names(extra)}")
+    cache = LoadCache(max_items=2)  # a stacked expert moment is read once for its experts
     tensors: dict[str, dict[str, LazyTensor]] = {}
     for moment in MOMENTS:
         tensors[moment] = {}
         for ir in weights:
-            key = f"{STATE}{names[ir]}.{moment}"
+            model, expert = names[ir]
+            key = f"{STATE}{model}.{moment}"
             if key in reader.tensors:
-                entry = reader.tensors[key]
-                tensors[moment][ir] = LazyTensor(entry.shape, entry.dtype, lambda key=key: reader.read(key),
-                                                 f"{step_dir.name}:{key}")
-    steps = {float(reader.read(f"{STATE}{names[n]}.step")) for n in weights if f"{STATE}{names[n]}.step" in stored}
+                tensors[moment][ir] = _moment(reader, key, expert, cache, step_dir.name)
+    steps = {float(reader.read(f"{STATE}{m}.step")) for m in models if f"{STATE}{m}.step" in stored}
     if len(steps) != 1:
         raise ConvertError(f"{where}: the parameters' AdamW steps are {sorted(steps) or 'missing'}; one step per "
                            "run is what Megatron and mtrain resume from")
     optim, train = _schedule_config(meta, where)
     step = int(meta["step"])
-    groups = _groups(reader, names, weights, where)
+    groups = _groups(reader, {ir: names[ir][0] for ir in weights}, weights, where)
     adam_step = steps.pop()
     megatron = [_megatron_group(g, decays, optim, step, train["steps"]) | {"step": adam_step} for g, decays in groups]
     gbs = train["global_batch_size"]
@@ -105,13 +118,27 @@ def _schedule_config(meta: dict, where: str) -> tuple[OptimConfig, dict[str, Any
     return optim, train
 
 
+def _moment(reader, key: str, expert: int | None, cache: LoadCache, step_name: str) -> LazyTensor:
+    """The stored moment `key` (of an expert: its slice of the stacked one), read when asked for."""
+    entry = reader.tensors[key]
+    whole = LazyTensor(entry.shape, entry.dtype, lambda: cache.get(key, lambda: reader.read(key)),
+                       f"{step_name}:{key}")
+    if expert is None:
+        return whole
+    return whole.map(lambda x: x[expert].clone(), shape=entry.shape[1:], origin=f"{whole.origin}[{expert}]")
+
+
 def _groups(reader, names: dict[str, str], weights: Mapping[str, LazyTensor], where: str) -> list[tuple[dict, bool]]:
     """The distinct param-group settings of the parameters (with weight decay first), each with whether its
     parameters are matrices (mtrain decays those, as Megatron does)."""
     found: list[tuple[dict, bool]] = []
+    settings_of: dict[str, dict] = {}  # the experts of one stacked parameter share its settings
     for ir, t in weights.items():
         prefix = f"{GROUPS}{names[ir]}."
-        settings = {k[len(prefix):]: reader.read_object(k) for k in reader.bytes_items if k.startswith(prefix)}
+        if prefix not in settings_of:
+            settings_of[prefix] = {k[len(prefix):]: reader.read_object(k) for k in reader.bytes_items
+                                   if k.startswith(prefix)}
+        settings = settings_of[prefix]
         if not settings:
             raise ConvertError(f"{where}: no param-group settings for {names[ir]} ({prefix}*)")
         entry = (settings, len(t.shape) >= 2)
@@ -206,7 +233,7 @@ def mtrain_settings(state: TrainingState, where: str) -> tuple[dict[str, Any], d
 def _adam_settings(state: TrainingState, schedule: dict, where: str) -> tuple[dict, tuple, float]:
     """The group with weight decay, and the betas and eps every group shares; per-group learning rates (Megatron's
     lr_mult, decoupled LR, max_lr/min_lr of their own) and decay on biases and norms are refused."""
-    groups = state.param_groups
+    groups = one_optimizer_groups(state.param_groups, "mtrain's AdamW (one for every parameter)")
     odd = [f"group {i}: {k} {g[k]}" for i, g in enumerate(groups) for k, want in
            (("lr_mult", 1.0), ("is_decoupled_lr", False), ("max_lr", schedule["max_lr"]),
             ("min_lr", schedule["min_lr"])) if k in g and g[k] != want]

@@ -108,3 +108,23 @@ def decay_groups(names: Iterable[str], shapes: Mapping[str, tuple[int, ...]]) ->
     decay (matrices) and one without (biases and 1-d parameters), those kinds that exist."""
     kinds = {n.endswith(".bias") or len(shapes[n]) == 1 for n in names}
     return len(kinds)
+
+
+def one_optimizer_groups(groups: list[dict[str, Any]], target: str = "the output's layout (EP1, expert TP = TP)"
+                         ) -> list[dict[str, Any]]:
+    """The param groups of one optimizer that serves dense and expert parameters alike: the groups megatron-core
+    gives the experts' own optimizer (flagged `is_expert_parallel`) go into the dense group of the same weight decay
+    (`wd_mult` 0 or not), which must have the same settings (one group then serves both); `target` names what
+    has the one optimizer, for the error."""
+    flagged = [g for g in groups if g.get("is_expert_parallel")]
+    dense = [g for g in groups if not g.get("is_expert_parallel")]
+    decays = lambda g: float(g.get("wd_mult", 1.0)) != 0.0  # noqa: E731
+    for g in flagged:
+        twin = [d for d in dense if decays(d) == decays(g)]
+        differ = sorted(k for k in set(g) | set(twin[0] if twin else {}) if k != "is_expert_parallel"
+                        and (not twin or g.get(k) != twin[0].get(k)))
+        if differ:
+            raise ConvertError("--training-state: the experts' param group differs from the dense one of the same "
+                               f"weight decay in {', '.join(differ)}; {target} gives the experts no optimizer of "
+                               "their own, so one group must serve both")
+    return dense

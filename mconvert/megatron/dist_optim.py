@@ -44,7 +44,7 @@ from typing import Any
 from mconvert.errors import ConvertError, format_names
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import LazyTensor, LoadCache
-from mconvert.ir.training_state import MOMENTS, TrainingState, decay_groups
+from mconvert.ir.training_state import MOMENTS, TrainingState, decay_groups, one_optimizer_groups
 from mconvert.lazy import torch
 from mconvert.megatron import bucket_optim
 from mconvert.rules.mapping import to_ir
@@ -244,15 +244,7 @@ def target_groups(state: TrainingState, weights: dict[str, LazyTensor], parallel
     dense = [g for g in state.param_groups if not g.get("is_expert_parallel")]
     experts = [n for n in weights if EXPERT.match(n)]
     if not (parallel and experts):
-        for g in flagged:
-            twin = [d for d in dense if _decays(d) == _decays(g)]
-            differ = sorted(k for k in set(g) | set(twin[0] if twin else {}) if k != "is_expert_parallel"
-                            and (not twin or g.get(k) != twin[0].get(k)))
-            if differ:
-                raise ConvertError("--training-state: the experts' param group differs from the dense one of the same "
-                                   f"weight decay in {', '.join(differ)}; the output's layout gives the experts no "
-                                   "optimizer of their own (EP1, expert TP = TP), so one group must serve both")
-        return [dense]
+        return [one_optimizer_groups(state.param_groups)]
     shapes = {n: weights[n].shape for n in experts}
     kinds = [d for d in (True, False) if any((len(shapes[n]) > 1 and not n.endswith(".bias")) == d for n in experts)]
     out = []
