@@ -53,16 +53,18 @@ def read(store, config, rows: list[Row], padded: int, args, weights: dict[str, L
         raise ConvertError(f"{where}: the checkpoint holds no optimizer state (saved with --no-save-optim, or "
                            "converted without --training-state); --training-state needs one saved by training")
     per_param: dict[str, dict[str, str]] = {}  # unwrapped weight key -> {state name: stored key}
+    wrappers = ""  # the optimizer's prefix of the weight keys, to name what is missing as it would be stored
     for key in stored:
         param, _, name = key[len(STATE):].rpartition(".")
         per_param.setdefault(_unwrapped(param), {})[name] = key
+        wrappers = param[:len(param) - len(_unwrapped(param))]
     keys = {r.key for r in rows}
     extra = sorted(set(per_param) - keys)
     if extra:
         raise ConvertError(f"{where}: optimizer state for tensors the model does not have: {format_names(extra)}")
     tensors: dict[str, dict[str, LazyTensor]] = {}
     for moment in MOMENTS:
-        missing = sorted(f"{STATE}{k}.{moment}" for k in keys if moment not in per_param.get(k, {}))
+        missing = sorted(f"{STATE}{wrappers}{k}.{moment}" for k in keys if moment not in per_param.get(k, {}))
         if missing:
             raise ConvertError(f"{where}: the optimizer state misses parameters the weights have: "
                                f"{format_names(missing)}")
