@@ -6,7 +6,8 @@ Megatron-LM 0.19 (megatron/training/checkpointing.py) hands its whole checkpoint
     iter_0000003/.metadata, __0_0.distcp, ...
       args, checkpoint_version, iteration, num_floating_point_operations_so_far    pickled objects
       model.<key of the model's own state_dict>        each tensor whole (global), layers numbered globally
-      optimizer.*, opt_param_scheduler.*, rng_state.*, rerun_state_machine.*     training state, not converted
+      optimizer.*, opt_param_scheduler.*, rng_state.*, rerun_state_machine.*     training state (fsdp_dtensor's
+                                                   optimizer and schedule: --training-state, fsdp_optim.py)
 
 The model keys are those of the `torch` format at TP=PP=EP=1 (local or Transformer-Engine names; experts
 numbered globally: `local_experts.{E}` or TE's `linear_fc1.weight{E}`), under the wrappers' prefixes. torch_dcp
@@ -21,8 +22,9 @@ format's names; multi-token-prediction modules are refused (their keys in these 
 Both are read and written by the `core` plugin. Writing: every tensor is written whole (as
 torch.distributed.checkpoint stores the global tensor whatever the sharding), with the entries Megatron-LM's loader
 reads first (`args`, `iteration`, `checkpoint_version`); the files are planned first and written as jobs
-(`mconvert.io.dcp_writer.plan`), so `--workers` and torchrun share them out as for torch_dist. No optimizer or RNG
-state: Megatron-LM resumes from a fsdp_dtensor checkpoint with --no-load-optim --no-load-rng (or --finetune); its
+(`mconvert.io.dcp_writer.plan`), so `--workers` and torchrun share them out as for torch_dist. No RNG state, and
+the optimizer and schedule only with --training-state for fsdp_dtensor (mconvert.megatron.fsdp_optim): otherwise
+Megatron-LM resumes from a fsdp_dtensor checkpoint with --no-load-optim --no-load-rng (or --finetune); its
 torch_dcp loader always asks for the optimizer, scheduler and RNG state, so such a checkpoint serves
 torch.distributed.checkpoint readers rather than a Megatron resume.
 """
@@ -157,7 +159,12 @@ def load_dcp(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     ir = ModelIR(config, tensors, SourceInfo(f"core (Megatron {fmt})", it_dir, layout, iteration, notes), assets,
                  training)
     run = fsdp_optim.run_dtype(args) if training is not None else None
-    return ir.cast(run) if run and config.dtype == "float32" else ir
+    if not (run and config.dtype == "float32"):
+        return ir
+    notes[:] = [n for n in notes if not n.startswith("args.params_dtype is")]  # the stored ones are the masters
+    notes.append(f"the stored float32 weights are the {run} run's master weights (fp32_param); the weights are "
+                 f"their {run} cast")
+    return ir.cast(run)
 
 
 def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
