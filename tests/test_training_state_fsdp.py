@@ -38,6 +38,7 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--clip-grad", "0", "--use-distributed-optimizer"]
 FSDP = [*FLAGS, "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
 DIST = [*FLAGS, "--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable"]
+TP2 = ["--tensor-model-parallel-size", "2"]
 STEPS = 3
 ITER = "iter_0000003"
 STATE = Options(training_state=True)
@@ -58,37 +59,42 @@ def launch(python: Path, tmp: Path, runs: list[tuple[str, list[str], int, dict]]
 
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory, mcore_python):
-    """Megatron's runs: 2 * STEPS steps unstopped (FSDP); STEPS steps saved, under FSDP (fsdp) and under DDP
-    (dist); the fsdp checkpoint resumed by FSDP for STEPS steps."""
+    """Megatron's runs: 2 * STEPS steps unstopped (FSDP); STEPS steps saved, under FSDP (fsdp), under DDP (dist)
+    and under FSDP with TP2 x DP1 (fsdp_tp2); the FSDP checkpoints resumed by FSDP for STEPS steps."""
     python = mcore_python("0.19")
     tmp = tmp_path_factory.mktemp("training_state_fsdp")
-    r = {"python": python, "tmp": tmp, "fsdp": tmp / "fsdp", "dist": tmp / "dist"}
+    r = {"python": python, "tmp": tmp, "fsdp": tmp / "fsdp", "dist": tmp / "dist", "fsdp_tp2": tmp / "fsdp_tp2"}
     r |= launch(python, tmp, [("full", FSDP, 2 * STEPS, {}), ("first", FSDP, STEPS, {"save": r["fsdp"]}),
                               ("dist_first", DIST, STEPS, {"save": r["dist"]}),
-                              ("resumed", FSDP, STEPS, {"load": r["fsdp"]})])
+                              ("resumed", FSDP, STEPS, {"load": r["fsdp"]}),
+                              ("tp2_first", [*FSDP, *TP2], STEPS, {"save": r["fsdp_tp2"]}),
+                              ("tp2_resumed", [*FSDP, *TP2], STEPS, {"load": r["fsdp_tp2"]})])
     return r
 
 
 @pytest.fixture(scope="module")
 def converted(megatron):
     """fsdp_dtensor -> torch_dist (distributed and plain optimizer), -> torch_dist at TP2, torch_dist ->
-    fsdp_dtensor, fsdp_dtensor -> torch_dist -> fsdp_dtensor; each resumed by Megatron for STEPS steps (FSDP for
-    fsdp_dtensor, DDP for torch_dist), with Megatron's own resumption of the dist checkpoint (TP1, TP2) beside
-    them."""
+    fsdp_dtensor, fsdp_dtensor -> torch_dist -> fsdp_dtensor, the TP2 fsdp_dtensor -> torch_dist TP2; each resumed
+    by Megatron for STEPS steps (FSDP for fsdp_dtensor, DDP for torch_dist), with Megatron's own resumption of the
+    dist checkpoint (TP1, TP2) beside them."""
     tmp = megatron["tmp"]
-    out = {name: tmp / name for name in ("to_dist", "to_plain", "to_dist_tp2", "to_fsdp", "round_trip")}
+    out = {name: tmp / name for name in ("to_dist", "to_plain", "to_dist_tp2", "to_fsdp", "round_trip",
+                                         "from_tp2")}
     convert(megatron["fsdp"], out["to_dist"], "torch_dist")
     convert(megatron["fsdp"], out["to_plain"], "torch_dist", "--optimizer-sharding", "plain")
     convert(megatron["fsdp"], out["to_dist_tp2"], "torch_dist", "--tp", "2")
     convert(megatron["dist"], out["to_fsdp"], "fsdp_dtensor")
     convert(out["to_dist"], out["round_trip"], "fsdp_dtensor")
+    convert(megatron["fsdp_tp2"], out["from_tp2"], "torch_dist", "--tp", "2", "--optimizer-sharding", "plain")
     rng = ["--no-load-rng"]
-    tp2 = [*DIST, "--tensor-model-parallel-size", "2", *rng]
+    tp2 = [*DIST, *TP2, *rng]
     plain = [f for f in DIST if f not in ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")]
     found = launch(megatron["python"], tmp, [
         ("r_to_dist", [*DIST, *rng], STEPS, {"load": out["to_dist"]}),
         ("r_dist_megatron", [*DIST, *rng], STEPS, {"load": megatron["dist"]}),
         ("r_to_plain", [*plain, *rng], STEPS, {"load": out["to_plain"]}),
+        ("r_from_tp2", [*plain, *TP2, *rng], STEPS, {"load": out["from_tp2"]}),
         ("r_to_fsdp", [*FSDP, *rng], STEPS, {"load": out["to_fsdp"]}),
         ("r_round_trip", [*FSDP, *rng], STEPS, {"load": out["round_trip"]}),
         ("r_tp2", tp2, STEPS, {"load": out["to_dist_tp2"]}),
@@ -156,6 +162,15 @@ def test_fsdp_to_torch_dist_tp2_resumes_as_megatron_does(converted):
     (its own DDP checkpoint, equal value for value: test_what_travels) under TP2 itself, exactly. (They differ from
     the TP1 run's in the last bits, as TP2 sums the row-parallel layers' bf16 partial results in another order.)"""
     assert converted["r_tp2"] == converted["r_tp2_megatron"]
+
+
+@pytest.mark.parity
+def test_fsdp_tp2_source_resumes_exactly(megatron, converted):
+    """Megatron-FSDP under TP2 x DP1 (its DTensors sharded by TP, stored whole all the same) -> torch_dist TP2 with
+    the plain optimizer, resumed by Megatron's DDP under TP2: the losses of Megatron-FSDP resuming the original
+    under TP2, exactly (bound 0: the same stored values into the same TP2 arithmetic; module docstring)."""
+    assert megatron["tp2_first"] != megatron["first"]  # TP2's own arithmetic: a run of its own
+    assert converted["r_from_tp2"] == megatron["tp2_resumed"]
 
 
 @pytest.mark.parity
