@@ -243,3 +243,12 @@ def test_refused_optimizer_of_another_model(megatron, tmp_path):
         {"optimizer.state.module.module.module.decoder.layers.7.mlp.linear_fc2.weight.exp_avg": torch.zeros(64, 256)}))
     convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
                     culprits=("decoder.layers.7.mlp.linear_fc2.weight", "does not have"))
+
+
+def test_refused_unknown_state(megatron, tmp_path):
+    """A state this tool does not carry (TE's precision-aware FusedAdam stores master_param there) is not dropped
+    silently."""
+    src = rewrite(megatron["fsdp"], tmp_path / "src",
+                  lambda e: e.update({f"{PARAM}.master_param": torch.zeros(256, 64)}))
+    convert_refused(src, tmp_path, "--ckpt-format", "torch_dist", "--training-state",
+                    culprits=(f"{PARAM}.master_param", "does not carry"))

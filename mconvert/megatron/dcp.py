@@ -230,6 +230,9 @@ def _training_items(ir: ModelIR, options: Options, iteration: int, args, key_row
     if options.ckpt_format != "fsdp_dtensor":
         raise ConvertError(f"--training-state: --ckpt-format {options.ckpt_format} holds no optimizer state this "
                            "tool writes; use torch, torch_dist or fsdp_dtensor")
+    if ir.config.is_moe:
+        raise ConvertError("--training-state with --ckpt-format fsdp_dtensor: dense models only so far (an MoE "
+                           "model's expert-parallel optimizer state is not checked in this format)")
     dist_optim.prepare(ir, options, iteration, args, progress)
     state = ir.training
     args.use_distributed_optimizer = args.use_megatron_fsdp = True  # Megatron-FSDP requires both

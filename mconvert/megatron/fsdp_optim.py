@@ -52,12 +52,20 @@ def read(store, config, rows: list[Row], padded: int, args, weights: dict[str, L
     if not stored and not metas:
         raise ConvertError(f"{where}: the checkpoint holds no optimizer state (saved with --no-save-optim, or "
                            "converted without --training-state); --training-state needs one saved by training")
+    if config.is_moe:
+        raise ConvertError(f"{where}: --training-state reads the Megatron-FSDP optimizer of dense models only (an "
+                           "MoE model's expert-parallel optimizer state is not checked in this format)")
     per_param: dict[str, dict[str, str]] = {}  # unwrapped weight key -> {state name: stored key}
     wrappers = ""  # the optimizer's prefix of the weight keys, to name what is missing as it would be stored
     for key in stored:
         param, _, name = key[len(STATE):].rpartition(".")
         per_param.setdefault(_unwrapped(param), {})[name] = key
         wrappers = param[:len(param) - len(_unwrapped(param))]
+    unknown = sorted(key for p in per_param.values() for name, key in p.items() if name not in (*MOMENTS, "step"))
+    if unknown:
+        raise ConvertError(f"{where}: optimizer state this tool does not carry: {format_names(unknown)} (it carries "
+                           "Adam's exp_avg and exp_avg_sq, and the step; a precision-aware optimizer's master_param "
+                           "is not read)")
     keys = {r.key for r in rows}
     extra = sorted(set(per_param) - keys)
     if extra:
@@ -102,8 +110,8 @@ def run_dtype(args) -> str | None:
 
 
 def _groups(store, metas: list[str], where: str) -> list[dict[str, Any]]:
-    """The distinct param groups of param_to_group_meta, with weight decay first (Megatron's order: its default
-    group before the no-decay override)."""
+    """The distinct param groups of param_to_group_meta, with weight decay first (Megatron's order,
+    megatron/core/optimizer/__init__.py _get_param_groups: the default group, then the no-decay override)."""
     per_param: dict[str, dict[str, Any]] = {}
     for key in metas:
         param, _, setting = key[len(META):].rpartition(".")
