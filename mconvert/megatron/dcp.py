@@ -227,9 +227,6 @@ def _training_items(ir: ModelIR, options: Options, iteration: int, args, key_row
     """With --training-state (fsdp_dtensor): (the model tensors to store: the fp32 masters of a bf16/fp16 run, which
     Megatron-FSDP's state dict holds as its weights; the optimizer's and the schedule's items). See
     mconvert.megatron.fsdp_optim."""
-    if options.ckpt_format != "fsdp_dtensor":
-        raise ConvertError(f"--training-state: --ckpt-format {options.ckpt_format} holds no optimizer state this "
-                           "tool writes; use torch, torch_dist or fsdp_dtensor")
     if ir.config.is_moe:
         raise ConvertError("--training-state with --ckpt-format fsdp_dtensor: dense models only so far (an MoE "
                            "model's expert-parallel optimizer state is not checked in this format)")

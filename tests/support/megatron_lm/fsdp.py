@@ -22,6 +22,10 @@ what it replaces, as file:line under megatron/core/distributed/fsdp/ (0.19.2); t
   collectives run on gloo (mcore_fsdp_adapter.py:409, 420, 438, 449).
 - torch.cuda.synchronize, empty_cache: nothing to wait for or free (param_and_grad_buffer.py:854, 1149, 2234-2236,
   2900, 3119).
+- torch's Adam, which Megatron uses without Transformer Engine or Apex (megatron/core/optimizer/__init__.py:33),
+  stands in for TE's FusedAdam (:14) as to which parameters have state: see `_every_state`.
+
+Megatron-FSDP also needs einops (mcore_fsdp_adapter.py:556), which scripts/megatron_envs.sh installs.
 """
 
 from __future__ import annotations
