@@ -59,34 +59,41 @@ def launch(python: Path, tmp: Path, runs: list[tuple[str, list[str], int, dict]]
 
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory, mcore_python):
-    """Megatron's runs: 2 * STEPS steps unstopped (FSDP); STEPS steps saved, under FSDP (fsdp), under DDP (dist)
-    and under FSDP with TP2 x DP1 (fsdp_tp2); the FSDP checkpoints resumed by FSDP for STEPS steps."""
+    """Megatron's runs: 2 * STEPS steps unstopped (FSDP); STEPS steps saved, under FSDP (fsdp), under DDP (dist),
+    under FSDP with TP2 x DP1 (fsdp_tp2) and of a SwiGLU model under FSDP (swiglu); the FSDP checkpoints resumed by
+    FSDP for STEPS steps."""
     python = mcore_python("0.19")
     tmp = tmp_path_factory.mktemp("training_state_fsdp")
-    r = {"python": python, "tmp": tmp, "fsdp": tmp / "fsdp", "dist": tmp / "dist", "fsdp_tp2": tmp / "fsdp_tp2"}
+    r = {"python": python, "tmp": tmp, "fsdp": tmp / "fsdp", "dist": tmp / "dist", "fsdp_tp2": tmp / "fsdp_tp2",
+         "swiglu": tmp / "swiglu"}
     r |= launch(python, tmp, [("full", FSDP, 2 * STEPS, {}), ("first", FSDP, STEPS, {"save": r["fsdp"]}),
                               ("dist_first", DIST, STEPS, {"save": r["dist"]}),
                               ("resumed", FSDP, STEPS, {"load": r["fsdp"]}),
                               ("tp2_first", [*FSDP, *TP2], STEPS, {"save": r["fsdp_tp2"]}),
-                              ("tp2_resumed", [*FSDP, *TP2], STEPS, {"load": r["fsdp_tp2"]})])
+                              ("tp2_resumed", [*FSDP, *TP2], STEPS, {"load": r["fsdp_tp2"]}),
+                              ("swiglu_first", [*FSDP, "--swiglu"], STEPS, {"save": r["swiglu"]}),
+                              ("swiglu_resumed", [*FSDP, "--swiglu"], STEPS, {"load": r["swiglu"]})])
     return r
 
 
 @pytest.fixture(scope="module")
 def converted(megatron):
     """fsdp_dtensor -> torch_dist (distributed and plain optimizer), -> torch_dist at TP2, torch_dist ->
-    fsdp_dtensor, fsdp_dtensor -> torch_dist -> fsdp_dtensor, the TP2 fsdp_dtensor -> torch_dist TP2; each resumed
+    fsdp_dtensor, fsdp_dtensor -> torch_dist -> fsdp_dtensor, the TP2 fsdp_dtensor -> torch_dist TP2, the SwiGLU
+    model's fsdp_dtensor -> torch_dist -> fsdp_dtensor; each resumed
     by Megatron for STEPS steps (FSDP for fsdp_dtensor, DDP for torch_dist), with Megatron's own resumption of the
     dist checkpoint (TP1, TP2) beside them."""
     tmp = megatron["tmp"]
     out = {name: tmp / name for name in ("to_dist", "to_plain", "to_dist_tp2", "to_fsdp", "round_trip",
-                                         "from_tp2")}
+                                         "from_tp2", "swiglu_plain", "swiglu_back")}
     convert(megatron["fsdp"], out["to_dist"], "torch_dist")
     convert(megatron["fsdp"], out["to_plain"], "torch_dist", "--optimizer-sharding", "plain")
     convert(megatron["fsdp"], out["to_dist_tp2"], "torch_dist", "--tp", "2")
     convert(megatron["dist"], out["to_fsdp"], "fsdp_dtensor")
     convert(out["to_dist"], out["round_trip"], "fsdp_dtensor")
     convert(megatron["fsdp_tp2"], out["from_tp2"], "torch_dist", "--tp", "2", "--optimizer-sharding", "plain")
+    convert(megatron["swiglu"], out["swiglu_plain"], "torch_dist", "--optimizer-sharding", "plain")
+    convert(out["swiglu_plain"], out["swiglu_back"], "fsdp_dtensor")
     rng = ["--no-load-rng"]
     tp2 = [*DIST, *TP2, *rng]
     plain = [f for f in DIST if f not in ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")]
@@ -95,6 +102,8 @@ def converted(megatron):
         ("r_dist_megatron", [*DIST, *rng], STEPS, {"load": megatron["dist"]}),
         ("r_to_plain", [*plain, *rng], STEPS, {"load": out["to_plain"]}),
         ("r_from_tp2", [*plain, *TP2, *rng], STEPS, {"load": out["from_tp2"]}),
+        ("r_swiglu_plain", [*plain, "--swiglu", *rng], STEPS, {"load": out["swiglu_plain"]}),
+        ("r_swiglu_back", [*FSDP, "--swiglu", *rng], STEPS, {"load": out["swiglu_back"]}),
         ("r_to_fsdp", [*FSDP, *rng], STEPS, {"load": out["to_fsdp"]}),
         ("r_round_trip", [*FSDP, *rng], STEPS, {"load": out["round_trip"]}),
         ("r_tp2", tp2, STEPS, {"load": out["to_dist_tp2"]}),
@@ -171,6 +180,15 @@ def test_fsdp_tp2_source_resumes_exactly(megatron, converted):
     under TP2, exactly (bound 0: the same stored values into the same TP2 arithmetic; module docstring)."""
     assert megatron["tp2_first"] != megatron["first"]  # TP2's own arithmetic: a run of its own
     assert converted["r_from_tp2"] == megatron["tp2_resumed"]
+
+
+@pytest.mark.parity
+def test_swiglu_resumes_exactly(megatron, converted):
+    """SwiGLU: Megatron-FSDP stores fc1 and its moments as `_w`/`_v` halves, its param-group settings under the
+    whole parameter's name. fsdp_dtensor -> torch_dist (plain optimizer), resumed by DDP, and back -> fsdp_dtensor,
+    resumed by Megatron-FSDP: the losses of Megatron-FSDP resuming the original, exactly (bound 0: module
+    docstring)."""
+    assert converted["r_swiglu_plain"] == converted["r_swiglu_back"] == megatron["swiglu_resumed"]
 
 
 @pytest.mark.parity

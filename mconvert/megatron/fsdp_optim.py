@@ -29,6 +29,7 @@ from mconvert.ir.tensors import LazyTensor, LoadCache
 from mconvert.ir.training_state import TrainingState
 from mconvert.lazy import torch
 from mconvert.megatron import dist_optim
+from mconvert.megatron.swiglu_halves import HALF_KEY
 from mconvert.rules.mapping import Row, to_ir
 from mconvert.rules.table import Ctx
 
@@ -131,15 +132,22 @@ def items(state: TrainingState, rows: list[Row], blocks, wrappers: str) -> list[
     groups = dist_optim.target_groups(state, {}, False)[0]
     out: list[Item] = []
     step = torch.tensor(float(state.step))
+    named = set()
     for row in rows:
         param = wrappers + row.key
         for moment in MOMENTS:
             out.append(blocks(state.tensors[moment], row, f"{STATE}{param}.{moment}"))
         out.append(Item(f"{STATE}{param}.step", 4, lambda: step, (), (), (), torch.float32))
+        # the settings go under the parameter's own name: SwiGLU's fc1 halves (`weight_w`, `weight_v`) are one
+        # parameter, split only in the state (megatron/core/transformer/fsdp_dtensor_checkpoint.py)
+        whole = param[:-2] if HALF_KEY.fullmatch(row.key) else param
+        if whole in named:
+            continue
+        named.add(whole)
         group = _group_of(groups, row, len(state.tensors["exp_avg"][row.ir[0]].shape) > 1)
         for setting, value in (group | {"step": state.step}).items():
             data = object_bytes(value)
-            out.append(Item(f"{META}{param}.{setting}", len(data), lambda d=data: d))
+            out.append(Item(f"{META}{whole}.{setting}", len(data), lambda d=data: d))
     return out
 
 
