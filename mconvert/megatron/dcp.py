@@ -6,7 +6,8 @@ Megatron-LM 0.19 (megatron/training/checkpointing.py) hands its whole checkpoint
     iter_0000003/.metadata, __0_0.distcp, ...
       args, checkpoint_version, iteration, num_floating_point_operations_so_far    pickled objects
       model.<key of the model's own state_dict>        each tensor whole (global), layers numbered globally
-      optimizer.*, opt_param_scheduler.*, rng_state.*, rerun_state_machine.*     training state, not converted
+      optimizer.*, opt_param_scheduler.*, rng_state.*, rerun_state_machine.*     training state (fsdp_dtensor's
+                                                   optimizer and schedule: --training-state, fsdp_optim.py)
 
 The model keys are those of the `torch` format at TP=PP=EP=1 (local or Transformer-Engine names; experts
 numbered globally: `local_experts.{E}` or TE's `linear_fc1.weight{E}`), under the wrappers' prefixes. torch_dcp
@@ -21,8 +22,9 @@ format's names; multi-token-prediction modules are refused (their keys in these 
 Both are read and written by the `core` plugin. Writing: every tensor is written whole (as
 torch.distributed.checkpoint stores the global tensor whatever the sharding), with the entries Megatron-LM's loader
 reads first (`args`, `iteration`, `checkpoint_version`); the files are planned first and written as jobs
-(`mconvert.io.dcp_writer.plan`), so `--workers` and torchrun share them out as for torch_dist. No optimizer or RNG
-state: Megatron-LM resumes from a fsdp_dtensor checkpoint with --no-load-optim --no-load-rng (or --finetune); its
+(`mconvert.io.dcp_writer.plan`), so `--workers` and torchrun share them out as for torch_dist. No RNG state, and
+the optimizer and schedule only with --training-state for fsdp_dtensor (mconvert.megatron.fsdp_optim): otherwise
+Megatron-LM resumes from a fsdp_dtensor checkpoint with --no-load-optim --no-load-rng (or --finetune); its
 torch_dcp loader always asks for the optimizer, scheduler and RNG state, so such a checkpoint serves
 torch.distributed.checkpoint readers rather than a Megatron resume.
 """
@@ -30,6 +32,7 @@ torch.distributed.checkpoint readers rather than a Megatron resume.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from mconvert import workers
@@ -41,7 +44,7 @@ from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
 from mconvert.lazy import torch
-from mconvert.megatron import core, rank_files
+from mconvert.megatron import core, dist_optim, fsdp_optim, rank_files
 from mconvert.megatron import moe as core_moe
 from mconvert.megatron.swiglu_halves import HALF_KEY, halves
 from mconvert.options import ExpertLayout, Options
@@ -142,9 +145,26 @@ def load_dcp(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
     others = sorted({k.split(".", 1)[0] for k in [*store.tensors, *store.bytes_items]} -
                     {"model", ARGS, CHECKPOINT_VERSION_KEY, ITERATION_KEY,
                      FLOPS_KEY})
-    if others:
+    training = None
+    if options.training_state:
+        if fmt != "fsdp_dtensor":
+            raise ConvertError(f"{it_dir}: --training-state reads the optimizer of fsdp_dtensor checkpoints, not of "
+                               f"{fmt} ones")
+        unprefixed = [Row(r.key[len(prefix):], r.ir, r.rule) for r in key_rows]
+        training = fsdp_optim.read(store, config, unprefixed, padded, args, tensors, str(it_dir))
+        notes += training.notes
+        layout["optimizer"] = training.optimizer_kind
+    elif others:
         notes.append(f"training state not converted: {', '.join(others)}")
-    return ModelIR(config, tensors, SourceInfo(f"core (Megatron {fmt})", it_dir, layout, iteration, notes), assets)
+    ir = ModelIR(config, tensors, SourceInfo(f"core (Megatron {fmt})", it_dir, layout, iteration, notes), assets,
+                 training)
+    run = fsdp_optim.run_dtype(args) if training is not None else None
+    if not (run and config.dtype == "float32"):
+        return ir
+    notes[:] = [n for n in notes if not n.startswith("args.params_dtype is")]  # the stored ones are the masters
+    notes.append(f"the stored float32 weights are the {run} run's master weights (fp32_param); the weights are "
+                 f"their {run} cast")
+    return ir.cast(run)
 
 
 def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
@@ -168,7 +188,10 @@ def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> No
                          prefix=prefix)
     check_plan(ir.tensors, [(fmt, key_rows)], where=f"saver core (--ckpt-format {fmt})")
     planner = RowPlanner(ctx)
-    items = [_item(ir, row, planner) for row in key_rows]
+    training = _training_items(ir, options, iteration, args, key_rows, planner, progress) \
+        if options.training_state else None
+    weights = ir.tensors if training is None else training[0]
+    items = [_item(weights, row, planner) for row in key_rows] + (training[1] if training else [])
     if fmt == "torch_dcp":  # the model's own state dict keeps them; Megatron-FSDP drops them
         for key, value in _extra_states(ir, options).items():
             if value is None:
@@ -189,14 +212,41 @@ def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> No
     workers.run(jobs, workers=options.workers, progress=progress, finish=finish)
 
 
-def _item(ir: ModelIR, row: Row, planner: RowPlanner) -> Item:
-    """One model tensor, whole, produced when its file is written: the sources' rows where the rule only moves
-    rows (copied file to file where they are verbatim), else computed."""
-    tensors = [ir[n] for n in row.ir]
+def _item(tensors_by_name: Mapping[str, LazyTensor], row: Row, planner: RowPlanner, key: str | None = None) -> Item:
+    """One stored tensor (`key`, by default the row's), whole, produced when its file is written: the sources'
+    rows where the rule only moves rows (copied file to file where they are verbatim), else computed."""
+    tensors = [tensors_by_name[n] for n in row.ir]
     [meta] = row.rule.forward([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors], planner.ctx)[:1]
     shape = tuple(meta.shape)
-    return Item(row.key, meta.numel() * meta.element_size(), lambda: planner.forward_lazy(row.rule, tensors)[0],
+    return Item(key or row.key, meta.numel() * meta.element_size(), lambda: planner.forward_lazy(row.rule, tensors)[0],
                 shape, (0,) * len(shape), shape, meta.dtype)
+
+
+def _training_items(ir: ModelIR, options: Options, iteration: int, args, key_rows: list[Row], planner: RowPlanner,
+                    progress: Progress) -> tuple[Mapping[str, LazyTensor], list[Item]]:
+    """With --training-state (fsdp_dtensor): (the model tensors to store: the fp32 masters of a bf16/fp16 run, which
+    Megatron-FSDP's state dict holds as its weights; the optimizer's and the schedule's items). See
+    mconvert.megatron.fsdp_optim."""
+    if ir.config.is_moe:
+        raise ConvertError("--training-state with --ckpt-format fsdp_dtensor: dense models only so far (an MoE "
+                           "model's expert-parallel optimizer state is not checked in this format)")
+    dist_optim.prepare(ir, options, iteration, args, progress)
+    state = ir.training
+    args.use_distributed_optimizer = args.use_megatron_fsdp = True  # Megatron-FSDP requires both
+    args.no_save_rng = args.no_load_rng = True
+    if state.rng is not None:
+        progress.note("RNG state dropped: an fsdp_dtensor checkpoint's RNG is not written by this tool; resume "
+                      "Megatron-LM with --no-load-rng")
+    masters = state.tensors.get("fp32_param")
+    weights = masters if masters is not None else ir.tensors
+    # the optimizer names a parameter by the model chunk's named_parameters(): the adapter's module (MegatronFSDP),
+    # its module (Float16Module in a bf16/fp16 run), its module (the GPTModel)
+    wrappers = WRAPPER * (3 if masters is not None else 2)
+    plain = [Row(r.key[len(WRITE_PREFIX["fsdp_dtensor"]):], r.ir, r.rule) for r in key_rows]
+    items = fsdp_optim.items(state, plain, lambda ts, row, key: _item(ts, row, planner, key), wrappers)
+    for field, value in (state.scheduler or {}).items():
+        items.append(_object_item(fsdp_optim.SCHEDULER + field, value))
+    return weights, items
 
 
 def _object_item(key: str, value: object) -> Item:

@@ -345,9 +345,9 @@ def prepare(ir, options, iteration: int, args, progress) -> tuple[str, dict[tupl
 
 def output_kind(state: TrainingState, options) -> str:
     """How the output stores the optimizer: --optimizer-sharding, else the source's kind where it is written,
-    else (bucket-space sources) fully_reshardable."""
+    else (bucket-space and Megatron-FSDP sources) fully_reshardable."""
     kind = options.optimizer_sharding or state.optimizer_kind or PLAIN
-    if kind in NOT_WRITTEN and options.optimizer_sharding is None:
+    if kind in (*NOT_WRITTEN, "fsdp_dtensor") and options.optimizer_sharding is None:  # fsdp: megatron/fsdp_optim.py
         return "fully_reshardable"
     if kind in NOT_WRITTEN:
         raise ConvertError(f"--optimizer-sharding {kind}: not written: {NOT_WRITTEN[kind]}")

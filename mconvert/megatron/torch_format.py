@@ -180,9 +180,9 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
     if ir.config.is_bert and options.ckpt_format not in ("torch", "torch_dist"):
         raise ConvertError(f"saver core: a BERT model in --ckpt-format {options.ckpt_format}; megatron-core's "
                            "BertModel is written as torch or torch_dist")
-    if options.training_state and options.ckpt_format not in ("torch", "torch_dist"):
-        raise ConvertError(f"--training-state: the core saver writes training state in --ckpt-format torch or "
-                           f"torch_dist only so far, not {options.ckpt_format}")
+    if options.training_state and options.ckpt_format not in ("torch", "torch_dist", "fsdp_dtensor"):
+        raise ConvertError(f"--training-state: the core saver writes training state in --ckpt-format torch, "
+                           f"torch_dist or fsdp_dtensor only so far, not {options.ckpt_format}")
     if options.ckpt_format in core_dcp.FORMATS:
         return save_dcp(ir, out, options, progress)
     if options.ckpt_format != "torch":

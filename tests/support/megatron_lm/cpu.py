@@ -25,9 +25,11 @@ CPU_FLAGS = ["--use-cpu-initialization", "--no-gradient-accumulation-fusion", "-
              "--moe-token-dispatcher-type", "allgather"]
 
 
-def patch_cuda() -> None:
+def patch_cuda(device: int | str = "cpu") -> None:
+    """The stand-ins (module docstring); `device` is what torch.cuda.current_device() returns (Megatron-FSDP,
+    tests/support/megatron_lm/fsdp.py, wants the index of a one-GPU process)."""
     warnings.filterwarnings("ignore")
-    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_device = lambda: device
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda *a, **k: None
     torch.cuda.synchronize = lambda *a, **k: None

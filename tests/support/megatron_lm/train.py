@@ -21,6 +21,8 @@ With "save", save_checkpoint writes the model, optimizer, scheduler and RNG stat
 "optimizer_sharding", the distributed optimizer's sharding type is that one, as the content metadata of older
 Megatron-LM releases chose it: e.g. dp_zero_gather_scatter, which 0.19 still writes and reads). FILE gets
 {"losses": [...], "iteration": last iteration} as JSON, from the last stage's first rank.
+With `--use-megatron-fsdp` (and `--ckpt-format fsdp_dtensor`) the model is wrapped by Megatron-FSDP instead,
+with the CPU stand-ins of fsdp.py beside this file.
 Runs in the megatron-core 0.19 environment (scripts/megatron_envs.sh).
 """
 
@@ -38,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import cpu  # noqa: E402
+import fsdp  # noqa: E402
 
 SEQ = 16
 
@@ -93,11 +96,15 @@ def run(rank: int, specs: list[dict], world: int) -> None:
     from megatron.core import parallel_state
     from megatron.training import global_vars
 
-    cpu.patch_cuda()
+    sharded = any("--use-megatron-fsdp" in spec["flags"] for spec in specs)
+    if sharded:
+        fsdp.patch()  # before anything imports Megatron-FSDP
+    cpu.patch_cuda(fsdp.DEVICE if sharded else "cpu")
     torch.nn.Module.cuda = lambda self, *a, **k: self  # get_model moves the model to the current device
     torch.Tensor.cuda = lambda self, *a, **k: self
-    torch.cuda.Stream = torch.cuda.current_stream = NoStream  # get_model wraps DDP in a CUDA stream
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    if not sharded:
+        torch.cuda.Stream = torch.cuda.current_stream = NoStream  # get_model wraps DDP in a CUDA stream
+        torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     if world == 1:
         cpu.start_process_group()
     else:
