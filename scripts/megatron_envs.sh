@@ -20,24 +20,13 @@ PY=${PYTHON:-python3}
 STAMP=.mconvert-env
 TORCH="torch==2.13.0"
 # Imported by megatron-core / megatron.training without being declared (triton, psutil), or needed by the tests
-# in the environment (transformers: Megatron's HuggingFaceTokenizer; build tools for the sdist).
-COMMON=(numpy packaging pybind11 setuptools wheel psutil transformers)
+# in the environment (transformers: Megatron's HuggingFaceTokenizer; build tools for the sdist; einops: Megatron-FSDP,
+# megatron/core/distributed/fsdp/mcore_fsdp_adapter.py, builds its device mesh with it).
+COMMON=(numpy packaging pybind11 setuptools wheel psutil transformers einops)
 PATCHES=1  # bump when the build recipe changes in a way the package lists do not show
-# Added after the recipe above: installed into an environment that lacks them, built or up to date (no rebuild).
-# einops: Megatron-FSDP (megatron/core/distributed/fsdp/mcore_fsdp_adapter.py) builds its device mesh with it.
-TOPUP_019=(einops)
 
 quiet() {  # pip's warnings about index locations configured on this machine but absent are noise here
     "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-}
-
-topup() {  # the packages added after the recipe, where the environment lacks them
-    local dir=$1 short=$2 missing=()
-    [ "$short" = "0.19" ] || return 0
-    for p in "${TOPUP_019[@]}"; do
-        "$dir/bin/python" -c "import $p" 2>/dev/null || missing+=("$p")
-    done
-    [ ${#missing[@]} -eq 0 ] || quiet "$dir/bin/python" -m pip install -q --disable-pip-version-check "${missing[@]}"
 }
 
 build() {
@@ -46,7 +35,6 @@ build() {
     dir=.venv-mcore-$short
     local recipe="megatron-core==$version $TORCH ${COMMON[*]} patches=$PATCHES"
     if [ -f "$dir/$STAMP" ] && [ "$(cat "$dir/$STAMP")" = "$recipe" ]; then
-        topup "$dir" "$short"
         echo "$dir: megatron-core $version, up to date"
         return
     fi
@@ -69,7 +57,6 @@ build() {
     local check="import megatron.core, megatron.core.dist_checkpointing, megatron.core.models.gpt"
     [ -d "$site/megatron/training" ] && check="$check, megatron.training.checkpointing, megatron.training.arguments"
     "$dir/bin/python" -W ignore -c "$check"
-    topup "$dir" "$short"
     echo "$recipe" > "$dir/$STAMP"
     echo "$dir: built in $((SECONDS - start)) s"
 }
