@@ -91,7 +91,6 @@ def read(store, kind: str, args, config: ModelConfig, padded: int, weights: dict
     ctx = Ctx(config, padded, tp=layout.tp)
     buffers = Buffers(store, kind, layout, where)
     moments = [m for m in STORED if m != "fp32_param" or config.dtype != "float32"]  # fp32 runs: the weights
-    size = bucket_size(args)
     source: dict[str, dict[str, list[LazyTensor]]] = {m: {} for m in moments}
     rows: list[Row] = []
     for part in parts:
@@ -101,7 +100,7 @@ def read(store, kind: str, args, config: ModelConfig, padded: int, weights: dict
         for tp in range(layout.tp):
             mine = [(row.key, math.prod(s[tp]), shared(row.key, tied=config.tie_embeddings, pp=pp,
                                                         stages=layout.pp)) for row, s in zip(params, shapes)]
-            offsets, total = bucket_offsets(mine, size if v == 0 else None)
+            offsets, total = bucket_offsets(mine, bucket_size(args, v == 0, pp))
             windows = buffers.windows(tp + layout.tp * pp, v, total, [(offsets[k], n) for k, n, _ in mine])
             for m in moments:
                 for (key, numel, _), row, s, window in zip(mine, params, shapes, windows):

@@ -127,8 +127,6 @@ def load(path: Path, options: Options) -> ModelIR:
         layout |= {"etp": etp, "expert_layout": expert_layout}
     training = None
     if options.training_state:
-        if config.is_moe and getattr(files.args, "use_distributed_optimizer", False):
-            raise ConvertError(f"{it_dir}: {MOE_TORCH}")
         training = torch_optim.read(files, parts, ctx, config, tensors, DROP)
         layout["optimizer"] = training.optimizer_kind
     elif "optimizer" in files.states[(0, 0, 0)]:
@@ -199,13 +197,8 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
                                 beside=_training_state(ir, options, iteration, args, progress))
 
 
-MOE_TORCH = ("--training-state with --ckpt-format torch: an MoE model's distributed-optimizer state is not converted "
-             "yet (megatron-core's chained optimizers keep two flat buffers per distrib_optim.pt); use --ckpt-format "
-             "torch_dist, or --optimizer-sharding plain")
-
-
 def _training_state(ir: ModelIR, options: Options, iteration: int, args,
-                    progress: Progress) -> Callable[[int], rank_files.Beside] | None:
+                    progress: Progress) -> Callable[[int, int], rank_files.Beside] | None:
     """With --training-state: what each rank file adds (see torch_optim): the plain optimizer's moments and
     entries, or the distributed optimizer's distrib_optim.pt beside it (any --optimizer-sharding but plain)."""
     if not options.training_state:
@@ -217,16 +210,14 @@ def _training_state(ir: ModelIR, options: Options, iteration: int, args,
     kind, rng = dist_optim.prepare(ir, options, iteration, args, progress)
     distributed = kind != dist_optim.PLAIN  # the torch format has one distributed layout: distrib_optim.pt
     state, layout = ir.training, options.layout
-    if distributed and ir.config.is_moe:
-        raise ConvertError(MOE_TORCH)
     groups = dist_optim.target_groups(state, ir.tensors, dist_optim.experts_parallel(ir.config, layout.tp, layout.ep,
                                                                                      layout.expert_tp))
 
-    def beside(pp: int) -> rank_files.Beside:
+    def beside(pp: int, ep: int) -> rank_files.Beside:
         def entries(tp: int, folder, stored: dict, add) -> dict:
             if distributed:
                 out = torch_optim.distributed_entries(state, stored, folder, tied=ir.config.tie_embeddings, pp=pp,
-                                                      stages=options.layout.pp)
+                                                      stages=options.layout.pp, ep=ep, groups=groups)
             else:
                 out = torch_optim.rank_entries(state, stored, add, groups)
             if rng:
