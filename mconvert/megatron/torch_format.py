@@ -127,6 +127,8 @@ def load(path: Path, options: Options) -> ModelIR:
         layout |= {"etp": etp, "expert_layout": expert_layout}
     training = None
     if options.training_state:
+        if expert_layout not in (None, "sequential") and getattr(files.args, "use_distributed_optimizer", False):
+            raise ConvertError(f"{it_dir}: {GROUPED_FLAT}")
         training = torch_optim.read(files, parts, ctx, config, tensors, DROP)
         layout["optimizer"] = training.optimizer_kind
     elif "optimizer" in files.states[(0, 0, 0)]:
@@ -197,6 +199,12 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
                                 beside=_training_state(ir, options, iteration, args, progress))
 
 
+GROUPED_FLAT = ("--training-state with --ckpt-format torch: the distributed optimizer's distrib_optim.pt of grouped "
+                "experts is not converted (their place in its flat buffers is not checked: megatron-core 0.19 trains "
+                "grouped experts only with Transformer Engine); use sequential experts, --ckpt-format torch_dist, or "
+                "--optimizer-sharding plain")
+
+
 def _training_state(ir: ModelIR, options: Options, iteration: int, args,
                     progress: Progress) -> Callable[[int, int], rank_files.Beside] | None:
     """With --training-state: what each rank file adds (see torch_optim): the plain optimizer's moments and
@@ -210,6 +218,8 @@ def _training_state(ir: ModelIR, options: Options, iteration: int, args,
     kind, rng = dist_optim.prepare(ir, options, iteration, args, progress)
     distributed = kind != dist_optim.PLAIN  # the torch format has one distributed layout: distrib_optim.pt
     state, layout = ir.training, options.layout
+    if distributed and ir.config.is_moe and options.expert_layout != "sequential":
+        raise ConvertError(GROUPED_FLAT)
     groups = dist_optim.target_groups(state, ir.tensors, dist_optim.experts_parallel(ir.config, layout.tp, layout.ep,
                                                                                      layout.expert_tp))
 

@@ -25,12 +25,20 @@ gathered over data-parallel ranks, so one file per model-parallel rank): {"bucke
 flat tensor is the chunk's grad buffer with the padding after each bucket removed: parameters in reverse
 named_parameters() order, each starting at a multiple of 64 elements within its bucket; a tied embedding or
 output layer shared between pipeline stages gets a bucket of its own; with --overlap-grad-reduce buckets close
-once they reach --ddp-bucket-size (default max(4e7, 1e6 x DP)) elements, in the first chunk only. Megatron
-lays the buffers out by the resuming run's flags, so what is written assumes a run without --overlap-grad-reduce
-(or with buckets larger than a chunk); the numbers the file holds are read in the layout its args record. The
-whole rank's flat buffers are built in memory to be written (3 x 4 bytes per parameter of the rank). MoE models'
-distrib_optim.pt (a list of the chained optimizers' states, the dense one only in the file of its data-parallel
-rank 0) is refused by name.
+once they reach --ddp-bucket-size (default max(4e7, 1e6 x DP)) elements, in the first chunk of the first stage
+only (mconvert.megatron.grad_buffer). Megatron lays the buffers out by the resuming run's flags, so what is
+written assumes a run without --overlap-grad-reduce (or with buckets larger than a chunk); the numbers the file
+holds are read in the layout its args record. The whole rank's flat buffers are built in memory to be written
+(3 x 4 bytes per parameter of the rank).
+
+MoE models at EP > 1 chain two distributed optimizers (ChainedOptimizer.save_parameter_state): the rank file's
+`optimizer` is the list of their state dicts [dense, experts], and distrib_optim.pt the list of their buffers
+[dense, experts], each as above over its own parameters: the dense buffers (non-expert parameters, one per chunk)
+saved by the dense data-parallel rank 0 only, which is EP rank 0 (the other EP ranks' files hold None there); the
+experts' (DDP's expert_parallel_buffers: this EP rank's local experts, one per chunk that has experts, under the
+expert-data-parallel group) in every EP rank's file. At EP1 the experts are ordinary parameters of the one
+optimizer. Checked by running megatron-core 0.19.2 (tests/test_training_state_moe.py: its files are rewritten
+object for object); grouped experts (Transformer Engine only in 0.19, not run here) are refused by name.
 """
 
 from __future__ import annotations
