@@ -13,6 +13,7 @@ the same CPU kernels give the same bits).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -200,11 +201,20 @@ def test_refused_writing_bucket_types(megatron, tmp_path):
 
 
 def test_refused_models_whose_parameter_order_is_not_checked():
-    """Transformer Engine's spec (and MTP, BERT, MLA models) keep their parameters in an order not checked here:
-    refused by name before anything is read."""
+    """Transformer Engine's spec (and MTP, BERT, MLA models) keep their parameters in an order not checked here,
+    and MoE models' expert buffers are not checked at TP > 1 (not trainable on CPU) or with expert TP other than
+    TP: refused by name before anything is read."""
     args = SimpleNamespace(transformer_impl="transformer_engine", tensor_model_parallel_size=1,
                            pipeline_model_parallel_size=1)
     config = ModelConfig(family="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                          num_query_groups=4, head_dim=16, vocab_size=256, max_position_embeddings=16)
     with pytest.raises(ConvertError, match="Transformer Engine.*--dist-ckpt-optim-fully-reshardable"):
-        bucket_optim.read(None, "dp_reshardable", args, config, 256, {}, "ckpt")
+        bucket_optim.read(None, "dp_reshardable", args, config, 256, {}, "ckpt", False)
+    moe = dataclasses.replace(config, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=96)
+    args = SimpleNamespace(transformer_impl="local", tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                           expert_model_parallel_size=2)
+    with pytest.raises(ConvertError, match="an MoE model at TP > 1"):
+        bucket_optim.read(None, "dp_reshardable", args, moe, 256, {}, "ckpt", True)
+    args.tensor_model_parallel_size, args.expert_tensor_parallel_size = 1, 2
+    with pytest.raises(ConvertError, match=r"expert tensor-parallel size \(2\) other than TP \(1\)"):
+        bucket_optim.read(None, "dp_reshardable", args, moe, 256, {}, "ckpt", True)

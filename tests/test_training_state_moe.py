@@ -16,6 +16,10 @@ says why the losses are not compared with EP2's). (MoE at TP > 1 is not
 trained here: megatron-core refuses MoE training at TP > 1 without sequence parallelism, which its local-spec
 norms, all that runs on CPU, do not support.)
 
+The bucket-space types (dp_reshardable, dp_zero_gather_scatter) keep the chained optimizers' buffers under the
+prefixes `chained_0.` and `chained_1.`: saved at EP2 they are read value for value as the fully_reshardable save of
+the same training holds them, and resumed.
+
 Sequential and grouped experts are the same keys in torch_dist (`decoder.layers.mlp.experts.experts.*`, one
 expert axis), so the state read here is the grouped layout's too. In the `torch` format each EP rank file's
 `optimizer` is the list of the two optimizers' state dicts (each indexing its own parameters), and with the
@@ -59,7 +63,9 @@ STEPS, MORE = 3, 2
 TORCH = ["--ckpt-format", "torch"]  # after FLAGS: the last --ckpt-format counts
 DISTOPT = ["--use-distributed-optimizer"]  # in the torch format: distrib_optim.pt beside each rank file
 SAVED = {"ep2": [*FLAGS, *EP2], "ep2_fully": [*FLAGS, *EP2, *FULLY], "ep2_torch": [*FLAGS, *EP2, *TORCH],
-         "ep2_distopt": [*FLAGS, *EP2, *DISTOPT, *TORCH]}  # world 2
+         "ep2_distopt": [*FLAGS, *EP2, *DISTOPT, *TORCH],
+         "ep2_dpr": [*FLAGS, *EP2, *DISTOPT], "ep2_dz": [*FLAGS, *EP2, *DISTOPT]}  # world 2
+SHARDING = {"ep2_dz": "dp_zero_gather_scatter"}  # as older Megatron-LM releases chose it (train.py)
 CONVERTED = {  # name -> (source, options), in order
     "ep2_to_ep1": ("ep2", []),
     "ep2_fully_to_ep1_plain": ("ep2_fully", ["--optimizer-sharding", "plain"]),
@@ -71,6 +77,8 @@ CONVERTED = {  # name -> (source, options), in order
     "ep2_distopt_to_ep1": ("ep2_distopt", []),  # torch_dist, fully_reshardable (the distributed optimizer's)
     "ep1_to_ep2_distopt": ("ep2_distopt_to_ep1", [*TORCH, "--ep", "2"]),
     "ep1_to_ep1_distopt": ("ep2_distopt_to_ep1", TORCH),
+    "ep2_dpr_to_ep2": ("ep2_dpr", ["--ep", "2"]),  # bucket space -> fully_reshardable
+    "ep2_dz_to_ep1": ("ep2_dz", []),
 }
 RESUMED_EP1 = {  # world 1
     "ep2_to_ep1": ("ep2_to_ep1", FLAGS),
@@ -79,6 +87,7 @@ RESUMED_EP1 = {  # world 1
     "ep2_torch_to_ep1": ("ep2_torch_to_ep1", [*FLAGS, *TORCH]),
     "ep2_distopt_to_ep1": ("ep2_distopt_to_ep1", [*FLAGS, *FULLY]),
     "ep1_to_ep1_distopt": ("ep1_to_ep1_distopt", [*FLAGS, *DISTOPT, *TORCH]),
+    "ep2_dz_to_ep1": ("ep2_dz_to_ep1", [*FLAGS, *FULLY]),
 }
 RESUMED_WORLD2 = {
     "megatron_ep2": ("ep2", [*FLAGS, *EP2]),
@@ -89,16 +98,20 @@ RESUMED_WORLD2 = {
     "ep1_torch_to_ep2": ("ep1_torch_to_ep2", [*FLAGS, *EP2, *TORCH]),
     "megatron_ep2_distopt": ("ep2_distopt", [*FLAGS, *EP2, *DISTOPT, *TORCH]),
     "ep1_to_ep2_distopt": ("ep1_to_ep2_distopt", [*FLAGS, *EP2, *DISTOPT, *TORCH]),
+    "megatron_ep2_dpr": ("ep2_dpr", [*FLAGS, *EP2, *DISTOPT]),
+    "ep2_dpr_to_ep2": ("ep2_dpr_to_ep2", [*FLAGS, *EP2, *FULLY]),
 }
 
 
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory, mcore_python) -> dict:
-    """Every run's losses ({name: [loss per step]}); checkpoints under `root`. Three Megatron launches."""
+    """Every run's losses ({name: [loss per step]}); checkpoints under `root`. Three Megatron launches (several runs
+    each)."""
     python = mcore_python("0.19")
     root = tmp_path_factory.mktemp("training_state_moe")
     out = lambda name: str(root / f"{name}.json")  # noqa: E731
-    launch(python, [{"flags": f, "steps": STEPS, "out": out(n), "save": str(root / n)} for n, f in SAVED.items()], 2)
+    launch(python, [{"flags": f, "steps": STEPS, "out": out(n), "save": str(root / n)} |
+                    ({"optimizer_sharding": SHARDING[n]} if n in SHARDING else {}) for n, f in SAVED.items()], 2)
     for name, (src, options) in CONVERTED.items():
         run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--training-state", *options, "--load-dir",
                 root / src, "--save-dir", root / name)  # a later --ckpt-format in `options` wins
@@ -216,6 +229,37 @@ def test_distributed_torch_resumes(losses):
     assert losses["resumed_ep1_to_ep2_distopt"] == losses["resumed_megatron_ep2_distopt"]
     assert losses["resumed_ep2_distopt_to_ep1"] == losses["resumed_ep1_to_ep1_distopt"] == \
         losses["resumed_ep2_fully_to_ep1"]
+
+
+def test_bucket_types_read_as_megatron_saves_them(losses):
+    """The distributed optimizer's bucket-space types at EP2 (dp_reshardable, Megatron's default, and
+    dp_zero_gather_scatter): the chained optimizers' buffers under `chained_0.` (dense, model-parallel rank
+    tp + TP x pp) and `chained_1.` (experts: one rank per EP rank, each its local experts). The same training as
+    the fully_reshardable run (the same losses, exactly), so every value read must be the one Megatron's own
+    fully_reshardable save holds under that parameter's name; and the dense buffer is cut between the two
+    data-parallel ranks (DP 2 for the dense parameters at EP2), so each parameter's window is checked against the
+    stored chunks."""
+    root, options = losses["root"], Options(training_state=True)
+    named = engine.load(root / "ep2_fully", options).training
+    for name, kind in (("ep2_dpr", "dp_reshardable"), ("ep2_dz", "dp_zero_gather_scatter")):
+        assert losses[name] == losses["ep2_fully"], name
+        found = engine.load(root / name, options).training
+        assert found.optimizer_kind == kind
+        assert found.param_groups == named.param_groups and len(found.param_groups) == 3
+        assert (found.step, found.scheduler, found.iteration) == (named.step, named.scheduler, named.iteration)
+        for moment, tensors in named.tensors.items():
+            assert sorted(found.tensors[moment]) == sorted(tensors), (name, moment)
+            for key, t in tensors.items():
+                assert t.load().equal(found.tensors[moment][key].load()), (name, moment, key)
+
+
+def test_bucket_types_resume(losses):
+    """dp_reshardable EP2 -> fully_reshardable EP2: resumed, the losses of Megatron resuming its own dp_reshardable
+    checkpoint, exactly (bound 0: values moved without arithmetic, same layout). dp_zero_gather_scatter EP2 -> EP1:
+    the losses of the fully_reshardable save of the same training converted to EP1 (same state, same layout)."""
+    assert losses["resumed_ep2_dpr_to_ep2"] == losses["resumed_megatron_ep2_dpr"] == \
+        losses["resumed_megatron_ep2_fully"]
+    assert losses["resumed_ep2_dz_to_ep1"] == losses["resumed_ep2_fully_to_ep1"]
 
 
 def test_refused_distributed_torch_not_chained(losses, tmp_path):
