@@ -31,8 +31,15 @@ Nothing names the parameters: they are the rank's parameters in Megatron's model
 spec are the rows of a `torch`-format rank file (mconvert.megatron.rank_plan: the same order, checked by Megatron
 resuming what the `torch` saver writes), in the layout the args record. Each parameter's window on its bucket must
 start and end where the stored chunks do (dp_reshardable), and the buffers must hold exactly the parameters' values.
-Transformer Engine's spec (another order of parameters inside its fused modules), multi-token prediction, BERT and
-MoE models are refused by name.
+
+MoE models at EP > 1 (megatron-core's ChainedOptimizer: dense, experts) keep every key above under the prefix of
+its optimizer, `chained_0.` (the dense parameters; G as above) and `chained_1.` (the experts' own optimizer over
+the expert-data-parallel group: G = t + ETP x (e + EP x p) for expert TP rank t, EP rank e and stage p, its rank
+in the tp-ep-pp group; buffer v is the v-th of the stage's model chunks that has experts, holding this EP rank's
+local experts); the common state's `optimizer` is {0: dense, 1: experts}. At EP1 the experts are parameters of the
+one optimizer. Checked by running megatron-core 0.19.2 at EP2 (TP1, PP1: tests/test_training_state_moe.py).
+Transformer Engine's spec (another order of parameters inside its fused modules), multi-token prediction, MLA,
+BERT, and MoE models at TP > 1, PP > 1 or with an expert TP other than TP are refused by name.
 """
 
 from __future__ import annotations
