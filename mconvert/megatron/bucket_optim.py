@@ -112,7 +112,7 @@ def read(store, kind: str, args, config: ModelConfig, padded: int, weights: dict
     rows: list[Row] = []
     for part in parts:
         pp, ep = part.chunk.pp, part.ep
-        params = [r for r in part.rows + part.copies if ep == 0 or part.is_expert(r)]  # dense: from EP rank 0
+        params = named_parameters_order([r for r in part.rows + part.copies if ep == 0 or part.is_expert(r)])
         shapes = {r.key: r.rule.piece_shapes([tuple(weights[n].shape) for n in r.ir], ctx) for r in params}
         split = {expert: [r for r in params if part.is_expert(r) == expert] for expert in (False, True)} \
             if chained else {False: params}
@@ -149,6 +149,38 @@ def read(store, kind: str, args, config: ModelConfig, padded: int, weights: dict
     return {m: to_ir(source[m], rows, ctx, where=where, cache=LoadCache(4)) for m in moments}, tops
 
 
+MTP_KEY = re.compile(r"mtp\.layers\.(\d+)\.(final_layernorm\.)?")
+ATTENTION_KEY = re.compile(r"(.*\.self_attention\.)(\w+)\.\w+")
+# MLASelfAttention's modules in the order it registers them (Attention's linear_proj first)
+MLA_ORDER = ("linear_proj", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+             "linear_kv_up_proj", "q_layernorm", "kv_layernorm")
+
+
+def named_parameters_order(rows: list[Row]) -> list[Row]:
+    """A chunk's rows (dense ones from EP rank 0) in Megatron's named_parameters() order, where the `torch`
+    table's differs: GPTModel registers its MTP block before the output layer, each MTP layer its final norm after
+    its transformer layer, and MLASelfAttention its output projection first and its latent norms last (checked by
+    running megatron-core 0.19.2, tests/test_training_state_buckets.py)."""
+    def place(row: Row) -> tuple[int, int, int]:
+        m = MTP_KEY.match(row.key)
+        if m:
+            return (1, int(m[1]), 1 if m[2] else 0)
+        return (2, 0, 0) if row.key.startswith("output_layer.") else (0, 0, 0)
+
+    out: list[Row] = []
+    for row in sorted(rows, key=place):  # stable: the table's order otherwise
+        m = ATTENTION_KEY.fullmatch(row.key)
+        if m and m[2] in MLA_ORDER:  # the rows of one attention module are consecutive: sorted among them
+            run = len(out)
+            while run > 0 and (p := ATTENTION_KEY.fullmatch(out[run - 1].key)) and p[1] == m[1] and p[2] in MLA_ORDER \
+                    and MLA_ORDER.index(p[2]) > MLA_ORDER.index(m[2]):
+                run -= 1
+            out.insert(run, row)
+        else:
+            out.append(row)
+    return out
+
+
 def _layout(args, config: ModelConfig, where: str) -> ParallelLayout:
     """The TP/PP/VPP/EP layout of the run that saved the checkpoint, from its args; what is not read refused."""
     impl = getattr(args, "transformer_impl", "transformer_engine")
@@ -157,8 +189,7 @@ def _layout(args, config: ModelConfig, where: str) -> ParallelLayout:
     etp = getattr(args, "expert_tensor_parallel_size", None) or tp
     refused = [("Transformer Engine's spec (args.transformer_impl: its fused modules order their parameters in a "
                 "way not checked here)", impl != "local"),
-               ("multi-token-prediction modules", bool(config.mtp_layers)), ("BERT", config.is_bert),
-               ("multi-latent attention", config.is_mla),
+               ("BERT", config.is_bert),
                ("an MoE model at TP > 1 or PP > 1 (where the experts' buffers are not checked by running Megatron)",
                 bool(config.is_moe) and (tp > 1 or pp > 1)),
                (f"an expert tensor-parallel size ({etp}) other than TP ({tp})", bool(config.is_moe) and etp != tp),
