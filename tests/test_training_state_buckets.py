@@ -253,7 +253,7 @@ def test_refused_writing_bucket_types(megatron, tmp_path):
 def test_refused_models_whose_parameter_order_is_not_checked():
     """Transformer Engine's spec (and BERT models) keep their parameters in an order not checked here,
     and MoE models' expert buffers are not checked at TP > 1 (not trainable on CPU) or with expert TP other than
-    TP: refused by name before anything is read."""
+    TP, nor MTP modules at PP > 1: refused by name before anything is read."""
     args = SimpleNamespace(transformer_impl="transformer_engine", tensor_model_parallel_size=1,
                            pipeline_model_parallel_size=1)
     config = ModelConfig(family="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
@@ -265,6 +265,10 @@ def test_refused_models_whose_parameter_order_is_not_checked():
                            expert_model_parallel_size=2)
     with pytest.raises(ConvertError, match="an MoE model at TP > 1"):
         bucket_optim.read(None, "dp_reshardable", args, moe, 256, {}, "ckpt", True)
+    mtp = SimpleNamespace(transformer_impl="local", tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    with pytest.raises(ConvertError, match="multi-token-prediction modules at PP > 1"):
+        bucket_optim.read(None, "dp_reshardable", mtp, dataclasses.replace(config, mtp_layers=1), 256, {}, "ckpt",
+                          False)
     args.tensor_model_parallel_size, args.expert_tensor_parallel_size = 1, 2
     with pytest.raises(ConvertError, match=r"expert tensor-parallel size \(2\) other than TP \(1\)"):
         bucket_optim.read(None, "dp_reshardable", args, moe, 256, {}, "ckpt", True)

@@ -38,8 +38,11 @@ the expert-data-parallel group: G = t + ETP x (e + EP x p) for expert TP rank t,
 in the tp-ep-pp group; buffer v is the v-th of the stage's model chunks that has experts, holding this EP rank's
 local experts); the common state's `optimizer` is {0: dense, 1: experts}. At EP1 the experts are parameters of the
 one optimizer. Checked by running megatron-core 0.19.2 at EP2 (TP1, PP1: tests/test_training_state_moe.py).
-Transformer Engine's spec (another order of parameters inside its fused modules), multi-token prediction, MLA,
-BERT, and MoE models at TP > 1, PP > 1 or with an expert TP other than TP are refused by name.
+Where Megatron's named_parameters() order differs from the `torch` table's (multi-latent attention, MTP modules:
+`named_parameters_order`), the buffers follow Megatron's; checked by running it (tests/test_training_state_buckets.py:
+MLA with and without a query LoRA, an MTP module, PP1). Transformer Engine's spec (another order of parameters
+inside its fused modules), BERT, MTP modules at PP > 1 (their stage's copy of the embedding is not placed), and MoE
+models at TP > 1, PP > 1 or with an expert TP other than TP are refused by name.
 """
 
 from __future__ import annotations
@@ -190,6 +193,7 @@ def _layout(args, config: ModelConfig, where: str) -> ParallelLayout:
     refused = [("Transformer Engine's spec (args.transformer_impl: its fused modules order their parameters in a "
                 "way not checked here)", impl != "local"),
                ("BERT", config.is_bert),
+               ("multi-token-prediction modules at PP > 1", bool(config.mtp_layers) and pp > 1),
                ("an MoE model at TP > 1 or PP > 1 (where the experts' buffers are not checked by running Megatron)",
                 bool(config.is_moe) and (tp > 1 or pp > 1)),
                (f"an expert tensor-parallel size ({etp}) other than TP ({tp})", bool(config.is_moe) and etp != tp),
