@@ -129,6 +129,8 @@ def load(path: Path, options: Options) -> ModelIR:
     if options.training_state:
         if expert_layout not in (None, "sequential") and getattr(files.args, "use_distributed_optimizer", False):
             raise ConvertError(f"{it_dir}: {GROUPED_FLAT}")
+        if config.is_mla or config.mtp_layers:
+            raise ConvertError(f"{it_dir}: {MLA_MTP}")
         training = torch_optim.read(files, parts, ctx, config, tensors, DROP)
         layout["optimizer"] = training.optimizer_kind
     elif "optimizer" in files.states[(0, 0, 0)]:
@@ -205,6 +207,11 @@ GROUPED_FLAT = ("--training-state with --ckpt-format torch: the distributed opti
                 "--optimizer-sharding plain")
 
 
+MLA_MTP = ("--training-state with --ckpt-format torch: multi-latent attention and MTP modules are not converted "
+           "(Megatron's optimizer orders their parameters otherwise than this tool's rank files, and names 0.19's MTP "
+           "layers mtp_model_layer; not checked for this format); use --ckpt-format torch_dist")
+
+
 def _training_state(ir: ModelIR, options: Options, iteration: int, args,
                     progress: Progress) -> Callable[[int, int], rank_files.Beside] | None:
     """With --training-state: what each rank file adds (see torch_optim): the plain optimizer's moments and
@@ -220,6 +227,8 @@ def _training_state(ir: ModelIR, options: Options, iteration: int, args,
     state, layout = ir.training, options.layout
     if distributed and ir.config.is_moe and options.expert_layout != "sequential":
         raise ConvertError(GROUPED_FLAT)
+    if ir.config.is_mla or ir.config.mtp_layers:
+        raise ConvertError(MLA_MTP)
     groups = dist_optim.target_groups(state, ir.tensors, dist_optim.experts_parallel(ir.config, layout.tp, layout.ep,
                                                                                      layout.expert_tp))
 
