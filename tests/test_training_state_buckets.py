@@ -272,3 +272,10 @@ def test_refused_models_whose_parameter_order_is_not_checked():
     args.tensor_model_parallel_size, args.expert_tensor_parallel_size = 1, 2
     with pytest.raises(ConvertError, match=r"expert tensor-parallel size \(2\) other than TP \(1\)"):
         bucket_optim.read(None, "dp_reshardable", args, moe, 256, {}, "ckpt", True)
+
+
+def test_refused_mla_and_mtp_in_the_torch_format(megatron, tmp_path):
+    """The `torch` format's optimizer state of MLA and MTP models (Megatron orders their parameters otherwise than
+    our rank files; not checked for that format): refused by name, nothing written."""
+    convert_refused(megatron["mtp_dpr"], tmp_path, "--ckpt-format", "torch", "--training-state",
+                    culprits=("multi-latent attention and MTP modules", "--ckpt-format torch_dist"))
