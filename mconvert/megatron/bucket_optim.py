@@ -40,9 +40,10 @@ local experts); the common state's `optimizer` is {0: dense, 1: experts}. At EP1
 one optimizer. Checked by running megatron-core 0.19.2 at EP2 (TP1, PP1: tests/test_training_state_moe.py).
 Where Megatron's named_parameters() order differs from the `torch` table's (multi-latent attention, MTP modules:
 `named_parameters_order`), the buffers follow Megatron's; checked by running it (tests/test_training_state_buckets.py:
-MLA with and without a query LoRA, an MTP module, PP1). Transformer Engine's spec (another order of parameters
-inside its fused modules), BERT, MTP modules at PP > 1 (their stage's copy of the embedding is not placed), and MoE
-models at TP > 1, PP > 1 or with an expert TP other than TP are refused by name.
+MLA with a query LoRA and an MTP module, PP1). Transformer Engine's spec (another order of parameters inside its
+fused modules), BERT, MLA without a query LoRA (which 0.19's local spec does not build with the latent norms the IR
+has), MTP modules at PP > 1 (their stage's copy of the embedding is not placed), and MoE models at TP > 1, PP > 1
+or with an expert TP other than TP are refused by name.
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ def _layout(args, config: ModelConfig, where: str) -> ParallelLayout:
                 "way not checked here)", impl != "local"),
                ("BERT", config.is_bert),
                ("multi-token-prediction modules at PP > 1", bool(config.mtp_layers) and pp > 1),
+               ("multi-latent attention without a query LoRA (megatron-core 0.19's local spec does not build it with "
+                "the latent norms)", config.is_mla and not config.q_lora_rank),
                ("an MoE model at TP > 1 or PP > 1 (where the experts' buffers are not checked by running Megatron)",
                 bool(config.is_moe) and (tp > 1 or pp > 1)),
                (f"an expert tensor-parallel size ({etp}) other than TP ({tp})", bool(config.is_moe) and etp != tp),
