@@ -13,6 +13,8 @@ the same CPU kernels give the same bits).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +29,7 @@ from mconvert.ir.config import ModelConfig
 from mconvert.megatron import bucket_optim
 from mconvert.options import Options
 from mconvert.progress import Progress
-from tests.support.cli import run_cli, train_megatron
+from tests.support.cli import run_cli, train_megatron, train_megatron_runs
 from tests.support.refusals import convert_refused
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
@@ -39,19 +41,46 @@ ITER = "iter_0000003"
 STATE = Options(training_state=True)
 
 
+# multi-latent attention with a query LoRA (megatron-core's local MLA with a plain core attention:
+# tests/support/megatron_lm/cpu.py), alone and with one multi-token-prediction module (untied: Megatron's output
+# layer comes after the MTP block). (Without a query LoRA 0.19's local spec refuses the query norm the IR's MLA has.)
+MLA = [*FLAGS, "--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--position-embedding-type", "rope",
+       "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+       "--ffn-hidden-size", "128"]
+MTP = [*MLA, "--mtp-num-layers", "1"]
+FULLY = ["--dist-ckpt-optim-fully-reshardable"]
+
+
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory, mcore_python):
     """Megatron's checkpoints after 3 steps: dp_reshardable (TP2 x DP2, 4 processes), dp_zero_gather_scatter
     (TP2), and its own fully_reshardable re-save of the first (loaded under TP2 x DP1: Megatron reshards
-    dp_reshardable across DP itself); and its resumption of the first under TP2 x DP1 for 3 steps."""
+    dp_reshardable across DP itself); and its resumption of the first under TP2 x DP1 for 3 steps. MLA models (one
+    with an MTP module) trained under DP2, each saved as dp_reshardable and as fully_reshardable (the same
+    training); our conversion of the MTP one resumed for 3 steps beside Megatron's own resumption of it.
+    Three launches."""
     python = mcore_python("0.19")
     tmp = tmp_path_factory.mktemp("training_state_buckets")
     r = {"python": python, "tmp": tmp, "dpr": tmp / "dpr", "dz": tmp / "dz", "resave": tmp / "resave"}
+    out = lambda name: str(tmp / f"{name}.json")  # noqa: E731
     train_megatron(python, tmp, "dpr", TP2, 3, save=r["dpr"], world=4)
-    train_megatron(python, tmp, "dz", TP2, 3, save=r["dz"], world=2, optimizer_sharding="dp_zero_gather_scatter")
-    train_megatron(python, tmp, "resave", [*TP2, "--dist-ckpt-optim-fully-reshardable"], 0, load=r["dpr"],
-                   save=r["resave"], world=2)
-    r["resumed"] = train_megatron(python, tmp, "resumed", TP2, 3, load=r["dpr"], world=2)
+    runs = [{"flags": TP2, "steps": 3, "out": out("dz"), "save": str(r["dz"]),
+             "optimizer_sharding": "dp_zero_gather_scatter"}]
+    for name, flags in (("mla_dpr", MLA), ("mla_fully", [*MLA, *FULLY]), ("mtp_dpr", MTP),
+                        ("mtp_fully", [*MTP, *FULLY])):
+        r[name] = tmp / name
+        runs.append({"flags": flags, "steps": 3, "out": out(name), "save": str(r[name])})
+    train_megatron_runs(python, runs, 2)
+    convert(r["mtp_dpr"], tmp / "mtp_ours")
+    train_megatron_runs(python, [
+        {"flags": [*TP2, *FULLY], "steps": 0, "out": out("resave"), "load": str(r["dpr"]), "save": str(r["resave"])},
+        {"flags": TP2, "steps": 3, "out": out("resumed"), "load": str(r["dpr"])},
+        {"flags": MTP, "steps": 3, "out": out("mtp_resumed"), "load": str(r["mtp_dpr"])},
+        {"flags": [*MTP, *FULLY], "steps": 3, "out": out("mtp_ours_resumed"), "load": str(tmp / "mtp_ours")}], 2)
+    for name in ("resumed", "mla_dpr", "mla_fully", "mtp_dpr", "mtp_fully", "mtp_resumed", "mtp_ours_resumed"):
+        r[f"losses_{name}"] = json.loads(Path(out(name)).read_text())["losses"]
+    r["resumed"] = r["losses_resumed"]
     return r
 
 
@@ -132,6 +161,29 @@ def test_written_in_every_other_type(megatron, tmp_path, fmt, kind):
         (source.step, source.iteration, source.consumed_samples, source.scheduler, source.param_groups)
 
 
+@pytest.mark.parametrize("name", ["mla", "mtp"])
+def test_mla_and_mtp_read_as_megatron_saves_them(megatron, name):
+    """dp_reshardable buffers of MLA models, without and with an MTP module, cut between two DP ranks. Megatron's
+    parameter order differs from the `torch` table's there (MLASelfAttention registers its output projection first
+    and its latent norms last; GPTModel its MTP block before the output layer, each MTP layer its final norm after
+    its transformer layer). The same training as the fully_reshardable run (the same losses,
+    exactly), so every value read must be the one Megatron's own fully_reshardable save holds under that
+    parameter's name, and each parameter's window must fall on the stored chunks."""
+    assert megatron[f"losses_{name}_dpr"] == megatron[f"losses_{name}_fully"]
+    dpr, fully = engine.load(megatron[f"{name}_dpr"], STATE), engine.load(megatron[f"{name}_fully"], STATE)
+    assert dpr.config.is_mla and dpr.config.mtp_layers == int(name == "mtp")
+    assert "layers.0.attn.q_down.weight" in dpr.training.tensors["exp_avg"]
+    assert dpr.training.optimizer_kind == "dp_reshardable"
+    assert_same_moments(dpr.training, fully.training)
+    assert dpr.training.param_groups == fully.training.param_groups
+
+
+def test_mtp_resumed_as_the_original(megatron):
+    """The MLA + MTP model's dp_reshardable -> fully_reshardable: resumed under DP2, the losses of Megatron resuming
+    its own dp_reshardable checkpoint, exactly (bound 0, as above)."""
+    assert megatron["losses_mtp_ours_resumed"] == megatron["losses_mtp_resumed"]
+
+
 # -- bad input ---------------------------------------------------------------------------------------------------
 
 def copy_edited(src: Path, dst: Path, *, replace: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
@@ -200,11 +252,31 @@ def test_refused_writing_bucket_types(megatron, tmp_path):
 
 
 def test_refused_models_whose_parameter_order_is_not_checked():
-    """Transformer Engine's spec (and MTP, BERT, MLA models) keep their parameters in an order not checked here:
-    refused by name before anything is read."""
+    """Transformer Engine's spec (and BERT models) keep their parameters in an order not checked here,
+    and MoE models' expert buffers are not checked at TP > 1 (not trainable on CPU) or with expert TP other than
+    TP, nor MTP modules at PP > 1: refused by name before anything is read."""
     args = SimpleNamespace(transformer_impl="transformer_engine", tensor_model_parallel_size=1,
                            pipeline_model_parallel_size=1)
     config = ModelConfig(family="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                          num_query_groups=4, head_dim=16, vocab_size=256, max_position_embeddings=16)
     with pytest.raises(ConvertError, match="Transformer Engine.*--dist-ckpt-optim-fully-reshardable"):
-        bucket_optim.read(None, "dp_reshardable", args, config, 256, {}, "ckpt")
+        bucket_optim.read(None, "dp_reshardable", args, config, 256, {}, "ckpt", False)
+    moe = dataclasses.replace(config, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=96)
+    args = SimpleNamespace(transformer_impl="local", tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                           expert_model_parallel_size=2)
+    with pytest.raises(ConvertError, match="an MoE model at TP > 1"):
+        bucket_optim.read(None, "dp_reshardable", args, moe, 256, {}, "ckpt", True)
+    mtp = SimpleNamespace(transformer_impl="local", tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    with pytest.raises(ConvertError, match="multi-token-prediction modules at PP > 1"):
+        bucket_optim.read(None, "dp_reshardable", mtp, dataclasses.replace(config, mtp_layers=1), 256, {}, "ckpt",
+                          False)
+    args.tensor_model_parallel_size, args.expert_tensor_parallel_size = 1, 2
+    with pytest.raises(ConvertError, match=r"expert tensor-parallel size \(2\) other than TP \(1\)"):
+        bucket_optim.read(None, "dp_reshardable", args, moe, 256, {}, "ckpt", True)
+
+
+def test_refused_mla_and_mtp_in_the_torch_format(megatron, tmp_path):
+    """The `torch` format's optimizer state of MLA and MTP models (Megatron orders their parameters otherwise than
+    our rank files; not checked for that format): refused by name, nothing written."""
+    convert_refused(megatron["mtp_dpr"], tmp_path, "--ckpt-format", "torch", "--training-state",
+                    culprits=("multi-latent attention and MTP modules", "--ckpt-format torch_dist"))

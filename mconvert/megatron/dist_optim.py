@@ -22,15 +22,16 @@ megatron/training/checkpointing.py), checked by running 0.19.2 (tests/support/me
   above (its own param groups, each flagged `is_expert_parallel`; its own `common_step` or sharding type); the
   tensor keys stay unprefixed (`chained_optim_avoid_prefix`, megatron-core 0.14+ for the model-space types). At
   EP1 with expert TP = TP the experts are ordinary parameters of the one optimizer. In the IR the groups of
-  all optimizers are one list, dense first; savers re-form them for the output's layout (`target_groups`). Keys
-  prefixed `chained_N.` (older saves, bucket-space types) are refused by name.
+  all optimizers are one list, dense first; savers re-form them for the output's layout (`target_groups`).
+  Model-space keys prefixed `chained_N.` (older saves) are refused by name.
 - RNG: `rng_state/shard_{pp}.{tp}_{PP}.{TP}` (one per model-parallel rank, the rank's `rng_state` in a
   one-item list; in the IR {(tp, pp): rng_state}, what the `torch` format stores in each rank file), kept when
   the output has the same TP and PP, otherwise dropped with a note (Megatron then resumes with --no-load-rng).
 
 The distributed optimizer's default `dp_reshardable` and the deprecated `dp_zero_gather_scatter` keep its state in
 its own bucket layout, which Megatron itself reshards only across DP: read by mconvert.megatron.bucket_optim into
-the same IR tensors, written as `fully_reshardable` unless --optimizer-sharding says otherwise.
+the same IR tensors (MoE models' chained optimizers under the prefixes `chained_0.` and `chained_1.`, which these
+types keep), written as `fully_reshardable` unless --optimizer-sharding says otherwise.
 """
 
 from __future__ import annotations
@@ -128,9 +129,11 @@ def read(store, common: dict, config: ModelConfig, placed_blocks: list, lazy: Ca
     layout = (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1))
     stored = {k for k in store.tensors if is_optimizer_key(k)}
     if kind in bucket_optim.KINDS:
-        dense_only(config, where)  # before the layout: the experts' state is a second optimizer's
-        tops = [bucket_optim.optimizer_state(store, layout[0] * layout[1], where)]
-        tensors = bucket_optim.read(store, kind, args, config, padded, weights, where)
+        apart, found = args_experts_parallel(config, args), len(chained(common["optimizer"]))
+        if found != 1 + apart:  # the experts' own optimizer, or none
+            raise ConvertError(f"{where}: the common state holds {found} chained optimizer(s); megatron-core builds "
+                               f"{1 + apart} for this model in the layout its args give")
+        tensors, tops = bucket_optim.read(store, kind, args, config, padded, weights, where, apart)
         used = {k for k in stored if kind == "dp_reshardable" and bucket_optim.BUCKET_KEY.fullmatch(k)}
     else:
         tops = chained(common["optimizer"])
@@ -260,13 +263,6 @@ def target_groups(state: TrainingState, weights: dict[str, LazyTensor], parallel
 
 def _decays(group: dict) -> bool:
     return float(group.get("wd_mult", 1.0)) != 0.0
-
-
-def dense_only(config: ModelConfig, where: str) -> None:
-    if config.is_moe:
-        raise ConvertError(f"{where}: --training-state reads the bucket-space optimizer types of dense models only "
-                           "(Megatron keeps the experts' state in a second, chained optimizer); re-save with "
-                           "--dist-ckpt-optim-fully-reshardable")
 
 
 def items(state: TrainingState, placed_rows: Iterable, blocks: Callable, kind: str) -> list:

@@ -3,10 +3,12 @@ buffers (`torch` checkpoints' distrib_optim.pt, torch_dist's dp_reshardable and 
 
 Megatron-LM 0.16-0.19 (DistributedOptimizer._compute_per_buffer_param_layout; 0.16 in its grad buffer): a model
 chunk's parameters of one dtype in reverse named_parameters() order, each starting at a multiple of 64 elements;
-a bucket closes once it reaches the bucket size (with --overlap-grad-reduce, in the first chunk only) and is padded
-at its end to a multiple of lcm(DP, 128); a tied embedding or output layer shared between pipeline stages gets a
-bucket of its own. Checkpoints store each bucket without that end padding ("unpadded"), so offsets do not depend
-on the DP size. Checked against Megatron's own function by tests/support/megatron_lm/bucket_layout.py.
+a bucket closes once it reaches the bucket size (with --overlap-grad-reduce, in the first chunk of the first
+pipeline stage only) and is padded at its end to a multiple of lcm(DP, 128); a tied embedding or output layer
+shared between pipeline stages gets a bucket of its own. MoE models' expert-parallel parameters have buffers of
+their own (DDP's expert_parallel_buffers), laid out the same way. Checkpoints store each bucket without that end
+padding ("unpadded"), so offsets do not depend on the DP size. Checked against Megatron's own function by
+tests/support/megatron_lm/bucket_layout.py.
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ def bucket_offsets(params: list[tuple[str, int, bool]], bucket_size: int | None)
     return offsets, done + (end if members else 0)
 
 
-def bucket_size(args) -> int | None:
-    """The elements after which a bucket of the first model chunk closes (None: one bucket per chunk), as
-    megatron-core's DDP sizes them for the run these args describe."""
-    if not getattr(args, "overlap_grad_reduce", False):
+def bucket_size(args, first_chunk: bool = True, pp: int = 0) -> int | None:
+    """The elements after which a bucket of a model chunk closes (None: one bucket per chunk), as megatron-core's
+    DDP sizes them for the run these args describe (training.get_model): only the first chunk of the first
+    pipeline stage is cut, and only with --overlap-grad-reduce and without
+    --overlap-param-gather-with-optimizer-step."""
+    if not getattr(args, "overlap_grad_reduce", False) or not first_chunk or pp > 0 or \
+            getattr(args, "overlap_param_gather_with_optimizer_step", False):
         return None
     dp = int(getattr(args, "data_parallel_size", 1) or 1)
     return getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * dp)

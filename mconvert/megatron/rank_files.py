@@ -525,7 +525,7 @@ def _rows(part: Part) -> tuple[Row, ...]:
 
 def write_checkpoint(ir: ModelIR, out: Path, options: Options, progress: Progress, *, ctx: Ctx, parts: list[Part],
                      top: dict, chunk_dict: Callable[[Part, dict], dict], where: str,
-                     beside: Callable[[int], Beside] | None = None) -> None:
+                     beside: Callable[[int, int], Beside] | None = None) -> None:
     """A whole `torch`-format checkpoint: the plan checked (nothing dropped, no expert twice), the TP files of each
     (stage, EP rank) written together as one job (split into smaller groups of TP files when there are fewer
     stages than workers; see mconvert.workers), then the tokenizer and the tracker."""
@@ -538,7 +538,7 @@ def write_checkpoint(ir: ModelIR, out: Path, options: Options, progress: Progres
     jobs = []
     for pp, ep in stages:
         stage = [p for p in parts if p.chunk.pp == pp and p.ep == ep]
-        extra = beside(pp) if beside else None
+        extra = beside(pp, ep) if beside else None
         sets = [ir.tensors, *(extra.tensors.values() if extra else ())]
         nbytes = sum(named[n].nbytes for named in sets for part in stage for row in _rows(part) for n in row.ir)
         for g in range(groups):

@@ -127,8 +127,10 @@ def load(path: Path, options: Options) -> ModelIR:
         layout |= {"etp": etp, "expert_layout": expert_layout}
     training = None
     if options.training_state:
-        if config.is_moe and getattr(files.args, "use_distributed_optimizer", False):
-            raise ConvertError(f"{it_dir}: {MOE_TORCH}")
+        if expert_layout not in (None, "sequential") and getattr(files.args, "use_distributed_optimizer", False):
+            raise ConvertError(f"{it_dir}: {GROUPED_FLAT}")
+        if config.is_mla or config.mtp_layers:
+            raise ConvertError(f"{it_dir}: {MLA_MTP}")
         training = torch_optim.read(files, parts, ctx, config, tensors, DROP)
         layout["optimizer"] = training.optimizer_kind
     elif "optimizer" in files.states[(0, 0, 0)]:
@@ -202,13 +204,19 @@ def save(ir: ModelIR, out: Path, options: Options, progress: Progress) -> None:
                                 beside=_training_state(ir, options, iteration, args, progress))
 
 
-MOE_TORCH = ("--training-state with --ckpt-format torch: an MoE model's distributed-optimizer state is not converted "
-             "yet (megatron-core's chained optimizers keep two flat buffers per distrib_optim.pt); use --ckpt-format "
-             "torch_dist, or --optimizer-sharding plain")
+GROUPED_FLAT = ("--training-state with --ckpt-format torch: the distributed optimizer's distrib_optim.pt of grouped "
+                "experts is not converted (their place in its flat buffers is not checked: megatron-core 0.19 trains "
+                "grouped experts only with Transformer Engine); use sequential experts, --ckpt-format torch_dist, or "
+                "--optimizer-sharding plain")
+
+
+MLA_MTP = ("--training-state with --ckpt-format torch: multi-latent attention and MTP modules are not converted "
+           "(Megatron's optimizer orders their parameters otherwise than this tool's rank files, and names 0.19's MTP "
+           "layers mtp_model_layer; not checked for this format); use --ckpt-format torch_dist")
 
 
 def _training_state(ir: ModelIR, options: Options, iteration: int, args,
-                    progress: Progress) -> Callable[[int], rank_files.Beside] | None:
+                    progress: Progress) -> Callable[[int, int], rank_files.Beside] | None:
     """With --training-state: what each rank file adds (see torch_optim): the plain optimizer's moments and
     entries, or the distributed optimizer's distrib_optim.pt beside it (any --optimizer-sharding but plain)."""
     if not options.training_state:
@@ -220,16 +228,18 @@ def _training_state(ir: ModelIR, options: Options, iteration: int, args,
     kind, rng = dist_optim.prepare(ir, options, iteration, args, progress)
     distributed = kind != dist_optim.PLAIN  # the torch format has one distributed layout: distrib_optim.pt
     state, layout = ir.training, options.layout
-    if distributed and ir.config.is_moe:
-        raise ConvertError(MOE_TORCH)
+    if distributed and ir.config.is_moe and options.expert_layout != "sequential":
+        raise ConvertError(GROUPED_FLAT)
+    if ir.config.is_mla or ir.config.mtp_layers:
+        raise ConvertError(MLA_MTP)
     groups = dist_optim.target_groups(state, ir.tensors, dist_optim.experts_parallel(ir.config, layout.tp, layout.ep,
                                                                                      layout.expert_tp))
 
-    def beside(pp: int) -> rank_files.Beside:
+    def beside(pp: int, ep: int) -> rank_files.Beside:
         def entries(tp: int, folder, stored: dict, add) -> dict:
             if distributed:
                 out = torch_optim.distributed_entries(state, stored, folder, tied=ir.config.tie_embeddings, pp=pp,
-                                                      stages=options.layout.pp)
+                                                      stages=options.layout.pp, ep=ep, groups=groups)
             else:
                 out = torch_optim.rank_entries(state, stored, add, groups)
             if rng:

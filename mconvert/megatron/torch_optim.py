@@ -25,12 +25,20 @@ gathered over data-parallel ranks, so one file per model-parallel rank): {"bucke
 flat tensor is the chunk's grad buffer with the padding after each bucket removed: parameters in reverse
 named_parameters() order, each starting at a multiple of 64 elements within its bucket; a tied embedding or
 output layer shared between pipeline stages gets a bucket of its own; with --overlap-grad-reduce buckets close
-once they reach --ddp-bucket-size (default max(4e7, 1e6 x DP)) elements, in the first chunk only. Megatron
-lays the buffers out by the resuming run's flags, so what is written assumes a run without --overlap-grad-reduce
-(or with buckets larger than a chunk); the numbers the file holds are read in the layout its args record. The
-whole rank's flat buffers are built in memory to be written (3 x 4 bytes per parameter of the rank). MoE models'
-distrib_optim.pt (a list of the chained optimizers' states, the dense one only in the file of its data-parallel
-rank 0) is refused by name.
+once they reach --ddp-bucket-size (default max(4e7, 1e6 x DP)) elements, in the first chunk of the first stage
+only (mconvert.megatron.grad_buffer). Megatron lays the buffers out by the resuming run's flags, so what is
+written assumes a run without --overlap-grad-reduce (or with buckets larger than a chunk); the numbers the file
+holds are read in the layout its args record. The whole rank's flat buffers are built in memory to be written
+(3 x 4 bytes per parameter of the rank).
+
+MoE models at EP > 1 chain two distributed optimizers (ChainedOptimizer.save_parameter_state): the rank file's
+`optimizer` is the list of their state dicts [dense, experts], and distrib_optim.pt the list of their buffers
+[dense, experts], each as above over its own parameters: the dense buffers (non-expert parameters, one per chunk)
+saved by the dense data-parallel rank 0 only, which is EP rank 0 (the other EP ranks' files hold None there); the
+experts' (DDP's expert_parallel_buffers: this EP rank's local experts, one per chunk that has experts, under the
+expert-data-parallel group) in every EP rank's file. At EP1 the experts are ordinary parameters of the one
+optimizer. Checked by running megatron-core 0.19.2 (tests/test_training_state_moe.py: its files are rewritten
+object for object); grouped experts (Transformer Engine only in 0.19, not run here) are refused by name.
 """
 
 from __future__ import annotations
@@ -159,54 +167,82 @@ def _optimizer_moments(files: RankFiles, idx: tuple[int, int, int], optim: Any, 
     return moments, groups, steps.pop() if steps else None
 
 
-def _distributed_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[str], config: ModelConfig):
-    """{moment: {entry: {key: tensor}}}, the param groups and Adam's step of one rank's distrib_optim.pt."""
+def _distributed_moments(files: RankFiles, idx: tuple[int, int, int], drop: Iterable[str], config: ModelConfig,
+                         flat_of: Callable[[tuple[int, int, int]], Any]):
+    """{moment: {entry: {key: tensor}}}, the param groups and Adam's step of one rank's distrib_optim.pt (read by
+    `flat_of(rank)`): one optimizer's buffers, or the chained optimizers' [dense, experts] (the dense one from the
+    file of EP rank 0, where its data-parallel rank 0 saved it)."""
     where = files.rel(idx)
-    optim = files.torch_state(idx).get("optimizer")
-    inner = optim.get("optimizer") if isinstance(optim, dict) else None
-    groups = inner.get("param_groups") if isinstance(inner, dict) else None
-    if not isinstance(groups, list) or any(not isinstance(g, dict) for g in groups):
-        raise ConvertError(f"{where}: the checkpoint holds no optimizer state (saved with --no-save-optim, or "
-                           "converted without --training-state); --training-state needs one saved by training")
+    parts = dist_optim.chained(files.torch_state(idx).get("optimizer")) or [None]
+    groups = []
+    for part in parts:
+        inner = part.get("optimizer") if isinstance(part, dict) else None
+        found = inner.get("param_groups") if isinstance(inner, dict) else None
+        if not isinstance(found, list) or any(not isinstance(g, dict) for g in found):
+            raise ConvertError(f"{where}: the checkpoint holds no optimizer state (saved with --no-save-optim, or "
+                               "converted without --training-state); --training-state needs one saved by training")
+        groups += found
     pfile = f"{where.rsplit('/', 1)[0]}/{DISTRIB_FILE}"
-    path = files.files[idx].parent / DISTRIB_FILE
-    if not path.is_file():
-        raise ConvertError(f"{pfile}: missing; a --use-distributed-optimizer run keeps its optimizer state there")
-    flat = safe_load(path)
-    if not isinstance(flat, dict) or flat.get("buckets_coalesced") is not True:
-        raise ConvertError(f"{pfile}: not the coalesced layout megatron-core 0.16-0.19 write (buckets_coalesced); "
-                           "re-save it with a newer Megatron-LM")
-    entries = files.chunk_names()
-    if sorted(str(k) for k in flat if k != "buckets_coalesced") != [str(v) for v in range(len(entries))]:
-        raise ConvertError(f"{pfile}: expected one grad buffer per model chunk ({len(entries)}), found keys "
-                           f"{sorted(map(str, flat))} (mixed-dtype or expert buffers are not read)")
-    size = bucket_size(files.args)
+    flat = flat_of(idx)
+    params = parameters(files, idx, drop)
+    if len(parts) == 1:
+        buffers = [(flat, params, pfile)]
+    elif len(parts) == 2:
+        dense_idx = (idx[0], idx[1], 0)
+        dense = flat_of(dense_idx)
+        for f, i in ((flat, idx), (dense, dense_idx)):
+            if not isinstance(f, list) or len(f) != 2:
+                raise ConvertError(f"{files.rel(i).rsplit('/', 1)[0]}/{DISTRIB_FILE}: expected the chained "
+                                   "optimizers' two states [dense, experts] (the rank file's optimizer has two)")
+        buffers = [(dense[0], [p for p in params if not is_expert_key(p[1])],
+                    f"{files.rel(dense_idx).rsplit('/', 1)[0]}/{DISTRIB_FILE} (dense optimizer)"),
+                   (flat[1], [p for p in params if is_expert_key(p[1])], f"{pfile} (experts' optimizer)")]
+    else:
+        raise ConvertError(f"{where}: optimizer holds {len(parts)} chained optimizers; megatron-core chains two "
+                           "(dense, experts)")
     moments: dict[str, dict[str, dict[str, Any]]] = {"exp_avg": {}, "exp_avg_sq": {}}
     if config.dtype != "float32":
         moments["fp32_param"] = {}
-    params = parameters(files, idx, drop)
+    first = files.chunk_names()[0]
+    for state, mine, label in buffers:
+        _buffer_moments(state, mine, label, moments, lambda entry: bucket_size(files.args, entry == first, idx[1]),
+                        tied=config.tie_embeddings, pp=idx[1], stages=files.pp)
+    steps = {g.get("step") for g in groups}
+    return moments, groups, steps.pop() if len(steps) == 1 else None
+
+
+def _buffer_moments(flat: Any, params: list, label: str, moments: dict, size: Callable[[str], int | None], *,
+                    tied: bool, pp: int, stages: int) -> None:
+    """Add to `moments` {moment: {entry: {key: tensor}}} the windows of one optimizer's coalesced buffers
+    {"buckets_coalesced": True, v: {dtype pair: {"param", "exp_avg", "exp_avg_sq", "numel_unpadded"}}} on its
+    parameters `params` (entry, key, tensor): buffer v holds those of the v-th model chunk that has any."""
+    if not isinstance(flat, dict) or flat.get("buckets_coalesced") is not True:
+        raise ConvertError(f"{label}: not the coalesced layout megatron-core 0.16-0.19 write (buckets_coalesced); "
+                           "re-save it with a newer Megatron-LM")
+    entries = list(dict.fromkeys(e for e, _, _ in params))
+    if sorted(str(k) for k in flat if k != "buckets_coalesced") != [str(v) for v in range(len(entries))]:
+        raise ConvertError(f"{label}: expected one grad buffer per model chunk ({len(entries)}), found keys "
+                           f"{sorted(map(str, flat))} (mixed-dtype buffers are not read)")
     for v, entry in enumerate(entries):
         buffers = flat[v]
         if not isinstance(buffers, dict) or len(buffers) != 1:
-            raise ConvertError(f"{pfile}: buffer {v} holds {len(buffers) if isinstance(buffers, dict) else 0} dtype "
-                               "groups; one (all parameters of one dtype) is what this tool reads")
+            raise ConvertError(f"{label}: buffer {v} holds {len(buffers) if isinstance(buffers, dict) else 0} "
+                               "dtype groups; one (all parameters of one dtype) is what this tool reads")
         buf = next(iter(buffers.values()))
         mine = [(k, t) for e, k, t in params if e == entry]
-        tied = config.tie_embeddings
-        offsets, total = bucket_offsets([(k, t.numel(), shared(k, tied=tied, pp=idx[1], stages=files.pp))
-                                         for k, t in mine], None if v else size)
+        offsets, total = bucket_offsets([(k, t.numel(), shared(k, tied=tied, pp=pp, stages=stages))
+                                         for k, t in mine], size(entry))
         for name in ("param", "exp_avg", "exp_avg_sq"):
             t = buf.get(name) if isinstance(buf, dict) else None
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (total,) or buf.get("numel_unpadded") != total:
                 found = list(t.shape) if isinstance(t, torch.Tensor) else "nothing"
-                raise ConvertError(f"{pfile}: buffer {v} {name} is {found}; the model's parameters take {total} "
+                raise ConvertError(f"{label}: buffer {v} {name} is {found}; the model's parameters take {total} "
                                    "values in Megatron's bucket layout (saved with another --ddp-bucket-size or "
                                    "--overlap-grad-reduce than its args say, or for another model)")
         for m, name in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"), ("fp32_param", "param")):
             if m in moments:
-                moments[m][entry] = {k: buf[name][offsets[k]:offsets[k] + t.numel()].view(t.shape) for k, t in mine}
-    steps = {g.get("step") for g in groups}
-    return moments, groups, steps.pop() if len(steps) == 1 else None
+                moments[m].setdefault(entry, {}).update(
+                    {k: buf[name][offsets[k]:offsets[k] + t.numel()].view(t.shape) for k, t in mine})
 
 
 def read(files: RankFiles, parts: list, ctx: Ctx, config: ModelConfig, weights: dict[str, LazyTensor],
@@ -215,8 +251,19 @@ def read(files: RankFiles, parts: list, ctx: Ctx, config: ModelConfig, weights: 
     weights' own plan (`parts`), lazily."""
     where = str(files.it_dir)
     distributed = bool(getattr(files.args, "use_distributed_optimizer", False))
-    per_rank = {idx: _distributed_moments(files, idx, drop, config) if distributed else _rank_moments(files, idx, drop)
-                for idx in files.files}
+    flats: dict[tuple[int, int, int], Any] = {}
+
+    def flat_of(idx: tuple[int, int, int]) -> Any:
+        if idx not in flats:
+            path = files.files[idx].parent / DISTRIB_FILE
+            if not path.is_file():
+                raise ConvertError(f"{files.rel(idx).rsplit('/', 1)[0]}/{DISTRIB_FILE}: missing; a "
+                                   "--use-distributed-optimizer run keeps its optimizer state there")
+            flats[idx] = safe_load(path)
+        return flats[idx]
+
+    per_rank = {idx: _distributed_moments(files, idx, drop, config, flat_of) if distributed else
+                _rank_moments(files, idx, drop) for idx in files.files}
 
     first = per_rank[(0, 0, 0)]
     steps = {r[2] for r in per_rank.values()}
@@ -290,24 +337,48 @@ def _plain_optimizer(state: TrainingState, stored: dict[str, list[tuple[str, str
 
 
 def distributed_entries(state: TrainingState, stored: dict[str, list[tuple[str, str, Any]]], folder: Path, *,
-                        tied: bool, pp: int, stages: int) -> dict[str, Any]:
+                        tied: bool, pp: int, stages: int, ep: int, groups: list[list[dict]]) -> dict[str, Any]:
     """The distributed optimizer's share of one rank: its `distrib_optim.pt` written into `folder` (each chunk's
     flat buffers in Megatron's layout for a run without --overlap-grad-reduce; see the module docstring), and the
     rank file's entries (param groups with the step, grad scaler, schedule). `stored` holds the pieces of every
-    moment, `fp32_param` included (an fp32 run's weights themselves)."""
+    moment, `fp32_param` included (an fp32 run's weights themselves); `groups` the param groups of each optimizer
+    (dist_optim.target_groups): one, or chained (dense, experts), whose file holds [dense, experts], the dense
+    state only at EP rank `ep` 0 (its data-parallel rank 0, which alone saves and loads it)."""
     weights = stored[""]
-    entries = list(dict.fromkeys(e for e, _, _ in weights))
-    flat: dict[Any, Any] = {"buckets_coalesced": True}
-    dtype = weights[0][2].dtype
-    if dtype == torch.float16:
+    if weights[0][2].dtype == torch.float16:
         raise ConvertError("--training-state: fp16 runs' distributed-optimizer state in --ckpt-format torch (its "
                            "grad-buffer dtype follows --accumulate-allreduce-grads-in-fp32) is not written; use "
                            "--ckpt-format torch_dist")
-    for v, entry in enumerate(entries):
-        mine = [(i, k, t) for i, (e, k, t) in enumerate(weights) if e == entry]
+    everything = list(range(len(weights)))
+    if len(groups) == 1:
+        flat: Any = _coalesced(stored, everything, tied=tied, pp=pp, stages=stages)
+    else:
+        dense = [i for i in everything if not is_expert_key(weights[i][1])]
+        experts = [i for i in everything if is_expert_key(weights[i][1])]
+        flat = [_coalesced(stored, dense, tied=tied, pp=pp, stages=stages) if ep == 0 else None,
+                _coalesced(stored, experts, tied=tied, pp=pp, stages=stages)]
+    torch.save(flat, folder / DISTRIB_FILE)
+    parts = []
+    for part in groups:
+        optim: dict[str, Any] = {"optimizer": {"param_groups": [dict(g) | {"step": float(state.step)} for g in part]}}
+        if state.grad_scaler is not None:
+            optim["grad_scaler"] = state.grad_scaler
+        parts.append(optim)
+    return _rank_entries(state, parts[0] if len(parts) == 1 else parts)
+
+
+def _coalesced(stored: dict[str, list[tuple[str, str, Any]]], members: list[int], *, tied: bool, pp: int,
+               stages: int) -> dict[Any, Any]:
+    """One optimizer's coalesced buffers over the parameters `members` (indices into the rank's stored pieces):
+    one per model chunk that has any, in Megatron's layout without --overlap-grad-reduce."""
+    weights = stored[""]
+    dtype = weights[0][2].dtype
+    flat: dict[Any, Any] = {"buckets_coalesced": True}
+    for v, entry in enumerate(dict.fromkeys(weights[i][0] for i in members)):
+        mine = [(i, weights[i][1], weights[i][2]) for i in members if weights[i][0] == entry]
         offsets, total = bucket_offsets([(k, math.prod(t.shape), shared(k, tied=tied, pp=pp, stages=stages))
                                          for _, k, t in mine], None)
-        buffers = {}
+        buffers: dict[str, Any] = {}
         for name, moment in (("param", "fp32_param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
             out = torch.zeros(total, dtype=torch.float32)
             for i, k, t in mine:
@@ -315,12 +386,7 @@ def distributed_entries(state: TrainingState, stored: dict[str, list[tuple[str, 
             buffers[name] = out
         buffers["numel_unpadded"] = total
         flat[v] = {(dtype, torch.float32): buffers}
-    torch.save(flat, folder / DISTRIB_FILE)
-    groups = [dict(g) | {"step": float(state.step)} for g in state.param_groups]
-    optim: dict[str, Any] = {"optimizer": {"param_groups": groups}}
-    if state.grad_scaler is not None:
-        optim["grad_scaler"] = state.grad_scaler
-    return _rank_entries(state, optim)
+    return flat
 
 
 def _rank_entries(state: TrainingState, optim: dict[str, Any] | list) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import sys
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 # Flags every run needs on CPU: no fused CUDA kernels, no Apex/TE-only norms, an attention that runs anywhere.
 CPU_FLAGS = ["--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
@@ -72,24 +73,57 @@ def init_parallel(args) -> None:
 
 def build_model(args, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None):
     """The GPTModel Megatron-LM's gpt_builder makes from these args with the local spec (no Transformer Engine):
-    the whole model, or one pipeline stage's (virtual) chunk of it."""
+    the whole model, or one pipeline stage's (virtual) chunk of it; with --mtp-num-layers its MTP block."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
-    if args.num_experts:
+    if args.num_experts or getattr(args, "multi_latent_attention", False):
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
                                           vp_stage=vp_stage)
+        with_plain_mla_attention(spec)
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage) \
+        if getattr(args, "mtp_num_layers", None) else None  # multi-token prediction: as gpt_builder adds it
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size, mtp_block_spec=mtp,
                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
                     post_process=post_process, vp_stage=vp_stage,
                     parallel_output=True,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                     rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling)
+
+
+def with_plain_mla_attention(spec) -> None:
+    """Multi-latent attention layers of a decoder block spec get PlainCoreAttention: megatron-core's local
+    DotProductAttention takes no separate key and value head sizes (MLA needs Transformer Engine's)."""
+    from megatron.core.transformer import multi_latent_attention
+
+    for layer_spec in spec.layer_specs:
+        attention = getattr(layer_spec.submodules, "self_attention", None)
+        if attention is not None and attention.module.__name__.startswith("MLA"):
+            multi_latent_attention.HAVE_TE = False  # its fp8 branch compares against TE classes not installed
+            attention.submodules.core_attention = PlainCoreAttention
+
+
+class PlainCoreAttention(torch.nn.Module):
+    """softmax(q k^T * softmax_scale + causal mask) v on [s, b, heads, d] tensors, out [s, b, heads*dv]."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, k_channels=None,
+                 v_channels=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, packed_seq_params=None, **kwargs):
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # (b, heads, s, d)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
 def fsdp_shaped(model):

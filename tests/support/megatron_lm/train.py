@@ -132,10 +132,15 @@ def train(rank: int, spec: dict) -> None:
     flags = [*spec["flags"], "--train-iters", "1000", "--lr-decay-iters", "1000"]
     if spec.get("save"):
         flags += ["--save", spec["save"], "--save-interval", "1000"]
+    build = getattr(checkpointing._build_sharded_state_dict_metadata, "megatrons", None) or \
+        checkpointing._build_sharded_state_dict_metadata  # Megatron's own, not an earlier spec's in this launch
+    checkpointing._build_sharded_state_dict_metadata = build
     if spec.get("optimizer_sharding"):
-        build = checkpointing._build_sharded_state_dict_metadata
-        checkpointing._build_sharded_state_dict_metadata = lambda *a, **k: build(*a, **k) | {
-            "distrib_optim_sharding_type": spec["optimizer_sharding"]}
+        def chosen(*a, **k):
+            return build(*a, **k) | {"distrib_optim_sharding_type": spec["optimizer_sharding"]}
+
+        chosen.megatrons = build
+        checkpointing._build_sharded_state_dict_metadata = chosen
     if spec.get("load"):
         flags += ["--load", spec["load"]]
     args = cpu.megatron_args(flags)

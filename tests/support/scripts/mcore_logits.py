@@ -55,6 +55,9 @@ from mconvert.io.torch_pickle import safe_load  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from mcore_moe import megatron_on_cpu  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "megatron_lm"))
+from cpu import PlainCoreAttention  # noqa: E402
+
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
               "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
               "beta_slow")
@@ -125,20 +128,6 @@ def check_dist_keys(sharded_state_dict, it_dir: Path) -> None:
     have = set(store.tensors) | {k for k in store.bytes_items if not k.startswith("common_state")}
     assert have == want, f"only in the checkpoint: {sorted(have - want)}; only in megatron-core: {sorted(want - have)}"
     print(f"torch_dist keys: the {len(want)} megatron-core asks for", flush=True)
-
-
-class PlainCoreAttention(torch.nn.Module):
-    """softmax(q k^T * softmax_scale + causal mask) v on [s, b, heads, d] tensors, out [s, b, heads*dv]."""
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, k_channels=None,
-                 v_channels=None, cp_comm_type=None, pg_collection=None):
-        super().__init__()
-        self.softmax_scale = softmax_scale
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, packed_seq_params=None, **kwargs):
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # (b, heads, s, d)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
 def build(args):
