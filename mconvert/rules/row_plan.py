@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mconvert.errors import ConvertError
-from mconvert.ir.blocks import Blocks
+from mconvert.ir.blocks import Blocks, ByteBlocks
 from mconvert.ir.tensors import LazyTensor
-from mconvert.lazy import torch
+from mconvert.lazy import np, torch
+from mconvert.rules import row_maps
 from mconvert.rules.table import Ctx, Rule
 
 Direction = Literal["forward", "backward"]
@@ -41,6 +42,7 @@ class RowPlanner:
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
         self._plans: dict[tuple, tuple[Output, ...] | None] = {}
+        self._byte_plans: dict[tuple, tuple[Output, ...] | row_maps.Columns | None] = {}
 
     def forward(self, rule: Rule, inputs: Sequence[Blocks]) -> list[Blocks] | None:
         """`rule.forward` on blocks (IR tensors -> per-rank pieces), or None if the rule does more than move rows."""
@@ -59,6 +61,46 @@ class RowPlanner:
             if found is not None:
                 return list(found)
         return list(rule.forward([t.load() for t in tensors], self.ctx))
+
+    def forward_bytes(self, rule: Rule, tensors: Sequence[LazyTensor],
+                      view: Callable[[LazyTensor], ByteBlocks | None]) -> list[ByteBlocks] | None:
+        """The per-rank pieces of IR tensors as byte views, without torch, when every tensor lies unchanged in a
+        file (`file_bytes`; `view` maps it, or gives None) and the rule's plan is known by arithmetic
+        (`mconvert.rules.row_maps`); else None, and the caller takes `forward_lazy`."""
+        if not self.moves_bytes(rule, tensors):
+            return None
+        plan = self.byte_plan(rule, [t.shape for t in tensors])
+        inputs = [view(t) for t in tensors]
+        if any(b is None for b in inputs):
+            return None
+        name = tensors[0].dtype_name
+        if isinstance(plan, row_maps.Columns):
+            [whole] = inputs[0].parts
+            w = plan.width
+            return [ByteBlocks((whole.shape[0], w), name, (whole[:, k * w:(k + 1) * w],)) for k in range(plan.parts)]
+        made = []
+        for out in plan:
+            pieces = [v for j, a, b in out.runs for v in inputs[j].rows(a, b)]
+            sources = tuple(s for _, s in pieces)
+            made.append(ByteBlocks(out.shape, name, tuple(p for p, _ in pieces),
+                                   sources if any(s is not None for s in sources) else ()))
+        return made
+
+    def moves_bytes(self, rule: Rule, tensors: Sequence[LazyTensor]) -> bool:
+        """Can `forward_bytes` make these tensors' pieces (before any file is opened)?"""
+        return len({t.dtype_name for t in tensors}) == 1 and all(t.file_bytes is not None for t in tensors) and \
+            self.byte_plan(rule, [t.shape for t in tensors]) is not None
+
+    def byte_plan(self, rule: Rule, shapes: Sequence[tuple[int, ...]]) -> tuple[Output, ...] | row_maps.Columns | None:
+        """`plan` of the forward direction by arithmetic (no torch), or the columns of a row-parallel split."""
+        key = (rule, tuple(tuple(s) for s in shapes))
+        if key not in self._byte_plans:
+            found = row_maps.forward_plan(rule, key[1], self.ctx)
+            if isinstance(found, list):
+                bounds = np.cumsum([0] + [s[0] for s in key[1]])
+                found = tuple(Output(shape, _np_runs(rows, bounds)) for shape, rows in found)
+            self._byte_plans[key] = found
+        return self._byte_plans[key]
 
     def moves_rows(self, rule: Rule, direction: Direction, shapes: Sequence[tuple[int, ...]]) -> bool:
         return self.plan(rule, direction, shapes) is not None
@@ -133,5 +175,18 @@ def _runs(rows: torch.Tensor, bounds: torch.Tensor) -> tuple[tuple[int, int, int
     cut = torch.ones(rows.numel(), dtype=torch.bool)
     cut[1:] = (rows[1:] != rows[:-1] + 1) | (src[1:] != src[:-1])
     firsts = cut.nonzero().flatten().tolist() + [rows.numel()]
+    src_l, local_l = src.tolist(), local.tolist()
+    return tuple((src_l[a], local_l[a], local_l[a] + b - a) for a, b in zip(firsts, firsts[1:]))
+
+
+def _np_runs(rows, bounds) -> tuple[tuple[int, int, int], ...]:
+    """`_runs` with numpy: global row numbers -> maximal (input, first, end) runs of consecutive rows of one input."""
+    if not len(rows):
+        return ()
+    src = np.searchsorted(bounds, rows, side="right") - 1
+    local = rows - bounds[src]
+    cut = np.ones(len(rows), dtype=bool)
+    cut[1:] = (rows[1:] != rows[:-1] + 1) | (src[1:] != src[:-1])
+    firsts = np.flatnonzero(cut).tolist() + [len(rows)]
     src_l, local_l = src.tolist(), local.tolist()
     return tuple((src_l[a], local_l[a], local_l[a] + b - a) for a, b in zip(firsts, firsts[1:]))
