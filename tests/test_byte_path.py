@@ -1,0 +1,153 @@
+"""Conversions whose tensors only move bytes run without torch (mconvert.io.file_views, mconvert.rules.row_maps),
+and write what the torch path writes, byte for byte.
+
+The torch path is the same conversion with `MCONVERT_TORCH_PATH=1` (every tensor loaded and split by torch, as
+before the byte path existed). The arithmetic row plans are compared with the plans the probe finds by running
+each rule with torch, and the pure-Python pickler of `torch_zip` with what the C pickler writes for torch's own
+objects (what the writer pickled before it named them without torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import filecmp
+import io
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mconvert import engine
+from mconvert.io import torch_zip
+from mconvert.io.file_views import FileViews
+from mconvert.io.torch_archive import TorchDType
+from mconvert.megatron import rank_files, torch_format
+from mconvert.options import Options
+from mconvert.rules import row_maps
+from mconvert.rules.layout import ParallelLayout
+from mconvert.rules.row_plan import RowPlanner
+from mconvert.rules.table import Ctx
+from tests.support.models import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("byte_path") / "hf", "llama", dtype=torch.bfloat16)
+
+
+def _convert(src: Path, dst: Path, *args: str, torch_path: bool) -> bool:
+    """`mconvert --saver core ARGS` in its own process; whether it imported torch."""
+    code = ("import sys\nfrom mconvert.cli import main\n"
+            f"try:\n    main(['--saver', 'core', *{list(args)!r}, '--load-dir', {str(src)!r}, '--save-dir', "
+            f"{str(dst)!r}])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    env = os.environ | {"MCONVERT_TORCH_PATH": "1" if torch_path else "0"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr
+    return run.stderr.strip().splitlines()[-1] == "True"
+
+
+def _same_tree(a: Path, b: Path) -> None:
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files_a == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for rel in files_a:
+        assert filecmp.cmp(a / rel, b / rel, shallow=False), f"{rel} differs"
+
+
+@pytest.mark.parametrize("layout", [("--tp", "1", "--pp", "1"), ("--tp", "2", "--pp", "2"),
+                                    ("--tp", "2", "--make-vocab-size-divisible-by", "128")],
+                         ids=["tp1pp1", "tp2pp2", "tp2_padded_vocab"])
+def test_hf_to_core_torch_without_torch(hf_bf16, tmp_path, layout):
+    """HF safetensors -> core `torch` (rows picked for QKV, [gate ; up] and TP chunks, columns cut for the
+    row-parallel weights, padding rows copied from the last one) imports no torch, and its files are the torch
+    path's, byte for byte."""
+    out = tmp_path / "out"  # one path for both: the args name the tokenizer's place in it
+    assert not _convert(hf_bf16, out, *layout, torch_path=False)
+    out.rename(tmp_path / "bytes")
+    assert _convert(hf_bf16, out, *layout, torch_path=True)
+    _same_tree(tmp_path / "bytes", out)
+
+
+def test_a_cast_takes_torch(hf_bf16, tmp_path):
+    """A conversion that computes (here a dtype cast) is dispatched to torch by its plan, whatever the formats."""
+    assert _convert(hf_bf16, tmp_path / "out", "--tp", "2", "--dtype", "fp32", torch_path=False)
+
+
+@pytest.mark.parametrize("tp,padded", [(1, None), (2, None), (4, None), (2, 128)])
+def test_byte_pieces_are_the_rules_pieces(hf_bf16, tp, padded):
+    """Every rule of the core table, run both ways on the same IR tensors: the byte views' bytes are the bytes of
+    `rule.forward` on the loaded tensors, and where the probe (torch) finds a row plan the arithmetic finds the same.
+    TP 4 splits 4 query groups one per rank."""
+    options = Options(layout=ParallelLayout(tp=tp), make_vocab_size_divisible_by=padded)
+    ir = engine.load(hf_bf16, options)
+    padded_size = rank_files.vocab_padding(ir.config, tp, options)[1]
+    planner, views, seen = RowPlanner(Ctx(ir.config, padded_size, tp=tp)), FileViews(), 0
+    for part in torch_format.plan(ir, options):
+        for row in part.rows + part.copies:
+            tensors = [ir[n] for n in row.ir]
+            found = planner.forward_bytes(row.rule, tensors, views.view)
+            assert found is not None, f"{row.key}: no byte plan"
+            plan = planner.byte_plan(row.rule, [t.shape for t in tensors])
+            probed = planner.plan(row.rule, "forward", [t.shape for t in tensors])
+            assert isinstance(plan, row_maps.Columns) or probed == plan, row.key
+            expected = row.rule.forward([t.load() for t in tensors], planner.ctx)
+            assert len(found) == len(expected) == tp
+            for got, want in zip(found, expected):
+                assert got.shape == tuple(want.shape) and got.dtype_name == "bfloat16"
+                raw = b"".join(bytes(p.copy(order="C").data) for p in got.parts)
+                assert raw == want.contiguous().view(torch.uint8).numpy().tobytes(), row.key
+            seen += 1
+    assert seen
+
+
+def test_storage_names_are_torchs():
+    """The storage classes named without torch are the ones torch.save names."""
+    for dtype, name in torch.storage._dtype_to_storage_type_map().items():
+        if str(dtype).removeprefix("torch.") in torch_zip.STORAGE_TYPES:
+            assert torch_zip.STORAGE_TYPES[str(dtype).removeprefix("torch.")] == name
+
+
+def test_pickle_is_the_c_picklers_of_torch_objects(tmp_path):
+    """data.pkl as written (names of torch without torch, pure-Python pickler) is what the C pickler writes for
+    torch's own objects: the dtype, the storage class, `_rebuild_tensor_v2` and `torch.Size`."""
+    args = argparse.Namespace(bf16=True, params_dtype=TorchDType("bfloat16"), other=TorchDType("bfloat16"))
+    writer = torch_zip.TorchFileWriter(tmp_path / "x.pt", background=False)
+    handles = [writer.add(torch.zeros(3, 2, dtype=torch.bfloat16)), writer.add(torch.ones(4, dtype=torch.float32))]
+    obj = {"args": args, "model": collections.OrderedDict(a=handles[0], b=handles[1]), "iteration": 3}
+    mine = io.BytesIO()
+    torch_zip._Pickler(mine, writer).dump(obj)
+    writer.close()
+
+    class CPickler(pickle.Pickler):
+        def persistent_id(self, o):
+            if isinstance(o, torch_zip._StorageRef):
+                storage = getattr(torch, torch.storage._dtype_to_storage_type_map()[torch_zip.dtypes.to_torch(
+                    o.dtype_name)])
+                return "storage", storage, o.key, "cpu", o.numel
+            return None
+
+        def reducer_override(self, o):
+            if isinstance(o, torch_zip.StoredTensor):
+                _, (storage, offset, size, stride, grad, hooks) = o.__reduce_ex__(2)
+                return torch._utils._rebuild_tensor_v2, (storage, offset, torch.Size(size), stride, grad, hooks)
+            return NotImplemented
+
+    real = argparse.Namespace(bf16=True, params_dtype=torch.bfloat16, other=torch.bfloat16)
+    theirs = io.BytesIO()
+    CPickler(theirs, protocol=2).dump({"args": real, "model": obj["model"], "iteration": 3})
+    assert mine.getvalue() == theirs.getvalue()
+
+
+def test_archive_with_named_dtype_loads_in_torch(tmp_path):
+    """A file whose args name the dtype by `TorchDType` loads with torch's weights-only loader as torch's dtype."""
+    args = argparse.Namespace(params_dtype=TorchDType("bfloat16"))
+    tensor = torch.arange(6, dtype=torch.bfloat16).reshape(3, 2)
+    torch_zip.save({"args": args, "w": tensor}, tmp_path / "x.pt")
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        loaded = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert loaded["args"].params_dtype is torch.bfloat16 and torch.equal(loaded["w"], tensor)
