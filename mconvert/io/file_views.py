@@ -40,11 +40,14 @@ class FileViews:
         self._lock = threading.Lock()
 
     def view(self, t: LazyTensor) -> ByteBlocks | None:
-        """`t`'s bytes as one part viewing its file, with their provenance; None when `t` is not known to lie in a
-        file or the file is no longer the one it was read from."""
+        """`t`'s bytes as one part viewing its file, with their provenance, or as its loader's rule rearranges
+        stored pieces (`LazyTensor.byte_blocks`); None when neither is known, or a file is no longer the one it
+        was read from."""
         where = t.file_bytes
         size = dtypes.itemsize(t.dtype_name)
-        if where is None or size not in RAW or not t.numel:
+        if where is None:  # rows or columns of stored pieces, rearranged by the loader's rule
+            return t.byte_blocks(self.view) if t.byte_blocks is not None else None
+        if size not in RAW or not t.numel:
             return None
         mapped = self._map(where)
         if mapped is None or where.offset + t.nbytes > len(mapped):

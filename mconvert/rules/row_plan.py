@@ -24,7 +24,7 @@ from mconvert.errors import ConvertError
 from mconvert.ir.blocks import Blocks, ByteBlocks
 from mconvert.ir.tensors import LazyTensor
 from mconvert.lazy import np, torch
-from mconvert.rules import row_maps
+from mconvert.rules import row_maps, table
 from mconvert.rules.table import Ctx, Rule
 
 Direction = Literal["forward", "backward"]
@@ -87,9 +87,52 @@ class RowPlanner:
         return made
 
     def moves_bytes(self, rule: Rule, tensors: Sequence[LazyTensor]) -> bool:
-        """Can `forward_bytes` make these tensors' pieces (before any file is opened)?"""
-        return len({t.dtype_name for t in tensors}) == 1 and all(t.file_bytes is not None for t in tensors) and \
+        """Can `forward_bytes` make these tensors' pieces (as far as is known before any file is opened)?"""
+        return len({t.dtype_name for t in tensors}) == 1 and \
+            all(t.file_bytes is not None or t.byte_blocks is not None for t in tensors) and \
             self.byte_plan(rule, [t.shape for t in tensors]) is not None
+
+    def backward_bytes(self, rule: Rule, shapes: Sequence[tuple[int, ...]], pieces: Sequence[LazyTensor],
+                       view: Callable[[LazyTensor], ByteBlocks | None], index: int) -> ByteBlocks | None:
+        """IR tensor `index` (of `shapes`) of `rule.backward` on the stored `pieces`, as byte views without torch:
+        the forward plan run backwards (each IR row from the first piece row holding it; columns joined for a
+        row-parallel split, a copy). None when the plan is not known by arithmetic, the pieces are not what it
+        makes, or replicated pieces differ (the torch path then says so)."""
+        plan = self.byte_plan(rule, shapes)
+        if plan is None or len({p.dtype_name for p in pieces}) != 1:
+            return None
+        name = pieces[0].dtype_name
+        if isinstance(plan, row_maps.Columns):
+            want = [(shapes[0][0], plan.width)] * plan.parts
+        else:
+            want = [out.shape for out in plan]
+        if [tuple(p.shape) for p in pieces] != [tuple(s) for s in want]:
+            return None
+        views = [view(p) for p in pieces]
+        if any(v is None for v in views):
+            return None
+        if isinstance(plan, row_maps.Columns):
+            parts = [v.parts[0] if len(v.parts) == 1 else np.concatenate(v.parts) for v in views]
+            return ByteBlocks(tuple(shapes[index]), name, (np.concatenate(parts, axis=1),))
+        if rule.shard is table.REPLICATE and len(views) > 1:  # what `table.replicated` checks, on the bits
+            first = _raw(views[0])
+            if any(not np.array_equal(first, _raw(v)) for v in views[1:]):
+                return None
+        segments = sorted((a, b, k, at) for k, out in enumerate(plan)
+                          for (j, a, b), at in zip(out.runs, _starts(out.runs)) if j == index)
+        made, cursor = [], 0
+        for a, b, k, at in segments:
+            if b <= cursor:  # a copy of rows already taken (another replica, a vocabulary padding row)
+                continue
+            if a > cursor:
+                return None
+            made += views[k].rows(at + cursor - a, at + b - a)
+            cursor = b
+        if cursor != shapes[index][0]:
+            return None
+        sources = tuple(s for _, s in made)
+        return ByteBlocks(tuple(shapes[index]), name, tuple(p for p, _ in made),
+                          sources if any(s is not None for s in sources) else ())
 
     def byte_plan(self, rule: Rule, shapes: Sequence[tuple[int, ...]]) -> tuple[Output, ...] | row_maps.Columns | None:
         """`plan` of the forward direction by arithmetic (no torch), or the columns of a row-parallel split."""
@@ -190,3 +233,18 @@ def _np_runs(rows, bounds) -> tuple[tuple[int, int, int], ...]:
     firsts = np.flatnonzero(cut).tolist() + [len(rows)]
     src_l, local_l = src.tolist(), local.tolist()
     return tuple((src_l[a], local_l[a], local_l[a] + b - a) for a, b in zip(firsts, firsts[1:]))
+
+
+def _starts(runs: Sequence[tuple[int, int, int]]) -> list[int]:
+    """Each run's first row in its output."""
+    out, at = [], 0
+    for _, a, b in runs:
+        out.append(at)
+        at += b - a
+    return out
+
+
+def _raw(blocks: ByteBlocks):
+    """All of `blocks`' bytes as one flat array (a copy when it has several parts)."""
+    return np.concatenate([p.reshape(-1) for p in blocks.parts]) if len(blocks.parts) != 1 else \
+        blocks.parts[0].reshape(-1)
