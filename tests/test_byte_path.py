@@ -15,6 +15,7 @@ import filecmp
 import io
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ from mconvert.rules import row_maps
 from mconvert.rules.layout import ParallelLayout
 from mconvert.rules.row_plan import RowPlanner
 from mconvert.rules.table import Ctx
+from tests.support.cli import run_cli
 from tests.support.models import make_hf_model
 
 
@@ -40,10 +42,10 @@ def hf_bf16(tmp_path_factory) -> Path:
     return make_hf_model(tmp_path_factory.mktemp("byte_path") / "hf", "llama", dtype=torch.bfloat16)
 
 
-def _convert(src: Path, dst: Path, *args: str, torch_path: bool) -> bool:
-    """`mconvert --saver core ARGS` in its own process; whether it imported torch."""
+def _convert(src: Path, dst: Path, *args: str, torch_path: bool, saver: str = "core") -> bool:
+    """`mconvert --saver SAVER ARGS` in its own process; whether it imported torch."""
     code = ("import sys\nfrom mconvert.cli import main\n"
-            f"try:\n    main(['--saver', 'core', *{list(args)!r}, '--load-dir', {str(src)!r}, '--save-dir', "
+            f"try:\n    main(['--saver', {saver!r}, *{list(args)!r}, '--load-dir', {str(src)!r}, '--save-dir', "
             f"{str(dst)!r}])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
             "print('torch' in sys.modules, file=sys.stderr)")
     env = os.environ | {"MCONVERT_TORCH_PATH": "1" if torch_path else "0"}
@@ -71,6 +73,66 @@ def test_hf_to_core_torch_without_torch(hf_bf16, tmp_path, layout):
     out.rename(tmp_path / "bytes")
     assert _convert(hf_bf16, out, *layout, torch_path=True)
     _same_tree(tmp_path / "bytes", out)
+
+
+@pytest.fixture(scope="module")
+def core_tp2pp2(hf_bf16, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("byte_path_core") / "core"
+    _convert(hf_bf16, out, "--tp", "2", "--pp", "2", torch_path=True)
+    return out
+
+
+def _both_ways(src: Path, tmp_path: Path, *args: str, saver: str) -> None:
+    out = tmp_path / "out"  # one path for both (see above)
+    assert not _convert(src, out, *args, torch_path=False, saver=saver)
+    out.rename(tmp_path / "bytes")
+    assert _convert(src, out, *args, torch_path=True, saver=saver)
+    _same_tree(tmp_path / "bytes", out)
+
+
+def test_core_to_hf_without_torch(core_tp2pp2, tmp_path):
+    """core `torch` TP2 PP2 -> HF safetensors: QKV split, [gate ; up] halves, TP chunks joined as rows, the
+    row-parallel weights' columns joined (a copy), replicated norms compared across TP ranks on their bits; no
+    torch, the torch path's bytes."""
+    _both_ways(core_tp2pp2, tmp_path, saver="llama_mistral")
+
+
+def test_core_reshard_without_torch(core_tp2pp2, tmp_path):
+    """core TP2 PP2 -> core TP1 PP1 (each IR tensor from the source's pieces, then into the target's)."""
+    _both_ways(core_tp2pp2, tmp_path, "--tp", "1", "--pp", "1", saver="core")
+
+
+def test_differing_replicas_are_refused_as_before(core_tp2pp2, tmp_path, monkeypatch):
+    """Replicated pieces whose bits differ (a norm of TP rank 1 changed) give no byte view; the torch path then
+    reads them and refuses, with the same error as with the byte path off."""
+    src = tmp_path / "core"
+    shutil.copytree(core_tp2pp2, src)
+    path = src / "iter_0000001" / "mp_rank_01_000" / "model_optim_rng.pt"
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = torch.load(path, weights_only=True)
+    state["model"]["decoder.layers.0.input_layernorm.weight"][0] += 1
+    torch.save(state, path)
+    ir = engine.load(src, Options())
+    assert FileViews().view(ir["layers.0.attn_norm.weight"]) is None
+    assert FileViews().view(ir["layers.1.attn_norm.weight"]) is not None
+    errors = []
+    for torch_path in ("0", "1"):
+        monkeypatch.setenv("MCONVERT_TORCH_PATH", torch_path)
+        out = run_cli("--saver", "llama_mistral", "--load-dir", src, "--save-dir", tmp_path / torch_path,
+                      expect_error=True)
+        errors.append([line for line in out.splitlines() if line.startswith("Error:")])
+    assert errors[0] == errors[1] and "a replicated tensor differs between TP rank 0 and TP rank 1" in errors[0][0]
+
+
+def test_ir_views_are_the_loaded_tensors(core_tp2pp2):
+    """Every IR tensor of a core TP2 PP2 checkpoint, viewed as bytes, is bit for bit what torch loads."""
+    ir = engine.load(core_tp2pp2, Options())
+    views = FileViews()
+    for name, t in ir:
+        found = views.view(t)
+        assert found is not None, name
+        raw = b"".join(bytes(p.copy(order="C").data) for p in found.parts)
+        assert raw == t.load().contiguous().view(torch.uint8).numpy().tobytes(), name
 
 
 def test_a_cast_takes_torch(hf_bf16, tmp_path):
