@@ -211,8 +211,8 @@ def write_range(path: Path | str, plan: Layout, first: int, stop: int,
             produced = produce(e)
             made = produced.dtype_name if isinstance(produced, ByteBlocks) else dtypes.name_of(produced.dtype)
             if tuple(produced.shape) != tuple(e.shape) or made != dtypes.name_of(e.dtype):
-                raise ConvertError(f"{path}: tensor {e.name} came out {list(produced.shape)} {made}, "
-                                   f"planned {list(e.shape)} {dtypes.name_of(e.dtype)}")
+                raise ConvertError(f"{path}: tensor {e.name} came out {list(produced.shape)} torch.{made}, "
+                                   f"planned {list(e.shape)} torch.{dtypes.name_of(e.dtype)}")
             blocks = produced if isinstance(produced, ByteBlocks) else as_blocks(produced)
             sender.send(blocks, fd, start, writeback=writeback)
             if on_tensor:
