@@ -12,6 +12,9 @@ The plan is then applied to `Blocks` of the real inputs: every output is views o
 sends from the source's memory map straight to the file. A rule that mixes values inside rows (a transpose, a
 row-parallel split) or compares them (TP pieces of a replicated tensor must agree) fails the probe and runs on
 real tensors as before. Probing costs two int64 numbers per row, once per rule and shapes (layers repeat).
+
+Without torch (`forward_bytes`, `backward_bytes`): the same plans by arithmetic (`mconvert.rules.row_maps`), applied
+to `ByteBlocks`, numpy views of the source files' bytes.
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ class RowPlanner:
     def forward_bytes(self, rule: Rule, tensors: Sequence[LazyTensor],
                       view: Callable[[LazyTensor], ByteBlocks | None]) -> list[ByteBlocks] | None:
         """The per-rank pieces of IR tensors as byte views, without torch, when every tensor lies unchanged in a
-        file (`file_bytes`; `view` maps it, or gives None) and the rule's plan is known by arithmetic
-        (`mconvert.rules.row_maps`); else None, and the caller takes `forward_lazy`."""
+        file (`file_bytes`) or is stored pieces rearranged (`byte_blocks`), `view` (mconvert.io.file_views) gives
+        its bytes, and the rule's plan is known by arithmetic (`mconvert.rules.row_maps`); else None, and the
+        caller takes `forward_lazy`."""
         if not self.moves_bytes(rule, tensors):
             return None
         plan = self.byte_plan(rule, [t.shape for t in tensors])
