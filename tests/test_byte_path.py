@@ -102,6 +102,23 @@ def test_core_reshard_without_torch(core_tp2pp2, tmp_path):
     _both_ways(core_tp2pp2, tmp_path, "--tp", "1", "--pp", "1", saver="core")
 
 
+@pytest.mark.parametrize("made_by,args", [
+    (["--saver", "core", "--ckpt-format", "torch_dist"], ["--saver", "llama_mistral"]),
+    (["--saver", "core", "--ckpt-format", "torch_dist"], ["--saver", "core", "--tp", "2", "--pp", "2"]),
+    (["--saver", "legacy", "--tp", "2", "--pp", "2"], ["--saver", "llama_mistral"]),
+    ([], ["--saver", "legacy", "--tp", "2", "--pp", "2"]),
+], ids=["torch_dist_to_hf", "torch_dist_to_core", "legacy_to_hf", "hf_to_legacy"])
+def test_other_sources_and_targets_without_torch(hf_bf16, tmp_path, made_by, args):
+    """torch_dist sources (each block's chunks viewed in their files, after the integrity manifest has verified
+    them), legacy sources (checkpoint_version 3's QKV split as core's) and the legacy saver: no torch, the torch
+    path's bytes."""
+    src = hf_bf16
+    if made_by:
+        src = tmp_path / "src"
+        _convert(hf_bf16, src, *made_by[2:], torch_path=True, saver=made_by[1])
+    _both_ways(src, tmp_path, *args[2:], saver=args[1])
+
+
 def test_differing_replicas_are_refused_as_before(core_tp2pp2, tmp_path, monkeypatch):
     """Replicated pieces whose bits differ (a norm of TP rank 1 changed) give no byte view; the torch path then
     reads them and refuses, with the same error as with the byte path off."""

@@ -46,7 +46,7 @@ class FileViews:
         where = t.file_bytes
         size = dtypes.itemsize(t.dtype_name)
         if where is None:  # rows or columns of stored pieces, rearranged by the loader's rule
-            return t.byte_blocks(self.view) if t.byte_blocks is not None else None
+            return t.byte_blocks(self.view) if t.byte_blocks is not None else self._stored_in_order(t)
         if size not in RAW or not t.numel:
             return None
         mapped = self._map(where)
@@ -54,6 +54,21 @@ class FileViews:
             return None
         array = np.frombuffer(mapped, dtype=RAW[size], count=t.numel, offset=where.offset).reshape(t.shape)
         return ByteBlocks(tuple(t.shape), t.dtype_name, (array,), (where,))
+
+    def _stored_in_order(self, t: LazyTensor) -> ByteBlocks | None:
+        """A tensor stored as pieces one after another along its rows (a torch_dist block's chunks, verified
+        against the integrity manifest when found: `Elements.in_order`)."""
+        found = t.elements_of.resolved() if t.elements_of is not None and t.shape else None
+        if found is None or not found.in_order or found.replicas or found.copies or found.how or \
+                any(p.dtype_name != t.dtype_name or tuple(p.shape[1:]) != tuple(t.shape[1:]) for p in found.pieces) \
+                or sum(p.shape[0] for p in found.pieces) != t.shape[0]:
+            return None
+        views = [self.view(p) for p in found.pieces]
+        if any(v is None for v in views):
+            return None
+        sources = tuple(v.source(i) for v in views for i in range(len(v.parts)))
+        return ByteBlocks(tuple(t.shape), t.dtype_name, tuple(p for v in views for p in v.parts),
+                          sources if any(s is not None for s in sources) else ())
 
     def _map(self, where: FileBytes) -> mmap.mmap | None:
         key = (where.path, where.identity)

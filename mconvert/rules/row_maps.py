@@ -10,8 +10,9 @@ about as much CPU as copying a gigabyte):
     shard     REPLICATE, COLUMN, GATED_COLUMN         whole rows: a plan of row runs (`row_plan.Output`)
               ROW with one input                      each piece a band of columns of every row (`Columns`)
 
-Dispatch is by the rule's own join and shard objects (compared by identity), never by format; any other rule has
-no plan here and runs through torch. `tests/test_byte_path.py` checks every plan against the probe's.
+Dispatch is by the rule's own join and shard objects (compared by identity), never by format; a shard defined
+elsewhere may give its own row function (`Shard.rows`); any other rule has no plan here and runs through torch.
+`tests/test_byte_path.py` checks the plans against the probe's.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def _replicate(rows, ctx: Ctx):
     return [rows] * ctx.tp
 
 
+def column(rows, ctx: Ctx):
+    """`table.COLUMN`'s pieces: TP chunks of rows."""
+    return _column(rows, ctx)
+
+
 def _column(rows, ctx: Ctx):
     return None if len(rows) % ctx.tp else np.split(rows, ctx.tp)
 
@@ -104,7 +110,7 @@ def forward_plan(rule: Rule, shapes: Sequence[Shape], ctx: Ctx) -> list[tuple[Sh
         if rule.join is not table.IDENTITY or len(shapes) != 1 or len(s) != 2 or s[1] % ctx.tp:
             return None
         return Columns(ctx.tp, s[1] // ctx.tp)
-    join, shard = _found(JOINS, rule.join), _found(SHARDS, rule.shard)
+    join, shard = _found(JOINS, rule.join), _found(SHARDS, rule.shard) or rule.shard.rows
     if join is None or shard is None:
         return None
     ids, start = [], 0

@@ -93,7 +93,8 @@ class RowPlanner:
     def moves_bytes(self, rule: Rule, tensors: Sequence[LazyTensor]) -> bool:
         """Can `forward_bytes` make these tensors' pieces (as far as is known before any file is opened)?"""
         return len({t.dtype_name for t in tensors}) == 1 and \
-            all(t.file_bytes is not None or t.byte_blocks is not None for t in tensors) and \
+            all(t.file_bytes is not None or t.byte_blocks is not None or t.elements_of is not None
+                for t in tensors) and \
             self.byte_plan(rule, [t.shape for t in tensors]) is not None
 
     def backward_bytes(self, rule: Rule, shapes: Sequence[tuple[int, ...]], pieces: Sequence[LazyTensor],
