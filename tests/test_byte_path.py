@@ -107,11 +107,14 @@ def test_core_reshard_without_torch(core_tp2pp2, tmp_path):
     (["--saver", "core", "--ckpt-format", "torch_dist"], ["--saver", "core", "--tp", "2", "--pp", "2"]),
     (["--saver", "legacy", "--tp", "2", "--pp", "2"], ["--saver", "llama_mistral"]),
     ([], ["--saver", "legacy", "--tp", "2", "--pp", "2"]),
-], ids=["torch_dist_to_hf", "torch_dist_to_core", "legacy_to_hf", "hf_to_legacy"])
+    (["--saver", "core", "--ckpt-format", "torch_dcp"], ["--saver", "llama_mistral"]),
+    (["--saver", "core", "--ckpt-format", "fsdp_dtensor"], ["--saver", "llama_mistral"]),
+], ids=["torch_dist_to_hf", "torch_dist_to_core", "legacy_to_hf", "hf_to_legacy", "torch_dcp_to_hf",
+        "fsdp_dtensor_to_hf"])
 def test_other_sources_and_targets_without_torch(hf_bf16, tmp_path, made_by, args):
-    """torch_dist sources (each block's chunks viewed in their files, after the integrity manifest has verified
-    them), legacy sources (checkpoint_version 3's QKV split as core's) and the legacy saver: no torch, the torch
-    path's bytes."""
+    """torch_dist, torch_dcp and fsdp_dtensor sources (each block's chunks viewed in their files, after an
+    integrity manifest has verified them), legacy sources (checkpoint_version 3's QKV split as core's) and the
+    legacy saver: no torch, the torch path's bytes."""
     src = hf_bf16
     if made_by:
         src = tmp_path / "src"
