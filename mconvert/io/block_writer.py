@@ -6,6 +6,8 @@ written from memory otherwise, a few MiB at a time, with the CRC-32 that zip rec
     strided part (a row-parallel piece)              copied WRITE_SIZE bytes at a time into a reused scratch
                                                      buffer, then written (no buffer the size of the piece)
 
+Parts are torch tensors (`Blocks`) or numpy arrays (`ByteBlocks`, the byte path: no torch), handled alike.
+
 Provenance is the loader's word that a part shows a file's bytes unchanged (see `mconvert.ir.blocks.FileBytes`);
 nothing asks the kernel where memory came from. The source file is opened again by path and used only if it is
 still the file the loader mapped (device, inode, size, modification time); otherwise, or if the kernel refuses

@@ -9,6 +9,11 @@ couple of tensors, whatever the file size. The archive is written with Python's 
 faster than torch's own writer) and can start anywhere in an open file: distributed-checkpoint files embed one
 such archive per tensor chunk.
 
+Nothing here imports torch: `add` takes torch tensors, `Blocks` or `ByteBlocks` (numpy views of a source file's
+bytes), and the pickle names torch's classes and dtypes (`_rebuild_tensor_v2`, `torch.BFloat16Storage`,
+`torch.Size`, `torch.bfloat16`, a `TorchDType`) through `Global`, written by the pure-Python pickler, which gives
+the opcodes and memo the C pickler gives for torch's own objects (tests/test_byte_path.py compares them).
+
 Records are laid out by Python's zipfile, not by torch's writer (miniz), so the archive does not claim torch's
 `.format_version`: with it, torch would compute storage offsets from miniz's layout (its
 `calculate_storage_offsets` option and meta-device loads) instead of reading each record's header.
