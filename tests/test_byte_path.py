@@ -197,7 +197,8 @@ def test_storage_names_are_torchs():
 def test_pickle_is_the_c_picklers_of_torch_objects(tmp_path):
     """data.pkl as written (names of torch without torch, pure-Python pickler) is what the C pickler writes for
     torch's own objects: the dtype, the storage class, `_rebuild_tensor_v2` and `torch.Size`."""
-    args = argparse.Namespace(bf16=True, params_dtype=TorchDType("bfloat16"), other=TorchDType("bfloat16"))
+    args = argparse.Namespace(bf16=True, params_dtype=TorchDType("bfloat16"), other=TorchDType("bfloat16"),
+                              real=torch.bfloat16, f32=torch.float32)
     writer = torch_zip.TorchFileWriter(tmp_path / "x.pt", background=False)
     handles = [writer.add(torch.zeros(3, 2, dtype=torch.bfloat16)), writer.add(torch.ones(4, dtype=torch.float32))]
     obj = {"args": args, "model": collections.OrderedDict(a=handles[0], b=handles[1]), "iteration": 3}
@@ -219,7 +220,8 @@ def test_pickle_is_the_c_picklers_of_torch_objects(tmp_path):
                 return torch._utils._rebuild_tensor_v2, (storage, offset, torch.Size(size), stride, grad, hooks)
             return NotImplemented
 
-    real = argparse.Namespace(bf16=True, params_dtype=torch.bfloat16, other=torch.bfloat16)
+    real = argparse.Namespace(bf16=True, params_dtype=torch.bfloat16, other=torch.bfloat16, real=torch.bfloat16,
+                              f32=torch.float32)
     theirs = io.BytesIO()
     CPickler(theirs, protocol=2).dump({"args": real, "model": obj["model"], "iteration": 3})
     assert mine.getvalue() == theirs.getvalue()

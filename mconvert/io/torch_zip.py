@@ -153,6 +153,12 @@ class _Pickler(pickle._Pickler):
             return "storage", named("torch", storage_type(obj.dtype_name)), obj.key, "cpu", obj.numel
         return None
 
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        torch_module = sys.modules.get("torch")
+        if torch_module is not None and type(obj) is torch_module.dtype:  # the same one object as a TorchDType's
+            obj = dtype_global(dtypes.name_of(obj))
+        super().save(obj, save_persistent_id)
+
     def reducer_override(self, obj: Any):
         torch_module = sys.modules.get("torch")  # a tensor exists only once torch is imported
         if torch_module is not None and isinstance(obj, torch_module.Tensor):
