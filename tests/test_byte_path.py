@@ -83,6 +83,7 @@ def core_tp2pp2(hf_bf16, tmp_path_factory) -> Path:
 
 
 def _both_ways(src: Path, tmp_path: Path, *args: str, saver: str) -> None:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "out"  # one path for both (see above)
     assert not _convert(src, out, *args, torch_path=False, saver=saver)
     out.rename(tmp_path / "bytes")
@@ -120,6 +121,15 @@ def test_other_sources_and_targets_without_torch(hf_bf16, tmp_path, made_by, arg
         src = tmp_path / "src"
         _convert(hf_bf16, src, *made_by[2:], torch_path=True, saver=made_by[1])
     _both_ways(src, tmp_path, *args[2:], saver=args[1])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_other_families_without_torch(family, tmp_path):
+    """Qwen3 (q/k norms, replicated) and Gemma 3 (sandwich norms, GeGLU) to core TP2 and back: no torch, the torch
+    path's bytes both ways."""
+    hf = make_hf_model(tmp_path / "hf", family, dtype=torch.bfloat16)
+    _both_ways(hf, tmp_path / "to_core", "--tp", "2", saver="core")
+    _both_ways(tmp_path / "to_core" / "bytes", tmp_path / "back", saver="hf")
 
 
 def test_differing_replicas_are_refused_as_before(core_tp2pp2, tmp_path, monkeypatch):
