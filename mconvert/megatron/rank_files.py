@@ -487,11 +487,11 @@ def write_parts(ir: ModelIR, planner: RowPlanner, parts: list[Part], ranks: list
             for row in _rows(part):
                 for label, named in sets.items():
                     tensors = [named[n] for n in row.ir]
-                    pieces = (views and planner.forward_bytes(row.rule, tensors, views.view)) or \
+                    to_file = not label or beside.in_file  # else each piece is kept as a tensor (see Beside)
+                    pieces = (views and to_file and planner.forward_bytes(row.rule, tensors, views.view)) or \
                         planner.forward_lazy(row.rule, tensors)
                     for k, rank in enumerate(ranks):
-                        handle = writers[k].add(pieces[rank]) if not label or beside.in_file else \
-                            _tensor(pieces[rank])
+                        handle = writers[k].add(pieces[rank]) if to_file else _tensor(pieces[rank])
                         stored[k][label].append((part.entry, row.key, handle))
                         if not label:
                             flat[k][row.key] = handle
