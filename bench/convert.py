@@ -1,6 +1,7 @@
 """Conversion speed and memory on a 1.1B Llama, side by side with `cp` of the same bytes, in one run.
 
     python bench/convert.py --vs-cp [--rounds 5] [--layers 22] [--workers 1,2] [--models /tmp/bench-models] [--keep]
+                            [--cases NAME] [--baseline DIR] [--torch-path]
 
 Builds (once, cached in --models, outside the repository) a random bf16 Llama with TinyLlama-1.1B shapes from a
 `transformers` LlamaConfig, as `save_pretrained` lays it out; the Megatron sources (core torch TP2 PP2 and
@@ -186,23 +187,34 @@ def cases(models: Path, hf: Path, moe: Path) -> dict[str, tuple[Path, list[str]]
     }
 
 
-def prepare(models: Path, layers: int, moe_layers: int) -> tuple[Path, Path]:
+def selected(name: str, only: str) -> bool:
+    """Is case `name` among those `only` asks for (comma-separated parts of names; empty: every case)?"""
+    return any(part.strip().lower() in name.lower() for part in only.split(","))
+
+
+def prepare(models: Path, layers: int, moe_layers: int, only: str = "") -> tuple[Path, Path]:
     """The HF sources (Llama with 1.1B shapes and `layers` layers, Mixtral with `moe_layers`) and the sources made
-    from them (kept for the next run with --keep: remade when a layer count changes)."""
+    from them (kept for the next run with --keep: remade when a layer count changes); with `only`, those the cases
+    whose name contains it read."""
     hf, moe = models / f"llama_1.1b_{layers}l", models / f"mixtral_{moe_layers}l"
+    needed = {src for name, (src, _) in cases(models, hf, moe).items() if selected(name, only)}
+    if any(models / name in needed for name, (is_moe, _) in SOURCES.items() if is_moe):
+        needed.add(moe)
+    if needed - {hf, moe}:
+        needed.add(hf)
     for path, n, is_moe in ((hf, layers, False), (moe, moe_layers, True)):
-        if not (path / "config.json").is_file():
+        if path in needed and not (path / "config.json").is_file():
             t = time.perf_counter()
             build_llama(path, n, moe=is_moe)
             print(f"built {path} in {time.perf_counter() - t:.0f} s", flush=True)
     made = models / "llama_bin.source"
-    if not made.is_file() or made.read_text() != hf.name:
+    if models / "llama_bin" in needed and (not made.is_file() or made.read_text() != hf.name):
         build_bin(hf, models / "llama_bin")
         made.write_text(hf.name)
     for name, (is_moe, args) in SOURCES.items():
         src = moe if is_moe else hf
         made = models / f"{name}.source"  # which HF model it was made from
-        if not made.is_file() or made.read_text() != src.name:
+        if models / name in needed and (not made.is_file() or made.read_text() != src.name):
             subprocess.run([*mconvert_cmd(), *args, "--load-dir", str(src), "--save-dir", str(models / name)],
                            check=True, stderr=subprocess.DEVNULL)
             made.write_text(src.name)
@@ -210,16 +222,19 @@ def prepare(models: Path, layers: int, moe_layers: int) -> tuple[Path, Path]:
 
 
 def bench_cases(models: Path, hf: Path, moe: Path, rounds: int, workers: list[int], vs_cp: bool,
-                only: str = "", baseline: Path | None = None) -> None:
+                only: str = "", baseline: Path | None = None, torch_path: bool = False) -> None:
     """Each case beside `cp -r` (with `vs_cp`), at each worker count; with `baseline` (a directory holding another
-    version's `mconvert` package) that version too, in the same rounds (PYTHONPATH puts it first)."""
-    table = {name: case for name, case in cases(models, hf, moe).items() if only.lower() in name.lower()}
+    version's `mconvert` package) that version too, in the same rounds (PYTHONPATH puts it first); with
+    `torch_path` this version with its byte path off too (MCONVERT_TORCH_PATH=1: every tensor through torch)."""
+    table = {name: case for name, case in cases(models, hf, moe).items() if selected(name, only)}
     out = models / "out"
     variants = [(f"workers {w}", w, None) for w in workers]
     if baseline is not None:
         old = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(baseline.resolve()),
                                                                          os.environ.get("PYTHONPATH")])))
         variants += [(f"baseline w{w}", w, old) for w in workers]
+    if torch_path:
+        variants += [(f"torch path w{w}", w, dict(os.environ, MCONVERT_TORCH_PATH="1")) for w in workers]
     runs: dict[tuple[str, str], list[Run]] = {}
     cps: dict[str, list[Run]] = {}
     imports: dict[str, list[Run]] = {}  # `import torch` alone, in the same round: the fixed part of the CPU
@@ -337,11 +352,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=SIZES["1.1b"][1],
                         help="layers of the model the cases convert (1.1B shapes; 22 is the real 1.1B)")
     parser.add_argument("--moe-layers", type=int, default=8, help="layers of the Mixtral the MoE cases convert")
-    parser.add_argument("--cases", default="", help="only the cases whose name contains this (e.g. 'dcp')")
+    parser.add_argument("--cases", default="", help="only the cases whose name contains this, or one of these "
+                        "comma-separated parts (e.g. 'dcp' or 'HF -> core TP2,core -> HF')")
     parser.add_argument("--workers", default="1,2", help="worker counts to compare, e.g. 1,2")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a directory holding another version's mconvert package (e.g. from `git archive main "
                              "mconvert | tar -x -C DIR`), timed beside this one in every round")
+    parser.add_argument("--torch-path", action="store_true",
+                        help="also time this version with its byte path off (MCONVERT_TORCH_PATH=1), same rounds")
     parser.add_argument("--models", type=Path, default=Path("/tmp/bench-models"), help="models and outputs live here")
     parser.add_argument("--growth", default="4,8,16", help="layer counts for the memory-growth check ('' to skip)")
     parser.add_argument("--keep", action="store_true", help="keep the models for the next run")
@@ -353,9 +371,9 @@ def main() -> None:
         if args.startup_only:
             bench_startup(args.models, args.rounds)
             return
-        hf, moe = prepare(args.models, args.layers, args.moe_layers)
+        hf, moe = prepare(args.models, args.layers, args.moe_layers, args.cases)
         bench_cases(args.models, hf, moe, args.rounds, [int(w) for w in args.workers.split(",")], args.vs_cp,
-                    args.cases, args.baseline)
+                    args.cases, args.baseline, args.torch_path)
         if args.growth:
             bench_growth(args.models, [int(n) for n in args.growth.split(",")])
         bench_startup(args.models, args.rounds)

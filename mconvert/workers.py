@@ -126,7 +126,11 @@ def one_op_thread() -> Iterator[None]:
     Jobs move bytes: their torch operations are copies, casts and joins, limited by memory, and every worker is a
     thread already. torch's own threads (OpenMP) would split each copy and then busy-wait for the next one: about
     5% of a conversion's CPU time (perf, core -> torch_dist), for no gain in wall time on a busy machine.
+    Without torch imported (jobs that only move bytes, see `mconvert.io.file_views`) nothing is set.
     """
+    if "torch" not in sys.modules:  # jobs that only move bytes never import it (a saver that needs torch has)
+        yield
+        return
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -24,9 +24,10 @@ from typing import Any
 from mconvert import workers
 from mconvert.errors import ConvertError
 from mconvert.hf.config import generation_config
-from mconvert.io import hf_dir
+from mconvert.io import file_views, hf_dir
+from mconvert.io.file_views import FileViews
 from mconvert.io.safetensors import Entry
-from mconvert.ir import sizes
+from mconvert.ir import dtypes, sizes
 from mconvert.ir.blocks import Blocks
 from mconvert.ir.checks import HF_INTEGERS, check_integers, with_where
 from mconvert.ir.config import ModelConfig
@@ -108,7 +109,13 @@ def save_hf(ir: ModelIR, out: Path, options: Options, progress: Progress, *, tab
     check_plan(ir.tensors, [("model", rows)], where=where)
     plan = {p.key: p for p in from_ir(ir, rows, ctx)}
     planner = RowPlanner(ctx)
-    entries, produce = _entries(plan, lambda key: plan[key].produce(ir, planner), fp8)
+    quantize = {key for key in plan if fp8 is not None and fp8(key)}
+    view = FileViews().view if file_views.enabled() else None  # bytes moved without torch where they allow
+    if view is None or quantize or not all(planner.moves_bytes(p.row.rule, [ir[n] for n in p.row.ir])
+                                           for p in plan.values()):
+        torch.get_num_threads()  # the plan needs torch: imported now, so that its jobs run it on one thread each
+    entries, produce = _entries(plan, lambda key: plan[key].produce(ir, planner, None if key in quantize else view),
+                                fp8)
     jobs, index = hf_dir.weight_jobs(out, entries, produce, options.max_shard_size,
                                      parallel=workers.slots(options.workers))
 
@@ -144,7 +151,7 @@ def _entries(plan: dict, tensor: Callable[[str], Any], fp8: Callable[[str], bool
             with lock:
                 found = pending.pop(weight, None)
             return (found or quantized(weight))[1]
-        if e.dtype == mfp8.FP8:
+        if dtypes.name_of(e.dtype) == mfp8.FP8_NAME:
             q = quantized(e.name)
             with lock:
                 pending[e.name] = q

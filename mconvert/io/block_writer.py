@@ -6,6 +6,8 @@ written from memory otherwise, a few MiB at a time, with the CRC-32 that zip rec
     strided part (a row-parallel piece)              copied WRITE_SIZE bytes at a time into a reused scratch
                                                      buffer, then written (no buffer the size of the piece)
 
+Parts are torch tensors (`Blocks`) or numpy arrays (`ByteBlocks`, the byte path: no torch), handled alike.
+
 Provenance is the loader's word that a part shows a file's bytes unchanged (see `mconvert.ir.blocks.FileBytes`);
 nothing asks the kernel where memory came from. The source file is opened again by path and used only if it is
 still the file the loader mapped (device, inode, size, modification time); otherwise, or if the kernel refuses
@@ -22,8 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from mconvert.io.writeback import Writeback
-from mconvert.ir.blocks import Blocks, FileBytes
-from mconvert.lazy import torch
+from mconvert.ir.blocks import Blocks, ByteBlocks, FileBytes
+from mconvert.lazy import np, torch
 
 try:  # ISA-L's CRC-32 (the very same checksum) runs about 6x faster than zlib's
     from isal.isal_zlib import crc32
@@ -39,11 +41,11 @@ class Sender:
 
     def __init__(self) -> None:
         self._fds: dict[tuple[str, tuple[int, int, int, int]], int | None] = {}
-        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._scratch = None  # reused for strided parts: a torch or a numpy byte buffer, made when first needed
         self._copy_files = hasattr(os, "copy_file_range")
         self.copied = self.written = 0  # bytes sent file to file, and from memory
 
-    def send(self, blocks: Blocks, fd: int, position: int, *, crc: int | None = None,
+    def send(self, blocks: Blocks | ByteBlocks, fd: int, position: int, *, crc: int | None = None,
              writeback: Writeback | None = None) -> tuple[int, int | None]:
         """Write `blocks` into `fd` at `position`; returns the end position and the CRC-32 continued from `crc`
         (None: not computed)."""
@@ -64,7 +66,7 @@ class Sender:
                     writeback.advance(position)
         return position, crc
 
-    def buffers(self, blocks: Blocks) -> Iterator[memoryview]:
+    def buffers(self, blocks: Blocks | ByteBlocks) -> Iterator[memoryview]:
         """The bytes `send` writes, in order, as memoryviews (each valid until the next is asked for)."""
         for part in blocks.parts:
             yield from self._buffers(part)
@@ -75,8 +77,8 @@ class Sender:
                 os.close(fd)
         self._fds.clear()
 
-    def _span(self, part: torch.Tensor, source: FileBytes | None) -> Span | None:
-        if source is None or not self._copy_files or part.numel() * part.element_size() < SPAN_MIN:
+    def _span(self, part, source: FileBytes | None) -> Span | None:
+        if source is None or not self._copy_files or part.nbytes < SPAN_MIN:
             return None
         key = (source.path, source.identity)
         if key not in self._fds:
@@ -101,10 +103,14 @@ class Sender:
             return None
         return Span(span.fd, span.offset + nbytes)
 
-    def _buffers(self, part: torch.Tensor) -> Iterator[memoryview]:
-        """The part's bytes as memoryviews of at most WRITE_SIZE bytes; a strided part goes through the scratch
-        buffer (each view valid until the next is asked for)."""
-        if not part.numel():
+    def _buffers(self, part) -> Iterator[memoryview]:
+        """The part's bytes (a torch tensor's, or a numpy array's of ByteBlocks) as memoryviews of at most
+        WRITE_SIZE bytes; a strided part goes through the scratch buffer (each view valid until the next is asked
+        for)."""
+        if not part.nbytes:
+            return
+        if isinstance(part, np.ndarray):
+            yield from self._numpy_buffers(part)
             return
         if part.is_contiguous():
             view = memoryview(part.reshape(-1).view(torch.uint8).numpy())
@@ -116,11 +122,28 @@ class Sender:
         for r in range(0, part.shape[0], step):
             rows = part[r:r + step]
             nbytes = rows.numel() * rows.element_size()
-            if self._scratch.numel() < nbytes:
+            if not isinstance(self._scratch, torch.Tensor) or self._scratch.numel() < nbytes:
                 self._scratch = torch.empty(max(nbytes, WRITE_SIZE), dtype=torch.uint8)
             out = self._scratch[:nbytes]
             out.view(rows.dtype).view(rows.shape).copy_(rows)
             yield memoryview(out.numpy())
+
+    def _numpy_buffers(self, part) -> Iterator[memoryview]:
+        """`_buffers` of a numpy part, without torch."""
+        if part.flags.c_contiguous:
+            view = memoryview(part.reshape(-1).view(np.uint8))
+            for i in range(0, len(view), WRITE_SIZE):
+                yield view[i:i + WRITE_SIZE]
+            return
+        row_bytes = part[0].nbytes
+        step = max(1, WRITE_SIZE // row_bytes)
+        for r in range(0, part.shape[0], step):
+            rows = part[r:r + step]
+            if not isinstance(self._scratch, np.ndarray) or len(self._scratch) < rows.nbytes:
+                self._scratch = np.empty(max(rows.nbytes, WRITE_SIZE), dtype=np.uint8)
+            out = self._scratch[:rows.nbytes]
+            np.copyto(out.view(rows.dtype).reshape(rows.shape), rows)
+            yield memoryview(out)
 
 
 @dataclass(frozen=True)

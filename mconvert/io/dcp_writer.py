@@ -15,6 +15,8 @@ threads), so a cluster has enough files to share out.
 
 from __future__ import annotations
 
+import argparse
+import collections
 import contextlib
 import functools
 import io
@@ -29,7 +31,9 @@ from mconvert.io import dcp_pickle
 from mconvert.io.block_writer import Sender
 from mconvert.io.dcp import METADATA
 from mconvert.io.integrity import WriteDigest
+from mconvert.io.torch_archive import TorchDType
 from mconvert.io.torch_zip import ALIGN, TorchFileWriter
+from mconvert.ir import dtypes
 from mconvert.lazy import torch
 from mconvert.workers import Job
 
@@ -182,10 +186,24 @@ class DcpWriter:
 
 
 def object_bytes(obj: Any) -> bytes:
-    """What a bytes item holding `obj` stores: torch.save(obj)."""
+    """What a bytes item holding `obj` stores: torch.save(obj) (a dtype named by a `TorchDType`, as in the args
+    `mconvert.megatron.arguments` writes, as the torch dtype itself)."""
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
+    torch.save(_real_dtypes(obj), buffer)
     return buffer.getvalue()
+
+
+def _real_dtypes(obj: Any) -> Any:
+    """`obj` with each `TorchDType` in its args namespaces, dicts, lists and tuples made the torch dtype."""
+    if isinstance(obj, TorchDType):
+        return dtypes.to_torch(obj.name)
+    if isinstance(obj, argparse.Namespace):
+        return argparse.Namespace(**{k: _real_dtypes(v) for k, v in vars(obj).items()})
+    if type(obj) in (dict, collections.OrderedDict):
+        return type(obj)((k, _real_dtypes(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_real_dtypes(v) for v in obj)
+    return obj
 
 
 def write_metadata(root: Path, entries: list[tuple], tensors: dict) -> None:

@@ -215,7 +215,7 @@ def shard_plan(entries: list[safetensors_io.Entry], max_shard_size: int) -> list
     shards: list[list[safetensors_io.Entry]] = [[]]
     size = 0
     for e in entries:
-        nbytes = e.dtype.itemsize * int(torch.Size(e.shape).numel())
+        nbytes = safetensors_io.entry_nbytes(e)
         if shards[-1] and size + nbytes > max_shard_size:
             shards.append([])
             size = 0
@@ -239,7 +239,7 @@ def weight_jobs(out: Path, entries: list[safetensors_io.Entry],
     total = 0
     for name, shard in zip(names, shards):
         plan = safetensors_io.layout(shard)
-        sizes = [e.dtype.itemsize * int(torch.Size(e.shape).numel()) for e in shard]
+        sizes = [safetensors_io.entry_nbytes(e) for e in shard]
         cuts = _cuts(sizes, pieces)
         for k, (first, stop) in enumerate(zip(cuts, cuts[1:])):
             label = name if len(cuts) == 2 else f"{name} [{k + 1}/{len(cuts) - 1}]"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -23,7 +24,7 @@ from mconvert.errors import ConvertError
 from mconvert.io.block_writer import Sender, pwrite_all
 from mconvert.io.writeback import Writeback
 from mconvert.ir import dtypes
-from mconvert.ir.blocks import Blocks, FileBytes, as_blocks
+from mconvert.ir.blocks import Blocks, ByteBlocks, FileBytes, as_blocks
 from mconvert.lazy import torch
 
 # the header's dtype codes -> torch's dtype names (see mconvert.ir.dtypes)
@@ -149,7 +150,11 @@ def _check_disjoint(path: Path, infos: dict[str, TensorInfo]) -> None:
 class Entry:
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: torch.dtype | str  # or its name (see mconvert.ir.dtypes)
+
+
+def entry_nbytes(e: Entry) -> int:
+    return dtypes.itemsize(dtypes.name_of(e.dtype)) * math.prod(e.shape)
 
 
 @dataclass(frozen=True)
@@ -168,9 +173,7 @@ def layout(entries: Iterable[Entry], metadata: dict[str, str] | None = None) -> 
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     for e in entries:
-        nbytes = e.dtype.itemsize
-        for s in e.shape:
-            nbytes *= s
+        nbytes = entry_nbytes(e)
         header[e.name] = {"dtype": CODES[dtypes.name_of(e.dtype)], "shape": list(e.shape),
                           "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -181,7 +184,7 @@ def layout(entries: Iterable[Entry], metadata: dict[str, str] | None = None) -> 
     return Layout(struct.pack("<Q", len(blob)) + blob, entries, starts, base + offset)
 
 
-def write(path: Path | str, entries: Iterable[Entry], produce: Callable[[Entry], torch.Tensor | Blocks],
+def write(path: Path | str, entries: Iterable[Entry], produce: Callable[[Entry], torch.Tensor | Blocks | ByteBlocks],
           metadata: dict[str, str] | None = None, on_tensor: Callable[[int], None] | None = None) -> int:
     """Write a safetensors file, asking `produce` for each entry's tensor (or its blocks) in order; returns bytes
     written."""
@@ -191,8 +194,8 @@ def write(path: Path | str, entries: Iterable[Entry], produce: Callable[[Entry],
 
 
 def write_range(path: Path | str, plan: Layout, first: int, stop: int,
-                produce: Callable[[Entry], torch.Tensor | Blocks], on_tensor: Callable[[int], None] | None = None,
-                ) -> None:
+                produce: Callable[[Entry], torch.Tensor | Blocks | ByteBlocks],
+                on_tensor: Callable[[int], None] | None = None) -> None:
     """Tensors [first, stop) of the file `plan` describes, each at its offset; the range starting at 0 also writes
     the header and sets the file's size. Other ranges of the same file may be written at the same time (the file
     is opened without truncation and every write goes to its own offset): the file is whole when all are done."""
@@ -206,10 +209,11 @@ def write_range(path: Path | str, plan: Layout, first: int, stop: int,
         sender = stack.enter_context(contextlib.closing(Sender()))
         for e, start in zip(plan.entries[first:stop], plan.starts[first:stop]):
             produced = produce(e)
-            if tuple(produced.shape) != tuple(e.shape) or produced.dtype != e.dtype:
-                raise ConvertError(f"{path}: tensor {e.name} came out {list(produced.shape)} {produced.dtype}, "
-                                   f"planned {list(e.shape)} {e.dtype}")
-            blocks = as_blocks(produced)
+            made = produced.dtype_name if isinstance(produced, ByteBlocks) else dtypes.name_of(produced.dtype)
+            if tuple(produced.shape) != tuple(e.shape) or made != dtypes.name_of(e.dtype):
+                raise ConvertError(f"{path}: tensor {e.name} came out {list(produced.shape)} torch.{made}, "
+                                   f"planned {list(e.shape)} torch.{dtypes.name_of(e.dtype)}")
+            blocks = produced if isinstance(produced, ByteBlocks) else as_blocks(produced)
             sender.send(blocks, fd, start, writeback=writeback)
             if on_tensor:
                 on_tensor(blocks.nbytes)

@@ -9,6 +9,11 @@ couple of tensors, whatever the file size. The archive is written with Python's 
 faster than torch's own writer) and can start anywhere in an open file: distributed-checkpoint files embed one
 such archive per tensor chunk.
 
+Nothing here imports torch: `add` takes torch tensors, `Blocks` or `ByteBlocks` (numpy views of a source file's
+bytes), and the pickle names torch's classes and dtypes (`_rebuild_tensor_v2`, `torch.BFloat16Storage`,
+`torch.Size`, `torch.bfloat16`, a `TorchDType`) through `Global`, written by the pure-Python pickler, which gives
+the opcodes and memo the C pickler gives for torch's own objects (tests/test_byte_path.py compares them).
+
 Records are laid out by Python's zipfile, not by torch's writer (miniz), so the archive does not claim torch's
 `.format_version`: with it, torch would compute storage offsets from miniz's layout (its
 `calculate_storage_offsets` option and meta-device loads) instead of reading each record's header.
@@ -28,14 +33,17 @@ import functools
 import io
 import pickle
 import struct
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from mconvert.io.block_writer import Sender
 from mconvert.io.integrity import WriteDigest
+from mconvert.io.torch_archive import TorchDType
 from mconvert.io.writeback import Writeback
-from mconvert.ir.blocks import Blocks, as_blocks
+from mconvert.ir import dtypes
+from mconvert.ir.blocks import Blocks, ByteBlocks, as_blocks
 from mconvert.lazy import torch
 
 try:  # ISA-L's CRC-32 (the very same checksum) runs about 6x faster than zlib's; zipfile calls it for every byte
@@ -51,17 +59,63 @@ ALIGN = 64
 _COUNTS_BYTES = all(a in zipfile._ZipWriteFile.__init__.__code__.co_names for a in ("_file_size", "_crc"))
 
 
+class Global:
+    """A module-level name of torch (`torch._utils._rebuild_tensor_v2`, `torch.BFloat16Storage`, `torch.bfloat16`)
+    pickled by name without importing torch: `GLOBAL module name`, what pickling the real object writes. One
+    object per name (`named`), so that a name pickled twice is memoized as the real object is."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+    def __call__(self, *args, **kwargs):  # the pickler asks a reduction's function to be callable; never called
+        raise TypeError(f"{self} is only a name to pickle")
+
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Global) and (other.module, other.name) == (self.module, self.name)
+
+    def __hash__(self) -> int:
+        return hash((self.module, self.name))
+
+
 @functools.cache
-def _storage_types() -> dict:
-    """dtype -> the legacy storage class torch.save pickles (`torch.FloatStorage`), built when first written."""
-    return {dtype: getattr(torch, name) for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+def named(module: str, name: str) -> Global:
+    return Global(module, name)
+
+
+def dtype_global(dtype_name: str) -> Global:
+    """A torch dtype by name, pickled as `torch.<name>` (a `TorchDType`, Megatron's `args.params_dtype`, is too)."""
+    return named("torch", dtype_name)
+
+
+# dtype name -> the legacy storage class torch.save pickles: torch.storage._dtype_to_storage_type_map() for the
+# dtypes weights come in (tests/test_byte_path.py compares them); torch's own map answers for any other
+STORAGE_TYPES = {"float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
+                 "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage",
+                 "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage"}
+
+
+def storage_type(dtype_name: str) -> str:
+    if dtype_name in STORAGE_TYPES:
+        return STORAGE_TYPES[dtype_name]
+    return torch.storage._dtype_to_storage_type_map()[dtypes.to_torch(dtype_name)]
 
 
 class _StorageRef:
     """A storage already written to the archive; the pickler turns it into a persistent id."""
 
-    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
-        self.key, self.dtype, self.numel = key, dtype, numel
+    def __init__(self, key: str, dtype_name: str, numel: int) -> None:
+        self.key, self.dtype_name, self.numel = key, dtype_name, numel
+
+
+class _Size(tuple):
+    """`torch.Size(shape)` as pickled: `torch.Size` called on the tuple."""
+
+    def __reduce__(self):
+        return named("torch", "Size"), (tuple(self),)
 
 
 class StoredTensor:
@@ -72,15 +126,54 @@ class StoredTensor:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.storage.dtype
+        return dtypes.to_torch(self.storage.dtype_name)
 
     def __reduce_ex__(self, protocol: int):
         stride, acc = [], 1
         for size in reversed(self.shape):
             stride.append(acc)
             acc *= size
-        args = (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict())
-        return torch._utils._rebuild_tensor_v2, args
+        args = (self.storage, 0, _Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict())
+        return named("torch._utils", "_rebuild_tensor_v2"), args
+
+
+class _Pickler(pickle._Pickler):
+    """The pure-Python pickler, which alone lets a name be written without importing its module (the C one imports
+    it to check the object); it writes the same opcodes and memo as the C one. `Global`s and the storages
+    written are pickled as torch's own objects; a torch tensor met in the tree is added to the archive first."""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def __init__(self, file, writer: TorchFileWriter) -> None:
+        super().__init__(file, protocol=2)
+        self.writer = writer
+
+    def persistent_id(self, obj: Any):
+        if isinstance(obj, _StorageRef):
+            return "storage", named("torch", storage_type(obj.dtype_name)), obj.key, "cpu", obj.numel
+        return None
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        torch_module = sys.modules.get("torch")
+        if torch_module is not None and type(obj) is torch_module.dtype:  # the same one object as a TorchDType's
+            obj = dtype_global(dtypes.name_of(obj))
+        super().save(obj, save_persistent_id)
+
+    def reducer_override(self, obj: Any):
+        torch_module = sys.modules.get("torch")  # a tensor exists only once torch is imported
+        if torch_module is not None and isinstance(obj, torch_module.Tensor):
+            return self.writer.add(obj).__reduce_ex__(2)
+        return NotImplemented
+
+    def save_named(self, obj: Global) -> None:
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+        self.memoize(obj)
+
+    def save_dtype(self, obj: TorchDType) -> None:
+        self.save(dtype_global(obj.name))  # one object per dtype, as torch's: pickled once, then by reference
+
+    dispatch[Global] = save_named
+    dispatch[TorchDType] = save_dtype
 
 
 class Window:
@@ -135,7 +228,7 @@ class TorchFileWriter:
         self._closed = False
         self.bytes_written = 0
 
-    def _record(self, name: str, data: bytes | Blocks) -> None:
+    def _record(self, name: str, data: bytes | Blocks | ByteBlocks) -> None:
         """One stored record of `data`: bytes, or blocks sent by `mconvert.io.block_writer` (file to file where it can)
         behind zipfile's back, telling it the size and CRC it would have counted."""
         info = zipfile.ZipInfo(f"{self._prefix}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
@@ -147,7 +240,8 @@ class TorchFileWriter:
             if isinstance(data, bytes):
                 f.write(data)
             elif not _COUNTS_BYTES:
-                f.write(data.join().reshape(-1).view(torch.uint8).numpy())
+                for buffer in self._sender.buffers(data):
+                    f.write(buffer)
             else:
                 self._file.flush()
                 start = self._file.tell()
@@ -162,17 +256,17 @@ class TorchFileWriter:
                 start += len(buffer)
         self._writeback.advance(self._file.tell())
 
-    def _write_tensor(self, key: str, blocks: Blocks) -> None:
+    def _write_tensor(self, key: str, blocks: Blocks | ByteBlocks) -> None:
         self._record(f"data/{key}", blocks)
 
     def _wait(self, keep: int) -> None:
         while len(self._pending) > keep:
             self._pending.popleft().result()  # re-raises a failed write here
 
-    def add(self, tensor: torch.Tensor | Blocks) -> StoredTensor:
+    def add(self, tensor: torch.Tensor | Blocks | ByteBlocks) -> StoredTensor:
         """Write (or queue) the tensor's bytes; return a handle to put in the object passed to `finish`. Blocks
         (see mconvert.ir.blocks) are written one after another, never joined."""
-        blocks = as_blocks(tensor)
+        blocks = tensor if isinstance(tensor, ByteBlocks) else as_blocks(tensor)
         key = str(self._count)
         self._count += 1
         if self._pool is None:
@@ -186,27 +280,14 @@ class TorchFileWriter:
             self._wait(self._max_pending - 1)
             self._pending.append(self._pool.submit(self._write_tensor, key, blocks))
         self.bytes_written += blocks.nbytes
-        numel = blocks.nbytes // blocks.dtype.itemsize
-        return StoredTensor(_StorageRef(key, blocks.dtype, numel), blocks.shape)
+        name = blocks.dtype_name if isinstance(blocks, ByteBlocks) else dtypes.name_of(blocks.dtype)
+        return StoredTensor(_StorageRef(key, name, blocks.nbytes // dtypes.itemsize(name)), blocks.shape)
 
     def finish(self, obj: Any) -> int:
         """Pickle `obj` (tensors already replaced by `add` handles, or small tensors added now) and close."""
         buf = io.BytesIO()
-        writer = self
-
-        class _Pickler(pickle.Pickler):
-            def persistent_id(self, o: Any):
-                if isinstance(o, _StorageRef):
-                    return ("storage", _storage_types()[o.dtype], o.key, "cpu", o.numel)
-                return None
-
-            def reducer_override(self, o: Any):
-                if isinstance(o, torch.Tensor):
-                    return writer.add(o).__reduce_ex__(2)
-                return NotImplemented
-
         try:
-            _Pickler(buf, protocol=2).dump(obj)
+            _Pickler(buf, self).dump(obj)
             self._wait(0)
             data = buf.getvalue()
             for name, value in (("data.pkl", data), (".storage_alignment", b"64"), ("byteorder", b"little"),

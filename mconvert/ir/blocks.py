@@ -24,9 +24,11 @@ copy those bytes file to file, without asking the kernel where the memory came f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mconvert.errors import ConvertError
+from mconvert.ir import dtypes
 from mconvert.lazy import torch
 
 
@@ -146,3 +148,45 @@ def reshape(value: torch.Tensor | Blocks, shape: tuple[int, ...]) -> torch.Tenso
     if n * value.dtype.itemsize != value.nbytes:
         raise ConvertError(f"cannot view {list(value.shape)} as {list(shape)}")
     return Blocks(tuple(shape), value.dtype, value.parts, value.sources)
+
+
+@dataclass(frozen=True)
+class ByteBlocks:
+    """`Blocks` without torch: each part a numpy array of the tensor's raw elements (unsigned integers of the
+    dtype's size: bfloat16 as uint16) viewing a read-only map of a source file, so it always holds the file's
+    bytes; `dtype_name` names the real dtype. What a conversion whose tensors only move bytes writes (see
+    `mconvert.rules.row_plan.RowPlanner.forward_bytes`). A part may be strided (a band of columns), then without
+    a source."""
+
+    shape: tuple[int, ...]
+    dtype_name: str
+    parts: tuple  # numpy arrays
+    sources: tuple[FileBytes | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.sources and len(self.sources) != len(self.parts):
+            raise ValueError(f"{len(self.sources)} sources for {len(self.parts)} parts")
+
+    def source(self, i: int) -> FileBytes | None:
+        return self.sources[i] if self.sources else None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype_name)
+
+    def rows(self, start: int, stop: int) -> list[tuple[object, FileBytes | None]]:
+        """Rows [start, stop) as views of the parts, each with its provenance (`Blocks.rows` without torch)."""
+        out, at = [], 0
+        for i, p in enumerate(self.parts):
+            n = p.shape[0] if p.ndim else 1
+            lo, hi = max(start, at), min(stop, at + n)
+            if lo < hi:
+                view = p[lo - at:hi - at]
+                source = self.source(i)
+                if source is not None:
+                    source = FileBytes(source.path, source.offset + (lo - at) * (p.nbytes // n), source.identity)
+                out.append((view, source))
+            at += n
+            if at >= stop:
+                break
+        return out

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from mconvert.errors import ConvertError, mismatch
 from mconvert.ir import dtypes
-from mconvert.ir.blocks import Blocks, FileBytes
+from mconvert.ir.blocks import Blocks, ByteBlocks, FileBytes
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +71,8 @@ class LazyTensor:
     weight stored FP8 block-quantized and dequantized on load (see `mconvert.rules.fp8`): its (rows, cols) block;
     `verify` rounds the other checkpoint's tensor the same way. `elements_of`, when a loader knows, names the stored
     tensors this one only rearranges (see `Elements`): `inspect` counts NaN/Inf in them, without torch.
+    `byte_blocks(view)`, when a loader's rule only moves the stored pieces' rows or columns, gives the tensor as
+    `ByteBlocks` without torch, from `view` of each piece (see `mconvert.io.file_views`), or None.
 
     The dtype is kept by name (`dtype_name`, "bfloat16"; a torch.dtype given is stored as its name) so that
     headers are read and names mapped without importing torch; `dtype` is the torch.dtype.
@@ -84,6 +86,8 @@ class LazyTensor:
     file_bytes: FileBytes | None = field(default=None, repr=False)
     fp8_block: tuple[int, int] | None = None
     elements_of: Elements | None = field(default=None, repr=False)
+    byte_blocks: Callable[[Callable[[LazyTensor], ByteBlocks | None]], ByteBlocks | None] | None = \
+        field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype_name", dtypes.name_of(self.dtype_name))

@@ -15,10 +15,10 @@ from typing import Any
 
 from mconvert.errors import ConvertError
 from mconvert.io.hf_dir import tokenizer_vocab_size
+from mconvert.io.torch_archive import TorchDType
 from mconvert.ir import sizes
 from mconvert.ir.checks import check_true_vocab_size, with_where
 from mconvert.ir.config import ModelConfig
-from mconvert.lazy import torch
 from mconvert.megatron import mla as mla_keys
 from mconvert.megatron.core import Impl
 from mconvert.options import ExpertLayout
@@ -364,7 +364,9 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
                      tokenizer_model: str | None = None) -> argparse.Namespace:
     """A Megatron `args` namespace describing the model, so Megatron-LM can resume or finetune from it.
 
-    Only plain values and torch dtypes: Megatron's own loader refuses anything else under weights_only.
+    Only plain values and torch dtypes: Megatron's own loader refuses anything else under weights_only. The
+    dtype is named by a `TorchDType` (no torch needed): mconvert's writers pickle it as the torch dtype
+    (`mconvert.io.torch_zip`, `dcp_writer.object_bytes`).
     With --use-checkpoint-args Megatron-LM takes tokenizer_type and tokenizer_model from here: `tokenizer_model`
     is the tokenizer directory the checkpoint carries (a HuggingFaceTokenizer); without one, tokenizer_type is
     left unset (None) so that the run's own --tokenizer-type applies, except GPT-2's GPT2BPETokenizer, Megatron's
@@ -396,7 +398,6 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         raise ConvertError(f"Megatron's rotary_base is an integer; this model's rope_theta is {c.rope_theta}")
     rope = c.position_embedding == "rope"
     vpp = layout.vpp if layout.vpp > 1 else None
-    dtype = c.torch_dtype
     values = dict(
         **_args_from_fields(c), ffn_hidden_size=c.ffn_hidden_size,
         group_query_attention=c.num_query_groups != c.num_attention_heads, num_query_groups=c.num_query_groups,
@@ -440,7 +441,7 @@ def args_from_config(c: ModelConfig, layout: ParallelLayout, *, padded_vocab_siz
         tokenizer_model=tokenizer_model,
         tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else "GPT2BPETokenizer" if c.family == "gpt2"
         else None,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        bf16=c.dtype == "bfloat16", fp16=c.dtype == "float16", params_dtype=TorchDType(c.dtype),
         ckpt_format=ckpt_format, transformer_impl="transformer_engine" if impl == "te" else "local",
         use_legacy_models=False, bert_binary_head=c.binary_head or not c.is_bert,
         no_load_optim=True, no_load_rng=True, no_save_optim=True, no_save_rng=True,

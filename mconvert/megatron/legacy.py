@@ -63,7 +63,7 @@ from mconvert.megatron.rank_files import config as megatron_config
 from mconvert.options import Options
 from mconvert.progress import Progress
 from mconvert.registry import get_saver, missing_features, register_loader, register_saver
-from mconvert.rules import transforms
+from mconvert.rules import row_maps, transforms
 from mconvert.rules.layout import ParallelLayout
 from mconvert.rules.mapping import to_ir, verify_copies
 from mconvert.rules.table import (
@@ -149,6 +149,7 @@ LEGACY_QKV = Shard(
     lambda t, ctx: (COLUMN if ctx.qkv_version >= 2 else _QKV_V0_V1).shard(t, ctx),
     lambda ps, ctx: (COLUMN if ctx.qkv_version >= 2 else _QKV_V0_V1).unshard(ps, ctx),
     shape=_by_head_shape,
+    rows=lambda rows, ctx: row_maps.column(rows, ctx) if ctx.qkv_version >= 2 else None,
 )
 
 # The key table, relative to one chunk's model dict (`{l}` local to the chunk).

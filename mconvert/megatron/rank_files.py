@@ -19,8 +19,9 @@ from typing import Any
 
 from mconvert import workers
 from mconvert.errors import ConvertError, format_names
-from mconvert.io import hf_dir, torch_archive
+from mconvert.io import file_views, hf_dir, torch_archive
 from mconvert.io.contained import inside
+from mconvert.io.file_views import FileViews
 from mconvert.io.torch_archive import Mapped, StoredTensor, dtype_of, is_tensor
 from mconvert.io.torch_pickle import file_sources, safe_load
 from mconvert.io.torch_zip import TorchFileWriter
@@ -455,7 +456,7 @@ def core_args(ir: ModelIR, out: Path, options: Options,
 
 def write_parts(ir: ModelIR, planner: RowPlanner, parts: list[Part], ranks: list[int], dirs: list[Path],
                 advance: Callable[[int], None], *, chunk_dict: Callable[[Part, dict], dict], top: dict,
-                beside: Beside | None = None) -> None:
+                beside: Beside | None = None, views: FileViews | None = None) -> None:
     """Write the files `dirs` of TP ranks `ranks` of one (pipeline stage, expert-parallel rank): each IR tensor is
     read once, split into its `ctx.tp` pieces, and the pieces of these ranks streamed into their files at once, so
     memory stays at about one layer (none at all when the split only moves rows: see mconvert.rules.row_plan).
@@ -463,7 +464,9 @@ def write_parts(ir: ModelIR, planner: RowPlanner, parts: list[Part], ranks: list
     `parts` are the chunks these files hold (see mconvert.megatron.rank_plan); `chunk_dict(part, flat)` turns one
     chunk's {key: tensor} into what the file stores under the part's entry; `top` holds the other top-level
     entries (args, checkpoint_version, iteration). `beside` adds per-parameter tensors split as the weights are
-    (optimizer moments) and the entries each file builds from them.
+    (optimizer moments) and the entries each file builds from them. With `views`, tensors lying unchanged in a
+    source file whose rule only moves rows or cuts columns are viewed as bytes, without torch (see
+    mconvert.io.file_views); the others go through torch.
     """
     with contextlib.ExitStack() as stack:
         writers = []
@@ -479,10 +482,11 @@ def write_parts(ir: ModelIR, planner: RowPlanner, parts: list[Part], ranks: list
             for row in _rows(part):
                 for label, named in sets.items():
                     tensors = [named[n] for n in row.ir]
-                    pieces = planner.forward_lazy(row.rule, tensors)
+                    to_file = not label or beside.in_file  # else each piece is kept as a tensor (see Beside)
+                    pieces = (views and to_file and planner.forward_bytes(row.rule, tensors, views.view)) or \
+                        planner.forward_lazy(row.rule, tensors)
                     for k, rank in enumerate(ranks):
-                        handle = writers[k].add(pieces[rank]) if not label or beside.in_file else \
-                            _tensor(pieces[rank])
+                        handle = writers[k].add(pieces[rank]) if to_file else _tensor(pieces[rank])
                         stored[k][label].append((part.entry, row.key, handle))
                         if not label:
                             flat[k][row.key] = handle
@@ -533,6 +537,10 @@ def write_checkpoint(ir: ModelIR, out: Path, options: Options, progress: Progres
     check_plan(ir.tensors, [(p.label, list(_rows(p))) for p in parts], where=f"{where} ({layout.describe()})")
     it_dir = out / core.iteration_dir(top["iteration"])
     planner = RowPlanner(ctx)
+    views = FileViews() if file_views.enabled() else None
+    if views is None or beside is not None or not all(planner.moves_bytes(row.rule, [ir.tensors[n] for n in row.ir])
+                                                      for part in parts for row in _rows(part)):
+        torch.get_num_threads()  # the plan needs torch: imported now, so that its jobs run it on one thread each
     stages = [(pp, ep) for pp in range(layout.pp) for ep in range(layout.ep)]
     groups = min(layout.tp, -(-workers.slots(options.workers) // len(stages)))  # TP file groups per stage
     jobs = []
@@ -546,7 +554,7 @@ def write_checkpoint(ir: ModelIR, out: Path, options: Options, progress: Progres
             dirs = [it_dir / core.rank_dir(tp, pp, ep, layout) for tp in ranks]
             name = dirs[0].name + (f" … {dirs[-1].name}" if len(dirs) > 1 else "")
             run = functools.partial(write_parts, ir, planner, stage, ranks, dirs, chunk_dict=chunk_dict, top=top,
-                                    beside=extra)
+                                    beside=extra, views=views)
             jobs.append(workers.Job(f"{name} ({len(dirs)} file{'s' if len(dirs) > 1 else ''})",
                                     nbytes * len(ranks) // layout.tp,
                                     lambda advance, run=run: run(advance),

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from mconvert.errors import ConvertError, format_names, mismatch
 from mconvert.ir import dtypes
-from mconvert.ir.blocks import Blocks
+from mconvert.ir.blocks import Blocks, ByteBlocks
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.names import expected_shapes
 from mconvert.ir.tensors import Elements, LazyTensor, LoadCache, ModelIR
@@ -126,10 +126,13 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
                 found = planner.backward(row.rule, [p.load_blocks() for p in pieces]) if moves_rows() else None
                 return Blocks.of(thunk()) if found is None else found[i]
 
+            def byte_blocks(view, row=row, pieces=pieces, shapes=shapes, i=i):
+                return planner.backward_bytes(row.rule, shapes, pieces, view, i)
+
             kept = len(pieces) == 1 and len(row.ir) == 1 and tuple(shapes[i]) == tuple(pieces[0].shape)
             out[name] = LazyTensor(shapes[i], pieces[0].dtype_name, thunk, origin, blocks,
                                    fp8_block=pieces[0].fp8_block if kept else None,  # rows moved within a block
-                                   elements_of=elements)
+                                   elements_of=elements, byte_blocks=byte_blocks)
     order = {name: i for i, name in enumerate(want_shapes)}  # canonical IR order, whatever the file order
     return dict(sorted(out.items(), key=lambda item: order.get(item[0], len(order))))
 
@@ -199,17 +202,25 @@ class Planned:
     dtype: object
     row: Row
 
-    def produce(self, ir: ModelIR, planner: RowPlanner) -> torch.Tensor | Blocks:
-        """The tensor, or its blocks when the rule only moves rows (`planner` of the saver's unsharded Ctx)."""
-        return planner.forward_lazy(self.row.rule, [ir[n] for n in self.row.ir])[0]
+    def produce(self, ir: ModelIR, planner: RowPlanner,
+                view: Callable[[LazyTensor], ByteBlocks | None] | None = None) -> torch.Tensor | Blocks | ByteBlocks:
+        """The tensor, or its blocks when the rule only moves rows (`planner` of the saver's unsharded Ctx); with
+        `view` (see mconvert.io.file_views), byte views without torch where the tensors allow."""
+        tensors = [ir[n] for n in self.row.ir]
+        found = planner.forward_bytes(self.row.rule, tensors, view) if view is not None else None
+        return found[0] if found else planner.forward_lazy(self.row.rule, tensors)[0]
 
 
 def from_ir(ir: ModelIR, rows: list[Row], ctx: Ctx) -> list[Planned]:
-    """The unsharded checkpoint tensors for `ir`, shapes computed without reading any bytes."""
-    plan = []
+    """The unsharded checkpoint tensors for `ir`, shapes computed without reading any bytes (by the rules' shape
+    arithmetic where they have it, else on the meta device); dtypes by name."""
+    plan, whole = [], dataclasses.replace(ctx, tp=1)
     for row in rows:
-        shape = row.rule.piece_shapes([ir[n].shape for n in row.ir], dataclasses.replace(ctx, tp=1))[0]
-        plan.append(Planned(row.key, shape, ir[row.ir[0]].dtype, row))
+        shapes = [tuple(ir[n].shape) for n in row.ir]
+        joined = row.rule.join.shape(shapes, whole) if row.rule.join.shape is not None else None
+        split = row.rule.shard.shape(joined, whole) if joined is not None and row.rule.shard.shape else None
+        shape = split[0] if split else row.rule.piece_shapes(shapes, whole)[0]
+        plan.append(Planned(row.key, shape, ir[row.ir[0]].dtype_name, row))
     return plan
 
 

@@ -12,6 +12,9 @@ The plan is then applied to `Blocks` of the real inputs: every output is views o
 sends from the source's memory map straight to the file. A rule that mixes values inside rows (a transpose, a
 row-parallel split) or compares them (TP pieces of a replicated tensor must agree) fails the probe and runs on
 real tensors as before. Probing costs two int64 numbers per row, once per rule and shapes (layers repeat).
+
+Without torch (`forward_bytes`, `backward_bytes`): the same plans by arithmetic (`mconvert.rules.row_maps`), applied
+to `ByteBlocks`, numpy views of the source files' bytes.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mconvert.errors import ConvertError
-from mconvert.ir.blocks import Blocks
+from mconvert.ir.blocks import Blocks, ByteBlocks
 from mconvert.ir.tensors import LazyTensor
-from mconvert.lazy import torch
+from mconvert.lazy import np, torch
+from mconvert.rules import row_maps, table
 from mconvert.rules.table import Ctx, Rule
 
 Direction = Literal["forward", "backward"]
@@ -41,6 +45,7 @@ class RowPlanner:
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
         self._plans: dict[tuple, tuple[Output, ...] | None] = {}
+        self._byte_plans: dict[tuple, tuple[Output, ...] | row_maps.Columns | None] = {}
 
     def forward(self, rule: Rule, inputs: Sequence[Blocks]) -> list[Blocks] | None:
         """`rule.forward` on blocks (IR tensors -> per-rank pieces), or None if the rule does more than move rows."""
@@ -59,6 +64,91 @@ class RowPlanner:
             if found is not None:
                 return list(found)
         return list(rule.forward([t.load() for t in tensors], self.ctx))
+
+    def forward_bytes(self, rule: Rule, tensors: Sequence[LazyTensor],
+                      view: Callable[[LazyTensor], ByteBlocks | None]) -> list[ByteBlocks] | None:
+        """The per-rank pieces of IR tensors as byte views, without torch, when every tensor lies unchanged in a
+        file (`file_bytes`) or is stored pieces rearranged (`byte_blocks`), `view` (mconvert.io.file_views) gives
+        its bytes, and the rule's plan is known by arithmetic (`mconvert.rules.row_maps`); else None, and the
+        caller takes `forward_lazy`."""
+        if not self.moves_bytes(rule, tensors):
+            return None
+        plan = self.byte_plan(rule, [t.shape for t in tensors])
+        inputs = [view(t) for t in tensors]
+        if any(b is None for b in inputs):
+            return None
+        name = tensors[0].dtype_name
+        if isinstance(plan, row_maps.Columns):
+            [whole] = inputs[0].parts
+            w = plan.width
+            return [ByteBlocks((whole.shape[0], w), name, (whole[:, k * w:(k + 1) * w],)) for k in range(plan.parts)]
+        made = []
+        for out in plan:
+            pieces = [v for j, a, b in out.runs for v in inputs[j].rows(a, b)]
+            sources = tuple(s for _, s in pieces)
+            made.append(ByteBlocks(out.shape, name, tuple(p for p, _ in pieces),
+                                   sources if any(s is not None for s in sources) else ()))
+        return made
+
+    def moves_bytes(self, rule: Rule, tensors: Sequence[LazyTensor]) -> bool:
+        """Can `forward_bytes` make these tensors' pieces (as far as is known before any file is opened)?"""
+        return len({t.dtype_name for t in tensors}) == 1 and \
+            all(t.file_bytes is not None or t.byte_blocks is not None or t.elements_of is not None
+                for t in tensors) and \
+            self.byte_plan(rule, [t.shape for t in tensors]) is not None
+
+    def backward_bytes(self, rule: Rule, shapes: Sequence[tuple[int, ...]], pieces: Sequence[LazyTensor],
+                       view: Callable[[LazyTensor], ByteBlocks | None], index: int) -> ByteBlocks | None:
+        """IR tensor `index` (of `shapes`) of `rule.backward` on the stored `pieces`, as byte views without torch:
+        the forward plan run backwards (each IR row from the first piece row holding it; columns joined for a
+        row-parallel split, a copy). None when the plan is not known by arithmetic, the pieces are not what it
+        makes, or replicated pieces differ (the torch path then says so)."""
+        plan = self.byte_plan(rule, shapes)
+        if plan is None or len({p.dtype_name for p in pieces}) != 1:
+            return None
+        name = pieces[0].dtype_name
+        if isinstance(plan, row_maps.Columns):
+            want = [(shapes[0][0], plan.width)] * plan.parts
+        else:
+            want = [out.shape for out in plan]
+        if [tuple(p.shape) for p in pieces] != [tuple(s) for s in want]:
+            return None
+        views = [view(p) for p in pieces]
+        if any(v is None for v in views):
+            return None
+        if isinstance(plan, row_maps.Columns):
+            parts = [v.parts[0] if len(v.parts) == 1 else np.concatenate(v.parts) for v in views]
+            return ByteBlocks(tuple(shapes[index]), name, (np.concatenate(parts, axis=1),))
+        if rule.shard is table.REPLICATE and len(views) > 1:  # what `table.replicated` checks, on the bits
+            first = _raw(views[0])
+            if any(not np.array_equal(first, _raw(v)) for v in views[1:]):
+                return None
+        segments = sorted((a, b, k, at) for k, out in enumerate(plan)
+                          for (j, a, b), at in zip(out.runs, _starts(out.runs)) if j == index)
+        made, cursor = [], 0
+        for a, b, k, at in segments:
+            if b <= cursor:  # a copy of rows already taken (another replica, a vocabulary padding row)
+                continue
+            if a > cursor:
+                return None
+            made += views[k].rows(at + cursor - a, at + b - a)
+            cursor = b
+        if cursor != shapes[index][0]:
+            return None
+        sources = tuple(s for _, s in made)
+        return ByteBlocks(tuple(shapes[index]), name, tuple(p for p, _ in made),
+                          sources if any(s is not None for s in sources) else ())
+
+    def byte_plan(self, rule: Rule, shapes: Sequence[tuple[int, ...]]) -> tuple[Output, ...] | row_maps.Columns | None:
+        """`plan` of the forward direction by arithmetic (no torch), or the columns of a row-parallel split."""
+        key = (rule, tuple(tuple(s) for s in shapes))
+        if key not in self._byte_plans:
+            found = row_maps.forward_plan(rule, key[1], self.ctx)
+            if isinstance(found, list):
+                bounds = np.cumsum([0] + [s[0] for s in key[1]])
+                found = tuple(Output(shape, _np_runs(rows, bounds)) for shape, rows in found)
+            self._byte_plans[key] = found
+        return self._byte_plans[key]
 
     def moves_rows(self, rule: Rule, direction: Direction, shapes: Sequence[tuple[int, ...]]) -> bool:
         return self.plan(rule, direction, shapes) is not None
@@ -135,3 +225,31 @@ def _runs(rows: torch.Tensor, bounds: torch.Tensor) -> tuple[tuple[int, int, int
     firsts = cut.nonzero().flatten().tolist() + [rows.numel()]
     src_l, local_l = src.tolist(), local.tolist()
     return tuple((src_l[a], local_l[a], local_l[a] + b - a) for a, b in zip(firsts, firsts[1:]))
+
+
+def _np_runs(rows, bounds) -> tuple[tuple[int, int, int], ...]:
+    """`_runs` with numpy: global row numbers -> maximal (input, first, end) runs of consecutive rows of one input."""
+    if not len(rows):
+        return ()
+    src = np.searchsorted(bounds, rows, side="right") - 1
+    local = rows - bounds[src]
+    cut = np.ones(len(rows), dtype=bool)
+    cut[1:] = (rows[1:] != rows[:-1] + 1) | (src[1:] != src[:-1])
+    firsts = np.flatnonzero(cut).tolist() + [len(rows)]
+    src_l, local_l = src.tolist(), local.tolist()
+    return tuple((src_l[a], local_l[a], local_l[a] + b - a) for a, b in zip(firsts, firsts[1:]))
+
+
+def _starts(runs: Sequence[tuple[int, int, int]]) -> list[int]:
+    """Each run's first row in its output."""
+    out, at = [], 0
+    for _, a, b in runs:
+        out.append(at)
+        at += b - a
+    return out
+
+
+def _raw(blocks: ByteBlocks):
+    """All of `blocks`' bytes as one flat array (a copy when it has several parts)."""
+    return np.concatenate([p.reshape(-1) for p in blocks.parts]) if len(blocks.parts) != 1 else \
+        blocks.parts[0].reshape(-1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mconvert.errors import ConvertError
 from mconvert.ir.config import ModelConfig
@@ -115,6 +115,9 @@ class Shard:
     # For a shard that only moves elements: the pieces' shapes of a whole one, by arithmetic (None where it does
     # not split evenly); see `Join.shape`.
     shape: Callable[[Shape, Ctx], list[Shape] | None] | None = None
+    # For a shard that only moves whole rows, defined outside `mconvert.rules.row_maps`: its pieces' row numbers
+    # from the whole's (numpy arrays), without torch; None where it does more (see row_maps).
+    rows: Callable[[Any, Ctx], list | None] | None = None
 
 
 def chunks(t: Tensor, n: int, dim: int) -> list[Tensor]:

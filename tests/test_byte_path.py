@@ -1,0 +1,247 @@
+"""Conversions whose tensors only move bytes run without torch (mconvert.io.file_views, mconvert.rules.row_maps),
+and write what the torch path writes, byte for byte.
+
+The torch path is the same conversion with `MCONVERT_TORCH_PATH=1` (every tensor loaded and split by torch, as
+before the byte path existed). The arithmetic row plans are compared with the plans the probe finds by running
+each rule with torch, and the pure-Python pickler of `torch_zip` with what the C pickler writes for torch's own
+objects (what the writer pickled before it named them without torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import filecmp
+import io
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mconvert import engine
+from mconvert.io import torch_zip
+from mconvert.io.file_views import FileViews
+from mconvert.io.torch_archive import TorchDType
+from mconvert.megatron import rank_files, torch_format
+from mconvert.options import Options
+from mconvert.rules import row_maps
+from mconvert.rules.layout import ParallelLayout
+from mconvert.rules.row_plan import RowPlanner
+from mconvert.rules.table import Ctx
+from tests.support.cli import run_cli
+from tests.support.models import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("byte_path") / "hf", "llama", dtype=torch.bfloat16)
+
+
+def _convert(src: Path, dst: Path, *args: str, torch_path: bool, saver: str = "core") -> bool:
+    """`mconvert --saver SAVER ARGS` in its own process; whether it imported torch."""
+    code = ("import sys\nfrom mconvert.cli import main\n"
+            f"try:\n    main(['--saver', {saver!r}, *{list(args)!r}, '--load-dir', {str(src)!r}, '--save-dir', "
+            f"{str(dst)!r}])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    env = os.environ | {"MCONVERT_TORCH_PATH": "1" if torch_path else "0"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr
+    return run.stderr.strip().splitlines()[-1] == "True"
+
+
+def _same_tree(a: Path, b: Path) -> None:
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files_a == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for rel in files_a:
+        assert filecmp.cmp(a / rel, b / rel, shallow=False), f"{rel} differs"
+
+
+@pytest.mark.parametrize("layout", [("--tp", "1", "--pp", "1"), ("--tp", "2", "--pp", "2"),
+                                    ("--tp", "2", "--make-vocab-size-divisible-by", "128")],
+                         ids=["tp1pp1", "tp2pp2", "tp2_padded_vocab"])
+def test_hf_to_core_torch_without_torch(hf_bf16, tmp_path, layout):
+    """HF safetensors -> core `torch` (rows picked for QKV, [gate ; up] and TP chunks, columns cut for the
+    row-parallel weights, padding rows copied from the last one) imports no torch, and its files are the torch
+    path's, byte for byte."""
+    out = tmp_path / "out"  # one path for both: the args name the tokenizer's place in it
+    assert not _convert(hf_bf16, out, *layout, torch_path=False)
+    out.rename(tmp_path / "bytes")
+    assert _convert(hf_bf16, out, *layout, torch_path=True)
+    _same_tree(tmp_path / "bytes", out)
+
+
+@pytest.fixture(scope="module")
+def core_tp2pp2(hf_bf16, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("byte_path_core") / "core"
+    _convert(hf_bf16, out, "--tp", "2", "--pp", "2", torch_path=True)
+    return out
+
+
+def _both_ways(src: Path, tmp_path: Path, *args: str, saver: str) -> None:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "out"  # one path for both (see above)
+    assert not _convert(src, out, *args, torch_path=False, saver=saver)
+    out.rename(tmp_path / "bytes")
+    assert _convert(src, out, *args, torch_path=True, saver=saver)
+    _same_tree(tmp_path / "bytes", out)
+
+
+def test_core_to_hf_without_torch(core_tp2pp2, tmp_path):
+    """core `torch` TP2 PP2 -> HF safetensors: QKV split, [gate ; up] halves, TP chunks joined as rows, the
+    row-parallel weights' columns joined (a copy), replicated norms compared across TP ranks on their bits; no
+    torch, the torch path's bytes."""
+    _both_ways(core_tp2pp2, tmp_path, saver="llama_mistral")
+
+
+def test_core_reshard_without_torch(core_tp2pp2, tmp_path):
+    """core TP2 PP2 -> core TP1 PP1 (each IR tensor from the source's pieces, then into the target's)."""
+    _both_ways(core_tp2pp2, tmp_path, "--tp", "1", "--pp", "1", saver="core")
+
+
+@pytest.mark.parametrize("made_by,args", [
+    (["--saver", "core", "--ckpt-format", "torch_dist"], ["--saver", "llama_mistral"]),
+    (["--saver", "core", "--ckpt-format", "torch_dist"], ["--saver", "core", "--tp", "2", "--pp", "2"]),
+    (["--saver", "legacy", "--tp", "2", "--pp", "2"], ["--saver", "llama_mistral"]),
+    ([], ["--saver", "legacy", "--tp", "2", "--pp", "2"]),
+    (["--saver", "core", "--ckpt-format", "torch_dcp"], ["--saver", "llama_mistral"]),
+    (["--saver", "core", "--ckpt-format", "fsdp_dtensor"], ["--saver", "llama_mistral"]),
+], ids=["torch_dist_to_hf", "torch_dist_to_core", "legacy_to_hf", "hf_to_legacy", "torch_dcp_to_hf",
+        "fsdp_dtensor_to_hf"])
+def test_other_sources_and_targets_without_torch(hf_bf16, tmp_path, made_by, args):
+    """torch_dist, torch_dcp and fsdp_dtensor sources (each block's chunks viewed in their files, after an
+    integrity manifest has verified them), legacy sources (checkpoint_version 3's QKV split as core's) and the
+    legacy saver: no torch, the torch path's bytes."""
+    src = hf_bf16
+    if made_by:
+        src = tmp_path / "src"
+        _convert(hf_bf16, src, *made_by[2:], torch_path=True, saver=made_by[1])
+    _both_ways(src, tmp_path, *args[2:], saver=args[1])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_other_families_without_torch(family, tmp_path):
+    """Qwen3 (q/k norms, replicated) and Gemma 3 (sandwich norms, GeGLU) to core TP2 and back: no torch, the torch
+    path's bytes both ways."""
+    hf = make_hf_model(tmp_path / "hf", family, dtype=torch.bfloat16)
+    _both_ways(hf, tmp_path / "to_core", "--tp", "2", saver="core")
+    _both_ways(tmp_path / "to_core" / "bytes", tmp_path / "back", saver="hf")
+
+
+def test_differing_replicas_are_refused_as_before(core_tp2pp2, tmp_path, monkeypatch):
+    """Replicated pieces whose bits differ (a norm of TP rank 1 changed) give no byte view; the torch path then
+    reads them and refuses, with the same error as with the byte path off."""
+    src = tmp_path / "core"
+    shutil.copytree(core_tp2pp2, src)
+    path = src / "iter_0000001" / "mp_rank_01_000" / "model_optim_rng.pt"
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = torch.load(path, weights_only=True)
+    state["model"]["decoder.layers.0.input_layernorm.weight"][0] += 1
+    torch.save(state, path)
+    ir = engine.load(src, Options())
+    assert FileViews().view(ir["layers.0.attn_norm.weight"]) is None
+    assert FileViews().view(ir["layers.1.attn_norm.weight"]) is not None
+    errors = []
+    for torch_path in ("0", "1"):
+        monkeypatch.setenv("MCONVERT_TORCH_PATH", torch_path)
+        out = run_cli("--saver", "llama_mistral", "--load-dir", src, "--save-dir", tmp_path / torch_path,
+                      expect_error=True)
+        errors.append([line for line in out.splitlines() if line.startswith("Error:")])
+    assert errors[0] == errors[1] and "a replicated tensor differs between TP rank 0 and TP rank 1" in errors[0][0]
+
+
+def test_ir_views_are_the_loaded_tensors(core_tp2pp2):
+    """Every IR tensor of a core TP2 PP2 checkpoint, viewed as bytes, is bit for bit what torch loads."""
+    ir = engine.load(core_tp2pp2, Options())
+    views = FileViews()
+    for name, t in ir:
+        found = views.view(t)
+        assert found is not None, name
+        raw = b"".join(bytes(p.copy(order="C").data) for p in found.parts)
+        assert raw == t.load().contiguous().view(torch.uint8).numpy().tobytes(), name
+
+
+def test_a_cast_takes_torch(hf_bf16, tmp_path):
+    """A conversion that computes (here a dtype cast) is dispatched to torch by its plan, whatever the formats."""
+    assert _convert(hf_bf16, tmp_path / "out", "--tp", "2", "--dtype", "fp32", torch_path=False)
+
+
+@pytest.mark.parametrize("tp,padded", [(1, None), (2, None), (4, None), (2, 128)])
+def test_byte_pieces_are_the_rules_pieces(hf_bf16, tp, padded):
+    """Every rule of the core table, run both ways on the same IR tensors: the byte views' bytes are the bytes of
+    `rule.forward` on the loaded tensors, and where the probe (torch) finds a row plan the arithmetic finds the same.
+    TP 4 splits 4 query groups one per rank."""
+    options = Options(layout=ParallelLayout(tp=tp), make_vocab_size_divisible_by=padded)
+    ir = engine.load(hf_bf16, options)
+    padded_size = rank_files.vocab_padding(ir.config, tp, options)[1]
+    planner, views, seen = RowPlanner(Ctx(ir.config, padded_size, tp=tp)), FileViews(), 0
+    for part in torch_format.plan(ir, options):
+        for row in part.rows + part.copies:
+            tensors = [ir[n] for n in row.ir]
+            found = planner.forward_bytes(row.rule, tensors, views.view)
+            assert found is not None, f"{row.key}: no byte plan"
+            plan = planner.byte_plan(row.rule, [t.shape for t in tensors])
+            probed = planner.plan(row.rule, "forward", [t.shape for t in tensors])
+            assert isinstance(plan, row_maps.Columns) or probed == plan, row.key
+            expected = row.rule.forward([t.load() for t in tensors], planner.ctx)
+            assert len(found) == len(expected) == tp
+            for got, want in zip(found, expected):
+                assert got.shape == tuple(want.shape) and got.dtype_name == "bfloat16"
+                raw = b"".join(bytes(p.copy(order="C").data) for p in got.parts)
+                assert raw == want.contiguous().view(torch.uint8).numpy().tobytes(), row.key
+            seen += 1
+    assert seen
+
+
+def test_storage_names_are_torchs():
+    """The storage classes named without torch are the ones torch.save names."""
+    for dtype, name in torch.storage._dtype_to_storage_type_map().items():
+        if str(dtype).removeprefix("torch.") in torch_zip.STORAGE_TYPES:
+            assert torch_zip.STORAGE_TYPES[str(dtype).removeprefix("torch.")] == name
+
+
+def test_pickle_is_the_c_picklers_of_torch_objects(tmp_path):
+    """data.pkl as written (names of torch without torch, pure-Python pickler) is what the C pickler writes for
+    torch's own objects: the dtype, the storage class, `_rebuild_tensor_v2` and `torch.Size`."""
+    args = argparse.Namespace(bf16=True, params_dtype=TorchDType("bfloat16"), other=TorchDType("bfloat16"),
+                              real=torch.bfloat16, f32=torch.float32)
+    writer = torch_zip.TorchFileWriter(tmp_path / "x.pt", background=False)
+    handles = [writer.add(torch.zeros(3, 2, dtype=torch.bfloat16)), writer.add(torch.ones(4, dtype=torch.float32))]
+    obj = {"args": args, "model": collections.OrderedDict(a=handles[0], b=handles[1]), "iteration": 3}
+    mine = io.BytesIO()
+    torch_zip._Pickler(mine, writer).dump(obj)
+    writer.close()
+
+    class CPickler(pickle.Pickler):
+        def persistent_id(self, o):
+            if isinstance(o, torch_zip._StorageRef):
+                storage = getattr(torch, torch.storage._dtype_to_storage_type_map()[torch_zip.dtypes.to_torch(
+                    o.dtype_name)])
+                return "storage", storage, o.key, "cpu", o.numel
+            return None
+
+        def reducer_override(self, o):
+            if isinstance(o, torch_zip.StoredTensor):
+                _, (storage, offset, size, stride, grad, hooks) = o.__reduce_ex__(2)
+                return torch._utils._rebuild_tensor_v2, (storage, offset, torch.Size(size), stride, grad, hooks)
+            return NotImplemented
+
+    real = argparse.Namespace(bf16=True, params_dtype=torch.bfloat16, other=torch.bfloat16, real=torch.bfloat16,
+                              f32=torch.float32)
+    theirs = io.BytesIO()
+    CPickler(theirs, protocol=2).dump({"args": real, "model": obj["model"], "iteration": 3})
+    assert mine.getvalue() == theirs.getvalue()
+
+
+def test_archive_with_named_dtype_loads_in_torch(tmp_path):
+    """A file whose args name the dtype by `TorchDType` loads with torch's weights-only loader as torch's dtype."""
+    args = argparse.Namespace(params_dtype=TorchDType("bfloat16"))
+    tensor = torch.arange(6, dtype=torch.bfloat16).reshape(3, 2)
+    torch_zip.save({"args": args, "w": tensor}, tmp_path / "x.pt")
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        loaded = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert loaded["args"].params_dtype is torch.bfloat16 and torch.equal(loaded["w"], tensor)
