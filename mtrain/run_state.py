@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from mconvert.errors import ConvertError, format_names
+from mconvert.ir import training_state
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import LazyTensor, LoadCache
 from mconvert.ir.training_state import TrainingState, decay_groups, one_optimizer_groups
@@ -245,8 +246,8 @@ def _adam_settings(state: TrainingState, schedule: dict, where: str) -> tuple[di
         raise ConvertError(f"{where}: the param groups disagree on betas or eps ({sorted(map(str, shared))}); "
                            "mtrain's AdamW has one of each")
     betas, eps = shared.pop()
-    decaying = [g for g in groups if g.get("wd_mult", 1.0) != 0.0]
-    plain = [g for g in groups if g.get("wd_mult", 1.0) == 0.0]
+    decaying = [g for g in groups if training_state.decays(g)]
+    plain = [g for g in groups if not training_state.decays(g)]
     if len(decaying) != 1 or any(float(g.get("weight_decay", 0.0)) != 0.0 for g in plain):
         raise ConvertError(f"{where}: param groups other than one with weight decay and one without (on biases and "
                            "1-d parameters), as Megatron and mtrain form them")

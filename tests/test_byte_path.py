@@ -27,12 +27,14 @@ from mconvert import engine
 from mconvert.io import torch_zip
 from mconvert.io.file_views import FileViews
 from mconvert.io.torch_archive import TorchDType
+from mconvert.ir.blocks import ByteBlocks, FileBytes
+from mconvert.ir.tensors import LazyTensor
 from mconvert.megatron import rank_files, torch_format
 from mconvert.options import Options
 from mconvert.rules import row_maps
 from mconvert.rules.layout import ParallelLayout
 from mconvert.rules.row_plan import RowPlanner
-from mconvert.rules.table import Ctx
+from mconvert.rules.table import ROW, Ctx, Rule
 from tests.support.cli import run_cli
 from tests.support.models import make_hf_model
 
@@ -195,6 +197,28 @@ def test_byte_pieces_are_the_rules_pieces(hf_bf16, tp, padded):
                 assert raw == want.contiguous().view(torch.uint8).numpy().tobytes(), row.key
             seen += 1
     assert seen
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_row_parallel_weight_stored_in_row_chunks(tp):
+    """A row-parallel weight whose source stores it as several chunks of rows (a DCP or zarr checkpoint saved
+    sharded along dim 0, as FSDP shards): each chunk's columns are cut into the TP bands, whose bytes are
+    `rule.forward`'s; at TP1 the stored chunks pass as they are, with their places in the files."""
+    whole = torch.arange(7 * 6, dtype=torch.int16).view(7, 6).view(torch.bfloat16)
+    raw = whole.view(torch.int16).numpy().view("<u2")
+    chunks = (raw[:3], raw[3:])
+    sources = (FileBytes("/a", 0, (1, 1, 1)), FileBytes("/b", 0, (1, 2, 1)))
+    tensor = LazyTensor((7, 6), "bfloat16", lambda: whole, "w", file_bytes=FileBytes("/a", 0, (1, 1, 1)))
+    stored = ByteBlocks((7, 6), "bfloat16", chunks, sources)
+    found = RowPlanner(Ctx(None, None, tp=tp)).forward_bytes(Rule("w", ("w",), shard=ROW), [tensor], lambda t: stored)
+    expected = Rule("w", ("w",), shard=ROW).forward([whole], Ctx(None, None, tp=tp))
+    assert found is not None and len(found) == tp
+    for got, want in zip(found, expected):
+        assert got.shape == tuple(want.shape)
+        assert b"".join(bytes(p.copy(order="C").data) for p in got.parts) == \
+            want.contiguous().view(torch.uint8).numpy().tobytes()
+    if tp == 1:
+        assert found[0].sources == sources
 
 
 def test_storage_names_are_torchs():

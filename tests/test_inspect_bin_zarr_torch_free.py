@@ -132,3 +132,26 @@ def test_zarr_of_a_moe_model_and_a_missing_chunk(hf_model, tmp_path, monkeypatch
     router = root / "iter_0000001/decoder.layers.mlp.router.weight"
     (router / "1.0.0").unlink()
     _same_as_torch(root, monkeypatch, torch_free=False)
+
+
+def test_pytorch_model_bin_with_a_value_that_is_not_a_tensor(hf_model, tmp_path):
+    """A `.bin` holding something besides tensors is refused naming the key, on both paths (before, such values
+    were silently dropped)."""
+    root = _bin_copy(hf_model("llama"), tmp_path / "bin")
+    state = torch.load(root / "pytorch_model.bin", weights_only=True)
+    torch.save({**state, "step": 3}, root / "pytorch_model.bin")
+    out = run_cli("inspect", root, expect_error=True)
+    assert "pytorch_model.bin: expected a dict of tensors; step is not a tensor" in out and "Traceback" not in out
+
+
+@needs_zarr
+@needs_fixtures
+@pytest.mark.parametrize("chunks", [["x", 352, 128], [0, 352, 128], [1, 352]], ids=["text", "zero", "too_few"])
+def test_zarr_array_with_bad_chunks_refused(tmp_path, chunks):
+    """`.zarray` chunk sizes that are not positive whole numbers, one per dimension, are refused by file."""
+    root = _zarr(FIXTURES / "llama_gqa/hf", tmp_path / "zarr")
+    zarray = root / "iter_0000001/decoder.layers.mlp.linear_fc1.weight/.zarray"
+    meta = json.loads(zarray.read_text())
+    zarray.write_text(json.dumps(meta | {"chunks": chunks}))
+    out = run_cli("inspect", root, expect_error=True)
+    assert f"{zarray}: not a zarr v2 array description" in out and "Traceback" not in out

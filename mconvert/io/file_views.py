@@ -23,7 +23,7 @@ from mconvert.ir.blocks import ByteBlocks, FileBytes
 from mconvert.ir.tensors import LazyTensor
 from mconvert.lazy import np
 
-RAW = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}  # element size -> the numpy type that carries the bytes
+RAW = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}  # element size -> the (little-endian) unsigned integer carrying its bits
 
 
 def enabled() -> bool:
@@ -87,5 +87,7 @@ def _open_map(where: FileBytes) -> mmap.mmap | None:
         if FileBytes.identity_of(os.fstat(fd)) != where.identity or not where.identity[2]:
             return None
         return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except OSError:  # e.g. out of file descriptors (a map keeps one): the tensor takes the torch path
+        return None
     finally:
         os.close(fd)

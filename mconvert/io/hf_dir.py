@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from mconvert.errors import ConvertError
+from mconvert.errors import ConvertError, format_names
 from mconvert.io import safetensors as safetensors_io
 from mconvert.io import torch_archive
 from mconvert.io.contained import inside, open_inside
@@ -131,14 +131,18 @@ def _open_file(path: Path) -> dict[str, LazyTensor]:
     state = torch_archive.load(path)  # without torch when it can (see torch_archive), else allow-listed by torch
     if not isinstance(state, dict):
         raise ConvertError(f"{path}: expected a dict of tensors, found {type(state).__name__}")
-    if any(isinstance(v, StoredTensor) for v in state.values()):
+    torch_free = any(isinstance(v, StoredTensor) for v in state.values())  # else torch read it: torch.Tensor
+    others = [k for k, v in state.items() if not isinstance(v, StoredTensor if torch_free else torch.Tensor)]
+    if others:
+        raise ConvertError(f"{path}: expected a dict of tensors; {format_names(others)} "
+                           f"{'is not a tensor' if len(others) == 1 else 'are not tensors'}")
+    if torch_free:
         mapped = Mapped()
-        return {k: torch_archive.lazy_tensor(v, f"{path.name}:{k}", mapped) for k, v in state.items()
-                if isinstance(v, StoredTensor)}
+        return {k: torch_archive.lazy_tensor(v, f"{path.name}:{k}", mapped) for k, v in state.items()}
     sources = functools.cache(lambda: file_sources(path, state))  # where the mapped tensors' bytes lie in the file
     return {k: LazyTensor(tuple(v.shape), v.dtype, lambda v=v: v, f"{path.name}:{k}",
                           lambda v=v: Blocks.of(v, sources().get(id(v))))
-            for k, v in state.items() if isinstance(v, torch.Tensor)}
+            for k, v in state.items()}
 
 
 def tokenizer_files(root: Path) -> dict[str, Path]:

@@ -224,13 +224,13 @@ def read(path: Path | str, offset: int = 0, length: int | None = None) -> Any:
                 pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
                 if len(pickles) != 1:
                     raise Unreadable("not one data.pkl")
+                if any(i.compress_type != zipfile.ZIP_STORED for i in infos):  # as torch.save writes; and no
+                    raise Unreadable("compressed records")  # record read here can be larger than the file
                 prefix = pickles[0].filename[:-len("data.pkl")]
                 names = {i.filename for i in infos}
                 if prefix + "byteorder" in names and archive.read(prefix + "byteorder") != b"little":
                     raise Unreadable("big-endian")
                 stored = [i for i in infos if i.filename.startswith(prefix + "data/")]
-                if any(i.compress_type != zipfile.ZIP_STORED for i in stored):
-                    raise Unreadable("compressed records")
                 records = {i.filename[len(prefix) + 5:]: (offset + _data_offset(window, i), i.file_size)
                            for i in stored}
                 if any(at + n > offset + size for at, n in records.values()):

@@ -70,6 +70,11 @@ class ZarrReader:
                     meta = json.loads((sub / ".zarray").read_text())
                     shape = tuple(meta["shape"])
                     dtype = ZARR_DTYPES[meta["dtype"]]
+                    chunks = meta["chunks"]
+                    if not all(type(n) is int and n >= 0 for n in shape) or len(chunks) != len(shape) or \
+                            not all(type(n) is int and n > 0 for n in chunks):
+                        raise TypeError(f"shape {meta['shape']!r} and chunks {meta['chunks']!r} must be as many "
+                                        "whole numbers (chunks positive)")
                 except (KeyError, TypeError, json.JSONDecodeError) as e:
                     raise ConvertError(f"{sub / '.zarray'}: not a zarr v2 array description ({e})") from None
                 if meta.get("compressor") is not None:

@@ -110,6 +110,11 @@ def decay_groups(names: Iterable[str], shapes: Mapping[str, tuple[int, ...]]) ->
     return len(kinds)
 
 
+def decays(group: dict[str, Any]) -> bool:
+    """Does the param group decay its weights (Megatron's `wd_mult` not 0; absent means 1)?"""
+    return float(group.get("wd_mult", 1.0)) != 0.0
+
+
 def one_optimizer_groups(groups: list[dict[str, Any]], target: str = "the output's layout (EP1, expert TP = TP)"
                          ) -> list[dict[str, Any]]:
     """The param groups of one optimizer that serves dense and expert parameters alike: the groups megatron-core
@@ -118,7 +123,6 @@ def one_optimizer_groups(groups: list[dict[str, Any]], target: str = "the output
     has the one optimizer, for the error."""
     flagged = [g for g in groups if g.get("is_expert_parallel")]
     dense = [g for g in groups if not g.get("is_expert_parallel")]
-    decays = lambda g: float(g.get("wd_mult", 1.0)) != 0.0  # noqa: E731
     for g in flagged:
         twin = [d for d in dense if decays(d) == decays(g)]
         differ = sorted(k for k in set(g) | set(twin[0] if twin else {}) if k != "is_expert_parallel"

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from mconvert.errors import ConvertError, format_names
+from mconvert.ir import training_state
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.tensors import LazyTensor, LoadCache
 from mconvert.ir.training_state import MOMENTS, TrainingState, decay_groups, one_optimizer_groups
@@ -252,17 +253,13 @@ def target_groups(state: TrainingState, weights: dict[str, LazyTensor], parallel
     kinds = [d for d in (True, False) if any((len(shapes[n]) > 1 and not n.endswith(".bias")) == d for n in experts)]
     out = []
     for decays in kinds:
-        mine = [g for g in flagged if _decays(g) == decays] or \
-            [dict(g) | {"is_expert_parallel": True} for g in dense if _decays(g) == decays]
+        mine = [g for g in flagged if training_state.decays(g) == decays] or \
+            [dict(g) | {"is_expert_parallel": True} for g in dense if training_state.decays(g) == decays]
         if not mine:
             raise ConvertError(f"--training-state: no param group {'with' if decays else 'without'} weight decay to "
                                "give the experts' optimizer")
         out.append(mine[0])
     return [dense, out]
-
-
-def _decays(group: dict) -> bool:
-    return float(group.get("wd_mult", 1.0)) != 0.0
 
 
 def items(state: TrainingState, placed_rows: Iterable, blocks: Callable, kind: str) -> list:

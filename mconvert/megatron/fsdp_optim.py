@@ -25,6 +25,7 @@ from typing import Any
 
 from mconvert.errors import ConvertError, format_names
 from mconvert.io.dcp_writer import Item, object_bytes
+from mconvert.ir import training_state
 from mconvert.ir.tensors import LazyTensor, LoadCache
 from mconvert.ir.training_state import TrainingState
 from mconvert.lazy import torch
@@ -123,7 +124,7 @@ def _groups(store, metas: list[str], where: str) -> list[dict[str, Any]]:
             groups.append(meta)
     if not groups:
         raise ConvertError(f"{where}: the optimizer state has no param groups (optimizer.param_to_group_meta)")
-    return sorted(groups, key=lambda g: float(g.get("wd_mult", 1.0)) == 0.0)
+    return sorted(groups, key=lambda g: not training_state.decays(g))
 
 
 def items(state: TrainingState, rows: list[Row], blocks, wrappers: str) -> list[Item]:
@@ -154,7 +155,7 @@ def items(state: TrainingState, rows: list[Row], blocks, wrappers: str) -> list[
 def _group_of(groups: list[dict], row: Row, matrix: bool) -> dict:
     """Megatron's groups: weight decay for matrices, none for biases and 1-d parameters (norms)."""
     decays = matrix and not row.key.endswith(".bias")
-    mine = [g for g in groups if (float(g.get("wd_mult", 1.0)) != 0.0) == decays]
+    mine = [g for g in groups if training_state.decays(g) == decays]
     if not mine:
         raise ConvertError(f"--training-state: no param group {'with' if decays else 'without'} weight decay for "
                            f"{row.key}")

@@ -79,9 +79,11 @@ class RowPlanner:
             return None
         name = tensors[0].dtype_name
         if isinstance(plan, row_maps.Columns):
-            [whole] = inputs[0].parts
-            w = plan.width
-            return [ByteBlocks((whole.shape[0], w), name, (whole[:, k * w:(k + 1) * w],)) for k in range(plan.parts)]
+            if plan.parts == 1:  # TP1: the tensor as stored, its file places kept for file-to-file copies
+                return [inputs[0]]
+            w = plan.width  # each stored piece (stacked along rows: DCP/zarr chunks) cut into the same bands
+            return [ByteBlocks(inputs[0].shape[:1] + (w,), name,
+                               tuple(p[:, k * w:(k + 1) * w] for p in inputs[0].parts)) for k in range(plan.parts)]
         made = []
         for out in plan:
             pieces = [v for j, a, b in out.runs for v in inputs[j].rows(a, b)]
@@ -117,6 +119,8 @@ class RowPlanner:
         if any(v is None for v in views):
             return None
         if isinstance(plan, row_maps.Columns):
+            if plan.parts == 1:  # TP1: the stored tensor itself, file places kept
+                return views[0]
             parts = [v.parts[0] if len(v.parts) == 1 else np.concatenate(v.parts) for v in views]
             return ByteBlocks(tuple(shapes[index]), name, (np.concatenate(parts, axis=1),))
         if rule.shard is table.REPLICATE and len(views) > 1:  # what `table.replicated` checks, on the bits

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mconvert.errors import ConvertError
+from mconvert.io.file_views import RAW
 from mconvert.ir import dtypes
 from mconvert.ir.blocks import FileBytes
 from mconvert.ir.tensors import LazyTensor
@@ -32,7 +33,6 @@ from mconvert.lazy import np
 from mconvert.rules.table import COLUMN, IDENTITY, REPLICATE, ROW, VOCAB
 
 _BAND = 32 << 20  # bytes of each side compared at a time: memory stays at a few tens of MB whatever the tensor
-_RAW = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}  # element width -> the unsigned integer holding its bits
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def equal(x: Rows, y: Rows) -> bool:
 
 def rows_of(t: LazyTensor) -> Rows | None:
     """`t` read from its stored bytes, or None when its elements are not stored unchanged (or not known to be)."""
-    raw = _RAW.get(dtypes.itemsize(t.dtype_name))
+    raw = RAW.get(dtypes.itemsize(t.dtype_name))
     if raw is None:
         return None
     shape = tuple(t.shape)
