@@ -154,14 +154,26 @@ def test_failure_removes_the_parents_it_created(sources, tmp_path):
 
 
 def test_reading_error_of_the_source(sources, tmp_path, monkeypatch):
-    """An I/O error while reading the source (EIO) is one clean line naming the file."""
+    """An I/O error while reading the source (EIO) is one clean line naming the file: through torch
+    (MCONVERT_TORCH_PATH=1) and on the byte path (mconvert.io.file_views), whose tensors never pass through
+    `SafetensorsFile.get`."""
+    from mconvert.io import file_views
     from mconvert.io import safetensors as safetensors_io
 
     def failing_get(self, name):
         raise OSError(errno.EIO, os.strerror(errno.EIO), str(self.path))
 
+    def failing_map(where):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), where.path)
+
     monkeypatch.setattr(safetensors_io.SafetensorsFile, "get", failing_get)
-    convert_refused(sources["llama_mistral"], tmp_path, culprits=("Input/output error", "model.safetensors"))
+    monkeypatch.setenv("MCONVERT_TORCH_PATH", "1")
+    (tmp_path / "torch").mkdir()
+    convert_refused(sources["llama_mistral"], tmp_path / "torch", culprits=("Input/output error", "model.safetensors"))
+    monkeypatch.setenv("MCONVERT_TORCH_PATH", "0")
+    monkeypatch.setattr(file_views, "_open_map", failing_map)
+    (tmp_path / "bytes").mkdir()
+    convert_refused(sources["llama_mistral"], tmp_path / "bytes", culprits=("Input/output error", "model.safetensors"))
 
 
 def test_disk_full_while_mtrain_saves(mtrain_run, tmp_path, monkeypatch):
