@@ -28,7 +28,14 @@ from mtrain import checkpoint
 from mtrain.optim import lr_at
 from tests.support.cli import run_cli, run_megatron
 from tests.support.corpus import build_corpus
-from tests.support.mtrain_runs import FLAGS, LOSS_BOUND, mtrain_run, mtrain_tokens, resume_config
+from tests.support.mtrain_runs import (
+    FLAGS,
+    LOSS_BOUND,
+    assert_masters_became_weights,
+    mtrain_run,
+    mtrain_tokens,
+    resume_config,
+)
 from tests.support.refusals import convert_refused
 from tests.support.training import tiny_config
 
@@ -179,13 +186,7 @@ def test_megatron_bf16_run_in_mtrain(megatron, corpus, tmp_path):
                   tmp_path / "run")
     assert "fp32 master weights" in out
     core, run = engine.load(tmp_path / "megatron", TS), engine.load(tmp_path / "run", TS)
-    assert run.config.dtype == "float32" and "fp32_param" not in run.training.tensors
-    for name, t in core.tensors.items():
-        master = core.training.tensors["fp32_param"][name].load()
-        assert torch.equal(run.tensors[name].load(), master), name
-        assert torch.equal(master.bfloat16(), t.load()), name
-        for m in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(run.training.tensors[m][name].load(), core.training.tensors[m][name].load())
+    assert_masters_became_weights(core, run)
     result, _ = mtrain_run(resume_config(tmp_path / "run", corpus, 1))
     assert list(result.losses) == [3] and 4.0 < result.losses[3] < 7.0  # ~log(256) = 5.5 after 2 steps
 

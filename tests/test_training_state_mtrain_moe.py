@@ -34,7 +34,14 @@ from tests.support.cli import run_cli, train_megatron_runs
 from tests.support.corpus import build_corpus
 from tests.support.launch import launch, losses
 from tests.support.models import TINY_DEEPSEEK, TINY_MIXTRAL
-from tests.support.mtrain_runs import LOSS_BOUND, mtrain_run, mtrain_tokens, resume_config
+from tests.support.mtrain_runs import (
+    LOSS_BOUND,
+    assert_masters_became_weights,
+    assert_same_moments,
+    mtrain_run,
+    mtrain_tokens,
+    resume_config,
+)
 from tests.support.refusals import convert_refused
 from tests.support.training import tiny_config
 
@@ -151,10 +158,7 @@ def test_mtrain_moe_run_resumes_in_megatron(runs, name):
     at iteration 5; Megatron's next 2 steps give the losses of mtrain resuming its run, within LOSS_BOUND."""
     root = runs["root"]
     run, core = engine.load(root / f"{name}_run" / "step_0000005", TS), engine.load(root / f"{name}_core", TS)
-    for ir_name, t in run.tensors.items():
-        assert torch.equal(core.tensors[ir_name].load(), t.load()), ir_name
-        for m in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(core.training.tensors[m][ir_name].load(), run.training.tensors[m][ir_name].load())
+    assert_same_moments(run, core)
     theirs = engine.load(root / name, TS).training
     ours = core.training
     assert [sorted(g) for g in ours.param_groups] == [sorted(g) for g in theirs.param_groups]
@@ -176,14 +180,8 @@ def test_megatron_bf16_moe_run_in_mtrain(runs, tmp_path):
                   tmp_path / "run")
     assert "fp32 master weights" in out
     core, run = engine.load(root / "ep2_bf16", TS), engine.load(tmp_path / "run", TS)
-    assert run.config.dtype == "float32" and "fp32_param" not in run.training.tensors
     assert "layers.0.moe.experts.2.up.weight" in core.tensors
-    for name, t in core.tensors.items():
-        master = core.training.tensors["fp32_param"][name].load()
-        assert torch.equal(run.tensors[name].load(), master), name
-        assert torch.equal(master.bfloat16(), t.load()), name
-        for m in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(run.training.tensors[m][name].load(), core.training.tensors[m][name].load())
+    assert_masters_became_weights(core, run)
     raw = config_of(tmp_path / "run", runs["corpus"])
     raw["train"]["exit_after_steps"] = 1
     result, _ = mtrain_run(from_dict(raw))

@@ -31,7 +31,7 @@ from mtrain.config import from_dict
 from tests.support.cli import run_cli, train_megatron_runs
 from tests.support.corpus import build_corpus
 from tests.support.launch import launch, losses
-from tests.support.mtrain_runs import FLAGS, LOSS_BOUND, mtrain_run, mtrain_tokens, resume_config
+from tests.support.mtrain_runs import FLAGS, LOSS_BOUND, assert_same_moments, mtrain_run, mtrain_tokens, resume_config
 
 pytestmark = pytest.mark.parity
 
@@ -142,10 +142,7 @@ def test_parallel_mtrain_run_resumes_in_megatron(runs, name):
     LOSS_BOUND."""
     root = runs["root"]
     run, core = engine.load(root / f"{name}_again" / "step_0000005", TS), engine.load(root / f"{name}_core", TS)
-    for ir_name, t in run.tensors.items():
-        assert torch.equal(core.tensors[ir_name].load(), t.load()), ir_name
-        for m in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(core.training.tensors[m][ir_name].load(), run.training.tensors[m][ir_name].load())
+    assert_same_moments(run, core)
     assert (core.training.step, core.training.iteration, core.training.scheduler) == \
         (run.training.step, run.training.iteration, run.training.scheduler)
     again = runs[f"{name}_again"]

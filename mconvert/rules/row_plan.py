@@ -84,13 +84,7 @@ class RowPlanner:
             w = plan.width  # each stored piece (stacked along rows: DCP/zarr chunks) cut into the same bands
             return [ByteBlocks(inputs[0].shape[:1] + (w,), name,
                                tuple(p[:, k * w:(k + 1) * w] for p in inputs[0].parts)) for k in range(plan.parts)]
-        made = []
-        for out in plan:
-            pieces = [v for j, a, b in out.runs for v in inputs[j].rows(a, b)]
-            sources = tuple(s for _, s in pieces)
-            made.append(ByteBlocks(out.shape, name, tuple(p for p, _ in pieces),
-                                   sources if any(s is not None for s in sources) else ()))
-        return made
+        return _assembled(plan, inputs, lambda shape, parts, sources: ByteBlocks(shape, name, parts, sources))
 
     def moves_bytes(self, rule: Rule, tensors: Sequence[LazyTensor]) -> bool:
         """Can `forward_bytes` make these tensors' pieces (as far as is known before any file is opened)?"""
@@ -171,13 +165,7 @@ class RowPlanner:
         if plan is None:
             return None
         dtype = inputs[0].dtype
-        made = []
-        for out in plan:
-            pieces = [v for j, a, b in out.runs for v in inputs[j].rows(a, b)]
-            sources = tuple(s for _, s in pieces)
-            made.append(Blocks(out.shape, dtype, tuple(p for p, _ in pieces),
-                               sources if any(s is not None for s in sources) else ()))
-        return made
+        return _assembled(plan, inputs, lambda shape, parts, sources: Blocks(shape, dtype, parts, sources))
 
 
 def probe(fn: Callable[[list[torch.Tensor]], list[torch.Tensor]],
@@ -257,3 +245,15 @@ def _raw(blocks: ByteBlocks):
     """All of `blocks`' bytes as one flat array (a copy when it has several parts)."""
     return np.concatenate([p.reshape(-1) for p in blocks.parts]) if len(blocks.parts) != 1 else \
         blocks.parts[0].reshape(-1)
+
+
+def _assembled(plan, inputs, make: Callable) -> list:
+    """Each output of a row plan as the input rows its runs name, views with their places in the files (the torch
+    path's `Blocks` or the byte path's `ByteBlocks`, by `make(shape, parts, sources)`)."""
+    made = []
+    for out in plan:
+        pieces = [v for j, a, b in out.runs for v in inputs[j].rows(a, b)]
+        sources = tuple(s for _, s in pieces)
+        known = sources if any(s is not None for s in sources) else ()
+        made.append(make(out.shape, tuple(p for p, _ in pieces), known))
+    return made

@@ -58,3 +58,23 @@ def mtrain_run(config, **kw):
     lines: list[str] = []
     result = Trainer(config, out=lines.append, **kw).run()
     return result, lines
+
+
+def assert_same_moments(a, b) -> None:
+    """Two IRs with training state (`engine.load(..., TS)`): every weight and both Adam moments equal, bit for bit."""
+    for name, t in a.tensors.items():
+        assert torch.equal(b.tensors[name].load(), t.load()), name
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(b.training.tensors[m][name].load(), a.training.tensors[m][name].load()), (m, name)
+
+
+def assert_masters_became_weights(core, run) -> None:
+    """A bf16 Megatron run (`core`) and its mtrain run: mtrain's fp32 weights are Megatron's master weights, whose
+    bf16 cast is Megatron's weights, and the moments equal, bit for bit."""
+    assert run.config.dtype == "float32" and "fp32_param" not in run.training.tensors
+    for name, t in core.tensors.items():
+        master = core.training.tensors["fp32_param"][name].load()
+        assert torch.equal(run.tensors[name].load(), master), name
+        assert torch.equal(master.bfloat16(), t.load()), name
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(run.training.tensors[m][name].load(), core.training.tensors[m][name].load())
