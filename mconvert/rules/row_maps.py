@@ -74,10 +74,6 @@ def _replicate(rows, ctx: Ctx):
 
 def column(rows, ctx: Ctx):
     """`table.COLUMN`'s pieces: TP chunks of rows."""
-    return _column(rows, ctx)
-
-
-def _column(rows, ctx: Ctx):
     return None if len(rows) % ctx.tp else np.split(rows, ctx.tp)
 
 
@@ -92,7 +88,7 @@ def _gated_column(rows, ctx: Ctx):
 JOINS: tuple[tuple[table.Join, Callable], ...] = (
     (table.IDENTITY, _identity), (table.QKV, _qkv), (table.GATE_UP, _gate_up), (table.VOCAB, _vocab))
 SHARDS: tuple[tuple[table.Shard, Callable], ...] = (
-    (table.REPLICATE, _replicate), (table.COLUMN, _column), (table.GATED_COLUMN, _gated_column))
+    (table.REPLICATE, _replicate), (table.COLUMN, column), (table.GATED_COLUMN, _gated_column))
 
 
 def _found(pairs: tuple, obj) -> Callable | None:

@@ -133,9 +133,7 @@ class RowPlanner:
             cursor = b
         if cursor != shapes[index][0]:
             return None
-        sources = tuple(s for _, s in made)
-        return ByteBlocks(tuple(shapes[index]), name, tuple(p for p, _ in made),
-                          sources if any(s is not None for s in sources) else ())
+        return ByteBlocks(tuple(shapes[index]), name, *_parts_and_sources(made))
 
     def byte_plan(self, rule: Rule, shapes: Sequence[tuple[int, ...]]) -> tuple[Output, ...] | row_maps.Columns | None:
         """`plan` of the forward direction by arithmetic (no torch), or the columns of a row-parallel split."""
@@ -144,7 +142,7 @@ class RowPlanner:
             found = row_maps.forward_plan(rule, key[1], self.ctx)
             if isinstance(found, list):
                 bounds = np.cumsum([0] + [s[0] for s in key[1]])
-                found = tuple(Output(shape, _np_runs(rows, bounds)) for shape, rows in found)
+                found = tuple(Output(shape, _runs(rows, bounds)) for shape, rows in found)
             self._byte_plans[key] = found
         return self._byte_plans[key]
 
@@ -194,33 +192,19 @@ def probe(fn: Callable[[list[torch.Tensor]], list[torch.Tensor]],
         return None
     if len(outs) != len(real):
         return None
-    bounds = torch.tensor(starts, dtype=torch.int64)
+    bounds = np.asarray(starts, dtype=np.int64)
     plan = []
     for o, r in zip(outs, real):
         if o.dim() != 2 or o.shape[1] != 2 or tuple(r.shape) != (o.shape[0], *trailing) or \
                 not torch.equal(o[:, 1], -o[:, 0] - 1):
             return None
-        plan.append(Output(tuple(r.shape), _runs(o[:, 0].contiguous(), bounds)))
+        plan.append(Output(tuple(r.shape), _runs(o[:, 0].numpy(), bounds)))
     return tuple(plan)
 
 
-def _runs(rows: torch.Tensor, bounds: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
-    """Global row numbers -> maximal (input, first, end) runs of consecutive rows of one input."""
-    if rows.numel() == 0:
-        return ()
-    src = torch.zeros_like(rows)
-    for bound in bounds.tolist()[1:]:  # few inputs: a comparison each (bucketize costs ~10 ms a call on a busy CPU)
-        src += rows >= bound
-    local = rows - bounds[src]
-    cut = torch.ones(rows.numel(), dtype=torch.bool)
-    cut[1:] = (rows[1:] != rows[:-1] + 1) | (src[1:] != src[:-1])
-    firsts = cut.nonzero().flatten().tolist() + [rows.numel()]
-    src_l, local_l = src.tolist(), local.tolist()
-    return tuple((src_l[a], local_l[a], local_l[a] + b - a) for a, b in zip(firsts, firsts[1:]))
-
-
-def _np_runs(rows, bounds) -> tuple[tuple[int, int, int], ...]:
-    """`_runs` with numpy: global row numbers -> maximal (input, first, end) runs of consecutive rows of one input."""
+def _runs(rows, bounds) -> tuple[tuple[int, int, int], ...]:
+    """Global row numbers -> maximal (input, first, end) runs of consecutive rows of one input (numpy arrays;
+    `bounds`: each input's first global row, optionally followed by the end)."""
     if not len(rows):
         return ()
     src = np.searchsorted(bounds, rows, side="right") - 1
@@ -250,10 +234,11 @@ def _raw(blocks: ByteBlocks):
 def _assembled(plan, inputs, make: Callable) -> list:
     """Each output of a row plan as the input rows its runs name, views with their places in the files (the torch
     path's `Blocks` or the byte path's `ByteBlocks`, by `make(shape, parts, sources)`)."""
-    made = []
-    for out in plan:
-        pieces = [v for j, a, b in out.runs for v in inputs[j].rows(a, b)]
-        sources = tuple(s for _, s in pieces)
-        known = sources if any(s is not None for s in sources) else ()
-        made.append(make(out.shape, tuple(p for p, _ in pieces), known))
-    return made
+    return [make(out.shape, *_parts_and_sources([v for j, a, b in out.runs for v in inputs[j].rows(a, b)]))
+            for out in plan]
+
+
+def _parts_and_sources(pieces: list) -> tuple[tuple, tuple]:
+    """(view, place in a file or None) pairs -> the views, and their places (empty when none is known)."""
+    sources = tuple(s for _, s in pieces)
+    return tuple(p for p, _ in pieces), sources if any(s is not None for s in sources) else ()
