@@ -10,7 +10,8 @@ right after `cp -r` of its source (this machine's speed drifts several-fold with
 interleaved and compared within a round):
 
     dense (Llama):  HF -> core TP2 PP2, core -> HF, core -> torch_dist (with integrity.json, and without it:
-                    --no-integrity-manifest), torch_dist -> core, torch_dist -> HF,
+                    --no-integrity-manifest), torch_dist -> core, torch_dist -> HF (integrity.json verified,
+                    and not: --no-verify-integrity),
                     core -> torch_dcp, torch_dcp -> HF, core -> fsdp_dtensor, fsdp_dtensor -> HF,
                     legacy TP2 PP2 -> HF, pytorch_model.bin -> core TP2
     MoE (Mixtral):  HF -> core TP1 EP2, core EP2 -> HF, core EP2 -> torch_dist
@@ -175,6 +176,7 @@ def cases(models: Path, hf: Path, moe: Path) -> dict[str, tuple[Path, list[str]]
                                                                       "torch_dist", "--no-integrity-manifest"]),
         "torch_dist -> core": (models / "torch_dist", ["--saver", "core", "--tp", "2", "--pp", "2"]),
         "torch_dist -> HF": (models / "torch_dist", to_hf),
+        "torch_dist -> HF (not verified)": (models / "torch_dist", [*to_hf, "--no-verify-integrity"]),
         "core -> torch_dcp": (models / "core_tp2pp2", ["--saver", "core", "--ckpt-format", "torch_dcp"]),
         "torch_dcp -> HF": (models / "torch_dcp", to_hf),
         "core -> fsdp_dtensor": (models / "core_tp2pp2", ["--saver", "core", "--ckpt-format", "fsdp_dtensor"]),

@@ -35,7 +35,7 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
 PLUGIN_OPTIONS = ("tp", "pp", "vpp", "ep", "etp", "first_stage_layers", "last_stage_layers", "transformer_impl",
                   "expert_layout", "ckpt_format", "make_vocab_size_divisible_by", "iteration", "true_vocab_size",
                   "max_shard_size", "fp8_weights", "mtp_layer_name", "training_state", "optimizer_sharding",
-                  "integrity_manifest")
+                  "integrity_manifest", "verify_integrity")
 
 
 def parse_size(text: str) -> int:
@@ -153,6 +153,11 @@ def _fail_cleanly(func):
               "(SHA-256 costs about twice cp's CPU per byte). What is lost: a corrupt or changed file is no longer "
               "detected when the checkpoint is read (by mconvert or Megatron), and a Megatron run given "
               "--verify-integrity refuses to load the output (it finds no integrity.json to check).")
+@click.option("--verify-integrity/--no-verify-integrity", default=True, show_default=True,
+              help="Loader core, a torch_dist source with integrity.json: check every file against its SHA-256 "
+              "before any of its bytes are used (what megatron-core does only when loading with "
+              "--verify-integrity). --no-verify-integrity reads without hashing (SHA-256 costs about twice cp's "
+              "CPU per byte); a corrupt or changed file is then converted as it is.")
 @click.option("--force", is_flag=True, help="Replace an existing, non-empty --save-dir.")
 @click.option("--verify", "verify_output", is_flag=True,
               help="Before moving the output into place, run it and the source on the same tokens (as `mconvert "
@@ -300,6 +305,7 @@ def _options(o: dict):
         training_state=o["training_state"],
         optimizer_sharding=o["optimizer_sharding"],
         integrity_manifest=o["integrity_manifest"],
+        verify_integrity=o["verify_integrity"],
     )
 
 

@@ -40,6 +40,7 @@ class Options:
     training_state: bool = False  # carry optimizer moments, step, schedule, ... (mconvert.ir.training_state)
     optimizer_sharding: str | None = None  # core torch_dist saver: how the optimizer is stored; None: the source's
     integrity_manifest: bool = True  # core torch_dist saver: write integrity.json (SHA-256 of every file)
+    verify_integrity: bool = True  # core loader, torch_dist: check each file against integrity.json before use
     # Where the output lives once complete (savers write into a staging directory beside it, see engine.save):
     # Megatron savers record the carried tokenizer's final path in args.tokenizer_model.
     final_dir: Path | None = None

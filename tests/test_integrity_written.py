@@ -9,8 +9,10 @@ import math
 import os
 
 import pytest
+import torch
 
-from mconvert.io import dcp_writer, integrity
+from mconvert.io import dcp_writer, hf_dir, integrity
+from mconvert.io.dcp import DcpReader
 from tests.support.cli import run_cli
 
 IT = "iter_0000001"
@@ -114,3 +116,37 @@ def test_no_integrity_manifest_skips_hashing(hf_model, tmp_path, monkeypatch):
                   "--save-dir", tmp_path / "hf", expect_error=True)
     assert out.strip() == "Error: --no-integrity-manifest does not apply to loader llama_mistral / saver llama_mistral"
     assert not (tmp_path / "dcp").exists() and not (tmp_path / "hf").exists()
+
+
+def test_no_verify_integrity_reads_without_hashing(hf_model, tmp_path, monkeypatch):
+    """--no-verify-integrity: a torch_dist source's files are read without a byte hashed, so a changed weight is
+    converted as it is; by default the same file is refused by name. Refused for a loader it means nothing to."""
+    src = tmp_path / "dist"
+    run_cli("-q", "--saver", "core", "--ckpt-format", "torch_dist", "--load-dir", hf_model("llama"), "--save-dir", src)
+    it = src / IT
+    [piece] = DcpReader(it).elements("embedding.word_embeddings.weight").pieces
+    where = piece.file_bytes  # little-endian: the first weight's sign bit is the top bit of its last byte
+    with open(where.path, "r+b") as f:
+        f.seek(where.offset + piece.dtype.itemsize - 1)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x80]))
+    out = run_cli("--saver", "llama_mistral", "--load-dir", src, "--save-dir", tmp_path / "hf", expect_error=True)
+    assert f"{where.path}: SHA-256 " in out and "does not match" in out
+    assert not (tmp_path / "hf").exists()
+
+    hashed = []
+    real = integrity._digest
+    monkeypatch.setattr(integrity, "_digest", lambda data: hashed.append(len(data)) or real(data))
+    run_cli("-q", "--saver", "llama_mistral", "--no-verify-integrity", "--load-dir", src, "--save-dir",
+            tmp_path / "hf")
+    assert hashed == []
+    original = hf_dir.open_weights(hf_model("llama"))["model.embed_tokens.weight"].load()
+    converted = hf_dir.open_weights(tmp_path / "hf")["model.embed_tokens.weight"].load().clone()
+    assert torch.equal(converted[0, 0], -original[0, 0])  # the change went through ...
+    converted[0, 0] = original[0, 0]
+    assert torch.equal(converted, original)  # ... and nothing else changed
+
+    out = run_cli("--loader", "llama_mistral", "--saver", "core", "--no-verify-integrity", "--load-dir",
+                  hf_model("llama"), "--save-dir", tmp_path / "core", expect_error=True)
+    assert out.strip() == "Error: --no-verify-integrity does not apply to loader llama_mistral / saver core"

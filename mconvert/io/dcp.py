@@ -234,9 +234,10 @@ class TensorEntry:
 class DcpReader:
     """Random access to the tensors and bytes items of a DCP directory, without a process group."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, verify: bool = True) -> None:
         self.root = Path(root)
-        self.manifest = Manifest.find(self.root)  # integrity.json: each file is verified when first mapped
+        # integrity.json: each file is verified when first mapped (unless the caller reads without checking)
+        self.manifest = Manifest.find(self.root) if verify else None
         md = read_metadata(self.root, self.manifest)
         where = {}  # (fqn, chunk offsets) -> storage; a dataclass default (offset None) is not in the pickle
         for k, v in md.storage_data.items():

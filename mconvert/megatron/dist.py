@@ -289,14 +289,16 @@ def metadata_json(backend: str) -> dict:
             "common_backend_version": 1}
 
 
-def open_store(it_dir: Path):
-    manifest = Manifest.find(it_dir)
+def open_store(it_dir: Path, *, verify: bool = True):
+    """The reader of a torch_dist or zarr directory; with `verify`, its files are checked against integrity.json
+    (when there is one) before they are used."""
+    manifest = Manifest.find(it_dir) if verify else None
     if manifest is not None:  # metadata.json picks the reader: verified before it is believed
         manifest.check_file(core.METADATA_JSON)
     meta = hf_dir.read_json(it_dir / core.METADATA_JSON)
     backend = meta.get("sharded_backend")
     if backend == "torch_dist":
-        return DcpReader(it_dir), backend
+        return DcpReader(it_dir, verify=verify), backend
     if backend == "zarr":
         from mconvert.io.zarr import ZarrReader  # tensorstore: slow to import, only for zarr
 
@@ -389,7 +391,7 @@ class Unprefixed:
 
 
 def load_dist(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
-    store, backend = open_store(it_dir)
+    store, backend = open_store(it_dir, verify=options.verify_integrity)
     common = read_common(it_dir, store)
     if backend == "torch_dist" and store.tensors and all(k.startswith(NEMO_PREFIX) for k in store.tensors):
         store = Unprefixed(store, NEMO_PREFIX)

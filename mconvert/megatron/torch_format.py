@@ -59,7 +59,7 @@ def is_core_checkpoint(path: Path) -> bool:
 
 
 @register_loader("core", aliases=("megatron", "mcore"), detect=is_core_checkpoint,
-                 options=("true_vocab_size", "tokenizer", "training_state"))
+                 options=("true_vocab_size", "tokenizer", "training_state", "verify_integrity"))
 def load(path: Path, options: Options) -> ModelIR:
     """Megatron-core GPT: `torch` (local or Transformer-Engine names), `torch_dist`, `zarr`, `torch_dcp` or
     `fsdp_dtensor`, detected; BertModel in `torch` or `torch_dist`."""
