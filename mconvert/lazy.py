@@ -9,6 +9,11 @@ The import makes a few hundred thousand objects that live as long as the process
 collection, and they are then frozen out of it (`gc.freeze`), so no later collection scans them either (collections
 during `import torch` cost about a tenth of its CPU time).
 
+numpy is imported with OpenBLAS limited to one thread (unless OPENBLAS_NUM_THREADS is set): mconvert uses numpy to
+view and move bytes, never for BLAS, and the pool OpenBLAS starts at import busy-waits for work for a while, about
+40 ms of CPU per process for nothing. The setting is taken back once numpy is loaded, so child processes do not
+inherit it.
+
     from mconvert.lazy import torch      # instead of `import torch`
 """
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
 import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -42,10 +48,15 @@ def _import_long_lived(name: str) -> ModuleType:
     someone imported already is only looked up."""
     if name in sys.modules or not gc.isenabled():
         return importlib.import_module(name)
+    blas = name == "numpy" and "OPENBLAS_NUM_THREADS" not in os.environ
+    if blas:
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"  # read once, when OpenBLAS loads
     gc.disable()
     try:
         return importlib.import_module(name)
     finally:
+        if blas:
+            del os.environ["OPENBLAS_NUM_THREADS"]
         gc.freeze()
         gc.enable()
 

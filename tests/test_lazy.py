@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
 import sys
 
 from mconvert.lazy import LazyModule
@@ -40,3 +42,18 @@ def test_collection_left_off_when_the_caller_turned_it_off():
         assert gc.get_freeze_count() == before
     finally:
         gc.enable()
+
+
+def _numpy_through_lazy(env: dict) -> str:
+    code = ("import os; from mconvert.lazy import np; np.zeros(1); "
+            "print(len(os.listdir('/proc/self/task')), os.environ.get('OPENBLAS_NUM_THREADS'))")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
+def test_numpy_loads_with_one_blas_thread_and_leaves_no_setting():
+    """numpy through mconvert.lazy: OpenBLAS starts no thread pool (its idle threads busy-wait: CPU for nothing),
+    and OPENBLAS_NUM_THREADS is taken back (children do not inherit it); a user's own setting is left alone."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    assert _numpy_through_lazy(env) == ["1", "None"]  # the main thread only
+    assert _numpy_through_lazy({**env, "OPENBLAS_NUM_THREADS": "2"})[1] == "2"
