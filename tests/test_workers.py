@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,34 @@ def test_legacy_and_bin_sources_copy_file_to_file(llama_dir, tmp_path, monkeypat
     # TP=2 stores column-split; HF-style .bin -> anything all but those and the fused q/k/v and gate/up).
     assert sum(copied) > 4 * model_bytes // 2, (sum(copied), model_bytes)
     assert by_memory == by_copies
+
+
+def test_writers_of_one_file_take_turns(llama_dir, tmp_path, monkeypatch):
+    """Several workers filling one safetensors file: never two of them inside a write or copy to it at once (the
+    kernel would make the second spin on the file's lock), and the file is what one writer makes."""
+    inside, most, threads = {}, {}, {}
+    real_pwrite, real_copy = os.pwrite, os.copy_file_range
+
+    def watched(call):
+        def run(*args):
+            fd = args[0] if call is real_pwrite else args[1]
+            st = os.fstat(fd)
+            if not st.st_size:  # not an output being filled
+                return call(*args)
+            key = (st.st_dev, st.st_ino)
+            inside[key] = inside.get(key, 0) + 1
+            most[key] = max(most.get(key, 0), inside[key])
+            threads.setdefault(key, set()).add(threading.get_ident())
+            try:
+                time.sleep(0.002)  # widen the window another writer could enter
+                return call(*args)
+            finally:
+                inside[key] -= 1
+        return run
+
+    one = taken(convert(llama_dir, tmp_path / "out", TARGETS["HF one file"], "--workers", "1"))
+    monkeypatch.setattr(os, "pwrite", watched(real_pwrite))
+    monkeypatch.setattr(os, "copy_file_range", watched(real_copy))
+    assert taken(convert(llama_dir, tmp_path / "out", TARGETS["HF one file"], "--workers", "3")) == one
+    shared = [key for key, seen in threads.items() if len(seen) > 1]
+    assert shared and all(most[key] == 1 for key in shared)

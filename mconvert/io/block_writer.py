@@ -14,12 +14,16 @@ still the file the loader mapped (device, inode, size, modification time); other
 the copy (another file system on an old kernel), the bytes are written from memory.
 
 Writes go to explicit offsets (pwrite), so several writers can fill one file at once (safetensors ranges), and
-each finished stretch is queued for disk early (`mconvert.io.writeback`).
+each finished stretch is queued for disk early (`mconvert.io.writeback`). Writers of one file take turns at the
+kernel (`file_turn`): a buffered write holds the file's inode lock, which a second writer would otherwise wait for
+by spinning in the kernel (15% of a two-worker torch_dist -> HF conversion's CPU, measured with perf), while a
+Python lock waits asleep; what comes before the write (CRC-32, gathering a strided part) still runs in parallel.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -51,15 +55,18 @@ class Sender:
              writeback: Writeback | None = None) -> tuple[int, int | None]:
         """Write `blocks` into `fd` at `position`; returns the end position and the CRC-32 continued from `crc`
         (None: not computed)."""
+        turn = file_turn(fd)
         for i, part in enumerate(blocks.parts):
             span = self._span(part, blocks.source(i))
             for buffer in self._buffers(part):
                 if crc is not None:
                     crc = crc32(buffer, crc)
-                if span is not None:
-                    span = self._copy(span, fd, position, len(buffer))
+                with turn:
+                    if span is not None:
+                        span = self._copy(span, fd, position, len(buffer))
+                    if span is None:
+                        pwrite_all(fd, buffer, position)
                 if span is None:
-                    pwrite_all(fd, buffer, position)
                     self.written += len(buffer)
                 else:
                     self.copied += len(buffer)
@@ -146,6 +153,18 @@ class Sender:
             out = self._scratch[:rows.nbytes]
             np.copyto(out.view(rows.dtype).reshape(rows.shape), rows)
             yield memoryview(out)
+
+
+_turns: dict[tuple[int, int], threading.Lock] = {}
+_turns_lock = threading.Lock()
+
+
+def file_turn(fd: int) -> threading.Lock:
+    """The lock that this process's writers of the file open at `fd` hold while they write to it (by device and
+    inode: each writer opens the file itself)."""
+    st = os.fstat(fd)
+    with _turns_lock:
+        return _turns.setdefault((st.st_dev, st.st_ino), threading.Lock())
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mconvert.errors import ConvertError
-from mconvert.io.block_writer import Sender, pwrite_all
+from mconvert.io.block_writer import Sender, file_turn, pwrite_all
 from mconvert.io.writeback import Writeback
 from mconvert.ir import dtypes
 from mconvert.ir.blocks import Blocks, ByteBlocks, FileBytes, as_blocks
@@ -204,7 +204,8 @@ def write_range(path: Path | str, plan: Layout, first: int, stop: int,
         stack.callback(os.close, fd)
         if first == 0:
             os.ftruncate(fd, plan.size)
-            pwrite_all(fd, memoryview(plan.header), 0)
+            with file_turn(fd):
+                pwrite_all(fd, memoryview(plan.header), 0)
         writeback = Writeback(fd, plan.starts[first] if first < len(plan.entries) else plan.size)
         sender = stack.enter_context(contextlib.closing(Sender()))
         for e, start in zip(plan.entries[first:stop], plan.starts[first:stop]):
