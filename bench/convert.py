@@ -7,7 +7,8 @@ Builds (once, cached in --models, outside the repository) a random bf16 Llama wi
 `transformers` LlamaConfig, as `save_pretrained` lays it out; the Megatron sources (core torch TP2 PP2 and
 torch_dist) are made from it with mconvert, untimed. Then, in every round, each case runs once per worker count
 right after `cp -r` of its source (this machine's speed drifts several-fold within seconds, so variants are
-interleaved and compared within a round):
+interleaved and compared within a round), its source read once beforehand (untimed) so that every command finds it
+in the page cache:
 
     dense (Llama):  HF -> core TP2 PP2, core -> HF, core -> torch_dist (with integrity.json, and without it:
                     --no-integrity-manifest), torch_dist -> core, torch_dist -> HF (integrity.json verified,
@@ -116,6 +117,17 @@ def tree_memory(pid: int) -> int:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return total
+
+
+def warm(src: Path) -> None:
+    """Read every file of `src` once, untimed, so that each measured command finds its source in the page cache:
+    a source read from disk charges the kernel's reading to whichever command comes first (often `cp -r`, whose
+    system time then swung 0.6-3.1 s per 2.2 GB from run to run)."""
+    buffer = bytearray(1 << 20)
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        with open(f, "rb", buffering=0) as stream:
+            while stream.readinto(buffer):
+                pass
 
 
 def measure(cmd: list[str], stdout: list[str] | None = None, env: dict[str, str] | None = None) -> Run:
@@ -244,9 +256,11 @@ def bench_cases(models: Path, hf: Path, moe: Path, rounds: int, workers: list[in
         for name, (src, args) in table.items():
             if vs_cp:
                 shutil.rmtree(out, ignore_errors=True)
+                warm(src)
                 cps.setdefault(name, []).append(measure(["cp", "-r", str(src), str(out)]))
             for label, w, env in variants:
                 shutil.rmtree(out, ignore_errors=True)
+                warm(src)
                 run = measure([*mconvert_cmd(), *args, "--workers", str(w), "--load-dir", str(src),
                                "--save-dir", str(out)], env=env)
                 runs.setdefault((name, label), []).append(run)
@@ -295,8 +309,10 @@ def bench_growth(models: Path, layer_counts: list[int]) -> None:
         if not (src / "config.json").is_file():
             build_llama(src, layers)
         shutil.rmtree(out, ignore_errors=True)
+        warm(src)
         cp = measure(["cp", "-r", str(src), str(out)])
         shutil.rmtree(out, ignore_errors=True)
+        warm(src)
         run = measure([*mconvert_cmd(), "--saver", "core", "--tp", "2", "--pp", "2", "--load-dir", str(src),
                        "--save-dir", str(out)])
         size = sum(f.stat().st_size for f in src.rglob("*.safetensors"))
