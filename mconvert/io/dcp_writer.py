@@ -153,14 +153,17 @@ class DcpWriter:
         f = self._files[i]
         self.entries.append(_write_item(f, Path(f.name).name, item, self._sender))
 
-    def add_chunk(self, fqn: str, global_shape, offsets, tensor: torch.Tensor) -> None:
+    def add_chunk(self, fqn: str, global_shape, offsets, tensor: torch.Tensor | ByteBlocks) -> None:
         """One chunk of tensor `fqn` (global shape `global_shape`) starting at `offsets`."""
-        shape, dtype = tuple(global_shape), dtypes.name_of(tensor.dtype)
+        if isinstance(tensor, ByteBlocks):
+            dtype, nbytes = tensor.dtype_name, tensor.nbytes
+        else:
+            dtype, nbytes = dtypes.name_of(tensor.dtype), tensor.numel() * tensor.element_size()
+        shape = tuple(global_shape)
         if self.tensors.setdefault(fqn, (shape, dtype)) != (shape, dtype):
             raise ConvertError(f"{fqn}: chunks disagree on the global shape or dtype: {self.tensors[fqn]} vs "
                                f"{(shape, dtype)}")
-        self._add(Item(fqn, tensor.numel() * tensor.element_size(), lambda: tensor, shape, tuple(offsets),
-                       tuple(tensor.shape), dtype))
+        self._add(Item(fqn, nbytes, lambda: tensor, shape, tuple(offsets), tuple(tensor.shape), dtype))
 
     def add_bytes(self, fqn: str, data: bytes) -> None:
         self._add(Item(fqn, len(data), lambda: data))
