@@ -33,7 +33,6 @@ import functools
 import io
 import pickle
 import struct
-import sys
 import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -44,7 +43,7 @@ from mconvert.io.torch_archive import TorchDType
 from mconvert.io.writeback import Writeback
 from mconvert.ir import dtypes
 from mconvert.ir.blocks import Blocks, ByteBlocks, as_blocks
-from mconvert.lazy import torch
+from mconvert.lazy import loaded, torch
 
 try:  # ISA-L's CRC-32 (the very same checksum) runs about 6x faster than zlib's; zipfile calls it for every byte
     from isal.isal_zlib import crc32 as _fast_crc32
@@ -155,7 +154,7 @@ class _Pickler(pickle._Pickler):
         return None
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        torch_module = sys.modules.get("torch")
+        torch_module = loaded("torch")
         if torch_module is not None and type(obj) is torch_module.dtype:  # the same one object as a TorchDType's
             obj = dtype_global(dtypes.name_of(obj))
         super().save(obj, save_persistent_id)
@@ -163,7 +162,7 @@ class _Pickler(pickle._Pickler):
     def reducer_override(self, obj: Any):
         if isinstance(obj, (Blocks, ByteBlocks)):  # a tensor's bytes met in the tree: stored, then pickled as one
             return self.writer.add(obj).__reduce_ex__(2)
-        torch_module = sys.modules.get("torch")  # a tensor exists only once torch is imported
+        torch_module = loaded("torch")  # a tensor exists only once torch is imported
         if torch_module is not None and isinstance(obj, torch_module.Tensor):
             return self.writer.add(obj).__reduce_ex__(2)
         return NotImplemented

@@ -511,8 +511,9 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     check_plan(ir.tensors, [(backend, [placed.row for placed in placed_rows])], where=f"saver core ({backend})")
     it_dir.mkdir(parents=True, exist_ok=True)  # under torchrun every rank prepares the same directory
     planner = RowPlanner(Ctx(c, padded))
-    view = FileViews().view if file_views.enabled() else None  # bytes moved without torch where they allow
-    if view is None or options.training_state or backend != "torch_dist" or \
+    # bytes moved without torch where they allow (zarr's writer takes tensors)
+    view = FileViews().view if file_views.enabled() and backend == "torch_dist" else None
+    if view is None or options.training_state or \
             not all(planner.moves_bytes(p.row.rule, [ir.tensors[n] for n in p.row.ir]) for p in placed_rows):
         torch.get_num_threads()  # the plan needs torch: imported now, so that its jobs run it on one thread each
     items = [item for placed in placed_rows for item in _blocks(ir.tensors, placed, planner, view)]
