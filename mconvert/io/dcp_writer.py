@@ -117,10 +117,16 @@ def _write_item(f: BinaryIO, name: str, item: Item, sender: Sender, digest: Writ
     f.write(b"\0" * (-f.tell() % ALIGN))  # start every archive aligned, so its tensor maps aligned
     start = f.tell()
     writer = TorchFileWriter(f, background=False, sender=sender, digest=digest)
-    handle = writer.add(item.produce())
-    if handle.shape != tuple(item.shape) or handle.storage.dtype_name != item.dtype:
-        raise ConvertError(f"{f.name}: chunk of {item.fqn} at {list(item.offsets)} came out {list(handle.shape)} "
-                           f"{handle.storage.dtype_name}, planned {list(item.shape)} {item.dtype}")
+    try:
+        handle = writer.add(item.produce())
+        if handle.shape != tuple(item.shape) or handle.storage.dtype_name != item.dtype:
+            raise ConvertError(f"{f.name}: chunk of {item.fqn} at {list(item.offsets)} came out "
+                               f"{list(handle.shape)} {handle.storage.dtype_name}, planned {list(item.shape)} "
+                               f"{item.dtype}")
+    except BaseException:  # the archive released now, not by ZipFile.__del__ once the file is closed
+        with contextlib.suppress(Exception):
+            writer.close()
+        raise
     writer.finish(handle)
     return item.fqn, tuple(item.offsets), handle.shape, name, start, f.tell() - start
 
