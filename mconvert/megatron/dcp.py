@@ -227,8 +227,9 @@ def _item(tensors_by_name: Mapping[str, LazyTensor], row: Row, planner: RowPlann
     else the sources' rows where the rule only moves rows (copied file to file where they are verbatim), else
     computed. Its shape is planned by arithmetic where the rule's plan is known (`RowPlanner.piece_shapes`)."""
     tensors = [tensors_by_name[n] for n in row.ir]
-    if planner.byte_plan(row.rule, [t.shape for t in tensors]) is not None:  # rows or columns moved, never cast
-        shape, dtype = tuple(planner.piece_shapes(row.rule, [t.shape for t in tensors])[0]), tensors[0].dtype_name
+    shapes = [t.shape for t in tensors]
+    if len({t.dtype_name for t in tensors}) == 1 and planner.byte_plan(row.rule, shapes) is not None:
+        shape, dtype = tuple(planner.piece_shapes(row.rule, shapes)[0]), tensors[0].dtype_name  # moved, not cast
     else:
         [meta] = row.rule.forward([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors],
                                   planner.ctx)[:1]
