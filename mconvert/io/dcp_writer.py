@@ -199,7 +199,7 @@ class DcpWriter:
 
 def object_bytes(obj: Any) -> bytes:
     """What a bytes item holding `obj` stores: a torch.save archive of it, written by `mconvert.io.torch_zip` (no
-    torch needed: a dtype may be a `TorchDType`, a tensor `ByteBlocks`, e.g. `EMPTY_BYTES`). The torch path and the
+    torch needed: a dtype may be a `TorchDType`, a tensor `ByteBlocks`, e.g. `empty_bytes()`). The torch path and the
     byte path both write it so; torch.load (weights_only) and Megatron read it as torch.save's own."""
     buffer = io.BytesIO()
     torch_zip.save(obj, buffer, background=False)
