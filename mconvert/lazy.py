@@ -61,6 +61,16 @@ def _import_long_lived(name: str) -> ModuleType:
         gc.enable()
 
 
+def loaded(name: str) -> ModuleType | None:
+    """Module `name` if some code has imported it completely, else None (never imports it). A module that another
+    thread is importing right now is in `sys.modules` half made (torch without `torch.dtype` yet): None too; none
+    of its objects can exist before its import is done."""
+    module = sys.modules.get(name)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return None
+    return module
+
+
 if TYPE_CHECKING:
     import numpy as np
     import torch

@@ -6,6 +6,11 @@ against them). Readers unpickle torch's classes, as ever.
     Metadata(state_dict_metadata={fqn: TensorStorageMetadata | BytesStorageMetadata}, storage_data={
              MetadataIndex: _StorageInfo})                      torch.distributed.checkpoint.metadata / .filesystem
 
+torch's own objects in it (`torch.Size`, the dtypes, `torch.strided`) are named the same way, so writing it imports
+no torch at all. The memo follows object identity, so the names' strings are laid out as torch's give them: the
+dtypes share one module string ("torch"), `torch.Size` has another (a different str object), and `torch.strided`
+is `torch.serialization._get_layout("torch.strided")`, the reduction torch registers for layouts.
+
 The pure-Python pickler is used because only it lets a class be written by name without importing its module; it
 writes the same opcodes, memo and frames as the C one.
 """
@@ -16,10 +21,42 @@ import copyreg
 import pickle
 from typing import Any, BinaryIO
 
-from mconvert.lazy import torch
+from mconvert.io.torch_archive import TorchDType
+from mconvert.io.torch_zip import Global
+from mconvert.ir import dtypes
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+_DTYPE_MODULE = "torch"  # every torch dtype's `__module__`: one str object
+_SIZE = Global("".join(("tor", "ch")), "Size")  # torch.Size's `__module__`: equal, but not the same object
+_DTYPES: dict[str, Global] = {}
+
+
+def dtype(name_or_dtype) -> Global:
+    """A torch dtype (given by name, a `TorchDType` or the torch dtype itself) as pickled: `torch.<name>`, one
+    object per dtype as torch's, so a second mention refers back to the first."""
+    name = name_or_dtype.name if isinstance(name_or_dtype, TorchDType) else dtypes.name_of(name_or_dtype)
+    if name not in _DTYPES:
+        _DTYPES[name] = Global(_DTYPE_MODULE, name)
+    return _DTYPES[name]
+
+
+class Size(tuple):
+    """`torch.Size(shape)` as pickled: `torch.Size` called on the tuple."""
+
+    def __reduce__(self):
+        return _SIZE, (tuple(self),)
+
+
+class _Layout:
+    """`torch.strided` as pickled: the reduction torch registers for layouts (copyreg)."""
+
+    def __reduce_ex__(self, protocol: int):
+        return _GET_LAYOUT, ("torch.strided",)
+
+
+_GET_LAYOUT = Global("torch.serialization", "_get_layout")
+_STRIDED = _Layout()  # one object, as torch.strided is
 
 
 class _StandIn:
@@ -52,7 +89,7 @@ class MetadataIndex(_StandIn):
         self.fqn = fqn
         self.index = None
         if offset is not None:
-            self.offset = torch.Size(offset)
+            self.offset = Size(offset)
 
 
 class StorageInfo(_StandIn):
@@ -78,11 +115,11 @@ class TensorProperties(_StandIn):
 
     _class = (_METADATA, "TensorProperties")
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype) -> None:  # a dtype name (or a torch dtype)
         self.dtype = dtype
 
     def _state(self) -> Any:
-        return self.dtype, torch.strided, False, _CONTIGUOUS, False
+        return dtype(self.dtype), _STRIDED, False, _CONTIGUOUS, False
 
 
 class TensorStorageMetadata(_StandIn):
@@ -110,6 +147,17 @@ _CONTIGUOUS = _MemFormat(0)  # one object, as the enum member is: pickled once, 
 
 
 class _Pickler(pickle._Pickler):
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def save_named(self, obj: Global) -> None:
+        """A name of torch (`Global`), written as the C pickler writes the real object's (protocol 4 and above)."""
+        self.save(obj.module)
+        self.save(obj.name)
+        self.write(pickle.STACK_GLOBAL)
+        self.memoize(obj)
+
+    dispatch[Global] = save_named
+
     def save_global(self, obj, name=None):
         where = getattr(obj, "_class", None) if isinstance(obj, type) else None
         if where is None or not issubclass(obj, (_StandIn, _MemFormatClass)):

@@ -15,8 +15,6 @@ threads), so a cluster has enough files to share out.
 
 from __future__ import annotations
 
-import argparse
-import collections
 import contextlib
 import functools
 import io
@@ -27,14 +25,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from mconvert.errors import ConvertError
-from mconvert.io import dcp_pickle
+from mconvert.io import dcp_pickle, torch_zip
 from mconvert.io.block_writer import Sender
 from mconvert.io.dcp import METADATA
 from mconvert.io.integrity import WriteDigest
-from mconvert.io.torch_archive import TorchDType
 from mconvert.io.torch_zip import ALIGN, TorchFileWriter
 from mconvert.ir import dtypes
-from mconvert.lazy import torch
+from mconvert.ir.blocks import ByteBlocks
+from mconvert.lazy import np, torch
 from mconvert.workers import Job
 
 FILE_BYTES = 4 << 30
@@ -44,7 +42,8 @@ FILE_BYTES = 4 << 30
 class Item:
     """One entry of the checkpoint. A tensor chunk has `global_shape`, `offsets` into it and the chunk's `shape`
     and `dtype`; `produce()` then gives the chunk (a tensor or Blocks). Without `global_shape` it is a bytes item:
-    `produce()` gives its bytes (Megatron stores non-tensor state as torch.save'd bytes, see `object_bytes`)."""
+    `produce()` gives its bytes (Megatron stores non-tensor state as torch.save'd bytes, see `object_bytes`).
+    Nothing here needs torch: a chunk may be produced as `Blocks`, a tensor or `ByteBlocks` (no torch)."""
 
     fqn: str
     nbytes: int
@@ -52,7 +51,11 @@ class Item:
     global_shape: tuple[int, ...] | None = None
     offsets: tuple[int, ...] | None = None
     shape: tuple[int, ...] | None = None
-    dtype: torch.dtype | None = None
+    dtype: str | None = None  # the dtype's name ("bfloat16"; a torch dtype given is kept as its name)
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", dtypes.name_of(self.dtype))
 
 
 def file_count(nbytes: int) -> int:
@@ -65,7 +68,7 @@ def plan(root: Path, items: list[Item], files: int | None = None, *, digests: bo
     writing `.metadata` from their results. With `digests` each job also hashes the file it writes (SHA-256, as
     the bytes go out, by the worker that writes it, so hashing is shared out like the writing); the finish
     step returns them by file name (for `mconvert.io.integrity.write_manifest`)."""
-    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
     for item in items:
         if item.global_shape is not None:
             want = (tuple(item.global_shape), item.dtype)
@@ -114,10 +117,16 @@ def _write_item(f: BinaryIO, name: str, item: Item, sender: Sender, digest: Writ
     f.write(b"\0" * (-f.tell() % ALIGN))  # start every archive aligned, so its tensor maps aligned
     start = f.tell()
     writer = TorchFileWriter(f, background=False, sender=sender, digest=digest)
-    handle = writer.add(item.produce())
-    if handle.shape != tuple(item.shape) or handle.dtype != item.dtype:
-        raise ConvertError(f"{f.name}: chunk of {item.fqn} at {list(item.offsets)} came out {list(handle.shape)} "
-                           f"{handle.dtype}, planned {list(item.shape)} {item.dtype}")
+    try:
+        handle = writer.add(item.produce())
+        if handle.shape != tuple(item.shape) or handle.storage.dtype_name != item.dtype:
+            raise ConvertError(f"{f.name}: chunk of {item.fqn} at {list(item.offsets)} came out "
+                               f"{list(handle.shape)} {handle.storage.dtype_name}, planned {list(item.shape)} "
+                               f"{item.dtype}")
+    except BaseException:  # the archive released now, not by ZipFile.__del__ once the file is closed
+        with contextlib.suppress(Exception):
+            writer.close()
+        raise
     writer.finish(handle)
     return item.fqn, tuple(item.offsets), handle.shape, name, start, f.tell() - start
 
@@ -135,7 +144,7 @@ class DcpWriter:
         self._files = [open(self.root / f"__{rank}_{i}.distcp", "wb") for i in range(files)]  # noqa: SIM115
         self._sizes = [0] * files
         self._sender = Sender()
-        self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.tensors: dict[str, tuple[tuple[int, ...], str]] = {}
         self.entries: list[tuple] = []
 
     def __enter__(self) -> DcpWriter:
@@ -150,14 +159,17 @@ class DcpWriter:
         f = self._files[i]
         self.entries.append(_write_item(f, Path(f.name).name, item, self._sender))
 
-    def add_chunk(self, fqn: str, global_shape, offsets, tensor: torch.Tensor) -> None:
+    def add_chunk(self, fqn: str, global_shape, offsets, tensor: torch.Tensor | ByteBlocks) -> None:
         """One chunk of tensor `fqn` (global shape `global_shape`) starting at `offsets`."""
-        shape, dtype = tuple(global_shape), tensor.dtype
+        if isinstance(tensor, ByteBlocks):
+            dtype, nbytes = tensor.dtype_name, tensor.nbytes
+        else:
+            dtype, nbytes = dtypes.name_of(tensor.dtype), tensor.numel() * tensor.element_size()
+        shape = tuple(global_shape)
         if self.tensors.setdefault(fqn, (shape, dtype)) != (shape, dtype):
             raise ConvertError(f"{fqn}: chunks disagree on the global shape or dtype: {self.tensors[fqn]} vs "
                                f"{(shape, dtype)}")
-        self._add(Item(fqn, tensor.numel() * tensor.element_size(), lambda: tensor, shape, tuple(offsets),
-                       tuple(tensor.shape), dtype))
+        self._add(Item(fqn, nbytes, lambda: tensor, shape, tuple(offsets), tuple(tensor.shape), dtype))
 
     def add_bytes(self, fqn: str, data: bytes) -> None:
         self._add(Item(fqn, len(data), lambda: data))
@@ -186,24 +198,17 @@ class DcpWriter:
 
 
 def object_bytes(obj: Any) -> bytes:
-    """What a bytes item holding `obj` stores: torch.save(obj) (a dtype named by a `TorchDType`, as in the args
-    `mconvert.megatron.arguments` writes, as the torch dtype itself)."""
+    """What a bytes item holding `obj` stores: a torch.save archive of it, written by `mconvert.io.torch_zip` (no
+    torch needed: a dtype may be a `TorchDType`, a tensor `ByteBlocks`, e.g. `empty_bytes()`). The torch path and the
+    byte path both write it so; torch.load (weights_only) and Megatron read it as torch.save's own."""
     buffer = io.BytesIO()
-    torch.save(_real_dtypes(obj), buffer)
+    torch_zip.save(obj, buffer, background=False)
     return buffer.getvalue()
 
 
-def _real_dtypes(obj: Any) -> Any:
-    """`obj` with each `TorchDType` in its args namespaces, dicts, lists and tuples made the torch dtype."""
-    if isinstance(obj, TorchDType):
-        return dtypes.to_torch(obj.name)
-    if isinstance(obj, argparse.Namespace):
-        return argparse.Namespace(**{k: _real_dtypes(v) for k, v in vars(obj).items()})
-    if type(obj) in (dict, collections.OrderedDict):
-        return type(obj)((k, _real_dtypes(v)) for k, v in obj.items())
-    if type(obj) in (list, tuple):
-        return type(obj)(_real_dtypes(v) for v in obj)
-    return obj
+def empty_bytes() -> ByteBlocks:
+    """An empty uint8 tensor (Transformer Engine's `_extra_state` without FP8), without torch."""
+    return ByteBlocks((0,), "uint8", (np.empty(0, dtype=np.uint8),))
 
 
 def write_metadata(root: Path, entries: list[tuple], tensors: dict) -> None:
@@ -219,16 +224,17 @@ def write_metadata(root: Path, entries: list[tuple], tensors: dict) -> None:
                for fqn, offsets, sizes, file, start, length in entries]
     tensors = {sys.intern(k): v for k, v in tensors.items()}
     for fqn, offsets, sizes, file, start, length in entries:
-        key = dcp_pickle.MetadataIndex(fqn, torch.Size(offsets) if offsets is not None else None)
+        key = dcp_pickle.MetadataIndex(fqn, dcp_pickle.Size(offsets) if offsets is not None else None)
         storage[key] = dcp_pickle.StorageInfo(relative_path=file, offset=start, length=length)
         if offsets is None:
             state[fqn] = dcp_pickle.BytesStorageMetadata()
         else:
-            chunks.setdefault(fqn, []).append(dcp_pickle.ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            chunks.setdefault(fqn, []).append(dcp_pickle.ChunkStorageMetadata(dcp_pickle.Size(offsets),
+                                                                              dcp_pickle.Size(sizes)))
     for fqn, (shape, dtype) in tensors.items():
         found = sorted(chunks.get(fqn, []), key=lambda c: tuple(c.offsets))
         properties = dcp_pickle.TensorProperties(dtype=dtype)
-        state[fqn] = dcp_pickle.TensorStorageMetadata(properties, torch.Size(shape), found)
+        state[fqn] = dcp_pickle.TensorStorageMetadata(properties, dcp_pickle.Size(shape), found)
     md = dcp_pickle.Metadata(state_dict_metadata=state, storage_data=storage)
     with open(root / METADATA, "wb") as f:
         dcp_pickle.dump(md, f)

@@ -28,7 +28,6 @@ import pathlib
 import pickle
 import signal
 import struct
-import sys
 import threading
 import types
 import zipfile
@@ -41,7 +40,7 @@ from mconvert.io.torch_pickle import STAND_INS, StandIn, _ReadWindow, _stand_in,
 from mconvert.ir import dtypes
 from mconvert.ir.blocks import Blocks, FileBytes
 from mconvert.ir.tensors import Elements, LazyTensor
-from mconvert.lazy import torch
+from mconvert.lazy import loaded, torch
 
 # torch.<Name>Storage in a persistent id -> the dtype of its elements
 STORAGE_DTYPES = {
@@ -287,7 +286,7 @@ def is_tensor(value: Any) -> bool:
     """A tensor of either reader: a `StoredTensor`, or a torch.Tensor (checked only when torch is imported)."""
     if isinstance(value, StoredTensor):
         return True
-    module = sys.modules.get("torch")
+    module = loaded("torch")
     return module is not None and isinstance(value, module.Tensor)
 
 
@@ -295,7 +294,7 @@ def dtype_of(value: Any) -> str | None:
     """The dtype name of a `TorchDType` or a torch.dtype (only when torch is imported), else None."""
     if isinstance(value, TorchDType):
         return value.name
-    module = sys.modules.get("torch")
+    module = loaded("torch")
     return dtypes.name_of(value) if module is not None and isinstance(value, module.dtype) else None
 
 

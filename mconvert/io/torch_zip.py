@@ -33,7 +33,6 @@ import functools
 import io
 import pickle
 import struct
-import sys
 import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -44,7 +43,7 @@ from mconvert.io.torch_archive import TorchDType
 from mconvert.io.writeback import Writeback
 from mconvert.ir import dtypes
 from mconvert.ir.blocks import Blocks, ByteBlocks, as_blocks
-from mconvert.lazy import torch
+from mconvert.lazy import loaded, torch
 
 try:  # ISA-L's CRC-32 (the very same checksum) runs about 6x faster than zlib's; zipfile calls it for every byte
     from isal.isal_zlib import crc32 as _fast_crc32
@@ -140,7 +139,8 @@ class StoredTensor:
 class _Pickler(pickle._Pickler):
     """The pure-Python pickler, which alone lets a name be written without importing its module (the C one imports
     it to check the object); it writes the same opcodes and memo as the C one. `Global`s and the storages
-    written are pickled as torch's own objects; a torch tensor met in the tree is added to the archive first."""
+    written are pickled as torch's own objects; a torch tensor (or `Blocks`, `ByteBlocks`) met in the tree is added to
+    the archive first."""
 
     dispatch = dict(pickle._Pickler.dispatch)
 
@@ -154,13 +154,15 @@ class _Pickler(pickle._Pickler):
         return None
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        torch_module = sys.modules.get("torch")
+        torch_module = loaded("torch")
         if torch_module is not None and type(obj) is torch_module.dtype:  # the same one object as a TorchDType's
             obj = dtype_global(dtypes.name_of(obj))
         super().save(obj, save_persistent_id)
 
     def reducer_override(self, obj: Any):
-        torch_module = sys.modules.get("torch")  # a tensor exists only once torch is imported
+        if isinstance(obj, (Blocks, ByteBlocks)):  # a tensor's bytes met in the tree: stored, then pickled as one
+            return self.writer.add(obj).__reduce_ex__(2)
+        torch_module = loaded("torch")  # a tensor exists only once torch is imported
         if torch_module is not None and isinstance(obj, torch_module.Tensor):
             return self.writer.add(obj).__reduce_ex__(2)
         return NotImplemented
@@ -200,7 +202,8 @@ class Window:
 class TorchFileWriter:
     """Write a torch.save-compatible archive tensor by tensor (see the module docstring).
 
-    `target` is a path, or an open binary file positioned where the archive starts (left open). With
+    `target` is a path, or an open binary file positioned where the archive starts (left open; one without a file
+    descriptor, such as `io.BytesIO`, gets every record through `write`). With
     `background` the tensor bytes are checksummed and written by a helper thread, overlapping with the caller
     preparing the next tensor; at most `max_pending` tensors wait at a time. `sender` (see mconvert.io.block_writer)
     may be shared by archives written one after another by one thread (DCP files hold one per chunk). With
@@ -216,7 +219,11 @@ class TorchFileWriter:
         else:
             self._file, self._own = target, False
         self._out = Window(self._file)
-        self._writeback = Writeback(self._file.fileno(), self._file.tell())
+        try:
+            self._fd: int | None = self._file.fileno()
+        except (AttributeError, io.UnsupportedOperation):  # in memory (a DCP bytes item): bytes written by write()
+            self._fd = None
+        self._writeback = Writeback(self._fd, self._file.tell()) if self._fd is not None else None
         self._sender, self._own_sender = (sender, False) if sender else (Sender(), True)  # one writing thread
         self._prefix = archive or "archive"
         self._zip = zipfile.ZipFile(self._out, "w", zipfile.ZIP_STORED, allowZip64=True)
@@ -231,6 +238,8 @@ class TorchFileWriter:
     def _record(self, name: str, data: bytes | Blocks | ByteBlocks) -> None:
         """One stored record of `data`: bytes, or blocks sent by `mconvert.io.block_writer` (file to file where it can)
         behind zipfile's back, telling it the size and CRC it would have counted."""
+        if self._fd is None and not isinstance(data, bytes):
+            data = b"".join(bytes(buffer) for buffer in self._sender.buffers(data))
         info = zipfile.ZipInfo(f"{self._prefix}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
         # Local header = 30 bytes + name + our padding field (4 + n) + the zip64 field (20): pad the data to ALIGN.
         header = 30 + len(info.filename.encode()) + 4 + 20
@@ -254,7 +263,8 @@ class TorchFileWriter:
             for buffer in self._sender.buffers(data):
                 self._digest.feed(start, buffer)
                 start += len(buffer)
-        self._writeback.advance(self._file.tell())
+        if self._writeback is not None:
+            self._writeback.advance(self._file.tell())
 
     def _write_tensor(self, key: str, blocks: Blocks | ByteBlocks) -> None:
         self._record(f"data/{key}", blocks)

@@ -138,15 +138,14 @@ def as_blocks(value: torch.Tensor | Blocks) -> Blocks:
     return value if isinstance(value, Blocks) else Blocks.of(value)
 
 
-def reshape(value: torch.Tensor | Blocks, shape: tuple[int, ...]) -> torch.Tensor | Blocks:
-    """The same bytes under another shape of as many elements (Blocks keep their parts)."""
-    if isinstance(value, torch.Tensor):
+def reshape(value: torch.Tensor | Blocks | ByteBlocks, shape: tuple[int, ...]) -> torch.Tensor | Blocks | ByteBlocks:
+    """The same bytes under another shape of as many elements (Blocks and ByteBlocks keep their parts)."""
+    if not isinstance(value, (Blocks, ByteBlocks)):
         return value.reshape(shape)
-    n = 1
-    for s in shape:
-        n *= s
-    if n * value.dtype.itemsize != value.nbytes:
+    if math.prod(shape) != math.prod(value.shape):
         raise ConvertError(f"cannot view {list(value.shape)} as {list(shape)}")
+    if isinstance(value, ByteBlocks):
+        return ByteBlocks(tuple(shape), value.dtype_name, value.parts, value.sources)
     return Blocks(tuple(shape), value.dtype, value.parts, value.sources)
 
 

@@ -232,10 +232,12 @@ def is_dcp_checkpoint(it_dir: Path) -> bool:
         and not (it_dir / "mtrain.json").is_file()
 
 
-def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = None) -> dict[str, object]:
-    """The `_extra_state` entries of one chunk: None for Megatron's own modules, TE's empty byte tensor."""
+def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = None, *,
+                 empty: object = None) -> dict[str, object]:
+    """The `_extra_state` entries of one chunk: None for Megatron's own modules, TE's empty byte tensor (`empty`
+    where given, e.g. one that needs no torch, else a torch tensor)."""
     te = options.transformer_impl == "te"
-    value = torch.empty(0, dtype=torch.uint8) if te else None
+    value = (torch.empty(0, dtype=torch.uint8) if empty is None else empty) if te else None
     out = {}
     for l, L in enumerate(chunk.layers):
         for module in _layer_extra_states(L, options, config):

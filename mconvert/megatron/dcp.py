@@ -31,15 +31,19 @@ torch.distributed.checkpoint readers rather than a Megatron resume.
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from mconvert import workers
 from mconvert.errors import ConvertError
-from mconvert.io import dcp_writer
+from mconvert.io import dcp_writer, file_views
 from mconvert.io.dcp import DcpReader
 from mconvert.io.dcp_writer import Item
+from mconvert.io.file_views import FileViews
+from mconvert.ir import dtypes
+from mconvert.ir.blocks import ByteBlocks
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
 from mconvert.ir.tensors import LazyTensor, LoadCache, ModelIR, SourceInfo
@@ -188,17 +192,21 @@ def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> No
                          prefix=prefix)
     check_plan(ir.tensors, [(fmt, key_rows)], where=f"saver core (--ckpt-format {fmt})")
     planner = RowPlanner(ctx)
+    view = FileViews().view if file_views.enabled() else None  # bytes moved without torch where they allow
+    if view is None or options.training_state or \
+            not all(planner.moves_bytes(row.rule, [ir.tensors[n] for n in row.ir]) for row in key_rows):
+        torch.get_num_threads()  # the plan needs torch: imported now, so that its jobs run it on one thread each
     training = _training_items(ir, options, iteration, args, key_rows, planner, progress) \
         if options.training_state else None
     weights = ir.tensors if training is None else training[0]
-    items = [_item(weights, row, planner) for row in key_rows] + (training[1] if training else [])
+    items = [_item(weights, row, planner, view=view) for row in key_rows] + (training[1] if training else [])
     if fmt == "torch_dcp":  # the model's own state dict keeps them; Megatron-FSDP drops them
         for key, value in _extra_states(ir, options).items():
             if value is None:
                 items.append(_object_item(prefix + key, value))
             else:  # Transformer Engine's: a tensor (empty without FP8), stored as one
                 items.append(Item(prefix + key, 0, lambda v=value: v, tuple(value.shape), (0,), tuple(value.shape),
-                                  value.dtype))
+                                  value.dtype_name))
     for key, value in ((ARGS, args), (CHECKPOINT_VERSION_KEY, core.CHECKPOINT_VERSION), (ITERATION_KEY, iteration),
                        (FLOPS_KEY, 0)):
         items.append(_object_item(key, value))
@@ -212,14 +220,27 @@ def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> No
     workers.run(jobs, workers=options.workers, progress=progress, finish=finish)
 
 
-def _item(tensors_by_name: Mapping[str, LazyTensor], row: Row, planner: RowPlanner, key: str | None = None) -> Item:
-    """One stored tensor (`key`, by default the row's), whole, produced when its file is written: the sources'
-    rows where the rule only moves rows (copied file to file where they are verbatim), else computed."""
+def _item(tensors_by_name: Mapping[str, LazyTensor], row: Row, planner: RowPlanner, key: str | None = None, *,
+          view: Callable[[LazyTensor], ByteBlocks | None] | None = None) -> Item:
+    """One stored tensor (`key`, by default the row's), whole, produced when its file is written: with `view`
+    (mconvert.io.file_views), the sources' bytes viewed in their files where the rule only moves them (no torch),
+    else the sources' rows where the rule only moves rows (copied file to file where they are verbatim), else
+    computed. Its shape is planned by arithmetic where the rule's plan is known (`RowPlanner.piece_shapes`)."""
     tensors = [tensors_by_name[n] for n in row.ir]
-    [meta] = row.rule.forward([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors], planner.ctx)[:1]
-    shape = tuple(meta.shape)
-    return Item(key or row.key, meta.numel() * meta.element_size(), lambda: planner.forward_lazy(row.rule, tensors)[0],
-                shape, (0,) * len(shape), shape, meta.dtype)
+    shapes = [t.shape for t in tensors]
+    if len({t.dtype_name for t in tensors}) == 1 and planner.byte_plan(row.rule, shapes) is not None:
+        shape, dtype = tuple(planner.piece_shapes(row.rule, shapes)[0]), tensors[0].dtype_name  # moved, not cast
+    else:
+        [meta] = row.rule.forward([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors],
+                                  planner.ctx)[:1]
+        shape, dtype = tuple(meta.shape), dtypes.name_of(meta.dtype)
+
+    def produce():
+        found = planner.forward_bytes(row.rule, tensors, view) if view is not None else None
+        return (found or planner.forward_lazy(row.rule, tensors))[0]
+
+    return Item(key or row.key, math.prod(shape) * dtypes.itemsize(dtype), produce, shape, (0,) * len(shape), shape,
+                dtype)
 
 
 def _training_items(ir: ModelIR, options: Options, iteration: int, args, key_rows: list[Row], planner: RowPlanner,
@@ -258,5 +279,4 @@ def _object_item(key: str, value: object) -> Item:
 def _extra_states(ir: ModelIR, options: Options) -> dict[str, object]:
     """The `_extra_state` entries of the whole model (one pipeline chunk holding every layer)."""
     [chunk] = options.layout.chunks(ir.config.num_layers)
-    states = core.extra_states(chunk, options, ir.config)
-    return {k: (v if v is None else torch.empty(0, dtype=torch.uint8)) for k, v in states.items()}
+    return core.extra_states(chunk, options, ir.config, empty=dcp_writer.empty_bytes())

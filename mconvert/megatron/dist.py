@@ -45,21 +45,23 @@ tensor is written whole, layers stacked, one layer block at a time. `--tp` only 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mconvert import workers
 from mconvert.errors import ConvertError, mismatch
-from mconvert.io import dcp_writer, hf_dir, torch_archive
+from mconvert.io import dcp_writer, file_views, hf_dir, torch_archive
 from mconvert.io.dcp import DcpReader
+from mconvert.io.file_views import FileViews
 from mconvert.io.integrity import Manifest, write_manifest
 from mconvert.io.torch_pickle import safe_load
 from mconvert.io.torch_zip import save as torch_save
-from mconvert.ir import sizes
-from mconvert.ir.blocks import as_blocks, reshape
+from mconvert.ir import dtypes, sizes
+from mconvert.ir.blocks import Blocks, ByteBlocks, as_blocks, reshape
 from mconvert.ir.checks import MEGATRON_INTEGERS, check_integers
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
@@ -511,15 +513,22 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     check_plan(ir.tensors, [(backend, [placed.row for placed in placed_rows])], where=f"saver core ({backend})")
     it_dir.mkdir(parents=True, exist_ok=True)  # under torchrun every rank prepares the same directory
     planner = RowPlanner(Ctx(c, padded))
-    items = [item for placed in placed_rows for item in _blocks(ir.tensors, placed, planner)]
-    extra_state = [torch.empty(0, dtype=torch.uint8)] if options.transformer_impl == "te" else [None]
-    extra_keys = extra_states(c, options.transformer_impl)  # TE >= 2.5: an empty byte tensor without FP8
+    # bytes moved without torch where they allow (zarr's writer takes tensors)
+    view = FileViews().view if file_views.enabled() and backend == "torch_dist" else None
+    if view is None or options.training_state or \
+            not all(planner.moves_bytes(p.row.rule, [ir.tensors[n] for n in p.row.ir]) for p in placed_rows):
+        torch.get_num_threads()  # the plan needs torch: imported now, so that its jobs run it on one thread each
+    items = [item for placed in placed_rows for item in _blocks(ir.tensors, placed, planner, view)]
+    # TE >= 2.5: an empty byte tensor without FP8 (torch_dist's bytes items need no torch; zarr pickles a tensor)
+    empty = dcp_writer.empty_bytes() if backend == "torch_dist" else torch.empty(0, dtype=torch.uint8)
+    extra_state = [empty] if options.transformer_impl == "te" else [None]
+    extra_keys = extra_states(c, options.transformer_impl)
     common = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT_METADATA)}
     objects: dict[str, Any] = {}
     if options.training_state:
         objects = _training_state(ir, options, iteration, args, common, progress)
-        items += dist_optim.items(ir.training, placed_rows, lambda ts, placed: _blocks(ts, placed, planner),
+        items += dist_optim.items(ir.training, placed_rows, lambda ts, placed: _blocks(ts, placed, planner, view),
                                   dist_optim.output_kind(ir.training, options))
 
     def finish(results: list) -> None:
@@ -560,29 +569,41 @@ def _training_state(ir: ModelIR, options: Options, iteration: int, args, common:
     return dist_optim.rng_items(rng, options.layout.tp, options.layout.pp)
 
 
-def _blocks(tensors_by_name: Mapping[str, LazyTensor], placed: Placed, planner: RowPlanner) -> list[dcp_writer.Item]:
+def _blocks(tensors_by_name: Mapping[str, LazyTensor], placed: Placed, planner: RowPlanner,
+            view: Callable[[LazyTensor], ByteBlocks | None] | None = None) -> list[dcp_writer.Item]:
     """One stored block at its place in the stack; a plain concatenation (SwiGLU's [gate ; up]) goes out as its
-    parts at their offsets, as Megatron itself stores them."""
+    parts at their offsets, as Megatron itself stores them. With `view` (mconvert.io.file_views), bytes that only
+    move are viewed in the source files, without torch; shapes are planned by arithmetic where the rule's plan is
+    known (`RowPlanner.piece_shapes`)."""
     rule = placed.row.rule
     tensors = [tensors_by_name[n] for n in placed.row.ir]
-    whole_shape = tuple(rule.piece_shapes([t.shape for t in tensors], planner.ctx)[0])
+    whole_shape = tuple(planner.piece_shapes(rule, [t.shape for t in tensors])[0])
     stack = placed.stack
     lead = (1,) * len(stack)
-    dtype = tensors[0].dtype
+    dtype = tensors[0].dtype_name
     if rule.join.concat_dim is None:
-        blocks = [(whole_shape, 0, lambda: planner.forward_lazy(rule, tensors)[0])]
+        blocks = [(whole_shape, 0, lambda: _whole(rule, tensors, planner, view))]
     else:
         starts = [sum(t.shape[rule.join.concat_dim] for t in tensors[:i]) for i in range(len(tensors))]
-        blocks = [(t.shape, start, t.load_blocks) for t, start in zip(tensors, starts)]
+        blocks = [(t.shape, start, lambda t=t: (view is not None and view(t)) or t.load_blocks())
+                  for t, start in zip(tensors, starts)]
     items = []
     for shape, start, produce in blocks:
         offsets = [0] * len(whole_shape)
         if rule.join.concat_dim is not None:
             offsets[rule.join.concat_dim] = start
-        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        nbytes = dtypes.itemsize(dtype) * math.prod(shape)
         items.append(dcp_writer.Item(placed.key, nbytes, lambda p=produce, s=lead + tuple(shape): reshape(p(), s),
                                      stack + whole_shape, placed.index + tuple(offsets), lead + tuple(shape), dtype))
     return items
+
+
+def _whole(rule: Rule, tensors: list[LazyTensor], planner: RowPlanner,
+           view: Callable[[LazyTensor], ByteBlocks | None] | None) -> torch.Tensor | Blocks | ByteBlocks:
+    """The rule's one piece (TP1) of `tensors`: byte views where they allow (see `RowPlanner.forward_bytes`), else
+    through torch."""
+    found = planner.forward_bytes(rule, tensors, view) if view is not None else None
+    return (found or planner.forward_lazy(rule, tensors))[0]
 
 
 def _write_zarr(it_dir: Path, items: list[dcp_writer.Item], objects: dict, advance) -> None:

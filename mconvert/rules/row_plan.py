@@ -86,6 +86,17 @@ class RowPlanner:
                                tuple(p[:, k * w:(k + 1) * w] for p in inputs[0].parts)) for k in range(plan.parts)]
         return _assembled(plan, inputs, lambda shape, parts, sources: ByteBlocks(shape, name, parts, sources))
 
+    def piece_shapes(self, rule: Rule, shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """`rule.piece_shapes` (each rank's piece), by arithmetic where the byte plan is known, else on the meta
+        device (torch). Writers check every piece they are given against it, so a plan that were wrong would stop
+        the conversion rather than mislabel bytes."""
+        plan = self.byte_plan(rule, shapes)
+        if isinstance(plan, row_maps.Columns):
+            return [(shapes[0][0], plan.width)] * plan.parts
+        if plan is not None:
+            return [out.shape for out in plan]
+        return rule.piece_shapes([tuple(s) for s in shapes], self.ctx)
+
     def moves_bytes(self, rule: Rule, tensors: Sequence[LazyTensor]) -> bool:
         """Can `forward_bytes` make these tensors' pieces (as far as is known before any file is opened)?"""
         return len({t.dtype_name for t in tensors}) == 1 and \
