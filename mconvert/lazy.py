@@ -56,7 +56,7 @@ def _import_long_lived(name: str) -> ModuleType:
         return importlib.import_module(name)
     finally:
         if blas:
-            del os.environ["OPENBLAS_NUM_THREADS"]
+            os.environ.pop("OPENBLAS_NUM_THREADS", None)  # (two threads may both have set it)
         gc.freeze()
         gc.enable()
 
