@@ -114,7 +114,9 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
         # whether the rule only moves rows is probed (with torch) when blocks are first asked for, not here
         moves_rows = functools.cache(lambda row=row, pieces=pieces: planner.moves_rows(row.rule, "backward",
                                                                                         [p.shape for p in pieces]))
-        moved = row.rule.join.shape is not None and row.rule.shard.shape is not None  # elements only rearranged
+        # elements only rearranged (not pieces that repeat, which reading compares: expert TP below TP)
+        repeats = row.rule.shard.repeats is not None and row.rule.shard.repeats(ctx)
+        moved = row.rule.join.shape is not None and row.rule.shard.shape is not None and not repeats
         elements = Elements(tuple(pieces), row.rule.shard is REPLICATE and len(pieces) > 1,
                             (row.rule.join, row.rule.shard)) if moved else None
         for i, name in enumerate(row.ir):
