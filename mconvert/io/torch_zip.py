@@ -140,7 +140,8 @@ class StoredTensor:
 class _Pickler(pickle._Pickler):
     """The pure-Python pickler, which alone lets a name be written without importing its module (the C one imports
     it to check the object); it writes the same opcodes and memo as the C one. `Global`s and the storages
-    written are pickled as torch's own objects; a torch tensor met in the tree is added to the archive first."""
+    written are pickled as torch's own objects; a torch tensor (or `ByteBlocks`) met in the tree is added to the archive
+    first."""
 
     dispatch = dict(pickle._Pickler.dispatch)
 
@@ -161,7 +162,7 @@ class _Pickler(pickle._Pickler):
 
     def reducer_override(self, obj: Any):
         torch_module = sys.modules.get("torch")  # a tensor exists only once torch is imported
-        if torch_module is not None and isinstance(obj, torch_module.Tensor):
+        if isinstance(obj, ByteBlocks) or torch_module is not None and isinstance(obj, torch_module.Tensor):
             return self.writer.add(obj).__reduce_ex__(2)
         return NotImplemented
 

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Literal
 
 from mconvert.errors import ConvertError
+from mconvert.ir.blocks import ByteBlocks
 from mconvert.ir.config import ModelConfig
-from mconvert.lazy import torch
+from mconvert.lazy import np
 from mconvert.megatron import mla as mla_keys
 from mconvert.megatron import moe as core_moe
 from mconvert.options import ExpertLayout, Options
@@ -233,9 +234,10 @@ def is_dcp_checkpoint(it_dir: Path) -> bool:
 
 
 def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = None) -> dict[str, object]:
-    """The `_extra_state` entries of one chunk: None for Megatron's own modules, TE's empty byte tensor."""
+    """The `_extra_state` entries of one chunk: None for Megatron's own modules, TE's empty byte tensor (as bytes,
+    without torch: `torch_zip` stores it as torch's empty uint8 tensor)."""
     te = options.transformer_impl == "te"
-    value = torch.empty(0, dtype=torch.uint8) if te else None
+    value = ByteBlocks((0,), "uint8", (np.empty(0, dtype=np.uint8),)) if te else None
     out = {}
     for l, L in enumerate(chunk.layers):
         for module in _layer_extra_states(L, options, config):
