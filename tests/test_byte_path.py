@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import filecmp
 import io
-import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +31,7 @@ from mconvert.rules import row_maps
 from mconvert.rules.layout import ParallelLayout
 from mconvert.rules.row_plan import RowPlanner
 from mconvert.rules.table import ROW, Ctx, Rule
+from tests.support.byte_path import both_ways, convert, same_tree
 from tests.support.cli import run_cli
 from tests.support.models import make_hf_model
 
@@ -42,25 +39,6 @@ from tests.support.models import make_hf_model
 @pytest.fixture(scope="module")
 def hf_bf16(tmp_path_factory) -> Path:
     return make_hf_model(tmp_path_factory.mktemp("byte_path") / "hf", "llama", dtype=torch.bfloat16)
-
-
-def _convert(src: Path, dst: Path, *args: str, torch_path: bool, saver: str = "core") -> bool:
-    """`mconvert --saver SAVER ARGS` in its own process; whether it imported torch."""
-    code = ("import sys\nfrom mconvert.cli import main\n"
-            f"try:\n    main(['--saver', {saver!r}, *{list(args)!r}, '--load-dir', {str(src)!r}, '--save-dir', "
-            f"{str(dst)!r}])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print('torch' in sys.modules, file=sys.stderr)")
-    env = os.environ | {"MCONVERT_TORCH_PATH": "1" if torch_path else "0"}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
-    assert run.returncode == 0, run.stderr
-    return run.stderr.strip().splitlines()[-1] == "True"
-
-
-def _same_tree(a: Path, b: Path) -> None:
-    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    assert files_a == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    for rel in files_a:
-        assert filecmp.cmp(a / rel, b / rel, shallow=False), f"{rel} differs"
 
 
 @pytest.mark.parametrize("layout", [("--tp", "1", "--pp", "1"), ("--tp", "2", "--pp", "2"),
@@ -71,38 +49,29 @@ def test_hf_to_core_torch_without_torch(hf_bf16, tmp_path, layout):
     row-parallel weights, padding rows copied from the last one) imports no torch, and its files are the torch
     path's, byte for byte."""
     out = tmp_path / "out"  # one path for both: the args name the tokenizer's place in it
-    assert not _convert(hf_bf16, out, *layout, torch_path=False)
+    assert not convert(hf_bf16, out, *layout, torch_path=False)
     out.rename(tmp_path / "bytes")
-    assert _convert(hf_bf16, out, *layout, torch_path=True)
-    _same_tree(tmp_path / "bytes", out)
+    assert convert(hf_bf16, out, *layout, torch_path=True)
+    same_tree(tmp_path / "bytes", out)
 
 
 @pytest.fixture(scope="module")
 def core_tp2pp2(hf_bf16, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("byte_path_core") / "core"
-    _convert(hf_bf16, out, "--tp", "2", "--pp", "2", torch_path=True)
+    convert(hf_bf16, out, "--tp", "2", "--pp", "2", torch_path=True)
     return out
-
-
-def _both_ways(src: Path, tmp_path: Path, *args: str, saver: str) -> None:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    out = tmp_path / "out"  # one path for both (see above)
-    assert not _convert(src, out, *args, torch_path=False, saver=saver)
-    out.rename(tmp_path / "bytes")
-    assert _convert(src, out, *args, torch_path=True, saver=saver)
-    _same_tree(tmp_path / "bytes", out)
 
 
 def test_core_to_hf_without_torch(core_tp2pp2, tmp_path):
     """core `torch` TP2 PP2 -> HF safetensors: QKV split, [gate ; up] halves, TP chunks joined as rows, the
     row-parallel weights' columns joined (a copy), replicated norms compared across TP ranks on their bits; no
     torch, the torch path's bytes."""
-    _both_ways(core_tp2pp2, tmp_path, saver="llama_mistral")
+    both_ways(core_tp2pp2, tmp_path, saver="llama_mistral")
 
 
 def test_core_reshard_without_torch(core_tp2pp2, tmp_path):
     """core TP2 PP2 -> core TP1 PP1 (each IR tensor from the source's pieces, then into the target's)."""
-    _both_ways(core_tp2pp2, tmp_path, "--tp", "1", "--pp", "1", saver="core")
+    both_ways(core_tp2pp2, tmp_path, "--tp", "1", "--pp", "1", saver="core")
 
 
 @pytest.mark.parametrize("made_by,args", [
@@ -121,8 +90,8 @@ def test_other_sources_and_targets_without_torch(hf_bf16, tmp_path, made_by, arg
     src = hf_bf16
     if made_by:
         src = tmp_path / "src"
-        _convert(hf_bf16, src, *made_by[2:], torch_path=True, saver=made_by[1])
-    _both_ways(src, tmp_path, *args[2:], saver=args[1])
+        convert(hf_bf16, src, *made_by[2:], torch_path=True, saver=made_by[1])
+    both_ways(src, tmp_path, *args[2:], saver=args[1])
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
@@ -130,8 +99,8 @@ def test_other_families_without_torch(family, tmp_path):
     """Qwen3 (q/k norms, replicated) and Gemma 3 (sandwich norms, GeGLU) to core TP2 and back: no torch, the torch
     path's bytes both ways."""
     hf = make_hf_model(tmp_path / "hf", family, dtype=torch.bfloat16)
-    _both_ways(hf, tmp_path / "to_core", "--tp", "2", saver="core")
-    _both_ways(tmp_path / "to_core" / "bytes", tmp_path / "back", saver="hf")
+    both_ways(hf, tmp_path / "to_core", "--tp", "2", saver="core")
+    both_ways(tmp_path / "to_core" / "bytes", tmp_path / "back", saver="hf")
 
 
 def test_differing_replicas_are_refused_as_before(core_tp2pp2, tmp_path, monkeypatch):
@@ -169,7 +138,7 @@ def test_ir_views_are_the_loaded_tensors(core_tp2pp2):
 
 def test_a_cast_takes_torch(hf_bf16, tmp_path):
     """A conversion that computes (here a dtype cast) is dispatched to torch by its plan, whatever the formats."""
-    assert _convert(hf_bf16, tmp_path / "out", "--tp", "2", "--dtype", "fp32", torch_path=False)
+    assert convert(hf_bf16, tmp_path / "out", "--tp", "2", "--dtype", "fp32", torch_path=False)
 
 
 @pytest.mark.parametrize("tp,padded", [(1, None), (2, None), (4, None), (2, 128)])

@@ -25,10 +25,9 @@ from mconvert.options import Options
 from mconvert.rules import experts, row_maps
 from mconvert.rules.row_plan import RowPlanner
 from mconvert.rules.table import GATE_UP, Ctx, Rule
+from tests.support.byte_path import both_ways, convert, rewrite, same_tree
 from tests.support.cli import run_cli
 from tests.support.models import make_hf_model
-from tests.test_byte_path import _both_ways, _convert, _same_tree
-from tests.test_moe_errors import rewrite
 
 FAMILIES = ["mixtral", "qwen3_moe"]
 EXPERT_FC1 = "decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1.weight"
@@ -44,7 +43,7 @@ def hf_moe(request, tmp_path_factory) -> Path:
 def core_etp1(hf_moe, tmp_path_factory) -> Path:
     """core TP2 EP2 with the experts over one expert-TP rank (each TP file pair holds copies of them)."""
     out = tmp_path_factory.mktemp("core_etp1") / "core"
-    _convert(hf_moe, out, "--tp", "2", "--ep", "2", "--etp", "1", torch_path=True)
+    convert(hf_moe, out, "--tp", "2", "--ep", "2", "--etp", "1", torch_path=True)
     return out
 
 
@@ -54,18 +53,18 @@ def test_hf_to_core_without_torch(hf_moe, tmp_path, layout):
     """HF (per-expert w1/w3/w2 or gate/up/down) -> core: each expert's [gate ; up] cut over the expert-TP ranks
     and repeated over the TP ranks sharing one, down's columns likewise, the router replicated; no torch, the
     torch path's bytes."""
-    _both_ways(hf_moe, tmp_path, *layout, saver="core")
+    both_ways(hf_moe, tmp_path, *layout, saver="core")
 
 
 def test_core_to_hf_without_torch(core_etp1, tmp_path):
     """core TP2 EP2 ETP1 -> HF: expert copies compared bit for bit across the TP ranks sharing an expert-TP rank,
     experts gathered from both EP ranks."""
-    _both_ways(core_etp1, tmp_path, saver="hf")
+    both_ways(core_etp1, tmp_path, saver="hf")
 
 
 def test_core_reshard_without_torch(core_etp1, tmp_path):
     """core EP2 -> core EP1 (TP2 ETP1 -> TP1): every IR tensor from the source's pieces, then into the target's."""
-    _both_ways(core_etp1, tmp_path, "--tp", "1", "--ep", "1", saver="core")
+    both_ways(core_etp1, tmp_path, "--tp", "1", "--ep", "1", saver="core")
 
 
 def test_single_grouped_weight_without_torch(hf_moe, tmp_path):
@@ -73,18 +72,18 @@ def test_single_grouped_weight_without_torch(hf_moe, tmp_path):
     to HF (no torch: rows of the stack picked, columns of each expert joined) and resharded to the sequential
     layout. Writing TE files imports torch for their `_extra_state` entries only; the bytes are the torch path's."""
     te = ("--transformer-impl", "te", "--expert-layout", "single_grouped")
-    _both_ways(hf_moe, tmp_path / "etp1", *te, "--tp", "2", "--ep", "2", "--etp", "1", saver="core")
-    _both_ways(hf_moe, tmp_path / "etp2", *te, "--tp", "2", "--ep", "2", saver="core")
-    _both_ways(tmp_path / "etp1" / "bytes", tmp_path / "etp1_hf", saver="hf")
-    _both_ways(tmp_path / "etp2" / "bytes", tmp_path / "etp2_tp2", "--tp", "2", saver="core")
+    both_ways(hf_moe, tmp_path / "etp1", *te, "--tp", "2", "--ep", "2", "--etp", "1", saver="core")
+    both_ways(hf_moe, tmp_path / "etp2", *te, "--tp", "2", "--ep", "2", saver="core")
+    both_ways(tmp_path / "etp1" / "bytes", tmp_path / "etp1_hf", saver="hf")
+    both_ways(tmp_path / "etp2" / "bytes", tmp_path / "etp2_tp2", "--tp", "2", saver="core")
 
 
 def test_torch_dist_moe_without_torch(core_etp1, tmp_path):
     """torch_dist EP2 -> HF and -> core TP1 EP2: the experts' blocks viewed in their files; no torch."""
     src = tmp_path / "dist"
-    _convert(core_etp1, src, "--ckpt-format", "torch_dist", torch_path=True)
-    _both_ways(src, tmp_path / "hf", saver="hf")
-    _both_ways(src, tmp_path / "core", "--tp", "1", "--ep", "2", saver="core")
+    convert(core_etp1, src, "--ckpt-format", "torch_dist", torch_path=True)
+    both_ways(src, tmp_path / "hf", saver="hf")
+    both_ways(src, tmp_path / "core", "--tp", "1", "--ep", "2", saver="core")
 
 
 def test_fused_hf_experts_without_torch(tmp_path):
@@ -100,8 +99,8 @@ def test_fused_hf_experts_without_torch(tmp_path):
     fused.mkdir()
     save_file(state, fused / "model.safetensors")
     shutil.copy(hf / "config.json", fused / "config.json")
-    _both_ways(fused, tmp_path / "core", "--tp", "2", "--ep", "2", saver="core")
-    _both_ways(fused, tmp_path / "hf_out", saver="hf")
+    both_ways(fused, tmp_path / "core", "--tp", "2", "--ep", "2", saver="core")
+    both_ways(fused, tmp_path / "hf_out", saver="hf")
 
 
 def test_gpt_oss_falls_back_per_tensor(tmp_path):
@@ -111,10 +110,10 @@ def test_gpt_oss_falls_back_per_tensor(tmp_path):
     hf = make_hf_model(tmp_path / "hf", "gpt_oss", dtype=torch.bfloat16)
     out = tmp_path / "out"
     layout = ("--tp", "2", "--ep", "2", "--etp", "1")
-    assert _convert(hf, out, *layout, torch_path=False)
+    assert convert(hf, out, *layout, torch_path=False)
     out.rename(tmp_path / "bytes")
-    assert _convert(hf, out, *layout, torch_path=True)
-    _same_tree(tmp_path / "bytes", out)
+    assert convert(hf, out, *layout, torch_path=True)
+    same_tree(tmp_path / "bytes", out)
     ir = engine.load(hf, Options())
     planner, views = RowPlanner(Ctx(ir.config, ir.config.vocab_size)), FileViews()
     moved = {name for name, t in ir if planner.forward_bytes(Rule(name, (name,)), [t], views.view) is not None}
