@@ -27,7 +27,7 @@ from mconvert.rules.row_plan import RowPlanner
 from mconvert.rules.table import GATE_UP, Ctx, Rule
 from tests.support.byte_path import both_ways, convert, rewrite, same_tree
 from tests.support.cli import run_cli
-from tests.support.models import make_hf_model
+from tests.support.models import make_glm4_moe, make_hf_model
 
 FAMILIES = ["mixtral", "qwen3_moe"]
 EXPERT_FC1 = "decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1.weight"
@@ -84,6 +84,14 @@ def test_torch_dist_moe_without_torch(core_etp1, tmp_path):
     convert(core_etp1, src, "--ckpt-format", "torch_dist", torch_path=True)
     both_ways(src, tmp_path / "hf", saver="hf")
     both_ways(src, tmp_path / "core", "--tp", "1", "--ep", "2", saver="core")
+
+
+def test_glm4_moe_without_torch(tmp_path):
+    """GLM-4.5: shared experts (split over TP like a dense MLP), the router's float32 expert bias (replicated),
+    dense first layers and an MTP layer, HF -> core TP2 EP2 ETP1 and back: no torch, the torch path's bytes."""
+    hf = make_glm4_moe(tmp_path / "hf", mtp=1, dtype=torch.bfloat16)
+    both_ways(hf, tmp_path / "core", "--tp", "2", "--ep", "2", "--etp", "1", saver="core")
+    both_ways(tmp_path / "core" / "bytes", tmp_path / "back", saver="hf")
 
 
 def test_fused_hf_experts_without_torch(tmp_path):
@@ -145,6 +153,8 @@ def test_differing_expert_copies_are_refused_as_before(core_etp1, tmp_path, monk
         errors.append([line for line in out.splitlines() if line.startswith("Error:")])
     assert errors[0] == errors[1] and "expert weights differ between TP rank 0 and TP rank 1, which share expert " \
         "tensor-parallel rank 0 (expert TP size 1)" in errors[0][0]
+    # `inspect` reads the copies too (not counted as stored elements: `Shard.repeats`), and says so as before
+    assert errors[0][0] in run_cli("inspect", src, expect_error=True)
 
 
 # Every expert rule with an arithmetic plan, as the core tables and HF's fused tables use it.

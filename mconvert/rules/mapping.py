@@ -22,7 +22,7 @@ from mconvert.ir.names import expected_shapes
 from mconvert.ir.tensors import Elements, LazyTensor, LoadCache, ModelIR
 from mconvert.lazy import torch
 from mconvert.rules import transforms
-from mconvert.rules.row_plan import RowPlanner
+from mconvert.rules.row_plan import RowPlanner, same_bytes
 from mconvert.rules.table import IDENTITY, REPLICATE, Ctx, LayerKind, Rule, Table, active
 
 
@@ -271,8 +271,19 @@ def verify_copies(tensors: dict[str, LazyTensor], name: str, copies: list[list[L
                                    f"differs from {base.origin}; the checkpoint is inconsistent")
         return value
 
+    planner = RowPlanner(ctx)
+
+    def byte_blocks(view: Callable[[LazyTensor], ByteBlocks | None]) -> ByteBlocks | None:
+        """`base`'s bytes when every copy's are the same (without torch); else None, and `thunk` says why."""
+        value = view(base)
+        for pieces in copies if value is not None else ():
+            copy = planner.backward_bytes(rule, [tuple(base.shape)], pieces, view, 0)
+            if copy is None or not same_bytes(copy, value):
+                return None
+        return value
+
     tensors[name] = LazyTensor(base.shape, base.dtype_name, thunk, base.origin,
-                               elements_of=_with_copies(base, copies, rule))
+                               elements_of=_with_copies(base, copies, rule), byte_blocks=byte_blocks)
 
 
 def _with_copies(base: LazyTensor, copies: list[list[LazyTensor]], rule: Rule) -> Elements | None:

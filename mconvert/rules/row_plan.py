@@ -111,7 +111,7 @@ class RowPlanner:
         # pieces that are copies of one another (replicated, or expert TP below TP): what `table.replicated` and
         # `experts.expert_tp` check, on the bits
         first: dict[tuple, int] = {}
-        if any(not _same_bytes(views[first.setdefault(out.runs, k)], views[k]) for k, out in enumerate(plan)):
+        if any(not same_bytes(views[first.setdefault(out.runs, k)], views[k]) for k, out in enumerate(plan)):
             return None
         views = [_in_rows(v, tuple(shapes[0][1:])) for v in views]
         if any(v is None for v in views):
@@ -226,8 +226,9 @@ def _raw(blocks: ByteBlocks):
         blocks.parts[0].reshape(-1)
 
 
-def _same_bytes(a: ByteBlocks, b: ByteBlocks) -> bool:
-    return a is b or np.array_equal(_raw(a), _raw(b))
+def same_bytes(a: ByteBlocks, b: ByteBlocks) -> bool:
+    """The same shape and bytes (compared as the raw integers they are)."""
+    return a is b or (tuple(a.shape) == tuple(b.shape) and np.array_equal(_raw(a), _raw(b)))
 
 
 def _in_rows(blocks: ByteBlocks, trailing: tuple[int, ...]) -> ByteBlocks | None:
@@ -236,7 +237,7 @@ def _in_rows(blocks: ByteBlocks, trailing: tuple[int, ...]) -> ByteBlocks | None
     if all(tuple(p.shape[1:]) == trailing for p in blocks.parts):
         return blocks
     unit = math.prod(trailing)
-    if any(not p.ndim or p.size % unit for p in blocks.parts):
+    if not unit or any(not p.ndim or p.size % unit for p in blocks.parts):
         return None
     parts = tuple(p.reshape(-1, *trailing) for p in blocks.parts)
     return ByteBlocks((sum(len(p) for p in parts), *trailing), blocks.dtype_name, parts, blocks.sources)
@@ -260,7 +261,7 @@ def _column_join(plan: row_maps.Columns, views: list[ByteBlocks], shapes: Sequen
     """IR tensor `index` from the pieces of a `Columns` plan: its rows of each band, the bands joined side by side
     (a copy; one band: views of the piece, its places in the file kept). Pieces holding the same band must hold
     the same bytes (expert TP below TP), else None."""
-    if any(not _same_bytes(views[k % plan.bands], views[k]) for k in range(plan.bands, plan.parts)):
+    if any(not same_bytes(views[k % plan.bands], views[k]) for k in range(plan.bands, plan.parts)):
         return None
     bands = [_in_rows(v, (plan.width,)) for v in views[:plan.bands]]
     if any(b is None for b in bands):
