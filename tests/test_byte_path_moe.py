@@ -78,10 +78,11 @@ def test_single_grouped_weight_without_torch(hf_moe, tmp_path):
     both_ways(tmp_path / "etp2" / "bytes", tmp_path / "etp2_tp2", "--tp", "2", saver="core")
 
 
-def test_torch_dist_moe_without_torch(core_etp1, tmp_path):
-    """torch_dist EP2 -> HF and -> core TP1 EP2: the experts' blocks viewed in their files; no torch."""
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch_dcp"])
+def test_dcp_moe_sources_without_torch(core_etp1, tmp_path, fmt):
+    """torch_dist / torch_dcp -> HF and -> core TP1 EP2: the experts' blocks viewed in their files; no torch."""
     src = tmp_path / "dist"
-    convert(core_etp1, src, "--ckpt-format", "torch_dist", torch_path=True)
+    convert(core_etp1, src, "--ckpt-format", fmt, torch_path=True)
     both_ways(src, tmp_path / "hf", saver="hf")
     both_ways(src, tmp_path / "core", "--tp", "1", "--ep", "2", saver="core")
 
