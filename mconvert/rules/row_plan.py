@@ -47,6 +47,7 @@ class RowPlanner:
         self.ctx = ctx
         self._plans: dict[tuple, tuple[Output, ...] | None] = {}
         self._byte_plans: dict[tuple, tuple[Output, ...] | row_maps.Columns | None] = {}
+        self._agreed: dict[tuple[int, ...], tuple[LazyTensor, ...]] = {}  # pieces whose copies hold the same bits
 
     def forward(self, rule: Rule, inputs: Sequence[Blocks]) -> list[Blocks] | None:
         """`rule.forward` on blocks (IR tensors -> per-rank pieces), or None if the rule does more than move rows."""
@@ -106,13 +107,10 @@ class RowPlanner:
         views = [view(p) for p in pieces]
         if any(v is None for v in views):
             return None
+        if not self._copies_agree(plan, pieces, views):
+            return None
         if isinstance(plan, row_maps.Columns):
             return _column_join(plan, views, shapes, index, name)
-        # pieces that are copies of one another (replicated, or expert TP below TP): what `table.replicated` and
-        # `experts.expert_tp` check, on the bits
-        first: dict[tuple, int] = {}
-        if any(not same_bytes(views[first.setdefault(out.runs, k)], views[k]) for k, out in enumerate(plan)):
-            return None
         views = [_in_rows(v, tuple(shapes[0][1:])) for v in views]
         if any(v is None for v in views):
             return None
@@ -129,6 +127,24 @@ class RowPlanner:
         if cursor != shapes[index][0]:
             return None
         return ByteBlocks(tuple(shapes[index]), name, *_parts_and_sources(made))
+
+    def _copies_agree(self, plan: tuple[Output, ...] | row_maps.Columns, pieces: Sequence[LazyTensor],
+                      views: list[ByteBlocks]) -> bool:
+        """Pieces that are copies of one another (replicated, or expert TP below TP) hold the same bits: what
+        `table.replicated` and `experts.expert_tp` check. Compared once per set of pieces (every IR tensor of a
+        rule asks: gate and up, each expert of a stack)."""
+        if isinstance(plan, row_maps.Columns):
+            pairs = [(k % plan.bands, k) for k in range(plan.bands, plan.parts)]
+        else:
+            first: dict[tuple, int] = {}
+            pairs = [(j, k) for k, out in enumerate(plan) if (j := first.setdefault(out.runs, k)) != k]
+        key = tuple(id(p) for p in pieces)
+        if not pairs or key in self._agreed:
+            return True
+        if any(not same_bytes(views[j], views[k]) for j, k in pairs):
+            return False
+        self._agreed[key] = tuple(pieces)  # held, so that their ids are not reused
+        return True
 
     def byte_plan(self, rule: Rule, shapes: Sequence[tuple[int, ...]]) -> tuple[Output, ...] | row_maps.Columns | None:
         """`plan` of the forward direction by arithmetic (no torch), or the columns of a row-parallel split."""
@@ -259,10 +275,7 @@ def _column_pieces(plan: row_maps.Columns, inputs: Sequence[ByteBlocks], name: s
 def _column_join(plan: row_maps.Columns, views: list[ByteBlocks], shapes: Sequence[tuple[int, ...]], index: int,
                  name: str) -> ByteBlocks | None:
     """IR tensor `index` from the pieces of a `Columns` plan: its rows of each band, the bands joined side by side
-    (a copy; one band: views of the piece, its places in the file kept). Pieces holding the same band must hold
-    the same bytes (expert TP below TP), else None."""
-    if any(not same_bytes(views[k % plan.bands], views[k]) for k in range(plan.bands, plan.parts)):
-        return None
+    (a copy; one band: views of the piece, its places in the file kept)."""
     bands = [_in_rows(v, (plan.width,)) for v in views[:plan.bands]]
     if any(b is None for b in bands):
         return None
