@@ -20,6 +20,9 @@ Megatron's legacy GroupedMLP stores an expert-parallel rank's n = `ctx.local_exp
 Expert tensor parallelism: experts may be split over fewer ranks (`ctx.expert_tp`) than the dense layers
 (`ctx.tp`). A file of TP rank t then holds expert TP rank `t % etp`, as in a Megatron run, where the rank that is
 TP rank t is expert TP rank `t % etp` whenever etp divides tp.
+
+Every rule here but the legacy GroupedMLP's has shape arithmetic (`Join.shape`, `Shard.shape`) and, in
+`mconvert.rules.row_maps`, a plan by arithmetic: conversions move their bytes without torch.
 """
 
 from __future__ import annotations
