@@ -20,9 +20,10 @@ from mconvert import engine
 from mconvert.io.file_views import FileViews
 from mconvert.ir.blocks import ByteBlocks, FileBytes
 from mconvert.ir.tensors import LazyTensor
-from mconvert.megatron import moe
+from mconvert.megatron import moe, torch_format
 from mconvert.options import Options
 from mconvert.rules import experts, row_maps
+from mconvert.rules.layout import ParallelLayout
 from mconvert.rules.row_plan import RowPlanner
 from mconvert.rules.table import GATE_UP, Ctx, Rule
 from tests.support.byte_path import both_ways, convert, rewrite, same_tree
@@ -231,3 +232,36 @@ def test_legacy_grouped_gemm_keeps_torch():
     """The legacy GroupedMLP stores experts transposed: no arithmetic plan, the rule runs through torch."""
     for rule in moe.EXPERTS["legacy_grouped"][1]:
         assert row_maps.forward_plan(rule, [(8, 6)] * 4, Ctx(None, None, tp=2, local_experts=2)) is None
+
+
+@pytest.mark.parametrize("layout,impl,experts_as", [
+    (ParallelLayout(tp=2, ep=2, etp=1), "local", "sequential"),
+    (ParallelLayout(tp=2, ep=2), "te", "grouped"),
+    (ParallelLayout(tp=2, ep=2, etp=1), "te", "single_grouped"),
+    (ParallelLayout(tp=4, ep=1, etp=2), "te", "single_grouped"),
+], ids=["sequential_etp1", "grouped", "single_grouped_etp1", "single_grouped_tp4_etp2"])
+def test_core_plan_pieces_are_the_rules_pieces(hf_moe, layout, impl, experts_as):
+    """Every rule of the core plan of an MoE model (router, experts, dense layers; per EP rank), on the real IR
+    tensors: byte views whose bytes are `rule.forward`'s on the loaded tensors, and where the probe (torch) finds a
+    row plan, the arithmetic finds the same (the stacked experts' 3-D pieces: checked above on numbered elements)."""
+    options = Options(layout=layout, transformer_impl=impl, expert_layout=experts_as)
+    ir = engine.load(hf_moe, options)
+    c = ir.config
+    ctx = Ctx(c, c.vocab_size, tp=layout.tp, etp=layout.expert_tp, local_experts=c.num_experts // layout.ep)
+    planner, views, seen = RowPlanner(ctx), FileViews(), 0
+    for part in torch_format.plan(ir, options):
+        for row in part.rows + part.copies:
+            tensors = [ir[n] for n in row.ir]
+            found = planner.forward_bytes(row.rule, tensors, views.view)
+            assert found is not None, f"{row.key}: no byte plan"
+            plan = planner.byte_plan(row.rule, [t.shape for t in tensors])
+            if not isinstance(plan, row_maps.Columns) and all(len(out.shape) == 2 for out in plan):
+                assert planner.plan(row.rule, "forward", [t.shape for t in tensors]) == plan, row.key
+            expected = row.rule.forward([t.load() for t in tensors], ctx)
+            assert len(found) == len(expected) == layout.tp
+            for got, want in zip(found, expected):
+                assert got.shape == tuple(want.shape) and got.dtype_name == "bfloat16"
+                raw = b"".join(bytes(np.ascontiguousarray(p).data) for p in got.parts)
+                assert raw == want.contiguous().view(torch.uint8).numpy().tobytes(), row.key
+            seen += ".moe.experts." in row.ir[0]
+    assert seen
