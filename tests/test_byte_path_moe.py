@@ -116,7 +116,7 @@ def test_fused_hf_experts_without_torch(tmp_path):
 def test_gpt_oss_falls_back_per_tensor(tmp_path):
     """GPT-OSS's gate_up_proj (gate and up interleaved, transposed) and down_proj (transposed) compute, so the
     conversion imports torch; its router, router bias, expert down biases and attention still move bytes, and
-    the output is the torch path's byte for byte."""
+    the output is the torch path's byte for byte. core -> core needs no torch."""
     hf = make_hf_model(tmp_path / "hf", "gpt_oss", dtype=torch.bfloat16)
     out = tmp_path / "out"
     layout = ("--tp", "2", "--ep", "2", "--etp", "1")
@@ -130,6 +130,8 @@ def test_gpt_oss_falls_back_per_tensor(tmp_path):
     for name in ("layers.0.moe.router.weight", "layers.0.moe.router.bias", "layers.0.moe.experts.1.down.bias"):
         assert name in moved
     assert "layers.0.moe.experts.1.down.weight" not in moved  # a column of the transposed stack: computed
+    # in Megatron's per-expert layout nothing computes: a reshard (sinks, expert biases over expert TP) moves bytes
+    both_ways(tmp_path / "bytes", tmp_path / "reshard", "--tp", "1", "--ep", "1", saver="core")
 
 
 @pytest.mark.parametrize("key", [EXPERT_FC1, EXPERT_FC2], ids=["fc1_rows", "fc2_columns"])
