@@ -27,8 +27,8 @@ from mconvert.io.dcp import DcpReader
 from mconvert.io.torch_archive import TorchDType
 from mconvert.io.torch_pickle import safe_load, safe_load_bytes
 from mconvert.ir.blocks import ByteBlocks
+from mconvert.megatron import core, dist, rank_files
 from mconvert.megatron import dcp as dcp_saver
-from mconvert.megatron import dist, rank_files
 from mconvert.options import Options
 from mconvert.rules.layout import ParallelLayout
 from mconvert.rules.row_plan import RowPlanner
@@ -144,7 +144,7 @@ def test_bytes_items_load_in_torch_as_torch_saves_them():
     """A bytes item is an archive of mconvert's writer (no torch needed), on both paths; torch.load (weights_only,
     as Megatron reads them) gives what torch.save's own archive gives."""
     objects = [argparse.Namespace(params_dtype=TorchDType("bfloat16"), bf16=True, seq_length=64), [None],
-               [dcp_writer.empty_bytes()], 3, {"a": [1, 2.5, "x"], "b": None}]
+               [core.te_empty_state()], 3, {"a": [1, 2.5, "x"], "b": None}]
     expected = [argparse.Namespace(params_dtype=torch.bfloat16, bf16=True, seq_length=64), [None],
                 [torch.empty(0, dtype=torch.uint8)], 3, {"a": [1, 2.5, "x"], "b": None}]
     for obj, want in zip(objects, expected):

@@ -8,21 +8,12 @@ import shutil
 import pytest
 
 from mconvert.errors import ConvertError
-from mconvert.io.torch_pickle import safe_load
-from mconvert.io.torch_zip import TorchFileWriter
 from mconvert.rules.mapping import Row, check_plan
 from mconvert.rules.table import Rule
+from tests.support.byte_path import rewrite
 from tests.support.cli import run_cli
 
 EXPERT = "decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1.weight"
-
-
-def rewrite(path, change) -> None:
-    """Apply `change` to a rank file's state (written beside it, then moved: the reader memory-maps the old one)."""
-    state = safe_load(path)
-    change(state)
-    TorchFileWriter(path.with_suffix(".new")).finish(state)
-    os.replace(path.with_suffix(".new"), path)
 
 
 def to_hf(src, dst, expect_error=True):

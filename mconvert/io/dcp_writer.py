@@ -32,7 +32,7 @@ from mconvert.io.integrity import WriteDigest
 from mconvert.io.torch_zip import ALIGN, TorchFileWriter
 from mconvert.ir import dtypes
 from mconvert.ir.blocks import ByteBlocks
-from mconvert.lazy import np, torch
+from mconvert.lazy import torch
 from mconvert.workers import Job
 
 FILE_BYTES = 4 << 30
@@ -199,16 +199,11 @@ class DcpWriter:
 
 def object_bytes(obj: Any) -> bytes:
     """What a bytes item holding `obj` stores: a torch.save archive of it, written by `mconvert.io.torch_zip` (no
-    torch needed: a dtype may be a `TorchDType`, a tensor `ByteBlocks`, e.g. `empty_bytes()`). The torch path and the
-    byte path both write it so; torch.load (weights_only) and Megatron read it as torch.save's own."""
+    torch needed: a dtype may be a `TorchDType`, a tensor `ByteBlocks`, e.g. TE's empty `_extra_state`). The torch
+    path and the byte path both write it so; torch.load (weights_only) and Megatron read it as torch.save's own."""
     buffer = io.BytesIO()
     torch_zip.save(obj, buffer, background=False)
     return buffer.getvalue()
-
-
-def empty_bytes() -> ByteBlocks:
-    """An empty uint8 tensor (Transformer Engine's `_extra_state` without FP8), without torch."""
-    return ByteBlocks((0,), "uint8", (np.empty(0, dtype=np.uint8),))
 
 
 def write_metadata(root: Path, entries: list[tuple], tensors: dict) -> None:

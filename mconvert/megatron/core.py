@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Literal
 
 from mconvert.errors import ConvertError
+from mconvert.ir.blocks import ByteBlocks
 from mconvert.ir.config import ModelConfig
-from mconvert.lazy import torch
+from mconvert.lazy import np
 from mconvert.megatron import mla as mla_keys
 from mconvert.megatron import moe as core_moe
 from mconvert.options import ExpertLayout, Options
@@ -232,12 +233,17 @@ def is_dcp_checkpoint(it_dir: Path) -> bool:
         and not (it_dir / "mtrain.json").is_file()
 
 
-def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = None, *,
-                 empty: object = None) -> dict[str, object]:
-    """The `_extra_state` entries of one chunk: None for Megatron's own modules, TE's empty byte tensor (`empty`
-    where given, e.g. one that needs no torch, else a torch tensor)."""
+def te_empty_state() -> ByteBlocks:
+    """Transformer Engine's `_extra_state` without FP8, an empty uint8 tensor, as bytes: no torch needed
+    (`mconvert.io.torch_zip` stores it as torch's own empty uint8 tensor)."""
+    return ByteBlocks((0,), "uint8", (np.empty(0, dtype=np.uint8),))
+
+
+def extra_states(chunk: Chunk, options: Options, config: ModelConfig | None = None) -> dict[str, object]:
+    """The `_extra_state` entries of one chunk: None for Megatron's own modules, TE's empty byte tensor
+    (`te_empty_state`)."""
     te = options.transformer_impl == "te"
-    value = (torch.empty(0, dtype=torch.uint8) if empty is None else empty) if te else None
+    value = te_empty_state() if te else None
     out = {}
     for l, L in enumerate(chunk.layers):
         for module in _layer_extra_states(L, options, config):

@@ -279,4 +279,4 @@ def _object_item(key: str, value: object) -> Item:
 def _extra_states(ir: ModelIR, options: Options) -> dict[str, object]:
     """The `_extra_state` entries of the whole model (one pipeline chunk holding every layer)."""
     [chunk] = options.layout.chunks(ir.config.num_layers)
-    return core.extra_states(chunk, options, ir.config, empty=dcp_writer.empty_bytes())
+    return core.extra_states(chunk, options, ir.config)

@@ -520,7 +520,7 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
         torch.get_num_threads()  # the plan needs torch: imported now, so that its jobs run it on one thread each
     items = [item for placed in placed_rows for item in _blocks(ir.tensors, placed, planner, view)]
     # TE >= 2.5: an empty byte tensor without FP8 (torch_dist's bytes items need no torch; zarr pickles a tensor)
-    empty = dcp_writer.empty_bytes() if backend == "torch_dist" else torch.empty(0, dtype=torch.uint8)
+    empty = core.te_empty_state() if backend == "torch_dist" else torch.empty(0, dtype=torch.uint8)
     extra_state = [empty] if options.transformer_impl == "te" else [None]
     extra_keys = extra_states(c, options.transformer_impl)
     common = {"args": args, "checkpoint_version": core.CHECKPOINT_VERSION, "iteration": iteration,

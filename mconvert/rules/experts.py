@@ -20,6 +20,9 @@ Megatron's legacy GroupedMLP stores an expert-parallel rank's n = `ctx.local_exp
 Expert tensor parallelism: experts may be split over fewer ranks (`ctx.expert_tp`) than the dense layers
 (`ctx.tp`). A file of TP rank t then holds expert TP rank `t % etp`, as in a Megatron run, where the rank that is
 TP rank t is expert TP rank `t % etp` whenever etp divides tp.
+
+Every rule here but the legacy GroupedMLP's has shape arithmetic (`Join.shape`, `Shard.shape`) and, in
+`mconvert.rules.row_maps`, a plan by arithmetic: conversions move their bytes without torch.
 """
 
 from __future__ import annotations
@@ -29,7 +32,19 @@ from typing import TYPE_CHECKING
 
 from mconvert.errors import ConvertError
 from mconvert.rules import transforms
-from mconvert.rules.table import GATED_COLUMN, ROW, Ctx, Join, Shard, cat_pieces, chunks, gated_chunks, gated_unchunk
+from mconvert.rules.table import (
+    GATED_COLUMN,
+    ROW,
+    Ctx,
+    Join,
+    Shape,
+    Shard,
+    cat_pieces,
+    chunks,
+    gated_chunks,
+    gated_unchunk,
+    split_shape,
+)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -39,12 +54,27 @@ def _pairs(tensors: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
     return list(zip(tensors[0::2], tensors[1::2]))
 
 
+def _stacked(shapes: list[Shape], ctx: Ctx) -> Shape | None:
+    """Experts of one shape -> [n, *shape]."""
+    if not shapes or any(s != shapes[0] for s in shapes):
+        return None
+    return len(shapes), *shapes[0]
+
+
+def _stacked_gate_up(shapes: list[Shape], ctx: Ctx) -> Shape | None:
+    """gate_0, up_0, gate_1, ... of one shape [f, ...] -> [n, 2f, ...]."""
+    if len(shapes) % 2 or not shapes or not shapes[0] or any(s != shapes[0] for s in shapes):
+        return None
+    return len(shapes) // 2, 2 * shapes[0][0], *shapes[0][1:]
+
+
 STACK = Join("stack_experts", lambda ts, ctx: transforms.stack_experts(ts),
-             lambda t, ctx: transforms.unstack_experts(t))
+             lambda t, ctx: transforms.unstack_experts(t), shape=_stacked)
 STACK_GATE_UP = Join(
     "stack_experts_gate_up",
     lambda ts, ctx: transforms.stack_experts([transforms.fuse_gate_up(g, u) for g, u in _pairs(ts)]),
     lambda t, ctx: [x for e in transforms.unstack_experts(t) for x in transforms.split_gate_up(e)],
+    shape=_stacked_gate_up,
 )
 
 # The whole fc1 stack [n, 2f, h] <-> legacy GroupedMLP weight1 per TP rank [h, n*2f/tp], and fc2 [n, h, f] <->
@@ -88,13 +118,19 @@ def expert_tp(inner: Shard) -> Shard:
                                    f"expert tensor-parallel rank {i % etp} (expert TP size {etp})")
         return inner.unshard(pieces[:etp], inner_ctx)
 
-    return Shard(f"expert_{inner.name}", shard, unshard)
+    def shape(s: Shape, ctx: Ctx) -> list[Shape] | None:
+        etp = ctx.expert_tp
+        found = None if ctx.tp % etp or inner.shape is None else inner.shape(s, dataclasses.replace(ctx, tp=etp))
+        return None if found is None else [found[i % etp] for i in range(ctx.tp)]
+
+    return Shard(f"expert_{inner.name}", shard, unshard, shape=shape, repeats=lambda ctx: ctx.expert_tp < ctx.tp)
 
 
 # TE's single grouped weight: the expert-major stack, each expert split over TP as its dense counterpart
 STACKED_GATED_COLUMN = Shard("stacked_gated_column", lambda t, ctx: gated_chunks(t, ctx.tp, dim=1),
-                             lambda ps, ctx: gated_unchunk(ps, dim=1))
-STACKED_ROW = Shard("stacked_row", lambda t, ctx: chunks(t, ctx.tp, 2), lambda ps, ctx: cat_pieces(ps, 2))
+                             lambda ps, ctx: gated_unchunk(ps, dim=1), shape=split_shape(1, parts=2))
+STACKED_ROW = Shard("stacked_row", lambda t, ctx: chunks(t, ctx.tp, 2), lambda ps, ctx: cat_pieces(ps, 2),
+                    shape=split_shape(2))
 
 EXPERT_GATED_COLUMN = expert_tp(GATED_COLUMN)
 EXPERT_ROW = expert_tp(ROW)

@@ -22,7 +22,7 @@ from mconvert.ir.names import expected_shapes
 from mconvert.ir.tensors import Elements, LazyTensor, LoadCache, ModelIR
 from mconvert.lazy import torch
 from mconvert.rules import transforms
-from mconvert.rules.row_plan import RowPlanner
+from mconvert.rules.row_plan import RowPlanner, same_bytes
 from mconvert.rules.table import IDENTITY, REPLICATE, Ctx, LayerKind, Rule, Table, active
 
 
@@ -114,7 +114,9 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
         # whether the rule only moves rows is probed (with torch) when blocks are first asked for, not here
         moves_rows = functools.cache(lambda row=row, pieces=pieces: planner.moves_rows(row.rule, "backward",
                                                                                         [p.shape for p in pieces]))
-        moved = row.rule.join.shape is not None and row.rule.shard.shape is not None  # elements only rearranged
+        # elements only rearranged (not pieces that repeat, which reading compares: expert TP below TP)
+        repeats = row.rule.shard.repeats is not None and row.rule.shard.repeats(ctx)
+        moved = row.rule.join.shape is not None and row.rule.shard.shape is not None and not repeats
         elements = Elements(tuple(pieces), row.rule.shard is REPLICATE and len(pieces) > 1,
                             (row.rule.join, row.rule.shard)) if moved else None
         for i, name in enumerate(row.ir):
@@ -269,8 +271,19 @@ def verify_copies(tensors: dict[str, LazyTensor], name: str, copies: list[list[L
                                    f"differs from {base.origin}; the checkpoint is inconsistent")
         return value
 
+    planner = RowPlanner(ctx)
+
+    def byte_blocks(view: Callable[[LazyTensor], ByteBlocks | None]) -> ByteBlocks | None:
+        """`base`'s bytes when every copy's are the same (without torch); else None, and `thunk` says why."""
+        value = view(base)
+        for pieces in copies if value is not None else ():
+            copy = planner.backward_bytes(rule, [tuple(base.shape)], pieces, view, 0)
+            if copy is None or not same_bytes(copy, value):
+                return None
+        return value
+
     tensors[name] = LazyTensor(base.shape, base.dtype_name, thunk, base.origin,
-                               elements_of=_with_copies(base, copies, rule))
+                               elements_of=_with_copies(base, copies, rule), byte_blocks=byte_blocks)
 
 
 def _with_copies(base: LazyTensor, copies: list[list[LazyTensor]], rule: Rule) -> Elements | None:

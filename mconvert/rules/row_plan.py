@@ -19,6 +19,7 @@ to `ByteBlocks`, numpy views of the source files' bytes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -27,7 +28,7 @@ from mconvert.errors import ConvertError
 from mconvert.ir.blocks import Blocks, ByteBlocks
 from mconvert.ir.tensors import LazyTensor
 from mconvert.lazy import np, torch
-from mconvert.rules import row_maps, table
+from mconvert.rules import row_maps
 from mconvert.rules.table import Ctx, Rule
 
 Direction = Literal["forward", "backward"]
@@ -46,6 +47,7 @@ class RowPlanner:
         self.ctx = ctx
         self._plans: dict[tuple, tuple[Output, ...] | None] = {}
         self._byte_plans: dict[tuple, tuple[Output, ...] | row_maps.Columns | None] = {}
+        self._agreed: dict[tuple[int, ...], tuple[LazyTensor, ...]] = {}  # pieces whose copies hold the same bits
 
     def forward(self, rule: Rule, inputs: Sequence[Blocks]) -> list[Blocks] | None:
         """`rule.forward` on blocks (IR tensors -> per-rank pieces), or None if the rule does more than move rows."""
@@ -79,11 +81,7 @@ class RowPlanner:
             return None
         name = tensors[0].dtype_name
         if isinstance(plan, row_maps.Columns):
-            if plan.parts == 1:  # TP1: the tensor as stored, its file places kept for file-to-file copies
-                return [inputs[0]]
-            w = plan.width  # each stored piece (stacked along rows: DCP/zarr chunks) cut into the same bands
-            return [ByteBlocks(inputs[0].shape[:1] + (w,), name,
-                               tuple(p[:, k * w:(k + 1) * w] for p in inputs[0].parts)) for k in range(plan.parts)]
+            return _column_pieces(plan, inputs, name)
         return _assembled(plan, inputs, lambda shape, parts, sources: ByteBlocks(shape, name, parts, sources))
 
     def piece_shapes(self, rule: Rule, shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -114,24 +112,19 @@ class RowPlanner:
         if plan is None or len({p.dtype_name for p in pieces}) != 1:
             return None
         name = pieces[0].dtype_name
-        if isinstance(plan, row_maps.Columns):
-            want = [(shapes[0][0], plan.width)] * plan.parts
-        else:
-            want = [out.shape for out in plan]
+        want = [plan.shape] * plan.parts if isinstance(plan, row_maps.Columns) else [out.shape for out in plan]
         if [tuple(p.shape) for p in pieces] != [tuple(s) for s in want]:
             return None
         views = [view(p) for p in pieces]
         if any(v is None for v in views):
             return None
+        if not self._copies_agree(plan, pieces, views):
+            return None
         if isinstance(plan, row_maps.Columns):
-            if plan.parts == 1:  # TP1: the stored tensor itself, file places kept
-                return views[0]
-            parts = [v.parts[0] if len(v.parts) == 1 else np.concatenate(v.parts) for v in views]
-            return ByteBlocks(tuple(shapes[index]), name, (np.concatenate(parts, axis=1),))
-        if rule.shard is table.REPLICATE and len(views) > 1:  # what `table.replicated` checks, on the bits
-            first = _raw(views[0])
-            if any(not np.array_equal(first, _raw(v)) for v in views[1:]):
-                return None
+            return _column_join(plan, views, shapes, index, name)
+        views = [_in_rows(v, tuple(shapes[0][1:])) for v in views]
+        if any(v is None for v in views):
+            return None
         segments = sorted((a, b, k, at) for k, out in enumerate(plan)
                           for (j, a, b), at in zip(out.runs, _starts(out.runs)) if j == index)
         made, cursor = [], 0
@@ -145,6 +138,24 @@ class RowPlanner:
         if cursor != shapes[index][0]:
             return None
         return ByteBlocks(tuple(shapes[index]), name, *_parts_and_sources(made))
+
+    def _copies_agree(self, plan: tuple[Output, ...] | row_maps.Columns, pieces: Sequence[LazyTensor],
+                      views: list[ByteBlocks]) -> bool:
+        """Pieces that are copies of one another (replicated, or expert TP below TP) hold the same bits: what
+        `table.replicated` and `experts.expert_tp` check. Compared once per set of pieces (every IR tensor of a
+        rule asks: gate and up, each expert of a stack)."""
+        if isinstance(plan, row_maps.Columns):
+            pairs = [(k % plan.bands, k) for k in range(plan.bands, plan.parts)]
+        else:
+            first: dict[tuple, int] = {}
+            pairs = [(j, k) for k, out in enumerate(plan) if (j := first.setdefault(out.runs, k)) != k]
+        key = tuple(id(p) for p in pieces)
+        if not pairs or key in self._agreed:
+            return True
+        if any(not same_bytes(views[j], views[k]) for j, k in pairs):
+            return False
+        self._agreed[key] = tuple(pieces)  # held, so that their ids are not reused
+        return True
 
     def byte_plan(self, rule: Rule, shapes: Sequence[tuple[int, ...]]) -> tuple[Output, ...] | row_maps.Columns | None:
         """`plan` of the forward direction by arithmetic (no torch), or the columns of a row-parallel split."""
@@ -240,6 +251,51 @@ def _raw(blocks: ByteBlocks):
     """All of `blocks`' bytes as one flat array (a copy when it has several parts)."""
     return np.concatenate([p.reshape(-1) for p in blocks.parts]) if len(blocks.parts) != 1 else \
         blocks.parts[0].reshape(-1)
+
+
+def same_bytes(a: ByteBlocks, b: ByteBlocks) -> bool:
+    """The same shape and bytes (compared as the raw integers they are)."""
+    return a is b or (tuple(a.shape) == tuple(b.shape) and np.array_equal(_raw(a), _raw(b)))
+
+
+def _in_rows(blocks: ByteBlocks, trailing: tuple[int, ...]) -> ByteBlocks | None:
+    """The same bytes as rows of shape `trailing` (the IR tensors' rows: a stacked piece [n, f, h] as [n * f, h]),
+    each part reshaped, its place in the file kept; None when a part does not hold whole rows."""
+    if all(tuple(p.shape[1:]) == trailing for p in blocks.parts):
+        return blocks
+    unit = math.prod(trailing)
+    if not unit or any(not p.ndim or p.size % unit for p in blocks.parts):
+        return None
+    parts = tuple(p.reshape(-1, *trailing) for p in blocks.parts)
+    return ByteBlocks((sum(len(p) for p in parts), *trailing), blocks.dtype_name, parts, blocks.sources)
+
+
+def _column_pieces(plan: row_maps.Columns, inputs: Sequence[ByteBlocks], name: str) -> list[ByteBlocks]:
+    """The pieces of a `Columns` plan: band b of every input's parts, the bands repeated over the pieces; a
+    single band is the inputs as stored, their places in the files kept (file-to-file copies)."""
+    if plan.bands == 1:
+        whole = [(p, v.source(i)) for v in inputs for i, p in enumerate(v.parts)]
+        bands = [ByteBlocks(plan.shape, name, *_parts_and_sources(whole))]
+    else:
+        w = plan.width  # each stored part (stacked along rows: DCP/zarr chunks) cut into the same bands
+        bands = [ByteBlocks(plan.shape, name, tuple(p[:, b * w:(b + 1) * w] for v in inputs for p in v.parts))
+                 for b in range(plan.bands)]
+    return [bands[k % plan.bands] for k in range(plan.parts)]
+
+
+def _column_join(plan: row_maps.Columns, views: list[ByteBlocks], shapes: Sequence[tuple[int, ...]], index: int,
+                 name: str) -> ByteBlocks | None:
+    """IR tensor `index` from the pieces of a `Columns` plan: its rows of each band, the bands joined side by side
+    (a copy; one band: views of the piece, its places in the file kept)."""
+    bands = [_in_rows(v, (plan.width,)) for v in views[:plan.bands]]
+    if any(b is None for b in bands):
+        return None
+    h = shapes[index][0]
+    found = [b.rows(index * h, (index + 1) * h) for b in bands]
+    if plan.bands == 1:
+        return ByteBlocks(tuple(shapes[index]), name, *_parts_and_sources(found[0]))
+    parts = [band[0][0] if len(band) == 1 else np.concatenate([p for p, _ in band]) for band in found]
+    return ByteBlocks(tuple(shapes[index]), name, (np.concatenate(parts, axis=1),))
 
 
 def _assembled(plan, inputs, make: Callable) -> list:

@@ -118,6 +118,9 @@ class Shard:
     # For a shard that only moves whole rows, defined outside `mconvert.rules.row_maps`: its pieces' row numbers
     # from the whole's (numpy arrays), without torch; None where it does more (see row_maps).
     rows: Callable[[Any, Ctx], list | None] | None = None
+    # Whether the pieces repeat (expert TP below TP: files sharing an expert-TP rank hold copies, which reading
+    # compares): such pieces are not recorded as stored elements (`mconvert.ir.tensors.Elements`).
+    repeats: Callable[[Ctx], bool] | None = None
 
 
 def chunks(t: Tensor, n: int, dim: int) -> list[Tensor]:
@@ -158,7 +161,7 @@ def cat_pieces(pieces: list[Tensor], dim: int) -> Tensor:
     return transforms.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
 
 
-def _split(dim: int, parts: int = 1) -> Callable[[Shape, Ctx], list[Shape] | None]:
+def split_shape(dim: int, parts: int = 1) -> Callable[[Shape, Ctx], list[Shape] | None]:
     """Pieces of `ctx.tp` equal parts along `dim`, each of `parts` runs (gated: gate and up) that split evenly."""
     def shape(s: Shape, ctx: Ctx) -> list[Shape] | None:
         if len(s) <= dim or s[dim] % (parts * ctx.tp):
@@ -169,10 +172,10 @@ def _split(dim: int, parts: int = 1) -> Callable[[Shape, Ctx], list[Shape] | Non
 
 REPLICATE = Shard("replicate", lambda t, ctx: [t] * ctx.tp, lambda ps, ctx: replicated(ps),
                   shape=lambda s, ctx: [s] * ctx.tp)
-COLUMN = Shard("column", lambda t, ctx: chunks(t, ctx.tp, 0), lambda ps, ctx: cat_pieces(ps, 0), shape=_split(0))
-ROW = Shard("row", lambda t, ctx: chunks(t, ctx.tp, 1), lambda ps, ctx: cat_pieces(ps, 1), shape=_split(1))
+COLUMN = Shard("column", lambda t, ctx: chunks(t, ctx.tp, 0), lambda ps, ctx: cat_pieces(ps, 0), shape=split_shape(0))
+ROW = Shard("row", lambda t, ctx: chunks(t, ctx.tp, 1), lambda ps, ctx: cat_pieces(ps, 1), shape=split_shape(1))
 GATED_COLUMN = Shard("gated_column", lambda t, ctx: gated_chunks(t, ctx.tp), lambda ps, ctx: gated_unchunk(ps),
-                     shape=_split(0, parts=2))
+                     shape=split_shape(0, parts=2))
 
 
 LayerKind = Literal["dense", "moe"]

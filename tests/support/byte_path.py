@@ -1,6 +1,6 @@
-"""A conversion run twice in fresh processes, on the byte path (bytes moved without torch where every tensor
-allows: mconvert.io.file_views) and on the torch path (`MCONVERT_TORCH_PATH=1`), and the two outputs compared file
-by file (tests/test_byte_path*.py)."""
+"""Conversions run twice in fresh processes, on the byte path (bytes moved without torch where every tensor
+allows: mconvert.io.file_views) and on the torch path (`MCONVERT_TORCH_PATH=1`), whose outputs must be the same
+bytes, file by file (tests/test_byte_path*.py); and a Megatron rank file rewritten in place."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from mconvert.io.torch_pickle import safe_load
+from mconvert.io.torch_zip import TorchFileWriter
 
 
 def convert(src: Path, dst: Path, *args: str, torch_path: bool, saver: str = "core") -> bool:
@@ -42,3 +45,11 @@ def both_ways(src: Path, tmp_path: Path, *args: str, saver: str, torch_expected:
     assert convert(src, out, *args, torch_path=True, saver=saver)
     same_tree(tmp_path / "bytes", out)
     return tmp_path / "bytes"
+
+
+def rewrite(path: Path, change) -> None:
+    """Apply `change` to a rank file's state (written beside it, then moved: the reader memory-maps the old one)."""
+    state = safe_load(path)
+    change(state)
+    TorchFileWriter(path.with_suffix(".new")).finish(state)
+    os.replace(path.with_suffix(".new"), path)
