@@ -1,6 +1,7 @@
 """Conversion speed and memory on a 1.1B Llama, side by side with `cp` of the same bytes, in one run.
 
     python bench/convert.py --vs-cp [--rounds 5] [--layers 22] [--workers 1,2] [--models /tmp/bench-models] [--keep]
+                            [--drop-caches]
                             [--cases NAME] [--baseline DIR] [--torch-path]
 
 Builds (once, cached in --models, outside the repository) a random bf16 Llama with TinyLlama-1.1B shapes from a
@@ -8,7 +9,7 @@ Builds (once, cached in --models, outside the repository) a random bf16 Llama wi
 torch_dist) are made from it with mconvert, untimed. Then, in every round, each case runs once per worker count
 right after `cp -r` of its source (this machine's speed drifts several-fold within seconds, so variants are
 interleaved and compared within a round), its source read once beforehand (untimed) so that every command finds it
-in the page cache:
+in the page cache (and, with --drop-caches, free memory):
 
     dense (Llama):  HF -> core TP2 PP2, core -> HF, core -> torch_dist (with integrity.json, and without it:
                     --no-integrity-manifest), torch_dist -> core, torch_dist -> HF (integrity.json verified,
@@ -128,10 +129,19 @@ def compiled(packages: list[Path]) -> None:
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(package)], env=env, check=True)
 
 
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+drop_caches = False  # --drop-caches
+
+
 def warm(src: Path) -> None:
     """Read every file of `src` once, untimed, so that each measured command finds its source in the page cache:
-    a source read from disk charges the kernel's reading to whichever command comes first (often `cp -r`, whose
-    system time then swung 0.6-3.1 s per 2.2 GB from run to run)."""
+    a source read from disk charges the kernel's reading to whichever command comes first. With --drop-caches
+    (root only) the page cache is emptied first, so every command also finds free memory: with the cache full of
+    earlier outputs the kernel reclaims pages for each one it writes, on its time, and `cp -r` of the same 2.2 GB
+    took 0.5-3.0 s of system time from run to run (0.54-0.58 s, five runs, with the cache dropped)."""
+    if drop_caches:
+        os.sync()
+        DROP_CACHES.write_text("1\n")
     buffer = bytearray(1 << 20)
     for f in sorted(p for p in src.rglob("*") if p.is_file()):
         with open(f, "rb", buffering=0) as stream:
@@ -397,8 +407,12 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=Path("/tmp/bench-models"), help="models and outputs live here")
     parser.add_argument("--growth", default="4,8,16", help="layer counts for the memory-growth check ('' to skip)")
     parser.add_argument("--keep", action="store_true", help="keep the models for the next run")
+    parser.add_argument("--drop-caches", action="store_true", help="empty the page cache before each timed command "
+                        "(root; every command then starts with free memory: steadier system time, see `warm`)")
     parser.add_argument("--startup-only", action="store_true", help="only the start-up figures (seconds, not minutes)")
     args = parser.parse_args()
+    global drop_caches
+    drop_caches = args.drop_caches
     args.models.mkdir(parents=True, exist_ok=True)
     made = [p for p in args.models.iterdir()]
     ours = Path(__file__).resolve().parents[1] / "mconvert"
