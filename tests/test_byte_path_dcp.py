@@ -3,7 +3,7 @@ writer takes byte views of the source files (mconvert.io.file_views), plans each
 (`RowPlanner.piece_shapes`), pickles `.metadata` and the bytes items naming torch's classes without importing it
 (mconvert.io.dcp_pickle, mconvert.io.torch_zip), and writes what the torch path (`MCONVERT_TORCH_PATH=1`) writes,
 byte for byte, `integrity.json` included. What it writes is read by torch's own readers as before; a conversion
-that computes (a cast, MoE expert joins) takes torch, with the same bytes.
+that computes (a cast, GPT-OSS's transposed HF experts) takes torch, with the same bytes.
 """
 
 from __future__ import annotations
@@ -97,15 +97,17 @@ def test_dcp_outputs_without_torch(case, sources, tmp_path):
             assert hashlib.sha256((it_dir / name).read_bytes()).hexdigest() == digest, name
 
 
-@pytest.mark.parametrize("family,args", [
-    ("llama", ["--ckpt-format", "torch_dist", "--dtype", "fp32"]),
-    ("mixtral", ["--ckpt-format", "torch_dcp", "--transformer-impl", "te", "--expert-layout", "grouped"]),
-], ids=["cast", "expert_joins"])
-def test_what_is_computed_takes_torch(family, args, tmp_path):
-    """A cast (bf16 -> fp32), or experts joined into one tensor (no arithmetic plan for them), needs torch: the
-    saver falls back to it per tensor, and writes the torch path's bytes."""
+@pytest.mark.parametrize("family,args,computes", [
+    ("llama", ["--ckpt-format", "torch_dist", "--dtype", "fp32"], True),
+    ("gpt_oss", ["--ckpt-format", "torch_dist"], True),
+    ("mixtral", ["--ckpt-format", "torch_dcp", "--transformer-impl", "te", "--expert-layout", "grouped"], False),
+], ids=["cast", "gpt_oss_hf_experts", "mixtral_grouped_experts"])
+def test_torch_only_where_a_tensor_is_computed(family, args, computes, tmp_path):
+    """A cast (bf16 -> fp32) or GPT-OSS's HF experts (stored interleaved and transposed) need torch: the saver falls
+    back to it per tensor, and writes the torch path's bytes; Mixtral's experts, joined into TE's grouped weights
+    by row moves alone (`mconvert.rules.row_maps`), need none."""
     hf = make_hf_model(tmp_path / "hf", family, dtype=torch.bfloat16)
-    both_ways(hf, tmp_path / "convert", *args, saver="core", torch_expected=True)
+    both_ways(hf, tmp_path / "convert", *args, saver="core", torch_expected=computes)
 
 
 @pytest.mark.parametrize("family,impl,padded", [("llama", "local", None), ("llama", "te", 128),

@@ -71,7 +71,7 @@ def test_core_reshard_without_torch(core_etp1, tmp_path):
 def test_single_grouped_weight_without_torch(hf_moe, tmp_path):
     """TE's single grouped weight ([n, 2f/etp, h] and [n, h, f/etp] per TP rank) written from HF, then read back
     to HF (no torch: rows of the stack picked, columns of each expert joined) and resharded to the sequential
-    layout. Writing TE files imports torch for their `_extra_state` entries only; the bytes are the torch path's."""
+    layout, all without torch (TE's empty `_extra_state` entries too); the bytes are the torch path's."""
     te = ("--transformer-impl", "te", "--expert-layout", "single_grouped")
     both_ways(hf_moe, tmp_path / "etp1", *te, "--tp", "2", "--ep", "2", "--etp", "1", saver="core")
     both_ways(hf_moe, tmp_path / "etp2", *te, "--tp", "2", "--ep", "2", saver="core")

@@ -114,6 +114,7 @@ def test_shapes_disagreeing_across_tp_ranks(llama_dir, tmp_path):
     out = run_cli("--saver", "llama_mistral", "--load-dir", tmp_path / "core", "--save-dir", tmp_path / "hf",
                   expect_error=True)
     assert "a replicated tensor differs between TP rank 0 and TP rank 1" in out
+    assert f"mp_rank_00/model_optim_rng.pt:model.{key} (+1 TP copies): " in out  # which tensor, and where
     assert not (tmp_path / "hf").exists()
 
 

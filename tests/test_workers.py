@@ -185,7 +185,7 @@ def test_writers_of_one_file_take_turns(llama_dir, tmp_path, monkeypatch):
             most[key] = max(most.get(key, 0), inside[key])
             threads.setdefault(key, set()).add(threading.get_ident())
             try:
-                time.sleep(0.002)  # widen the window another writer could enter
+                time.sleep(0.01)  # each job lasts long enough that every pool thread takes one
                 return call(*args)
             finally:
                 inside[key] -= 1

@@ -22,23 +22,19 @@ import pickle
 from typing import Any, BinaryIO
 
 from mconvert.io.torch_archive import TorchDType
-from mconvert.io.torch_zip import Global
+from mconvert.io.torch_zip import Global, dtype_global
 from mconvert.ir import dtypes
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM = "torch.distributed.checkpoint.filesystem"
-_DTYPE_MODULE = "torch"  # every torch dtype's `__module__`: one str object
 _SIZE = Global("".join(("tor", "ch")), "Size")  # torch.Size's `__module__`: equal, but not the same object
-_DTYPES: dict[str, Global] = {}
 
 
 def dtype(name_or_dtype) -> Global:
     """A torch dtype (given by name, a `TorchDType` or the torch dtype itself) as pickled: `torch.<name>`, one
-    object per dtype as torch's, so a second mention refers back to the first."""
-    name = name_or_dtype.name if isinstance(name_or_dtype, TorchDType) else dtypes.name_of(name_or_dtype)
-    if name not in _DTYPES:
-        _DTYPES[name] = Global(_DTYPE_MODULE, name)
-    return _DTYPES[name]
+    object per dtype (`torch_zip.dtype_global`) whose module string is the one str object "torch" that every torch
+    dtype's `__module__` is, so a second mention refers back to the first as in torch's own pickle."""
+    return dtype_global(name_or_dtype.name if isinstance(name_or_dtype, TorchDType) else dtypes.name_of(name_or_dtype))
 
 
 class Size(tuple):

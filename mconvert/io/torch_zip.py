@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import functools
 import io
 import pickle
 import struct
@@ -80,9 +79,14 @@ class Global:
         return hash((self.module, self.name))
 
 
-@functools.cache
+_NAMED: dict[tuple[str, str], Global] = {}
+
+
 def named(module: str, name: str) -> Global:
-    return Global(module, name)
+    """The one `Global` of a name: every thread gets the same object (dict.setdefault is atomic), so a pickle's
+    memo never meets two objects for one name (which would write the name twice, not what torch writes)."""
+    found = _NAMED.get((module, name))
+    return found if found is not None else _NAMED.setdefault((module, name), Global(module, name))
 
 
 def dtype_global(dtype_name: str) -> Global:

@@ -100,7 +100,7 @@ DROP = (r"model\..*\._extra_state", r"model\..*rotary_pos_emb\.inv_freq")
 
 
 def load_dcp(it_dir: Path, iteration: int | None, options: Options) -> ModelIR:
-    store = DcpReader(it_dir)
+    store = DcpReader(it_dir, verify=options.verify_integrity)
     if ARGS not in store.bytes_items:
         raise ConvertError(f"{it_dir}: a torch.distributed.checkpoint directory without Megatron's `args` entry and "
                            "without metadata.json: neither a Megatron torch_dcp/fsdp_dtensor checkpoint nor a "

@@ -121,8 +121,13 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
                             (row.rule.join, row.rule.shard)) if moved else None
         for i, name in enumerate(row.ir):
 
-            def thunk(row=row, pieces=pieces, i=i):
-                return cache.part(row.key, i, lambda: row.rule.backward([p.load() for p in pieces], ctx))
+            def thunk(row=row, pieces=pieces, i=i, origin=origin):
+                def joined():
+                    try:
+                        return row.rule.backward([p.load() for p in pieces], ctx)
+                    except ConvertError as e:  # pieces that disagree: say which tensor, and where
+                        raise ConvertError(f"{origin}: {e}") from None
+                return cache.part(row.key, i, joined)
 
             def blocks(row=row, pieces=pieces, i=i, thunk=thunk, moves_rows=moves_rows):
                 found = planner.backward(row.rule, [p.load_blocks() for p in pieces]) if moves_rows() else None

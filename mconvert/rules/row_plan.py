@@ -90,7 +90,7 @@ class RowPlanner:
         the conversion rather than mislabel bytes."""
         plan = self.byte_plan(rule, shapes)
         if isinstance(plan, row_maps.Columns):
-            return [(shapes[0][0], plan.width)] * plan.parts
+            return [plan.shape] * plan.parts
         if plan is not None:
             return [out.shape for out in plan]
         return rule.piece_shapes([tuple(s) for s in shapes], self.ctx)
