@@ -25,13 +25,12 @@ from mconvert.io.file_views import FileViews
 from mconvert.io.torch_archive import TorchDType
 from mconvert.ir.blocks import ByteBlocks, FileBytes
 from mconvert.ir.tensors import LazyTensor
-from mconvert.megatron import rank_files, torch_format
+from mconvert.megatron import rank_files
 from mconvert.options import Options
-from mconvert.rules import row_maps
 from mconvert.rules.layout import ParallelLayout
 from mconvert.rules.row_plan import RowPlanner
 from mconvert.rules.table import ROW, Ctx, Rule
-from tests.support.byte_path import both_ways, convert
+from tests.support.byte_path import both_ways, convert, plan_pieces_are_the_rules
 from tests.support.cli import run_cli
 from tests.support.models import make_hf_model
 
@@ -145,23 +144,7 @@ def test_byte_pieces_are_the_rules_pieces(hf_bf16, tp, padded):
     options = Options(layout=ParallelLayout(tp=tp), make_vocab_size_divisible_by=padded)
     ir = engine.load(hf_bf16, options)
     padded_size = rank_files.vocab_padding(ir.config, tp, options)[1]
-    planner, views, seen = RowPlanner(Ctx(ir.config, padded_size, tp=tp)), FileViews(), 0
-    for part in torch_format.plan(ir, options):
-        for row in part.rows + part.copies:
-            tensors = [ir[n] for n in row.ir]
-            found = planner.forward_bytes(row.rule, tensors, views.view)
-            assert found is not None, f"{row.key}: no byte plan"
-            plan = planner.byte_plan(row.rule, [t.shape for t in tensors])
-            probed = planner.plan(row.rule, "forward", [t.shape for t in tensors])
-            assert isinstance(plan, row_maps.Columns) or probed == plan, row.key
-            expected = row.rule.forward([t.load() for t in tensors], planner.ctx)
-            assert len(found) == len(expected) == tp
-            for got, want in zip(found, expected):
-                assert got.shape == tuple(want.shape) and got.dtype_name == "bfloat16"
-                raw = b"".join(bytes(p.copy(order="C").data) for p in got.parts)
-                assert raw == want.contiguous().view(torch.uint8).numpy().tobytes(), row.key
-            seen += 1
-    assert seen
+    assert plan_pieces_are_the_rules(ir, options, Ctx(ir.config, padded_size, tp=tp))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3])

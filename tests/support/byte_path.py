@@ -10,8 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from mconvert.io.file_views import FileViews
 from mconvert.io.torch_pickle import safe_load
 from mconvert.io.torch_zip import TorchFileWriter
+from mconvert.ir.tensors import ModelIR
+from mconvert.megatron import torch_format
+from mconvert.options import Options
+from mconvert.rules import row_maps
+from mconvert.rules.row_plan import RowPlanner
+from mconvert.rules.table import Ctx
 
 
 def convert(src: Path, dst: Path, *args: str, torch_path: bool, saver: str = "core") -> bool:
@@ -53,3 +63,28 @@ def rewrite(path: Path, change) -> None:
     change(state)
     TorchFileWriter(path.with_suffix(".new")).finish(state)
     os.replace(path.with_suffix(".new"), path)
+
+
+def plan_pieces_are_the_rules(ir: ModelIR, options: Options, ctx: Ctx) -> list[str]:
+    """Every rule of the core `torch` plan of `ir` (a bf16 model), on its real tensors: the byte path's pieces
+    (`RowPlanner.forward_bytes`) hold the bytes of `rule.forward` on the loaded tensors, and where the probe (torch)
+    finds a row plan, the arithmetic finds the same (pieces of up to 2 dimensions: the probe numbers rows). Returns
+    the first IR name of each row checked."""
+    planner, views, checked = RowPlanner(ctx), FileViews(), []
+    for part in torch_format.plan(ir, options):
+        for row in part.rows + part.copies:
+            tensors = [ir[n] for n in row.ir]
+            shapes = [t.shape for t in tensors]
+            found = planner.forward_bytes(row.rule, tensors, views.view)
+            assert found is not None, f"{row.key}: no byte plan"
+            plan = planner.byte_plan(row.rule, shapes)
+            if not isinstance(plan, row_maps.Columns) and all(len(out.shape) <= 2 for out in plan):
+                assert planner.plan(row.rule, "forward", shapes) == plan, row.key
+            expected = row.rule.forward([t.load() for t in tensors], ctx)
+            assert len(found) == len(expected) == ctx.tp
+            for got, want in zip(found, expected):
+                assert got.shape == tuple(want.shape) and got.dtype_name == "bfloat16"
+                raw = b"".join(bytes(np.ascontiguousarray(p).data) for p in got.parts)
+                assert raw == want.contiguous().view(torch.uint8).numpy().tobytes(), row.key
+            checked.append(row.ir[0])
+    return checked
