@@ -193,9 +193,8 @@ def save_dcp(ir: ModelIR, out: Path, options: Options, progress: Progress) -> No
     check_plan(ir.tensors, [(fmt, key_rows)], where=f"saver core (--ckpt-format {fmt})")
     planner = RowPlanner(ctx)
     view = FileViews().view if file_views.enabled() else None  # bytes moved without torch where they allow
-    if view is None or options.training_state or \
-            not all(planner.moves_bytes(row.rule, [ir.tensors[n] for n in row.ir]) for row in key_rows):
-        torch.get_num_threads()  # the plan needs torch: imported now, so that its jobs run it on one thread each
+    planner.torch_first(((row.rule, [ir.tensors[n] for n in row.ir]) for row in key_rows), view,
+                        needed=options.training_state)
     training = _training_items(ir, options, iteration, args, key_rows, planner, progress) \
         if options.training_state else None
     weights = ir.tensors if training is None else training[0]
@@ -235,11 +234,8 @@ def _item(tensors_by_name: Mapping[str, LazyTensor], row: Row, planner: RowPlann
                                   planner.ctx)[:1]
         shape, dtype = tuple(meta.shape), dtypes.name_of(meta.dtype)
 
-    def produce():
-        found = planner.forward_bytes(row.rule, tensors, view) if view is not None else None
-        return (found or planner.forward_lazy(row.rule, tensors))[0]
-
-    return Item(key or row.key, math.prod(shape) * dtypes.itemsize(dtype), produce, shape, (0,) * len(shape), shape,
+    return Item(key or row.key, math.prod(shape) * dtypes.itemsize(dtype),
+                lambda: planner.forward_any(row.rule, tensors, view)[0], shape, (0,) * len(shape), shape,
                 dtype)
 
 

@@ -61,7 +61,7 @@ from mconvert.io.integrity import Manifest, write_manifest
 from mconvert.io.torch_pickle import safe_load
 from mconvert.io.torch_zip import save as torch_save
 from mconvert.ir import dtypes, sizes
-from mconvert.ir.blocks import Blocks, ByteBlocks, as_blocks, reshape
+from mconvert.ir.blocks import ByteBlocks, as_blocks, reshape
 from mconvert.ir.checks import MEGATRON_INTEGERS, check_integers
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
@@ -515,9 +515,8 @@ def save_dist(ir: ModelIR, out: Path, options: Options, progress: Progress) -> N
     planner = RowPlanner(Ctx(c, padded))
     # bytes moved without torch where they allow (zarr's writer takes tensors)
     view = FileViews().view if file_views.enabled() and backend == "torch_dist" else None
-    if view is None or options.training_state or \
-            not all(planner.moves_bytes(p.row.rule, [ir.tensors[n] for n in p.row.ir]) for p in placed_rows):
-        torch.get_num_threads()  # the plan needs torch: imported now, so that its jobs run it on one thread each
+    planner.torch_first(((p.row.rule, [ir.tensors[n] for n in p.row.ir]) for p in placed_rows), view,
+                        needed=options.training_state)
     items = [item for placed in placed_rows for item in _blocks(ir.tensors, placed, planner, view)]
     # TE >= 2.5: an empty byte tensor without FP8 (torch_dist's bytes items need no torch; zarr pickles a tensor)
     empty = core.te_empty_state() if backend == "torch_dist" else torch.empty(0, dtype=torch.uint8)
@@ -582,7 +581,7 @@ def _blocks(tensors_by_name: Mapping[str, LazyTensor], placed: Placed, planner: 
     lead = (1,) * len(stack)
     dtype = tensors[0].dtype_name
     if rule.join.concat_dim is None:
-        blocks = [(whole_shape, 0, lambda: _whole(rule, tensors, planner, view))]
+        blocks = [(whole_shape, 0, lambda: planner.forward_any(rule, tensors, view)[0])]
     else:
         starts = [sum(t.shape[rule.join.concat_dim] for t in tensors[:i]) for i in range(len(tensors))]
         blocks = [(t.shape, start, lambda t=t: (view is not None and view(t)) or t.load_blocks())
@@ -596,14 +595,6 @@ def _blocks(tensors_by_name: Mapping[str, LazyTensor], placed: Placed, planner: 
         items.append(dcp_writer.Item(placed.key, nbytes, lambda p=produce, s=lead + tuple(shape): reshape(p(), s),
                                      stack + whole_shape, placed.index + tuple(offsets), lead + tuple(shape), dtype))
     return items
-
-
-def _whole(rule: Rule, tensors: list[LazyTensor], planner: RowPlanner,
-           view: Callable[[LazyTensor], ByteBlocks | None] | None) -> torch.Tensor | Blocks | ByteBlocks:
-    """The rule's one piece (TP1) of `tensors`: byte views where they allow (see `RowPlanner.forward_bytes`), else
-    through torch."""
-    found = planner.forward_bytes(rule, tensors, view) if view is not None else None
-    return (found or planner.forward_lazy(rule, tensors))[0]
 
 
 def _write_zarr(it_dir: Path, items: list[dcp_writer.Item], objects: dict, advance) -> None:

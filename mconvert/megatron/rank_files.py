@@ -538,9 +538,8 @@ def write_checkpoint(ir: ModelIR, out: Path, options: Options, progress: Progres
     it_dir = out / core.iteration_dir(top["iteration"])
     planner = RowPlanner(ctx)
     views = FileViews() if file_views.enabled() else None
-    if views is None or beside is not None or not all(planner.moves_bytes(row.rule, [ir.tensors[n] for n in row.ir])
-                                                      for part in parts for row in _rows(part)):
-        torch.get_num_threads()  # the plan needs torch: imported now, so that its jobs run it on one thread each
+    planner.torch_first(((row.rule, [ir.tensors[n] for n in row.ir]) for part in parts for row in _rows(part)),
+                        views.view if views is not None else None, needed=beside is not None)
     stages = [(pp, ep) for pp in range(layout.pp) for ep in range(layout.ep)]
     groups = min(layout.tp, -(-workers.slots(options.workers) // len(stages)))  # TP file groups per stage
     jobs = []

@@ -20,7 +20,7 @@ to `ByteBlocks`, numpy views of the source files' bytes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,6 +83,20 @@ class RowPlanner:
         if isinstance(plan, row_maps.Columns):
             return _column_pieces(plan, inputs, name)
         return _assembled(plan, inputs, lambda shape, parts, sources: ByteBlocks(shape, name, parts, sources))
+
+    def forward_any(self, rule: Rule, tensors: Sequence[LazyTensor],
+                    view: Callable[[LazyTensor], ByteBlocks | None] | None) -> list:
+        """The per-rank pieces of IR tensors: byte views where they allow (`forward_bytes`, given `view`), else
+        `forward_lazy` (torch)."""
+        found = self.forward_bytes(rule, tensors, view) if view is not None else None
+        return found or self.forward_lazy(rule, tensors)
+
+    def torch_first(self, work: Iterable[tuple[Rule, Sequence[LazyTensor]]], view: Callable | None, *,
+                    needed: bool = False) -> None:
+        """Import torch now if any of `work` (rules and their IR tensors) will need it (no `view`, a rule without
+        a byte plan, or `needed`): before the jobs start, so that `mconvert.workers` runs it on one thread each."""
+        if needed or view is None or not all(self.moves_bytes(rule, tensors) for rule, tensors in work):
+            torch.get_num_threads()
 
     def piece_shapes(self, rule: Rule, shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """`rule.piece_shapes` (each rank's piece), by arithmetic where the byte plan is known, else on the meta
