@@ -123,8 +123,9 @@ def to_ir(source: dict[str, Sequence[LazyTensor]], rows: list[Row], ctx: Ctx, *,
 
             def thunk(row=row, pieces=pieces, i=i, origin=origin):
                 def joined():
+                    stored = [p.load() for p in pieces]  # (a piece that cannot be read says so itself)
                     try:
-                        return row.rule.backward([p.load() for p in pieces], ctx)
+                        return row.rule.backward(stored, ctx)
                     except ConvertError as e:  # pieces that disagree: say which tensor, and where
                         raise ConvertError(f"{origin}: {e}") from None
                 return cache.part(row.key, i, joined)
