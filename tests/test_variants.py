@@ -112,3 +112,18 @@ def test_tied_output_copy_is_checked_not_ignored(tmp_path):
     out = run_cli("compare", src, tmp_path / "pp2", expect_error=True)
     assert "mp_rank_00_001/model_optim_rng.pt:model.output_layer.weight: this copy of embed.weight (kept for the " \
            "tied output layer) differs from" in out
+
+
+def test_tied_output_copy_names_the_rank_that_differs(tmp_path):
+    """With the tied copy cut into TP pieces, the error names the piece (rank file) holding the difference, not
+    the copy's first piece."""
+    src = make_hf_model(tmp_path / "src", "llama", seed=8, tie_word_embeddings=True)
+    run_cli("--saver", "core", "--tp", "2", "--pp", "2", "--load-dir", src, "--save-dir", tmp_path / "out")
+    target = tmp_path / "out/iter_0000001/mp_rank_01_001/model_optim_rng.pt"
+    state = safe_load(target, mmap=False)
+    state["model"]["output_layer.weight"][0, 0] += 1
+    torch.save(state, target)
+    out = run_cli("compare", src, tmp_path / "out", expect_error=True)
+    assert "mp_rank_01_001/model_optim_rng.pt:model.output_layer.weight: this copy of embed.weight (kept for the " \
+           "tied output layer) differs from" in out
+    assert "mp_rank_00_001" not in out

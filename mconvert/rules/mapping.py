@@ -254,6 +254,20 @@ def check_plan(ir_names: Iterable[str], plans: Sequence[tuple[str, list[Row]]], 
         raise ConvertError(f"{where}: refusing to write: the layout " + "; ".join(p for p in parts if p))
 
 
+def _pieces_that_differ(value: torch.Tensor, loaded: list[torch.Tensor], rule: Rule, ctx: Ctx) -> list[int]:
+    """Which stored pieces of a copy that differs from `value` hold the difference: piece i does when the copy made
+    of piece i among `value`'s own pieces still differs (what the rule drops on reading, such as padding rows,
+    blames nobody). All pieces when no single one does (then only their combination differs)."""
+    if len(loaded) == 1:
+        return [0]
+    own = rule.forward([value], ctx)
+    if len(own) != len(loaded):
+        return list(range(len(loaded)))
+    found = [i for i in range(len(loaded))
+             if not transforms.same_bits(rule.backward([*own[:i], loaded[i], *own[i + 1:]], ctx)[0], value)]
+    return found or list(range(len(loaded)))
+
+
 def take_copies(source: dict[str, Sequence[LazyTensor]], pattern: str) -> list[list[LazyTensor]]:
     """Remove from `source` the keys matching `pattern` (stored duplicates of another tensor); return their pieces."""
     found = [k for k in source if re.fullmatch(pattern, k)]
@@ -271,9 +285,10 @@ def verify_copies(tensors: dict[str, LazyTensor], name: str, copies: list[list[L
     def thunk() -> torch.Tensor:
         value = base.load()
         for pieces in copies:
-            copy = rule.backward([p.load() for p in pieces], ctx)[0]
-            if not transforms.same_bits(copy, value):
-                raise ConvertError(f"{pieces[0].origin}: this copy of {name} (kept for {kept_for}) "
+            loaded = [p.load() for p in pieces]
+            if not transforms.same_bits(rule.backward(loaded, ctx)[0], value):
+                where = ", ".join(pieces[i].origin for i in _pieces_that_differ(value, loaded, rule, ctx))
+                raise ConvertError(f"{where}: this copy of {name} (kept for {kept_for}) "
                                    f"differs from {base.origin}; the checkpoint is inconsistent")
         return value
 
