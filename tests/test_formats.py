@@ -227,6 +227,40 @@ def test_file_bytes_go_file_to_file_only_while_unchanged(tmp_path):
     assert data == _raw(tensors["a"]) and copied == 0  # the mapped (old) bytes, from memory
 
 
+def test_file_bytes_are_copied_where_offsets_lie_alike_in_a_page_else_read(tmp_path, monkeypatch):
+    """A part with provenance goes by copy_file_range when its output offset lies at the same place within a page
+    as its source offset, and is read into the writer's buffer (then written) otherwise; either way the bytes and
+    the CRC-32 are the source's."""
+    import zlib
+
+    import numpy as np
+
+    from mconvert.io import block_writer
+    from mconvert.ir.blocks import ByteBlocks, FileBytes
+
+    raw = np.random.default_rng(0).integers(0, 1 << 16, size=3 * block_writer.WRITE_SIZE // 2 + 5, dtype=np.uint16)
+    path = tmp_path / "source.bin"
+    path.write_bytes(b"x" * 4096 + raw.tobytes())
+    mapped = np.memmap(path, dtype=np.uint16, mode="r", offset=4096 + 2, shape=(raw.size - 1,))
+    where = FileBytes(str(path), 4096 + 2, FileBytes.identity_of(path.stat()))
+    blocks = ByteBlocks((raw.size - 1,), "bfloat16", (mapped,), (where,))
+    calls = []
+    for name in ("copy_file_range", "preadv"):
+        monkeypatch.setattr(os, name, lambda *a, _real=getattr(os, name), _name=name: calls.append(_name) or _real(*a))
+    for position, way in ((2, "copy_file_range"), (4096 * 3 + 2, "copy_file_range"), (0, "preadv"), (64, "preadv")):
+        calls.clear()
+        sender = block_writer.Sender()
+        fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            end, crc = sender.send(blocks, fd, position, crc=0)
+            written = os.pread(fd, end - position, position)
+        finally:
+            os.close(fd)
+            sender.close()
+        assert written == raw[1:].tobytes() and crc == zlib.crc32(written), position
+        assert set(calls) == {way} and sender.copied == len(written) and sender.written == 0, (position, calls)
+
+
 def test_big_endian_torch_files_are_never_copied_from_the_file(tmp_path):
     """torch byte-swaps a big-endian file's tensors in memory when it loads it: their bytes are no longer the
     file's, so no provenance is claimed and the (little-endian) values are written from memory."""

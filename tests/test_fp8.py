@@ -18,6 +18,7 @@ from mconvert.rules import fp8
 from mconvert.tools.verify.run import verify
 from tests.support.cli import run_cli
 from tests.support.compare import hf_logits, ir_tensors
+from tests.support.file_sends import count_file_sends
 from tests.support.models import make_deepseek
 from tests.support.quantized import fp8_dequantize
 
@@ -176,8 +177,7 @@ def test_fp8_with_several_workers_and_file_copies(fp8_dir, tmp_path, monkeypatch
     fp8_out = ["--saver", "deepseek_hf", "--fp8-weights", "--max-shard-size", "150KB"]
     assert written(*fp8_out, "--workers", "1") == written(*fp8_out, "--workers", "3")
     monkeypatch.setattr(block_writer, "SPAN_MIN", 0)  # every piece with provenance goes file to file
-    copied, real = [], os.copy_file_range
-    monkeypatch.setattr(os, "copy_file_range", lambda *a: copied.append(real(*a)) or copied[-1])
+    copied = count_file_sends(monkeypatch)
     copies = written("--saver", "deepseek_hf", "--workers", "2")
     assert 0 < sum(copied) < sum(len(b) for b in copies.values()) / 2  # the bf16 tensors only
     monkeypatch.delattr(os, "copy_file_range")

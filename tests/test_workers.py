@@ -18,6 +18,7 @@ from mconvert.lazy import torch
 from mconvert.progress import QUIET
 from mconvert.workers import Job, assign, run
 from tests.support.cli import run_cli
+from tests.support.file_sends import count_file_sends
 from tests.support.paths import REPO, SCRIPTS
 
 TARGETS = {
@@ -65,18 +66,11 @@ def test_experts_with_more_workers(mixtral_dir, tmp_path):
 
 def copied_and_written(chain, out, monkeypatch):
     """Convert each (source, name, target) of `chain` into out/name twice: first with every mapped piece, however
-    small, sent by copy_file_range (counted), then with no copy_file_range at all, so everything is written from
-    memory. Returns (bytes of each copy, outputs of the first round, outputs of the second)."""
-    copied = []
-    real = os.copy_file_range
-
-    def counting(src, dst, count, *args):
-        n = real(src, dst, count, *args)
-        copied.append(n)
-        return n
-
+    small, sent from its file (copy_file_range, or read where the output lies otherwise within a page; counted),
+    then with no copy_file_range at all, so everything is written from memory. Returns (bytes of each copy,
+    outputs of the first round, outputs of the second)."""
     monkeypatch.setattr(block_writer, "SPAN_MIN", 0)
-    monkeypatch.setattr(os, "copy_file_range", counting)
+    copied = count_file_sends(monkeypatch)
     for src, name, target in chain:
         convert(src, out / name, target)
     by_copies = taken(out)
