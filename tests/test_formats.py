@@ -308,11 +308,12 @@ def test_fused_qkv_rows_are_copied_from_their_own_offsets(tmp_path):
     expected = rule.forward([q, k, v], ctx)
     import mconvert.io.block_writer as block_writer
 
-    old, block_writer.SPAN_MIN = block_writer.SPAN_MIN, 0
+    old = block_writer.SPAN_MIN, block_writer.READ_MIN
+    block_writer.SPAN_MIN = block_writer.READ_MIN = 0
     try:
         data, copied, written = _send(tmp_path, *pieces)
     finally:
-        block_writer.SPAN_MIN = old
+        block_writer.SPAN_MIN, block_writer.READ_MIN = old
     assert data == b"".join(_raw(t) for t in expected) and copied == len(data) and written == 0
 
 

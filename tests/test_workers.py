@@ -70,11 +70,13 @@ def copied_and_written(chain, out, monkeypatch):
     then with no copy_file_range at all, so everything is written from memory. Returns (bytes of each copy,
     outputs of the first round, outputs of the second)."""
     monkeypatch.setattr(block_writer, "SPAN_MIN", 0)
+    monkeypatch.setattr(block_writer, "READ_MIN", 0)
     copied = count_file_sends(monkeypatch)
     for src, name, target in chain:
         convert(src, out / name, target)
     by_copies = taken(out)
     monkeypatch.delattr(os, "copy_file_range")
+    monkeypatch.setattr(block_writer, "READ_MIN", 1 << 62)  # nor read from the file: written from memory
     for src, name, target in chain:
         convert(src, out / name, target)
     return copied, by_copies, taken(out)

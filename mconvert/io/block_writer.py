@@ -1,10 +1,10 @@
 """Sending `Blocks` (see mconvert.ir.blocks) to a file: copied file to file where the bytes are a checkpoint's on disk,
 written from memory otherwise, a MiB at a time, with the CRC-32 that zip records need when asked.
 
-    part with provenance (FileBytes), >= SPAN_MIN   copy_file_range(source, out): no copy through this process,
-                                                     where both offsets lie alike within a page; else read from
-                                                     the source (pread) into a buffer placed as the output's
-                                                     bytes lie, then written
+    part with provenance (FileBytes), >= SPAN_MIN,  copy_file_range(source, out): no copy through this process
+      at the same offset within a page as its source
+    other part with provenance, >= READ_MIN          read from the source (pread) into a buffer that lies within
+                                                     a page as the output does, then written
     other contiguous part                            write() straight from its memory
     strided part (a row-parallel piece)              copied WRITE_SIZE bytes at a time into a reused scratch
                                                      buffer, then written (no buffer the size of the piece)
@@ -15,12 +15,15 @@ Why two ways of sending a file's bytes (measured on ext4, Linux 6.18, a 2.2 GB f
 kernel copies page by page, so copy_file_range costs 0.50-0.60 s of system time when each output offset lies at
 the same place within a page as its source and 0.80-0.90 s when it does not (every source page then straddles two
 output pages), while reading 1 MiB into a buffer that lies as the output does and writing it costs 0.55-0.60 s.
-The CRC-32 is then taken from that buffer too, not from the source's map.
+The CRC-32 is then taken from that buffer too, not from the source's map. Writing straight from a file's map was
+dearer than reading first in 256 KiB writes (0.62-1.54 against 0.37-0.39 s per GB) and cheaper in 64 KiB writes
+(0.49-0.52 against 0.54-0.59 s).
 
 Provenance is the loader's word that a part shows a file's bytes unchanged (see `mconvert.ir.blocks.FileBytes`);
 nothing asks the kernel where memory came from. The source file is opened again by path and used only if it is
-still the file the loader mapped (device, inode, size, modification time); otherwise, or if the kernel refuses
-the copy (another file system on an old kernel), the bytes are written from memory.
+still the file the loader mapped (device, inode, size, modification time), else the bytes are written from
+memory; if the kernel refuses a copy (another file system on an old kernel), that part is written from memory and
+later ones are read and written.
 
 Writes go to explicit offsets (pwrite), so several writers can fill one file at once (safetensors ranges), and
 each finished stretch is queued for disk early (`mconvert.io.writeback`). Writers of one file take turns at the
@@ -49,7 +52,8 @@ except ImportError:  # pragma: no cover - the `isal` wheel is a dependency; zlib
 # Bytes per write (and per copy_file_range call): few system calls, and small enough to stay in the CPU caches.
 # 8 MiB cost 0.6-0.9 s more system time per 2.2 GB than 1 MiB (docs/performance.md).
 WRITE_SIZE = 1 << 20
-SPAN_MIN = 1 << 20  # below this one write from memory is cheaper than a copy_file_range call
+SPAN_MIN = 1 << 20  # below this a copy_file_range call costs more than reading and writing
+READ_MIN = 1 << 18  # below this writing straight from the source's map costs less than reading it first
 PAGE = mmap.PAGESIZE
 
 
@@ -70,7 +74,8 @@ class Sender:
         turn = file_turn(fd)
         for i, part in enumerate(blocks.parts):
             span = self._span(part, blocks.source(i))
-            if span is not None and (span.offset - position) % PAGE:
+            if span is not None and not (self._copy_files and part.nbytes >= SPAN_MIN
+                                         and (span.offset - position) % PAGE == 0):
                 position, crc = self._read_write(span, part.nbytes, fd, position, crc, turn, writeback)
                 continue
             for buffer in self._buffers(part):
@@ -135,7 +140,7 @@ class Sender:
             self._staging = None
 
     def _span(self, part, source: FileBytes | None) -> Span | None:
-        if source is None or not self._copy_files or part.nbytes < SPAN_MIN:
+        if source is None or part.nbytes < READ_MIN:
             return None
         key = (source.path, source.identity)
         if key not in self._fds:
