@@ -21,11 +21,10 @@ multi-latent attention, MLAModelProvider) from the args mconvert writes for Mega
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from mconvert.errors import ConvertError
 from mconvert.megatron import nemo_defaults
@@ -92,16 +91,22 @@ RENAMED = {"num_moe_experts": "num_experts", "seq_length": "max_position_embeddi
            "bias_activation_fusion": "bias_gelu_fusion"}
 
 
-class _Loader(yaml.SafeLoader):
-    """yaml.SafeLoader that names the tag it refuses (SafeLoader's own message does not say what to do)."""
+@functools.cache
+def _loader() -> type:
+    """yaml.SafeLoader that names the tag it refuses (SafeLoader's own message does not say what to do). PyYAML
+    is imported here, not with this module: every conversion imports this module and few read YAML."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("", _refuse_tag)
+    return Loader
 
 
-def _refuse_tag(loader: _Loader, tag_suffix: str, node: yaml.Node) -> Any:
+def _refuse_tag(loader, tag_suffix: str, node) -> Any:
     raise ConvertError(f"{loader.name}: YAML tag {node.tag} (line {node.start_mark.line + 1}) is refused: "
                        "the config is read as plain data, never as Python objects")
-
-
-_Loader.add_multi_constructor("", _refuse_tag)
 
 
 MAX_CONFIG_BYTES = 16 << 20  # Bridge's run_config.yaml is ~30 KiB
@@ -109,12 +114,14 @@ MAX_CONFIG_BYTES = 16 << 20  # Bridge's run_config.yaml is ~30 KiB
 
 def read_yaml(path: Path) -> dict[str, Any]:
     """A YAML mapping of plain data: any YAML tag beyond the standard scalars and collections is refused."""
+    import yaml
+
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
             raise ConvertError(f"{path}: {path.stat().st_size} bytes; a model config is far smaller (at most "
                                f"{MAX_CONFIG_BYTES} bytes are read)")
         with open(path, encoding="utf-8") as f:
-            loaded = yaml.load(f, Loader=_Loader)  # noqa: S506 (a SafeLoader refusing every other tag)
+            loaded = yaml.load(f, Loader=_loader())  # noqa: S506 (a SafeLoader refusing every other tag)
     except yaml.YAMLError as e:
         raise ConvertError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     except RecursionError:
@@ -325,6 +332,8 @@ def write_run_config(path: Path, args: argparse.Namespace, impl: str) -> None:
     """run_config.yaml for Megatron-Bridge, unless the model is not one a provider can build (then none)."""
     if not expressible(args):
         return
+    import yaml
+
     with open(path, "w", encoding="utf-8") as f:
         f.write("# Megatron-Bridge's model provider config, written by mconvert (Megatron-LM's args are in the "
                 "common state)\n")
