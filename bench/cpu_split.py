@@ -8,7 +8,7 @@ finds free memory), then runs the conversion in a fresh process with the functio
 CPU time of the thread that calls it (`time.thread_time`: user + system, whatever the neighbours do) to its line.
 Nested calls of one line count once. Not a profiler: nothing outside these lines is attributed, and the wrapping
 itself costs a few microseconds per call (a few thousand calls per conversion). Lines overlap where one step holds
-another (`Sender.send` holds `copy_file_range`, `pwrite`, `crc32` and `sync_file_range`; what it spends beyond
+another (`Sender.send` holds `copy_file_range`, `preadv`, `pwrite`, `crc32` and `sync_file_range`; what it spends beyond
 them is gathering strided rows into its scratch buffer and its own Python). The output goes to a temporary
 directory (--tmp, default the system's; on SOURCE's file system, as outputs usually are), deleted after
 each round; medians over the rounds are printed.
@@ -73,8 +73,9 @@ def instrument() -> None:
     import mconvert.workers as workers
 
     _wrap(block_writer.os, "copy_file_range", "copy_file_range (kernel copy, file to file)")
-    _wrap(block_writer.os, "pwrite", "pwrite (written from memory)")
-    _wrap(block_writer, "crc32", "CRC-32 of zip records (reads the source map)")
+    _wrap(block_writer.os, "preadv", "preadv (read into the staging buffer)")
+    _wrap(block_writer.os, "pwrite", "pwrite (written from memory or the staging buffer)")
+    _wrap(block_writer, "crc32", "CRC-32 of zip records (reads the source map or the staging buffer)")
     _wrap(writeback, "start_writeback", "sync_file_range (early writeback)")
     _wrap(workers, "fsync_path", "fsync of finished files")
     _wrap(block_writer.Sender, "send", "Sender.send (all of the above but fsync, + gathering)")
