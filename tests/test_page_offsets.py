@@ -1,0 +1,168 @@
+"""Tensor bytes put page-congruent with the bytes they are copied from (mconvert.io.page_offsets): torch zip records
+(64-aligned, then in steps of 64), DCP items (any offset), and every reader still reading the right bytes.
+
+The model here is small but has parts of at least 1 MiB (`SPAN_MIN`: smaller parts are written from memory, so
+their offsets are not chosen); float32, hidden 512: embedding, o, gate/up (also TP2 chunks) and down are 1-2 MiB.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mconvert.io import page_offsets, torch_zip
+from mconvert.io.block_writer import SPAN_MIN
+from mconvert.io.safetensors import read_header
+from mconvert.ir.blocks import ByteBlocks, FileBytes
+from tests.support.byte_path import both_ways, same_tree
+from tests.support.cli import run_cli
+from tests.support.models import make_hf_model
+
+PAGE = page_offsets.PAGE
+MEDIUM = dict(num_hidden_layers=1, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+              num_key_value_heads=8, vocab_size=512)
+
+
+def record_offsets(data: bytes) -> dict[str, int]:
+    """Each record of the zip archive `data`: where its data starts, from the local header (as zip readers do)."""
+    out = {}
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        for info in z.infolist():
+            name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+            out[info.filename] = info.header_offset + 30 + name_len + extra_len
+    return out
+
+
+def source_file(tmp_path: Path, at: int, nbytes: int) -> tuple[Path, np.ndarray, FileBytes]:
+    """A file holding `nbytes` random bytes at offset `at`, and those bytes as a mapped part with provenance."""
+    path = tmp_path / "source.bin"
+    data = np.random.default_rng(at).integers(0, 256, nbytes, dtype=np.uint8)
+    path.write_bytes(b"\1" * at + data.tobytes())
+    view = np.memmap(path, dtype=np.uint8, mode="r", offset=at, shape=(nbytes,))
+    return path, view, FileBytes(str(path), at, FileBytes.identity_of(path.stat()))
+
+
+def test_gap_counts_copied_bytes_only(tmp_path):
+    """The gap follows the copied bytes, weighted by size; a part under SPAN_MIN or without a source has no say."""
+    _, big, src = source_file(tmp_path, 3 * PAGE + 200, 2 * SPAN_MIN)
+    small = np.zeros(1000, dtype=np.uint8)
+    blocks = ByteBlocks((2 * SPAN_MIN + 1000,), "uint8", (small, big), (None, src))
+    # data starting at 100: the big part is 1000 bytes in, so 100 + g + 1000 = 200 (mod PAGE)
+    assert page_offsets.gap(blocks, 100) == (200 - 1100) % PAGE
+    assert page_offsets.gap(blocks, 100, step=64) is None  # 3196 is no multiple of 64
+    tiny = ByteBlocks((1000,), "uint8", (small,), (FileBytes(src.path, 8, src.identity),))
+    assert page_offsets.gap(tiny, 0) is None
+
+
+@pytest.mark.parametrize("residue", [64 * 37, 0, 8])
+def test_torch_record_congruent_and_read_right(tmp_path, residue, monkeypatch):
+    """A tensor record copied from a source at `residue` (mod PAGE) starts at that residue when it is a multiple of
+    64 (`.storage_alignment` stays 64: every data offset is a multiple of it), else where 64-alignment alone puts
+    it. torch.load reads it, also memory-mapped, also with torch's `calculate_storage_offsets` and its debug check
+    on: that computes offsets from minimal padding only for archives with a `.format_version`, which ours lack.
+    The central directory carries no padding (torch's writer keeps it in the local headers only)."""
+    path, view, src = source_file(tmp_path, 5 * PAGE + residue, SPAN_MIN + 4096)
+    out = tmp_path / "t.pt"
+    small = torch.arange(10, dtype=torch.float32)
+    torch_zip.save({"a": small, "b": ByteBlocks((len(view) // 4,), "float32", (view.view(np.uint32),), (src,))}, out)
+    data = out.read_bytes()
+    offsets = record_offsets(data)
+    assert all(o % 64 == 0 for name, o in offsets.items() if "/data/" in name)
+    big = offsets["t/data/1"]
+    if residue % 64 == 0:
+        assert big % PAGE == residue
+    else:
+        end = offsets["t/data/0"] + 40  # then data/1's local header (30 + name + 24), padded to 64 at the least
+        assert big == -(-(end + 30 + len("t/data/1") + 24) // 64) * 64
+    assert data[big:big + len(view)] == view.tobytes()
+    with zipfile.ZipFile(out) as z:
+        assert "t/.format_version" not in z.namelist()
+        assert all(not i.extra.startswith(b"FB") for i in z.infolist())
+    want = torch.from_numpy(np.array(view).view(np.int32))  # compared as bits (random bytes hold NaNs)
+    for mmap in (False, True):
+        loaded = torch.load(out, weights_only=True, mmap=mmap)
+        assert torch.equal(loaded["a"], small) and torch.equal(loaded["b"].view(torch.int32), want)
+    from torch.utils.serialization import config
+    monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
+    with config.patch({"load.calculate_storage_offsets": True}):
+        for mmap in (False, True):
+            assert torch.equal(torch.load(out, weights_only=True, mmap=mmap)["b"].view(torch.int32), want)
+    meta = torch.load(out, weights_only=True, map_location="meta")
+    assert meta["b"].shape == want.shape
+
+
+@pytest.fixture(scope="module")
+def medium_hf(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("pages") / "hf", "llama", **MEDIUM)
+
+
+def hf_tensor_offsets(hf: Path) -> dict[bytes, int]:
+    """Each HF tensor of at least SPAN_MIN bytes: its bytes -> its file offset."""
+    path = hf / "model.safetensors"
+    data = path.read_bytes()
+    infos, _ = read_header(path)
+    return {data[i.start:i.end]: i.start for i in infos.values() if i.end - i.start >= SPAN_MIN}
+
+
+def dcp_items(root: Path) -> list[tuple[bytes, int]]:
+    """Each tensor item of a DCP directory: (its data bytes, their file offset), from torch's own metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = []
+    for index, info in FileSystemReader(str(root)).read_metadata().storage_data.items():
+        if index.offset is None:  # a bytes item
+            continue
+        blob = (root / info.relative_path).read_bytes()
+        item = blob[info.offset:info.offset + info.length]
+        (name, at), = [(n, o) for n, o in record_offsets(item).items() if "/data/" in n]
+        with zipfile.ZipFile(io.BytesIO(item)) as z:
+            out.append((z.read(name), info.offset + at))
+    return out
+
+
+def test_dcp_items_congruent_with_hf_source(medium_hf, tmp_path):
+    """HF -> torch_dist: every tensor item copied from one HF tensor (embedding, o, down, and fc1 whose first half
+    is gate) has its data page-congruent with that tensor, whatever HF's header length (items may start at any
+    byte: .metadata locates them); the byte path writes the torch path's bytes; two workers write what one does;
+    torch's FileSystemReader and our reader read the values back (compare: exit 0)."""
+    out = both_ways(medium_hf, tmp_path / "one", "--ckpt-format", "torch_dist", "--workers", "1", saver="core")
+    sources = hf_tensor_offsets(medium_hf)
+    it = out / "iter_0000001"
+    matched = 0
+    for data, at in dcp_items(it):
+        for prefix in (data, data[:len(data) // 2]):
+            if prefix in sources:
+                assert at % PAGE == sources[prefix] % PAGE
+                matched += 1
+    assert matched >= 4  # embedding, o, fc1 (by gate), down
+    again = tmp_path / "one" / "out"  # where both_ways wrote (Megatron's args name the output's path)
+    again.rename(tmp_path / "one" / "torch_path")
+    run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--workers", "2", "--load-dir", medium_hf,
+            "--save-dir", again)
+    same_tree(out, again)
+    run_cli("compare", medium_hf, out)
+
+
+def test_torch_records_congruent_with_torch_source(medium_hf, tmp_path):
+    """core -> core: each record copied whole from a record of the source rank file (64-aligned, at whatever
+    residue) starts at that record's residue mod PAGE; byte path = torch path; values unchanged."""
+    core = tmp_path / "core"
+    run_cli("--saver", "core", "--load-dir", medium_hf, "--save-dir", core)
+    out = both_ways(core, tmp_path / "again", "--tp", "1", saver="core")
+    rel = Path("iter_0000001/mp_rank_00/model_optim_rng.pt")
+    src_data, out_data = (core / rel).read_bytes(), (out / rel).read_bytes()
+    src_at = {src_data[o:o + SPAN_MIN]: o for n, o in record_offsets(src_data).items() if "/data/" in n}
+    matched = 0
+    for name, o in record_offsets(out_data).items():
+        found = src_at.get(out_data[o:o + SPAN_MIN])
+        if "/data/" in name and found is not None:
+            assert o % PAGE == found % PAGE and o % 64 == 0
+            matched += 1
+    assert matched >= 4
+    run_cli("compare", medium_hf, out)
