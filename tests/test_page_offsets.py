@@ -55,7 +55,8 @@ def test_gap_counts_copied_bytes_only(tmp_path):
     blocks = ByteBlocks((2 * SPAN_MIN + 1000,), "uint8", (small, big), (None, src))
     # data starting at 100: the big part is 1000 bytes in, so 100 + g + 1000 = 200 (mod PAGE)
     assert page_offsets.gap(blocks, 100) == (200 - 1100) % PAGE
-    assert page_offsets.gap(blocks, 100, step=64) is None  # 3196 is no multiple of 64
+    # from 64, congruence would need 3232, no multiple of 64: the data then starts on a page
+    assert (200 - 1064) % PAGE == 3232 and page_offsets.gap(blocks, 64, step=64) == PAGE - 64
     tiny = ByteBlocks((1000,), "uint8", (small,), (FileBytes(src.path, 8, src.identity),))
     assert page_offsets.gap(tiny, 0) is None
 
@@ -63,8 +64,7 @@ def test_gap_counts_copied_bytes_only(tmp_path):
 @pytest.mark.parametrize("residue", [64 * 37, 0, 8])
 def test_torch_record_congruent_and_read_right(tmp_path, residue, monkeypatch):
     """A tensor record copied from a source at `residue` (mod PAGE) starts at that residue when it is a multiple of
-    64 (`.storage_alignment` stays 64: every data offset is a multiple of it), else where 64-alignment alone puts
-    it. torch.load reads it, also memory-mapped, also with torch's `calculate_storage_offsets` and its debug check
+    64 (`.storage_alignment` stays 64: every data offset is a multiple of it), else on a page. torch.load reads it, also memory-mapped, also with torch's `calculate_storage_offsets` and its debug check
     on: that computes offsets from minimal padding only for archives with a `.format_version`, which ours lack.
     The central directory carries no padding (torch's writer keeps it in the local headers only)."""
     path, view, src = source_file(tmp_path, 5 * PAGE + residue, SPAN_MIN + 4096)
@@ -75,11 +75,8 @@ def test_torch_record_congruent_and_read_right(tmp_path, residue, monkeypatch):
     offsets = record_offsets(data)
     assert all(o % 64 == 0 for name, o in offsets.items() if "/data/" in name)
     big = offsets["t/data/1"]
-    if residue % 64 == 0:
-        assert big % PAGE == residue
-    else:
-        end = offsets["t/data/0"] + 40  # then data/1's local header (30 + name + 24), padded to 64 at the least
-        assert big == -(-(end + 30 + len("t/data/1") + 24) // 64) * 64
+    assert big % PAGE == (residue if residue % 64 == 0 else 0)  # else on a page, for what reads it next
+    assert offsets["t/data/0"] == 64  # the small record (under SPAN_MIN): the least padding, as before
     assert data[big:big + len(view)] == view.tobytes()
     with zipfile.ZipFile(out) as z:
         assert "t/.format_version" not in z.namelist()
@@ -166,3 +163,53 @@ def test_torch_records_congruent_with_torch_source(medium_hf, tmp_path):
             matched += 1
     assert matched >= 4
     run_cli("compare", medium_hf, out)
+
+
+def test_safetensors_data_congruent_with_torch_source(medium_hf, tmp_path):
+    """core -> HF: the header is padded with spaces so that the data starts 8-aligned and every tensor copied whole
+    from a rank file's record lands page-congruent with it, as many bytes as one start can serve (the 2 KiB norms
+    between tensors shift the rest by half a page); byte path = torch path; safetensors' own reader and
+    transformers read it (the same weights as the source's)."""
+    core = tmp_path / "core"
+    run_cli("--saver", "core", "--load-dir", medium_hf, "--save-dir", core)
+    out = both_ways(core, tmp_path / "hf", saver="llama_mistral")
+    src_data = (core / "iter_0000001/mp_rank_00/model_optim_rng.pt").read_bytes()
+    src_at = {src_data[o:o + SPAN_MIN]: o for n, o in record_offsets(src_data).items() if "/data/" in n}
+    path = out / "model.safetensors"
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    assert (8 + n) % 8 == 0 and data[8 + n - 1:8 + n] in (b" ", b"}")
+    infos, _ = read_header(path)
+    need: dict[int, int] = {}  # data start (mod PAGE) that makes a tensor congruent -> its bytes
+    for info in infos.values():
+        found = src_at.get(data[info.start:info.start + SPAN_MIN])
+        if found is not None and info.end - info.start >= SPAN_MIN:
+            start = (found - (info.start - 8 - n)) % PAGE
+            need[start] = need.get(start, 0) + info.end - info.start
+    assert sum(need.values()) >= 5 * SPAN_MIN  # embedding, o, gate, up, down, head copied whole
+    assert (8 + n) % PAGE == max(need, key=need.get)  # one residue per file: the one with the most bytes
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        assert set(f.keys()) == set(infos)
+    run_cli("compare", medium_hf, out)
+    import transformers
+
+    want = transformers.AutoModelForCausalLM.from_pretrained(medium_hf).state_dict()
+    got = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_safetensors_without_sources_start_on_a_page(tmp_path):
+    """A file whose tensors are not copied from anywhere (small ones here) has its data on a page boundary."""
+    from safetensors.torch import load_file
+
+    from mconvert.io import safetensors as safetensors_io
+
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(5, dtype=torch.bfloat16)}
+    entries = [safetensors_io.Entry(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+    safetensors_io.write(tmp_path / "x.safetensors", entries, lambda e: tensors[e.name])
+    data = (tmp_path / "x.safetensors").read_bytes()
+    assert (8 + struct.unpack("<Q", data[:8])[0]) % PAGE == 0
+    loaded = load_file(tmp_path / "x.safetensors")
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())

@@ -114,10 +114,16 @@ def save_hf(ir: ModelIR, out: Path, options: Options, progress: Progress, *, tab
     if view is None or quantize or not all(planner.moves_bytes(p.row.rule, [ir[n] for n in p.row.ir])
                                            for p in plan.values()):
         torch.get_num_threads()  # the plan needs torch: imported now, so that its jobs run it on one thread each
-    entries, produce = _entries(plan, lambda key: plan[key].produce(ir, planner, None if key in quantize else view),
-                                fp8)
+    def tensor(key: str):
+        return plan[key].produce(ir, planner, None if key in quantize else view)
+
+    entries, produce = _entries(plan, tensor, fp8)
+    # where the data goes is chosen from the provenance of what only moves bytes (cheap to produce twice: views)
+    moved = {key for key, p in plan.items()
+             if key not in quantize and planner.moves_bytes(p.row.rule, [ir[n] for n in p.row.ir])}
     jobs, index = hf_dir.weight_jobs(out, entries, produce, options.max_shard_size,
-                                     parallel=workers.slots(options.workers))
+                                     parallel=workers.slots(options.workers),
+                                     sources=lambda e: tensor(e.name) if e.name in moved else None)
 
     def finish(_) -> None:
         if index is not None:

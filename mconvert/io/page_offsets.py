@@ -33,13 +33,28 @@ def copied_runs(blocks: Blocks | ByteBlocks) -> list[tuple[int, int, int]]:
     return runs
 
 
-def gap(blocks: Blocks | ByteBlocks, start: int, step: int = 1) -> int | None:
-    """The padding g (a multiple of `step` below PAGE) that, put before the tensor's data at file offset `start`,
-    makes the most copied bytes page-congruent with their sources (the smallest such g on a tie); None when no
-    part is copied or none can be made congruent in steps of `step`."""
-    votes: dict[int, int] = {}
+def votes(blocks: Blocks | ByteBlocks, start: int, into: dict[int, int] | None = None) -> dict[int, int]:
+    """For the tensor's data at file offset `start` + g: the bytes each padding g (mod PAGE) makes congruent,
+    added to `into`."""
+    into = {} if into is None else into
     for at, source, nbytes in copied_runs(blocks):
         g = (source - at - start) % PAGE
-        if g % step == 0:
-            votes[g] = votes.get(g, 0) + nbytes
-    return max(votes, key=lambda g: (votes[g], -g)) if votes else None
+        into[g] = into.get(g, 0) + nbytes
+    return into
+
+
+def best(found: dict[int, int], step: int = 1) -> int | None:
+    """The padding among `found` (a multiple of `step`) that makes the most bytes congruent, the least on a tie."""
+    fits = [g for g in found if g % step == 0]
+    return max(fits, key=lambda g: (found[g], -g)) if fits else None
+
+
+def gap(blocks: Blocks | ByteBlocks, start: int, step: int = 1) -> int | None:
+    """The padding (a multiple of `step` below PAGE) to put before the tensor's data at file offset `start`: the
+    one making the most copied bytes page-congruent with their sources; for a tensor of SPAN_MIN bytes or more
+    none of whose bytes can be (computed, or sources at offsets `step` cannot reach), the one starting it on a
+    page, where the next conversion's copies from it can be; else None (no padding beyond the format's own)."""
+    found = best(votes(blocks, start), step)
+    if found is None and blocks.nbytes >= SPAN_MIN and (-start % PAGE) % step == 0:
+        found = -start % PAGE
+    return found
