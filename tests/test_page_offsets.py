@@ -64,9 +64,10 @@ def test_gap_counts_copied_bytes_only(tmp_path):
 @pytest.mark.parametrize("residue", [64 * 37, 0, 8])
 def test_torch_record_congruent_and_read_right(tmp_path, residue, monkeypatch):
     """A tensor record copied from a source at `residue` (mod PAGE) starts at that residue when it is a multiple of
-    64 (`.storage_alignment` stays 64: every data offset is a multiple of it), else on a page. torch.load reads it, also memory-mapped, also with torch's `calculate_storage_offsets` and its debug check
-    on: that computes offsets from minimal padding only for archives with a `.format_version`, which ours lack.
-    The central directory carries no padding (torch's writer keeps it in the local headers only)."""
+    64 (`.storage_alignment` stays 64: every data offset is a multiple of it), else on a page. torch.load reads
+    it, also memory-mapped, also with torch's `calculate_storage_offsets` and its debug check on: that computes
+    offsets from minimal padding only for archives with a `.format_version`, which ours lack. The central
+    directory carries no padding (torch's writer keeps it in the local headers only)."""
     path, view, src = source_file(tmp_path, 5 * PAGE + residue, SPAN_MIN + 4096)
     out = tmp_path / "t.pt"
     small = torch.arange(10, dtype=torch.float32)
@@ -213,3 +214,35 @@ def test_safetensors_without_sources_start_on_a_page(tmp_path):
     assert (8 + struct.unpack("<Q", data[:8])[0]) % PAGE == 0
     loaded = load_file(tmp_path / "x.safetensors")
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parity
+def test_megatron019_reads_page_placed_checkpoints(medium_hf, tmp_path, mcore_python, tokens):
+    """Megatron-LM 0.19 resumes from the medium model as torch_dist (items placed off 64-byte boundaries, at the
+    HF tensors' page offsets: load_checkpoint, and dist_checkpointing.load giving the same tensors) and as torch
+    rank files (records padded to pages or their sources' offsets, read by torch.load from the local headers).
+    Both runs of one Megatron, one process, the same weights: logits equal bit for bit. Against transformers'
+    fp32 logits (|logits| < 4 here; float32 rounding over sums of at most 1024 terms grows like sqrt(n) * 6e-8
+    * |logit|, ~1e-5 through the layer and head), 1e-4: a tensor read from wrong bytes is random bits, off by
+    far more."""
+    import json
+
+    from tests.support.cli import run_megatron
+    from tests.support.compare import hf_logits
+
+    python = mcore_python("0.19")
+    specs = []
+    for fmt in ("torch_dist", "torch"):
+        run_cli("--saver", "core", "--ckpt-format", fmt, "--load-dir", medium_hf, "--save-dir", tmp_path / fmt)
+        torch.save({"tokens": tokens}, tmp_path / f"{fmt}.pt")
+        specs.append({"load": str(tmp_path / fmt), "flags": [], "out": str(tmp_path / f"{fmt}.pt"), "fsdp": False})
+    # HF's data starts 8-aligned, here not 64-aligned: items copied from it lie off 64-byte boundaries
+    assert (8 + struct.unpack("<Q", (medium_hf / "model.safetensors").read_bytes()[:8])[0]) % 64
+    assert any(at % 64 for data, at in dcp_items(tmp_path / "torch_dist" / "iter_0000001") if len(data) >= SPAN_MIN)
+    stdout = run_megatron(python, "load.py", json.dumps(specs))
+    assert sum(line.startswith("loaded ") for line in stdout.splitlines()) == 2, stdout[-3000:]
+    dist, plain = (torch.load(tmp_path / f"{fmt}.pt")["logits"] for fmt in ("torch_dist", "torch"))
+    assert torch.equal(dist, plain)
+    want = hf_logits(medium_hf, tokens)
+    assert want.abs().max() < 4
+    torch.testing.assert_close(dist, want, atol=1e-4, rtol=0)
