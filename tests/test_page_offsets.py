@@ -1,5 +1,7 @@
 """Tensor bytes put page-congruent with the bytes they are copied from (mconvert.io.page_offsets): torch zip records
-(64-aligned, then in steps of 64), DCP items (any offset), and every reader still reading the right bytes.
+(64-aligned, then in steps of 64), DCP items (any offset), safetensors' data start (header spaces, 8-aligned), and
+every reader still reading the right bytes (torch.load, torch's DCP reader, safetensors, transformers, ours,
+megatron-core 0.19).
 
 The model here is small but has parts of at least 1 MiB (`SPAN_MIN`: smaller parts are written from memory, so
 their offsets are not chosen); float32, hidden 512: embedding, o, gate/up (also TP2 chunks) and down are 1-2 MiB.
