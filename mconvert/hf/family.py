@@ -28,7 +28,7 @@ from mconvert.io import file_views, hf_dir
 from mconvert.io.file_views import FileViews
 from mconvert.io.safetensors import Entry
 from mconvert.ir import dtypes, sizes
-from mconvert.ir.blocks import Blocks
+from mconvert.ir.blocks import Blocks, ByteBlocks
 from mconvert.ir.checks import HF_INTEGERS, check_integers, with_where
 from mconvert.ir.config import ModelConfig
 from mconvert.ir.dtypes import dtype_name
@@ -114,10 +114,13 @@ def save_hf(ir: ModelIR, out: Path, options: Options, progress: Progress, *, tab
     if view is None or quantize or not all(planner.moves_bytes(p.row.rule, [ir[n] for n in p.row.ir])
                                            for p in plan.values()):
         torch.get_num_threads()  # the plan needs torch: imported now, so that its jobs run it on one thread each
-    entries, produce = _entries(plan, lambda key: plan[key].produce(ir, planner, None if key in quantize else view),
-                                fp8)
+    def tensor(key: str):
+        return plan[key].produce(ir, planner, None if key in quantize else view)
+
+    entries, produce = _entries(plan, tensor, fp8)
     jobs, index = hf_dir.weight_jobs(out, entries, produce, options.max_shard_size,
-                                     parallel=workers.slots(options.workers))
+                                     parallel=workers.slots(options.workers),
+                                     sources=functools.partial(_mapped, plan, ir, planner, quantize, FileViews().view))
 
     def finish(_) -> None:
         if index is not None:
@@ -127,6 +130,20 @@ def save_hf(ir: ModelIR, out: Path, options: Options, progress: Progress, *, tab
         write_tokenizer(ir, out, options, progress)
 
     workers.run(jobs, workers=options.workers, progress=progress, finish=finish)
+
+
+def _mapped(plan: dict, ir: ModelIR, planner: RowPlanner, quantize: set[str], view, e: Entry) -> ByteBlocks | None:
+    """Entry `e` as byte views of the files its IR tensors lie in whole (HF files, DCP chunks in order), asked only
+    for their provenance, to place the data (see `safetensors_io.layout`): nothing computed, no torch, on both
+    paths alike; None for a tensor a loader's rule rearranges (its pieces joined in memory on the way)."""
+    p = plan.get(e.name)
+    if p is None or e.name in quantize:
+        return None
+    tensors = [ir[n] for n in p.row.ir]
+    if any(t.file_bytes is None and t.byte_blocks is not None for t in tensors):
+        return None
+    found = planner.forward_bytes(p.row.rule, tensors, view)
+    return found[0] if found else None
 
 
 def _entries(plan: dict, tensor: Callable[[str], Any], fp8: Callable[[str], bool] | None):

@@ -6,8 +6,11 @@ to, by size alone (in order, to the file with the fewest bytes so far), so no fi
 on how many workers write them; each file is then one job (`mconvert.workers`), and `.metadata` is written once
 every job has returned its entries:
 
-    __0_0.distcp   [archive: chunk 0][zeros to 64][archive: chunk 2] …
+    __0_0.distcp   [archive: chunk 0][zeros][archive: chunk 2] …
     __0_1.distcp   [archive: chunk 1][pickled extra state] …
+
+The zeros before an archive put its tensor data page-congruent with the source bytes copied into it
+(`mconvert.io.page_offsets`: the kernel then copies page for page), or, with none copied, start it 64-aligned.
 
 The number of files grows with the model (one per FILE_BYTES, at least two, like one Megatron rank's writer
 threads), so a cluster has enough files to share out.
@@ -25,17 +28,18 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from mconvert.errors import ConvertError
-from mconvert.io import dcp_pickle, torch_zip
+from mconvert.io import dcp_pickle, page_offsets, torch_zip
 from mconvert.io.block_writer import Sender
 from mconvert.io.dcp import METADATA
 from mconvert.io.integrity import WriteDigest
-from mconvert.io.torch_zip import ALIGN, TorchFileWriter
+from mconvert.io.torch_zip import ALIGN, TorchFileWriter, first_data_offset
 from mconvert.ir import dtypes
-from mconvert.ir.blocks import ByteBlocks
+from mconvert.ir.blocks import ByteBlocks, as_blocks
 from mconvert.lazy import torch
 from mconvert.workers import Job
 
 FILE_BYTES = 4 << 30
+DATA_OFFSET = first_data_offset()  # from an item's start to its tensor's data (TorchFileWriter names it "archive")
 
 
 @dataclass(frozen=True)
@@ -114,11 +118,17 @@ def _write_item(f: BinaryIO, name: str, item: Item, sender: Sender, digest: Writ
         start = f.tell()
         f.write(item.produce())
         return item.fqn, None, None, name, start, f.tell() - start
-    f.write(b"\0" * (-f.tell() % ALIGN))  # start every archive aligned, so its tensor maps aligned
+    chunk = item.produce()
+    blocks = chunk if isinstance(chunk, ByteBlocks) else as_blocks(chunk)
+    # Start the archive where its tensor data lands page-congruent with the bytes copied into it (any offset:
+    # items are found by .metadata, and torch's own writer puts them back to back); with nothing copied, ALIGN.
+    at = f.tell()
+    pad = page_offsets.gap(blocks, at + DATA_OFFSET)
+    f.write(b"\0" * (pad if pad is not None else -at % ALIGN))
     start = f.tell()
     writer = TorchFileWriter(f, background=False, sender=sender, digest=digest)
     try:
-        handle = writer.add(item.produce())
+        handle = writer.add(blocks)
         if handle.shape != tuple(item.shape) or handle.storage.dtype_name != item.dtype:
             raise ConvertError(f"{f.name}: chunk of {item.fqn} at {list(item.offsets)} came out "
                                f"{list(handle.shape)} {handle.storage.dtype_name}, planned {list(item.shape)} "

@@ -22,7 +22,7 @@ from mconvert.io import torch_archive
 from mconvert.io.contained import inside, open_inside
 from mconvert.io.torch_archive import Mapped, StoredTensor
 from mconvert.io.torch_pickle import file_sources
-from mconvert.ir.blocks import Blocks, FileBytes
+from mconvert.ir.blocks import Blocks, ByteBlocks, FileBytes
 from mconvert.ir.tensors import LazyTensor
 from mconvert.lazy import torch
 from mconvert.workers import Job, run
@@ -230,10 +230,12 @@ def shard_plan(entries: list[safetensors_io.Entry], max_shard_size: int) -> list
 
 def weight_jobs(out: Path, entries: list[safetensors_io.Entry],
                 produce: Callable[[safetensors_io.Entry], torch.Tensor | Blocks], max_shard_size: int,
-                parallel: int = 1) -> tuple[list[Job], dict | None]:
+                parallel: int = 1, sources: Callable[[safetensors_io.Entry], Blocks | ByteBlocks | None] | None = None,
+                ) -> tuple[list[Job], dict | None]:
     """Jobs writing the safetensors shards, each shard cut into byte-balanced ranges of tensors written at once
     when there are fewer shards than `parallel` writers (the bytes do not depend on the cut); and the index to
-    write when they are done (None for a single `model.safetensors`)."""
+    write when they are done (None for a single `model.safetensors`). `sources` gives an entry's blocks for their
+    provenance, to place the data (see `safetensors_io.layout`)."""
     shards = shard_plan(entries, max_shard_size)
     n = len(shards)
     pieces = -(-parallel // n)
@@ -242,7 +244,7 @@ def weight_jobs(out: Path, entries: list[safetensors_io.Entry],
     jobs = []
     total = 0
     for name, shard in zip(names, shards):
-        plan = safetensors_io.layout(shard)
+        plan = safetensors_io.layout(shard, sources=sources)
         sizes = [safetensors_io.entry_nbytes(e) for e in shard]
         cuts = _cuts(sizes, pieces)
         for k, (first, stop) in enumerate(zip(cuts, cuts[1:])):

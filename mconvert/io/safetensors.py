@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mconvert.errors import ConvertError
+from mconvert.io import page_offsets
 from mconvert.io.block_writer import Sender, file_turn, pwrite_all
 from mconvert.io.writeback import Writeback
 from mconvert.ir import dtypes
@@ -168,17 +169,27 @@ class Layout:
     size: int
 
 
-def layout(entries: Iterable[Entry], metadata: dict[str, str] | None = None) -> Layout:
+def layout(entries: Iterable[Entry], metadata: dict[str, str] | None = None,
+           sources: Callable[[Entry], Blocks | ByteBlocks | None] | None = None) -> Layout:
+    """The file's layout. The header is padded with spaces (the format allows trailing whitespace in it) so that
+    the data starts 8-byte aligned, as safetensors' own writer keeps it, and, among those offsets, where the most
+    bytes copied file to file land page-congruent with their sources (`sources(entry)`: the entry's blocks, asked
+    for their provenance only; see mconvert.io.page_offsets); with none, on a page boundary."""
     entries = tuple(entries)
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
+    found: dict[int, int] = {}
     for e in entries:
         nbytes = entry_nbytes(e)
         header[e.name] = {"dtype": CODES[dtypes.name_of(e.dtype)], "shape": list(e.shape),
                           "data_offsets": [offset, offset + nbytes]}
+        blocks = sources(e) if sources is not None else None
+        if blocks is not None:
+            page_offsets.votes(blocks, offset, found)
         offset += nbytes
+    start = page_offsets.best(found, 8) or 0  # where the data starts, mod PAGE
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    blob += b" " * ((start - 8 - len(blob)) % page_offsets.PAGE)
     base = 8 + len(blob)
     starts = tuple(base + header[e.name]["data_offsets"][0] for e in entries)  # type: ignore[index]
     return Layout(struct.pack("<Q", len(blob)) + blob, entries, starts, base + offset)

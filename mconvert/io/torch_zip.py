@@ -3,6 +3,14 @@
 A torch.save file is a stored (uncompressed) zip archive `<name>/data.pkl`, `<name>/data/<key>` (raw storage
 bytes, 64-byte aligned), `.format_version`, `.storage_alignment`, `byteorder`, `version`.
 
+Each tensor record's data is 64-byte aligned (`.storage_alignment` says 64) and, among those offsets, placed
+page-congruent with the source bytes it is copied from where their offset allows (a multiple of 64 modulo 4096:
+torch.save files, our own outputs), so the kernel copies page for page (`mconvert.io.page_offsets`); that costs
+up to 4032 bytes of padding per such record, in the local header's extra field only (torch's writer also keeps
+its padding out of the central directory). A reader finds the data from the local header, as zip readers do;
+torch computes offsets from minimal padding only for archives claiming a `.format_version` (see below), which
+ours do not.
+
 Writing streams: `TorchFileWriter.add(tensor)` queues the tensor's bytes for the archive at once and returns a
 small handle; `finish(obj)` pickles the object tree (with handles in place of tensors) last. Memory stays at a
 couple of tensors, whatever the file size. The archive is written with Python's zipfile (CRC-32 by zlib, much
@@ -36,6 +44,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from mconvert.io import page_offsets
 from mconvert.io.block_writer import Sender
 from mconvert.io.integrity import WriteDigest
 from mconvert.io.torch_archive import TorchDType
@@ -203,6 +212,19 @@ class Window:
         self.f.flush()
 
 
+def _header_bytes(filename: str) -> int:
+    """A record's local header before its padding: 30 bytes + name + our padding field's own 4 + the zip64 field
+    (20)."""
+    return 30 + len(filename.encode()) + 4 + 20
+
+
+def first_data_offset(archive: str = "archive") -> int:
+    """Where the first tensor's data starts, from the start of an archive named `archive`, when it needs no
+    padding beyond ALIGN (its source's bytes are already page-congruent there, or it has none)."""
+    header = _header_bytes(f"{archive}/data/0")
+    return header + (-header % ALIGN)
+
+
 class TorchFileWriter:
     """Write a torch.save-compatible archive tensor by tensor (see the module docstring).
 
@@ -245,9 +267,12 @@ class TorchFileWriter:
         if self._fd is None and not isinstance(data, bytes):
             data = b"".join(bytes(buffer) for buffer in self._sender.buffers(data))
         info = zipfile.ZipInfo(f"{self._prefix}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
-        # Local header = 30 bytes + name + our padding field (4 + n) + the zip64 field (20): pad the data to ALIGN.
-        header = 30 + len(info.filename.encode()) + 4 + 20
+        # Pad the data to ALIGN, and further, in steps of ALIGN, to put copied bytes page-congruent with their
+        # sources (page_offsets).
+        header = _header_bytes(info.filename)
         pad = -(self._out.tell() + header) % ALIGN
+        if self._fd is not None and not isinstance(data, bytes):
+            pad += page_offsets.gap(data, self._file.tell() + header + pad, ALIGN) or 0
         info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         with self._zip.open(info, "w", force_zip64=True) as f:
             if isinstance(data, bytes):
@@ -261,6 +286,7 @@ class TorchFileWriter:
                 end, crc = self._sender.send(data, self._file.fileno(), start, crc=0, writeback=self._writeback)
                 self._file.seek(end)
                 f._file_size, f._crc = end - start, crc  # what f.write() would have counted
+        info.extra = b""  # the padding is the local header's alone (as torch's writer does): none in the directory
         if self._digest is not None and not isinstance(data, bytes) and _COUNTS_BYTES:
             # The local header before the data is final only now (zipfile rewrote it with the CRC): hash it
             # (read back, a few dozen bytes), then the data from the memory it was written from.
