@@ -29,7 +29,7 @@ from mconvert.ir.config import ModelConfig
 from mconvert.megatron import bucket_optim
 from mconvert.options import Options
 from mconvert.progress import Progress
-from tests.support.cli import run_cli, train_megatron, train_megatron_runs
+from tests.support.cli import run_cli, train_megatron_runs
 from tests.support.refusals import convert_refused
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
@@ -58,27 +58,39 @@ def megatron(tmp_path_factory, mcore_python):
     (TP2), and its own fully_reshardable re-save of the first (loaded under TP2 x DP1: Megatron reshards
     dp_reshardable across DP itself); and its resumption of the first under TP2 x DP1 for 3 steps. MLA models (one
     with an MTP module) trained under DP2, each saved as dp_reshardable and as fully_reshardable (the same
-    training); our conversion of the MTP one resumed for 3 steps beside Megatron's own resumption of it.
-    Three launches."""
+    training); our conversion of the MTP one resumed for 3 steps beside Megatron's own resumption of it, and our
+    conversion of the first to TP2 resumed under TP2 x DP1; then, on one process, our conversion of the first to TP1
+    and Megatron's re-save resumed under TP1, and a run saved in 4 buckets. Two launches."""
     python = mcore_python("0.19")
     tmp = tmp_path_factory.mktemp("training_state_buckets")
     r = {"python": python, "tmp": tmp, "dpr": tmp / "dpr", "dz": tmp / "dz", "resave": tmp / "resave"}
     out = lambda name: str(tmp / f"{name}.json")  # noqa: E731
-    train_megatron(python, tmp, "dpr", TP2, 3, save=r["dpr"], world=4)
-    runs = [{"flags": TP2, "steps": 3, "out": out("dz"), "save": str(r["dz"]),
+    runs = [{"flags": TP2, "steps": 3, "out": out("dpr"), "save": str(r["dpr"]), "world": 4},
+            {"flags": TP2, "steps": 3, "out": out("dz"), "save": str(r["dz"]),
              "optimizer_sharding": "dp_zero_gather_scatter"}]
     for name, flags in (("mla_dpr", MLA), ("mla_fully", [*MLA, *FULLY]), ("mtp_dpr", MTP),
                         ("mtp_fully", [*MTP, *FULLY])):
         r[name] = tmp / name
         runs.append({"flags": flags, "steps": 3, "out": out(name), "save": str(r[name])})
-    train_megatron_runs(python, runs, 2)
+    train_megatron_runs(python, runs, 2)  # 4 processes, then the 2-process runs on the first two
     convert(r["mtp_dpr"], tmp / "mtp_ours")
+    r["ours_tp2_output"] = convert(r["dpr"], tmp / "ours_tp2", "--tp", "2")
+    r["ours_tp1_output"] = convert(r["dpr"], tmp / "ours_tp1")
+    tp1 = [*FLAGS, "--no-load-rng"]
     train_megatron_runs(python, [
         {"flags": [*TP2, *FULLY], "steps": 0, "out": out("resave"), "load": str(r["dpr"]), "save": str(r["resave"])},
         {"flags": TP2, "steps": 3, "out": out("resumed"), "load": str(r["dpr"])},
         {"flags": MTP, "steps": 3, "out": out("mtp_resumed"), "load": str(r["mtp_dpr"])},
-        {"flags": [*MTP, *FULLY], "steps": 3, "out": out("mtp_ours_resumed"), "load": str(tmp / "mtp_ours")}], 2)
-    for name in ("resumed", "mla_dpr", "mla_fully", "mtp_dpr", "mtp_fully", "mtp_resumed", "mtp_ours_resumed"):
+        {"flags": [*MTP, *FULLY], "steps": 3, "out": out("mtp_ours_resumed"), "load": str(tmp / "mtp_ours")},
+        {"flags": TP2, "steps": 3, "out": out("ours_tp2_resumed"), "load": str(tmp / "ours_tp2")},
+        # then one process: our TP1 conversion and Megatron's re-save resumed, and a run saved in 4 buckets
+        {"flags": tp1, "steps": 3, "out": out("ours_tp1_resumed"), "load": str(tmp / "ours_tp1"), "world": 1},
+        {"flags": tp1, "steps": 3, "out": out("resave_tp1_resumed"), "load": str(r["resave"]), "world": 1},
+        {"flags": [*FLAGS, "--overlap-grad-reduce", "--ddp-bucket-size", "20000"], "steps": 2, "out": out("buckets"),
+         "save": str(tmp / "buckets"), "world": 1}], 2)
+    r["buckets"] = tmp / "buckets"
+    for name in ("resumed", "ours_tp2_resumed", "ours_tp1_resumed", "resave_tp1_resumed", "mla_dpr", "mla_fully",
+                 "mtp_dpr", "mtp_fully", "mtp_resumed", "mtp_ours_resumed"):
         r[f"losses_{name}"] = json.loads(Path(out(name)).read_text())["losses"]
     r["resumed"] = r["losses_resumed"]
     return r
@@ -115,34 +127,29 @@ def test_read_as_megatron_reshards_it(megatron):
     assert t.param_groups == dz.training.param_groups == resave.training.param_groups and len(t.param_groups) == 2
 
 
-def test_resumed_under_tp2_as_the_original(megatron, tmp_path):
-    """dp_reshardable -> fully_reshardable (TP2: RNG kept): resumed under TP2 x DP1, the losses of Megatron
-    resuming its dp_reshardable checkpoint there."""
-    out = convert(megatron["dpr"], tmp_path / "out", "--tp", "2")
+def test_resumed_under_tp2_as_the_original(megatron):
+    """dp_reshardable -> fully_reshardable (TP2: RNG kept; converted and resumed in the fixture's last launch):
+    resumed under TP2 x DP1, the losses of Megatron resuming its dp_reshardable checkpoint there."""
+    out = megatron["ours_tp2_output"]
     assert "written as 'fully_reshardable'" in out and "RNG state dropped" not in out
-    assert train_megatron(megatron["python"], tmp_path, "ours", TP2, 3, load=tmp_path / "out", world=2) == \
-        megatron["resumed"]
+    assert megatron["losses_ours_tp2_resumed"] == megatron["resumed"]
 
 
-def test_resumed_under_tp1_as_megatron_reshards_it(megatron, tmp_path):
-    """dp_reshardable (TP2 x DP2) -> TP1: resumed by a one-process run, the losses of Megatron resharding its own
-    fully_reshardable re-save to TP1 (TP1 sums the row-parallel layers in another order than TP2: TP1 is compared
-    with TP1)."""
-    out = convert(megatron["dpr"], tmp_path / "out")
-    assert "RNG state dropped" in out
-    tp1 = [*FLAGS, "--no-load-rng"]
-    python = megatron["python"]
-    assert train_megatron(python, tmp_path, "ours", tp1, 3, load=tmp_path / "out") == \
-        train_megatron(python, tmp_path, "reference", tp1, 3, load=megatron["resave"])
+def test_resumed_under_tp1_as_megatron_reshards_it(megatron):
+    """dp_reshardable (TP2 x DP2) -> TP1 (converted and resumed in the fixture's last launch): resumed by a
+    one-process run, the losses of Megatron resharding its own fully_reshardable re-save to TP1 (TP1 sums the
+    row-parallel layers in another order than TP2: TP1 is compared with TP1)."""
+    assert "RNG state dropped" in megatron["ours_tp1_output"]
+    assert megatron["losses_ours_tp1_resumed"] == megatron["losses_resave_tp1_resumed"]
 
 
-def test_read_from_several_buckets(megatron, tmp_path):
-    """--overlap-grad-reduce with --ddp-bucket-size 20000: Megatron cuts the chunk's buffer into 4 buckets, one
-    stored tensor each; every bf16 weight read is its fp32 master weight rounded (as above)."""
-    flags = [*FLAGS, "--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
-    train_megatron(megatron["python"], tmp_path, "buckets", flags, 2, save=tmp_path / "ckpt")
-    assert len([k for k in DcpReader(tmp_path / "ckpt" / "iter_0000002").tensors if k.endswith(".param")]) == 4
-    ir = engine.load(tmp_path / "ckpt", STATE)
+def test_read_from_several_buckets(megatron):
+    """--overlap-grad-reduce with --ddp-bucket-size 20000 (trained in the fixture's last launch): Megatron cuts the
+    chunk's buffer into 4 buckets, one stored tensor each; every bf16 weight read is its fp32 master weight rounded
+    (as above)."""
+    ckpt = megatron["buckets"]
+    assert len([k for k in DcpReader(ckpt / "iter_0000002").tensors if k.endswith(".param")]) == 4
+    ir = engine.load(ckpt, STATE)
     assert (ir.training.optimizer_kind, ir.training.step) == ("dp_reshardable", 2)
     for name, weight in ir.tensors.items():
         assert torch.equal(ir.training.tensors["fp32_param"][name].load().to(torch.bfloat16), weight.load()), name

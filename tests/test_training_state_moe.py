@@ -105,7 +105,7 @@ RESUMED_WORLD2 = {
 
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory, mcore_python) -> dict:
-    """Every run's losses ({name: [loss per step]}); checkpoints under `root`. Three Megatron launches (several runs
+    """Every run's losses ({name: [loss per step]}); checkpoints under `root`. Two Megatron launches (several runs
     each)."""
     python = mcore_python("0.19")
     root = tmp_path_factory.mktemp("training_state_moe")
@@ -115,9 +115,10 @@ def losses(tmp_path_factory, mcore_python) -> dict:
     for name, (src, options) in CONVERTED.items():
         run_cli("--saver", "core", "--ckpt-format", "torch_dist", "--training-state", *options, "--load-dir",
                 root / src, "--save-dir", root / name)  # a later --ckpt-format in `options` wins
-    for resumed, world in ((RESUMED_EP1, 1), (RESUMED_WORLD2, 2)):
-        launch(python, [{"flags": [*f, *RESUME], "steps": MORE, "out": out(f"resumed_{n}"), "load": str(root / ckpt)}
-                        for n, (ckpt, f) in resumed.items()], world)
+    # one launch: the 2-process runs, then the one-process runs on the first process
+    launch(python, [{"flags": [*f, *RESUME], "steps": MORE, "out": out(f"resumed_{n}"), "load": str(root / ckpt),
+                     "world": world} for resumed, world in ((RESUMED_WORLD2, 2), (RESUMED_EP1, 1))
+                    for n, (ckpt, f) in resumed.items()], 2)
     found = {"root": root}
     for name in [*SAVED, *(f"resumed_{n}" for n in (*RESUMED_EP1, *RESUMED_WORLD2))]:
         record = json.loads(Path(out(name)).read_text())

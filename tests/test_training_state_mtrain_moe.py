@@ -70,16 +70,16 @@ def config_of(run, corpus, **parallel):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, mcore_python) -> dict:
-    """Every checkpoint under `root` and the losses of each resumption. Four Megatron launches (a training and a
-    resuming one per world size), one mtrain launch (2 processes)."""
+    """Every checkpoint under `root` and the losses of each resumption. Two Megatron launches of 2 processes (a
+    training and a resuming one: the EP2 runs, then the EP1 runs on the first process), one mtrain launch (2
+    processes)."""
     python = mcore_python("0.19")
     root = tmp_path_factory.mktemp("training_state_mtrain_moe")
     corpus = build_corpus(root / "corpus")
-    for name, flags in EP.items():
-        bf16 = [{"flags": [*FLAGS, *flags, "--bf16"], "steps": STEPS, "out": str(root / "ep2_bf16.json"),
-                 "save": str(root / "ep2_bf16")}] if name == "ep2" else []
-        train_megatron_runs(python, [{"flags": [*FLAGS, *flags], "steps": STEPS, "out": str(root / f"{name}.json"),
-                                      "save": str(root / name)}, *bf16], WORLD[name])
+    trained = {"ep2": [*FLAGS, *EP["ep2"]], "ep2_bf16": [*FLAGS, *EP["ep2"], "--bf16"], "ep1": FLAGS}
+    train_megatron_runs(python, [{"flags": flags, "steps": STEPS, "out": str(root / f"{name}.json"),
+                                  "save": str(root / name), "world": WORLD[name[:3]]}
+                                 for name, flags in trained.items()], WORLD["ep2"])  # larger world first
     out = {"root": root, "corpus": corpus}
     for name in EP:
         run_cli("--training-state", "--saver", "mtrain", "-q", "--load-dir", root / name, "--save-dir",
@@ -104,9 +104,10 @@ def runs(tmp_path_factory, mcore_python) -> dict:
         out[f"{name}_mtrain_again"] = result.losses
         flags = [*FLAGS, *EP[name], "--no-load-rng"]
         resumes[name] = [{"flags": flags, "steps": MORE, "load": str(root / ckpt), "tokens": str(tokens),
-                          "out": str(root / f"{ckpt}_resumed.json")} for ckpt in (name, f"{name}_core")]
-    for name, specs in resumes.items():
-        train_megatron_runs(python, specs, WORLD[name])
+                          "out": str(root / f"{ckpt}_resumed.json"), "world": WORLD[name]}
+                         for ckpt in (name, f"{name}_core")]
+    train_megatron_runs(python, [*resumes["ep2"], *resumes["ep1"]], WORLD["ep2"])  # larger world first
+    for name in EP:
         out[f"{name}_megatron"], out[f"{name}_core_megatron"] = (
             json.loads((root / f"{ckpt}_resumed.json").read_text())["losses"] for ckpt in (name, f"{name}_core"))
     return out

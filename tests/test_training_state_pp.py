@@ -13,9 +13,8 @@ the same layout's kernels give the same bits, so bound 0. Layouts are compared o
 PP2 differ in the last bits from the second resumed step on (at PP2 the tied embedding's two gradients are summed
 in fp32 across the stages; at PP1 autograd adds them in bf16 first), as TP1 and TP2 do.
 
-Three Megatron launches (one per world size and purpose), each running several layouts one after the other:
-the checkpoints (world 2), the resumptions at PP1 (world 1), the resumptions at PP2 and TP2 (world 2); two more
-for virtual pipeline stages.
+Two Megatron launches of 2 processes, each running several layouts one after the other: the checkpoints, and
+the resumptions (at PP2 and TP2, then at PP1 on the first process); two more for virtual pipeline stages.
 """
 
 from __future__ import annotations
@@ -97,9 +96,10 @@ def losses(tmp_path_factory, mcore_python) -> dict:
                           for n, f in SAVED.items()], 2)
     for name, (src, options) in CONVERTED.items():
         run_cli("--saver", "core", "--training-state", *options, "--load-dir", root / src, "--save-dir", root / name)
-    for resumed, world in ((RESUMED_PP1, 1), (RESUMED_WORLD2, 2)):
-        launch(python, [{"flags": [*f, *RESUME], "steps": MORE, "out": out(f"resumed_{n}"),
-                               "load": str(root / ckpt)} for n, (ckpt, f) in resumed.items()], world)
+    # one launch: the 2-process runs, then the one-process runs on the first process
+    launch(python, [{"flags": [*f, *RESUME], "steps": MORE, "out": out(f"resumed_{n}"), "load": str(root / ckpt),
+                     "world": world} for resumed, world in ((RESUMED_WORLD2, 2), (RESUMED_PP1, 1))
+                    for n, (ckpt, f) in resumed.items()], 2)
     found = {"root": root}
     for name in [*SAVED, *(f"resumed_{n}" for n in (*RESUMED_PP1, *RESUMED_WORLD2))]:
         record = json.loads(Path(out(name)).read_text())

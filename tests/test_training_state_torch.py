@@ -24,7 +24,7 @@ from mconvert import engine
 from mconvert.io.torch_pickle import safe_load
 from mconvert.megatron.grad_buffer import bucket_offsets
 from mconvert.options import Options
-from tests.support.cli import run_cli, run_megatron
+from tests.support.cli import run_cli, run_megatron, train_megatron_named
 from tests.support.cli import train_megatron as train
 from tests.support.refusals import convert_refused
 
@@ -44,12 +44,18 @@ def convert(src: Path, dst: Path, fmt: str, *extra: str) -> str:
 
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory, mcore_python):
-    """Megatron's torch-format checkpoint after 3 steps (plain optimizer), and its resumption for 3 more."""
+    """Megatron's torch-format checkpoint after 3 steps (plain optimizer), and its resumption for 3 more; the same
+    with the distributed optimizer (`distributed`). One launch."""
     python = mcore_python("0.19")
     tmp = tmp_path_factory.mktemp("training_state_torch")
-    r = {"python": python, "tmp": tmp, "ckpt": tmp / "ckpt"}
-    train(python, tmp, "first", TORCH, 3, save=r["ckpt"])
-    r["resumed"] = train(python, tmp, "resumed", TORCH, 3, load=r["ckpt"])
+    r = {"python": python, "tmp": tmp, "ckpt": tmp / "ckpt", "distributed": tmp / "distributed"}
+    distributed = [*TORCH, "--use-distributed-optimizer"]
+    found = train_megatron_named(python, tmp, {
+        "first": {"flags": TORCH, "steps": 3, "save": r["ckpt"]},
+        "resumed": {"flags": TORCH, "steps": 3, "load": r["ckpt"]},
+        "distributed_first": {"flags": distributed, "steps": 3, "save": r["distributed"]},
+        "distributed_resumed": {"flags": distributed, "steps": 3, "load": r["distributed"]}})
+    r["resumed"], r["distributed_resumed"] = found["resumed"], found["distributed_resumed"]
     return r
 
 
@@ -58,14 +64,16 @@ def test_torch_to_torch_dist_to_torch_tp2_resumes_exactly(megatron, tmp_path):
     torch TP2 (RNG dropped: TP1's ranks drew it): resumed by a 2-process TP2 run, the losses of Megatron
     resuming the torch_dist checkpoint under TP2, resharding it itself (TP2 sums the row-parallel layers' bf16
     partial results in another order than TP1, so TP2 is compared with TP2)."""
-    python = megatron["python"]
     convert(megatron["ckpt"], tmp_path / "dist", "torch_dist")
-    assert train(python, tmp_path, "dist", DIST, 3, load=tmp_path / "dist") == megatron["resumed"]
     out = convert(tmp_path / "dist", tmp_path / "tp2", "torch", "--tp", "2")
     assert "RNG state dropped" in out
     tp2 = ["--tensor-model-parallel-size", "2", "--no-load-rng"]
-    reference = train(python, tmp_path, "reference", [*DIST, *tp2], 3, load=tmp_path / "dist", world=2)
-    assert train(python, tmp_path, "tp2", [*TORCH, *tp2], 3, load=tmp_path / "tp2", world=2) == reference
+    found = train_megatron_named(megatron["python"], tmp_path, {  # one launch: TP2, then TP1 on the first process
+        "reference": {"flags": [*DIST, *tp2], "steps": 3, "load": tmp_path / "dist"},
+        "tp2": {"flags": [*TORCH, *tp2], "steps": 3, "load": tmp_path / "tp2"},
+        "dist": {"flags": DIST, "steps": 3, "load": tmp_path / "dist", "world": 1}}, world=2)
+    assert found["dist"] == megatron["resumed"]
+    assert found["tp2"] == found["reference"]
 
 
 def test_torch_round_trip_is_megatron_file(megatron, tmp_path):
@@ -101,13 +109,8 @@ def test_torch_round_trip_is_megatron_file(megatron, tmp_path):
 @pytest.fixture(scope="module")
 def distributed(megatron):
     """Megatron's torch-format checkpoint of the same run with the distributed optimizer (distrib_optim.pt), and
-    its resumption by a distributed-optimizer run."""
-    python, tmp = megatron["python"], megatron["tmp"]
-    r = {"ckpt": tmp / "distributed"}
-    train(python, tmp, "distributed_first", [*TORCH, "--use-distributed-optimizer"], 3, save=r["ckpt"])
-    r["resumed"] = train(python, tmp, "distributed_resumed", [*TORCH, "--use-distributed-optimizer"], 3,
-                         load=r["ckpt"])
-    return r
+    its resumption by a distributed-optimizer run (both from `megatron`'s launch)."""
+    return {"ckpt": megatron["distributed"], "resumed": megatron["distributed_resumed"]}
 
 
 def test_distributed_optimizer_read_and_written(megatron, distributed, tmp_path):
@@ -115,12 +118,13 @@ def test_distributed_optimizer_read_and_written(megatron, distributed, tmp_path)
     Megatron's plain checkpoint of the same run (one data-parallel rank: both optimizers do the same arithmetic).
     Written: the plain checkpoint as distrib_optim.pt, resumed by a distributed-optimizer run exactly as it
     resumes its own checkpoint."""
-    python = megatron["python"]
     convert(distributed["ckpt"], tmp_path / "plain", "torch", "--optimizer-sharding", "plain")
-    assert train(python, tmp_path, "plain", TORCH, 3, load=tmp_path / "plain") == megatron["resumed"]
     convert(megatron["ckpt"], tmp_path / "dist", "torch", "--optimizer-sharding", "fully_reshardable")
-    assert train(python, tmp_path, "dist", [*TORCH, "--use-distributed-optimizer"], 3,
-                 load=tmp_path / "dist") == distributed["resumed"]
+    found = train_megatron_named(megatron["python"], tmp_path, {
+        "plain": {"flags": TORCH, "steps": 3, "load": tmp_path / "plain"},
+        "dist": {"flags": [*TORCH, "--use-distributed-optimizer"], "steps": 3, "load": tmp_path / "dist"}})
+    assert found["plain"] == megatron["resumed"]
+    assert found["dist"] == distributed["resumed"]
 
 
 def test_distributed_optimizer_round_trip(distributed, tmp_path):
@@ -150,8 +154,9 @@ def test_fp32_distributed_optimizer_to_plain_resumes_exactly(megatron, tmp_path)
     round trip here.)"""
     python = megatron["python"]
     fp32 = [f for f in TORCH if f != "--bf16"]
-    full = train(python, tmp_path, "full", fp32, 3)
-    train(python, tmp_path, "first", [*fp32, "--use-distributed-optimizer"], 2, save=tmp_path / "dist")
+    full = train_megatron_named(python, tmp_path, {
+        "full": {"flags": fp32, "steps": 3},
+        "first": {"flags": [*fp32, "--use-distributed-optimizer"], "steps": 2, "save": tmp_path / "dist"}})["full"]
     convert(tmp_path / "dist", tmp_path / "plain", "torch", "--optimizer-sharding", "plain")
     assert train(python, tmp_path, "resumed", fp32, 1, load=tmp_path / "plain") == full[2:]
     convert(tmp_path / "plain", tmp_path / "again", "torch")

@@ -1,6 +1,7 @@
-"""Conversions run twice in fresh processes, on the byte path (bytes moved without torch where every tensor
-allows: mconvert.io.file_views) and on the torch path (`MCONVERT_TORCH_PATH=1`), whose outputs must be the same
-bytes, file by file (tests/test_byte_path*.py); and a Megatron rank file rewritten in place."""
+"""Conversions run twice, on the byte path (bytes moved without torch where every tensor allows:
+mconvert.io.file_views; in a fresh process, which must not import torch) and on the torch path
+(`MCONVERT_TORCH_PATH=1`; in this process, which has torch already), whose outputs must be the same bytes, file by
+file (tests/test_byte_path*.py); and a Megatron rank file rewritten in place."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -22,15 +24,22 @@ from mconvert.options import Options
 from mconvert.rules import row_maps
 from mconvert.rules.row_plan import RowPlanner
 from mconvert.rules.table import Ctx
+from tests.support.cli import run_cli
 
 
 def convert(src: Path, dst: Path, *args: str, torch_path: bool, saver: str = "core") -> bool:
-    """`mconvert --saver SAVER ARGS` in its own process; whether it imported torch."""
+    """`mconvert --saver SAVER ARGS`; whether it imported torch. The byte path runs in its own process (torch not
+    yet imported: the answer is whether the conversion imported it); the torch path in this one (it imports torch
+    by definition, and a fresh process would only repeat the start-up)."""
+    cli = ["--saver", saver, *args, "--load-dir", str(src), "--save-dir", str(dst)]
+    if torch_path:
+        with mock.patch.dict(os.environ, {"MCONVERT_TORCH_PATH": "1"}):
+            run_cli(*cli)
+        return True
     code = ("import sys\nfrom mconvert.cli import main\n"
-            f"try:\n    main(['--saver', {saver!r}, *{list(args)!r}, '--load-dir', {str(src)!r}, '--save-dir', "
-            f"{str(dst)!r}])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            f"try:\n    main({cli!r})\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
             "print('torch' in sys.modules, file=sys.stderr)")
-    env = os.environ | {"MCONVERT_TORCH_PATH": "1" if torch_path else "0"}
+    env = os.environ | {"MCONVERT_TORCH_PATH": "0"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr
     return run.stderr.strip().splitlines()[-1] == "True"

@@ -77,8 +77,19 @@ def train_megatron(python: Path, tmp: Path, name: str, flags: list[str], steps: 
 
 
 def train_megatron_runs(python: Path, runs: list[dict], world: int) -> None:
-    """Several train.py runs in one launch of `world` processes (one start-up for several layouts)."""
-    run_megatron(python, "train.py", json.dumps([r | {"world": world} for r in runs]))
+    """Several train.py runs in one launch of `world` processes (one start-up for several layouts); a run that
+    names its own "world" (a smaller one, after the larger ones) runs on the first ranks."""
+    run_megatron(python, "train.py", json.dumps([{"world": world} | r for r in runs]))
+
+
+def train_megatron_named(python: Path, tmp: Path, runs: dict[str, dict], world: int = 1) -> dict[str, list[float]]:
+    """Several train.py runs in one launch of `world` processes (one start-up), `{name: {"flags", "steps", and
+    "save", "load", "tokens" as train_megatron's}}`, in order (a run may load what an earlier one saved); their
+    losses by name (each written to tmp/<name>.json)."""
+    specs = [{k: str(v) if isinstance(v, Path) else v for k, v in spec.items()} | {"out": str(tmp / f"{name}.json")}
+             for name, spec in runs.items()]
+    train_megatron_runs(python, specs, world)
+    return {name: json.loads((tmp / f"{name}.json").read_text())["losses"] for name in runs}
 
 
 def run_mcore_logits_helper(core: Path, tokens: torch.Tensor, tmp: Path, *extra: str, python: Path | None = None,

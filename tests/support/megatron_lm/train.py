@@ -3,9 +3,9 @@
     python tests/support/megatron_lm/train.py SPEC_JSON
 
 SPEC_JSON is {"flags": [...], "steps": K, "out": FILE, "save": DIR or null, "load": DIR or null, "world": N,
-"tokens": FILE or null}, or a list of them (all of one world size, run one after the other in the same processes:
-one start-up for several layouts). N processes (1 by default) are spawned with gloo: a run's TP/PP/EP ranks;
-batches are the same on each.
+"tokens": FILE or null}, or a list of them (run one after the other in the same processes: one start-up for
+several layouts; the largest world first, a smaller one on the first ranks after it). N processes (1 by default)
+are spawned with gloo: a run's TP/PP/EP ranks; batches are the same on each.
 Megatron parses the flags (with `--load`: optimizer, scheduler and RNG state loaded too, unless the flags say
 otherwise), wraps the GPTModel (one stage's chunks with PP/VPP) in its DistributedDataParallel, builds its
 optimizer (get_megatron_optimizer: Adam, the distributed one with --use-distributed-optimizer, chained with the
@@ -77,22 +77,35 @@ def batch(iteration: int, vocab: int, size: int) -> tuple[torch.Tensor, torch.Te
 
 
 def main(spec_json: str) -> None:
-    """One process, or `world` processes (spawned, gloo) for a model-parallel run; a list of specs (all of one
-    world size) runs one after the other in the same processes, saving their start-up."""
+    """One process, or `world` processes (spawned, gloo) for a model-parallel run; a list of specs runs one after
+    the other in the same processes, saving their start-up. The specs of a list come in non-increasing world
+    sizes: the launch spawns the first's, and where the world shrinks every rank leaves the process group, the
+    first ranks form one of the new size (on a port of its own) and the others are done."""
     specs = json.loads(spec_json)
     specs = specs if isinstance(specs, list) else [specs]
-    worlds = {spec.get("world", 1) for spec in specs}
-    assert len(worlds) == 1, f"one world size per launch, not {sorted(worlds)}"
-    world = worlds.pop()
+    worlds = [spec.get("world", 1) for spec in specs]
+    assert worlds == sorted(worlds, reverse=True), f"world sizes in non-increasing order, not {worlds}"
+    world = worlds[0]
     if world == 1:
-        return run(0, specs, 1)
-    with socket.socket() as probe:  # a free port: other runs may share the machine
-        probe.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
-    torch.multiprocessing.spawn(run, args=(specs, world), nprocs=world)
+        return run(0, specs, 1, {})
+    ports = {}
+    for size in set(worlds):
+        with socket.socket() as probe:  # a free port: other runs may share the machine
+            probe.bind(("127.0.0.1", 0))
+            ports[size] = str(probe.getsockname()[1])
+    torch.multiprocessing.spawn(run, args=(specs, world, ports), nprocs=world)
 
 
-def run(rank: int, specs: list[dict], world: int) -> None:
+def join(rank: int, world: int, port: str | None) -> None:
+    """Form the gloo process group of `world` ranks (`port`: None in a one-process launch, which finds its own)."""
+    if world == 1 and port is None:
+        return cpu.start_process_group()
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.distributed.init_process_group(backend="gloo", rank=rank, world_size=world)
+
+
+def run(rank: int, specs: list[dict], world: int, ports: dict[int, str]) -> None:
     from megatron.core import parallel_state
     from megatron.training import global_vars
 
@@ -105,16 +118,21 @@ def run(rank: int, specs: list[dict], world: int) -> None:
     if not sharded:
         torch.cuda.Stream = torch.cuda.current_stream = NoStream  # get_model wraps DDP in a CUDA stream
         torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    if world == 1:
-        cpu.start_process_group()
-    else:
-        os.environ.update(MASTER_ADDR="localhost", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-        torch.distributed.init_process_group(backend="gloo", rank=rank, world_size=world)
+    if world > 1:
         from megatron.training import arguments  # TP > 1 asks the GPU's architecture (for a CUDA setting)
 
         arguments.get_device_arch_version = lambda: 10
+    join(rank, world, ports.get(world))
     CudaIsCpu().__enter__()
+    current = world
     for spec in specs:
+        size = spec.get("world", 1)
+        if size != current:  # a smaller world: its ranks form a process group of their own, the others are done
+            torch.distributed.destroy_process_group()
+            if rank >= size:
+                return
+            join(rank, size, ports[size])
+            current = size
         train(rank, spec)
         parallel_state.destroy_model_parallel()
         global_vars.unset_global_variables()
