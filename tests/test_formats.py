@@ -229,8 +229,8 @@ def test_file_bytes_go_file_to_file_only_while_unchanged(tmp_path):
 
 def test_file_bytes_are_copied_where_offsets_lie_alike_in_a_page_else_read(tmp_path, monkeypatch):
     """A part with provenance goes by copy_file_range when its output offset lies at the same place within a page
-    as its source offset, and is read into the writer's buffer (then written) otherwise; either way the bytes and
-    the CRC-32 are the source's."""
+    as its source offset and the file system can copy without the CPU, and is read into the writer's buffer (then
+    written) otherwise; either way the bytes and the CRC-32 are the source's."""
     import zlib
 
     import numpy as np
@@ -247,7 +247,10 @@ def test_file_bytes_are_copied_where_offsets_lie_alike_in_a_page_else_read(tmp_p
     calls = []
     for name in ("copy_file_range", "preadv"):
         monkeypatch.setattr(os, name, lambda *a, _real=getattr(os, name), _name=name: calls.append(_name) or _real(*a))
-    for position, way in ((2, "copy_file_range"), (4096 * 3 + 2, "copy_file_range"), (0, "preadv"), (64, "preadv")):
+    cases = [(offloaded, position, "copy_file_range" if offloaded and position % 4096 == 2 else "preadv")
+             for offloaded in (True, False) for position in (2, 4096 * 3 + 2, 0, 64)]
+    for offloaded, position, way in cases:
+        monkeypatch.setattr(block_writer, "copies_offloaded", lambda fd, _o=offloaded: _o)
         calls.clear()
         sender = block_writer.Sender()
         fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -259,6 +262,24 @@ def test_file_bytes_are_copied_where_offsets_lie_alike_in_a_page_else_read(tmp_p
             sender.close()
         assert written == raw[1:].tobytes() and crc == zlib.crc32(written), position
         assert set(calls) == {way} and sender.copied == len(written) and sender.written == 0, (position, calls)
+
+
+def test_copy_file_range_only_where_the_file_system_may_spare_the_cpu(tmp_path, monkeypatch):
+    """ext2/3/4 and tmpfs copy in the CPU (copy_file_range there is the kernel's read and write): refused; any
+    other file system, or one that cannot be asked, may reflink or copy server-side: allowed."""
+    from mconvert.io import block_writer
+
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        magic = block_writer._fs_magic(fd)
+        assert magic is not None
+        assert block_writer.copies_offloaded(fd) == (magic not in block_writer._COPIES_IN_CPU)
+        for fake, allowed in ((0xEF53, False), (0x01021994, False), (0x58465342, True), (None, True)):  # XFS
+            monkeypatch.setattr(block_writer, "_offloaded", {})
+            monkeypatch.setattr(block_writer, "_fs_magic", lambda fd, _m=fake: _m)
+            assert block_writer.copies_offloaded(fd) is allowed, fake
+    finally:
+        os.close(fd)
 
 
 def test_big_endian_torch_files_are_never_copied_from_the_file(tmp_path):

@@ -1,8 +1,8 @@
 """Sending `Blocks` (see mconvert.ir.blocks) to a file: copied file to file where the bytes are a checkpoint's on disk,
 written from memory otherwise, a MiB at a time, with the CRC-32 that zip records need when asked.
 
-    part with provenance (FileBytes), >= SPAN_MIN,  copy_file_range(source, out): no copy through this process
-      at the same offset within a page as its source
+    part with provenance (FileBytes), >= SPAN_MIN,  copy_file_range(source, out), on a file system that can copy
+      at the same offset within a page as its source  without the CPU (not ext4 or tmpfs: `copies_offloaded`)
     other part with provenance, >= READ_MIN          read from the source (pread) into a buffer that lies within
                                                      a page as the output does, then written
     other contiguous part                            write() straight from its memory
@@ -11,11 +11,14 @@ written from memory otherwise, a MiB at a time, with the CRC-32 that zip records
 
 Parts are torch tensors (`Blocks`) or numpy arrays (`ByteBlocks`, the byte path: no torch), handled alike.
 
-Why two ways of sending a file's bytes (measured on ext4, Linux 6.18, a 2.2 GB file, docs/performance.md): the
-kernel copies page by page, so copy_file_range costs 0.50-0.60 s of system time when each output offset lies at
-the same place within a page as its source and 0.80-0.90 s when it does not (every source page then straddles two
-output pages), while reading 1 MiB into a buffer that lies as the output does and writing it costs 0.55-0.60 s.
-The CRC-32 is then taken from that buffer too, not from the source's map. Writing straight from a file's map was
+Why reading and writing rather than copy_file_range (measured on ext4, Linux 6.18, docs/performance.md): on a
+file system that cannot share or offload the copy, copy_file_range is the kernel's own read and write through a
+pipe. Of a 2.2 GB file it cost 0.50-0.60 s of system time where each output offset lies at the same place within
+a page as its source and 0.80-0.90 s where it does not, against 0.55-0.60 s for reading 1 MiB at a time into a
+buffer that lies as the output does and writing it; in whole conversions reading and writing cost the same or
+less in every case tried, also at equal offsets (the CRC-32 is then taken from that buffer, not the source's map).
+Where the file system can copy without the CPU (reflinks, server-side copies), copy_file_range is kept for the
+parts placed page-congruent with their sources (`mconvert.io.page_offsets`). Writing straight from a file's map was
 dearer than reading first in 256 KiB writes (0.62-1.54 against 0.37-0.39 s per GB) and cheaper in 64 KiB writes
 (0.49-0.52 against 0.54-0.59 s).
 
@@ -34,6 +37,7 @@ Python lock waits asleep; what comes before the write (CRC-32, gathering a strid
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
@@ -75,7 +79,7 @@ class Sender:
         for i, part in enumerate(blocks.parts):
             span = self._span(part, blocks.source(i))
             if span is not None and not (self._copy_files and part.nbytes >= SPAN_MIN
-                                         and (span.offset - position) % PAGE == 0):
+                                         and (span.offset - position) % PAGE == 0 and copies_offloaded(fd)):
                 position, crc = self._read_write(span, part.nbytes, fd, position, crc, turn, writeback)
                 continue
             for buffer in self._buffers(part):
@@ -206,6 +210,33 @@ class Sender:
             out = self._scratch[:rows.nbytes]
             np.copyto(out.view(rows.dtype).reshape(rows.shape), rows)
             yield memoryview(out)
+
+
+# File systems whose copy_file_range is the kernel's own read-and-write through a pipe (no reflink, no server-side
+# copy): there reading into our buffer and writing costs less (docs/performance.md, eighth pass). statfs magics.
+_COPIES_IN_CPU = {0xEF53: "ext2/3/4", 0x01021994: "tmpfs"}
+_offloaded: dict[int, bool] = {}
+
+
+def copies_offloaded(fd: int) -> bool:
+    """May copy_file_range into the file at `fd` spare the CPU (a reflink on XFS or btrfs, a server-side copy on
+    NFS or SMB)? False on the file systems known to copy in the CPU; True where unknown."""
+    dev = os.fstat(fd).st_dev
+    if dev not in _offloaded:
+        _offloaded[dev] = _fs_magic(fd) not in _COPIES_IN_CPU
+    return _offloaded[dev]
+
+
+def _fs_magic(fd: int) -> int | None:
+    """The file system's type (statfs f_type) of the file at `fd`; None where it cannot be asked."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buffer = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first field, a C long
+        if libc.fstatfs(fd, buffer) != 0:
+            return None
+        return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+    except (OSError, AttributeError):
+        return None
 
 
 _turns: dict[tuple[int, int], threading.Lock] = {}
