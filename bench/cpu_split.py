@@ -72,18 +72,22 @@ def instrument() -> None:
     import mconvert.rules.row_plan as row_plan
     import mconvert.workers as workers
 
-    _wrap(block_writer.os, "copy_file_range", "copy_file_range (kernel copy, file to file)")
-    _wrap(block_writer.os, "preadv", "preadv (read into the staging buffer)")
-    _wrap(block_writer.os, "pwrite", "pwrite (written from memory or the staging buffer)")
-    _wrap(block_writer, "crc32", "CRC-32 of zip records (reads the source map or the staging buffer)")
-    _wrap(writeback, "start_writeback", "sync_file_range (early writeback)")
-    _wrap(workers, "fsync_path", "fsync of finished files")
-    _wrap(block_writer.Sender, "send", "Sender.send (all of the above but fsync, + gathering)")
-    _wrap(torch_zip._Pickler, "dump", "pickling rank files' objects")
-    _wrap(row_plan.RowPlanner, "forward_bytes", "byte plans applied (views, joins)")
-    _wrap(registry, "_load_plugins", "plugin modules imported")
-    _wrap(lazy, "_import_long_lived", "numpy imported")
-    _wrap(engine, "load", "loader (headers, mapping)")
+    lines = [
+        (block_writer.os, "copy_file_range", "copy_file_range (kernel copy, file to file)"),
+        (block_writer.os, "preadv", "preadv (read into the staging buffer)"),
+        (block_writer.os, "pwrite", "pwrite (written from memory or the staging buffer)"),
+        (block_writer, "crc32", "CRC-32 of zip records (reads the source map or the staging buffer)"),
+        (writeback, "start_writeback", "sync_file_range (early writeback)"),
+        (workers, "fsync_path", "fsync of finished files"),
+        (block_writer.Sender, "send", "Sender.send (all of the above but fsync, + gathering)"),
+        (torch_zip._Pickler, "dump", "pickling rank files' objects"),
+        (row_plan.RowPlanner, "forward_bytes", "byte plans applied (views, joins)"),
+        (registry, "_load_plugins", "plugin modules imported"),
+        (lazy, "_import_long_lived", "numpy imported"),
+        (engine, "load", "loader (headers, mapping)"),
+    ]
+    for owner, attr, label in lines:
+        _wrap(owner, attr, label)
 
 
 def one(convert_args: list[str], source: Path, out: Path) -> None:
