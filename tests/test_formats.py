@@ -264,17 +264,44 @@ def test_file_bytes_are_copied_where_offsets_lie_alike_in_a_page_else_read(tmp_p
         assert set(calls) == {way} and sender.copied == len(written) and sender.written == 0, (position, calls)
 
 
+def test_a_source_that_ends_early_is_named(tmp_path, monkeypatch):
+    """A source file cut short after it was mapped (the read finds its end) stops the write with an error that names
+    the file, not a file descriptor."""
+    import numpy as np
+
+    from mconvert.errors import ConvertError
+    from mconvert.io import block_writer
+    from mconvert.ir.blocks import ByteBlocks, FileBytes
+
+    raw = np.arange(1 << 19, dtype=np.uint16)
+    path = tmp_path / "source.bin"
+    path.write_bytes(raw.tobytes())
+    where = FileBytes(str(path), 0, FileBytes.identity_of(path.stat()))
+    blocks = ByteBlocks((raw.size,), "bfloat16", (np.memmap(path, dtype=np.uint16, mode="r"),), (where,))
+    monkeypatch.setattr(os, "preadv", lambda *args: 0)
+    sender = block_writer.Sender()
+    fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        with pytest.raises(ConvertError, match=rf"{path}: the file ended at byte 0 while reading 1048576 more bytes"):
+            sender.send(blocks, fd, 64)
+    finally:
+        os.close(fd)
+        sender.close()
+
+
 def test_copy_file_range_only_where_the_file_system_may_spare_the_cpu(tmp_path, monkeypatch):
-    """ext2/3/4 and tmpfs copy in the CPU (copy_file_range there is the kernel's read and write): refused; any
-    other file system, or one that cannot be asked, may reflink or copy server-side: allowed."""
+    """XFS and btrfs (reflinks), NFS, SMB and Ceph (server-side copies) may copy without the CPU: copy_file_range
+    allowed. ext4, tmpfs, overlayfs and any file system not known (or not asked) copy in the CPU, where reading and
+    writing costs less: refused."""
     from mconvert.io import block_writer
 
     fd = os.open(tmp_path, os.O_RDONLY)
     try:
         magic = block_writer._fs_magic(fd)
         assert magic is not None
-        assert block_writer.copies_offloaded(fd) == (magic not in block_writer._COPIES_IN_CPU)
-        for fake, allowed in ((0xEF53, False), (0x01021994, False), (0x58465342, True), (None, True)):  # XFS
+        assert block_writer.copies_offloaded(fd) == (magic in block_writer._OFFLOADING)
+        for fake, allowed in ((0xEF53, False), (0x01021994, False), (0x794C7630, False), (0x12345678, False),
+                              (None, False), (0x58465342, True), (0x9123683E, True), (0x6969, True)):
             monkeypatch.setattr(block_writer, "_offloaded", {})
             monkeypatch.setattr(block_writer, "_fs_magic", lambda fd, _m=fake: _m)
             assert block_writer.copies_offloaded(fd) is allowed, fake

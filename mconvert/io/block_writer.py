@@ -2,7 +2,7 @@
 written from memory otherwise, a MiB at a time, with the CRC-32 that zip records need when asked.
 
     part with provenance (FileBytes), >= SPAN_MIN,  copy_file_range(source, out), on a file system that can copy
-      at the same offset within a page as its source  without the CPU (not ext4 or tmpfs: `copies_offloaded`)
+      at the same offset within a page as its source  without the CPU (XFS, btrfs, NFS...: `copies_offloaded`)
     other part with provenance, >= READ_MIN          read from the source (pread) into a buffer that lies within
                                                      a page as the output does, then written
     other contiguous part                            write() straight from its memory
@@ -38,12 +38,12 @@ Python lock waits asleep; what comes before the write (CRC-32, gathering a strid
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from mconvert.errors import ConvertError
 from mconvert.io.writeback import Writeback
 from mconvert.ir.blocks import Blocks, ByteBlocks, FileBytes
 from mconvert.lazy import np, torch
@@ -58,7 +58,7 @@ except ImportError:  # pragma: no cover - the `isal` wheel is a dependency; zlib
 WRITE_SIZE = 1 << 20
 SPAN_MIN = 1 << 20  # below this a copy_file_range call costs more than reading and writing
 READ_MIN = 1 << 18  # below this writing straight from the source's map costs less than reading it first
-PAGE = mmap.PAGESIZE
+PAGE = 4096  # what offsets are compared modulo: the usual page and file system block (also on 64 KiB-page kernels)
 
 
 class Sender:
@@ -67,7 +67,7 @@ class Sender:
     def __init__(self) -> None:
         self._fds: dict[tuple[str, tuple[int, int, int, int]], int | None] = {}
         self._scratch = None  # reused for strided parts: a torch or a numpy byte buffer, made when first needed
-        self._staging: mmap.mmap | None = None  # page-aligned, for sources at another offset within a page
+        self._staging: bytearray | None = None  # read into, then written: `_read_write`
         self._copy_files = hasattr(os, "copy_file_range")
         self.copied = self.written = 0  # bytes sent from their source file (copied or read), and from memory
 
@@ -101,28 +101,30 @@ class Sender:
 
     def _read_write(self, span: Span, nbytes: int, fd: int, position: int, crc: int | None, turn: threading.Lock,
                     writeback: Writeback | None) -> tuple[int, int | None]:
-        """Send `nbytes` at `span` to `position`, which lies at another offset within a page than the source:
-        read into a buffer placed at the destination's offset within a page, then written (the CRC taken from
-        the buffer, not from the source's map)."""
+        """Send `nbytes` at `span` to `position`: read a MiB at a time into a buffer placed at the destination's
+        offset within a page, then written (the CRC taken from the buffer, not from the source's map)."""
         if self._staging is None:
-            self._staging = mmap.mmap(-1, WRITE_SIZE + PAGE)
+            self._staging = bytearray(WRITE_SIZE + 2 * PAGE)  # sliced below from a page boundary of its memory
         end = position + nbytes
         source = span.offset
+        base = memoryview(self._staging)
+        base = base[-ctypes.addressof(ctypes.c_char.from_buffer(self._staging)) % PAGE:]
         while position < end:
             n = min(WRITE_SIZE, end - position)
             start = position % PAGE
-            buffer = memoryview(self._staging)[start:start + n]
+            buffer = base[start:start + n]
             got = 0
             while got < n:
                 k = os.preadv(span.fd, [buffer[got:]], source + got)
                 if k == 0:
-                    raise OSError(f"{span.fd}: the source ended {n - got} bytes early (shorter than its mapping?)")
+                    raise ConvertError(f"{span.path}: the file ended at byte {source + got} while reading "
+                                       f"{n - got} more bytes of a tensor the loader had mapped there (was it "
+                                       "truncated during the conversion?)")
                 got += k
             if crc is not None:
                 crc = crc32(buffer, crc)
             with turn:
                 pwrite_all(fd, buffer, position)
-            buffer.release()
             self.copied += n
             position, source = position + n, source + n
             if writeback is not None:
@@ -139,9 +141,7 @@ class Sender:
             if fd is not None:
                 os.close(fd)
         self._fds.clear()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        self._staging = None  # a bytearray: freed with the last view of it (a failed write's traceback may hold one)
 
     def _span(self, part, source: FileBytes | None) -> Span | None:
         if source is None or part.nbytes < READ_MIN:
@@ -150,7 +150,7 @@ class Sender:
         if key not in self._fds:
             self._fds[key] = _open_same(source)
         fd = self._fds[key]
-        return None if fd is None else Span(fd, source.offset)
+        return None if fd is None else Span(fd, source.offset, source.path)
 
     def _copy(self, span: Span, fd: int, position: int, nbytes: int) -> Span | None:
         """Copy `nbytes` at `span` to `position`; the span of what follows, or None if the kernel refused (then
@@ -167,7 +167,7 @@ class Sender:
             if done:
                 raise  # half a buffer copied: cannot happen silently, let the caller see it
             return None
-        return Span(span.fd, span.offset + nbytes)
+        return Span(span.fd, span.offset + nbytes, span.path)
 
     def _buffers(self, part) -> Iterator[memoryview]:
         """The part's bytes (a torch tensor's, or a numpy array's of ByteBlocks) as memoryviews of at most
@@ -212,18 +212,20 @@ class Sender:
             yield memoryview(out)
 
 
-# File systems whose copy_file_range is the kernel's own read-and-write through a pipe (no reflink, no server-side
-# copy): there reading into our buffer and writing costs less (docs/performance.md, eighth pass). statfs magics.
-_COPIES_IN_CPU = {0xEF53: "ext2/3/4", 0x01021994: "tmpfs"}
+# File systems whose copy_file_range can spare the CPU (statfs magics): XFS and btrfs share blocks (reflinks) where
+# both offsets fall on block boundaries, NFS, SMB and Ceph copy on the server. Elsewhere (ext4, tmpfs, overlayfs and
+# whatever is not known) it is the kernel's own read and write through a pipe, dearer than ours on ext4
+# (docs/performance.md, eighth pass).
+_OFFLOADING = {0x58465342: "xfs", 0x9123683E: "btrfs", 0x6969: "nfs", 0xFE534D42: "smb2", 0xFF534D42: "cifs",
+               0x00C36400: "ceph"}
 _offloaded: dict[int, bool] = {}
 
 
 def copies_offloaded(fd: int) -> bool:
-    """May copy_file_range into the file at `fd` spare the CPU (a reflink on XFS or btrfs, a server-side copy on
-    NFS or SMB)? False on the file systems known to copy in the CPU; True where unknown."""
+    """May copy_file_range into the file at `fd` spare the CPU: is it on a file system of `_OFFLOADING`?"""
     dev = os.fstat(fd).st_dev
     if dev not in _offloaded:
-        _offloaded[dev] = _fs_magic(fd) not in _COPIES_IN_CPU
+        _offloaded[dev] = _fs_magic(fd) in _OFFLOADING
     return _offloaded[dev]
 
 
@@ -257,6 +259,7 @@ class Span:
 
     fd: int
     offset: int
+    path: str
 
 
 def _open_same(source: FileBytes) -> int | None:

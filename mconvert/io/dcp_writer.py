@@ -10,7 +10,7 @@ every job has returned its entries:
     __0_1.distcp   [archive: chunk 1][pickled extra state] …
 
 The zeros before an archive put its tensor data page-congruent with the source bytes copied into it
-(`mconvert.io.page_offsets`: the kernel then copies page for page), or, with none copied, start it 64-aligned.
+(`mconvert.io.page_offsets`), or, with none copied, start it on a page from 1 MiB up, else 64-aligned.
 
 The number of files grows with the model (one per FILE_BYTES, at least two, like one Megatron rank's writer
 threads), so a cluster has enough files to share out.

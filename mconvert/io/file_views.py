@@ -9,7 +9,8 @@ no bfloat16, and the bytes are only moved, never computed with). Nothing imports
     blocks = views.view(lazy_tensor)      # ByteBlocks of one part (or None: not in a file, or the file changed)
 
 `MCONVERT_TORCH_PATH=1` in the environment turns the byte path off (every tensor through torch, as before it
-existed): the tests compare the two outputs byte for byte.
+existed): the tests compare the two outputs byte for byte. The HF saver still maps its sources to choose where the
+data starts (`mconvert.io.page_offsets`), so that both paths place the bytes alike.
 """
 
 from __future__ import annotations

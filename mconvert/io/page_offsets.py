@@ -1,10 +1,12 @@
-"""Where a writer puts a tensor's bytes so that the kernel copies them page for page from their source.
+"""Where a writer puts a tensor's bytes so that they lie page-congruent with their source.
 
-`mconvert.io.block_writer` copies parts with provenance (`FileBytes`) file to file with `copy_file_range`. On this
-project's ext4 that costs about 0.5-0.6 s of system time per 2.2 GB when each destination offset equals its
-source offset modulo the page size, and 0.8-0.9 s when they differ (docs/performance.md): an unequal copy touches
-two destination pages per source page. A writer free to pad before a tensor's data (a zip record's extra field, a
-gap before a DCP item) asks `gap` for the padding that makes the most copied bytes congruent:
+On a file system that can copy without the CPU (`mconvert.io.block_writer.copies_offloaded`: XFS and btrfs share
+blocks, NFS, SMB and Ceph copy on the server), `mconvert.io.block_writer` sends parts with provenance (`FileBytes`)
+by `copy_file_range` where the output offset equals the source offset modulo PAGE (block sharing needs both on a
+block boundary: a source on one puts its copy on one); elsewhere the parts are read and written, at any offset. On
+ext4 an unequal copy_file_range also costs about half as much again as an equal one (docs/performance.md). A
+writer free to pad before a tensor's data (a zip record's extra field, a gap before a DCP item) asks `gap` for
+the padding that makes the most copied bytes congruent:
 
     source  .....|....[ q rows, 2 MiB ]....|.....        source offset s, part at offset r inside the tensor
     output  ..hdr|<gap>[ tensor data: ... q rows ...]     data at d + gap, so d + gap + r = s (mod PAGE)
@@ -16,10 +18,8 @@ the torch path, and any number of workers, put the bytes at the same offsets.
 
 from __future__ import annotations
 
-from mconvert.io.block_writer import SPAN_MIN
+from mconvert.io.block_writer import PAGE, SPAN_MIN
 from mconvert.ir.blocks import Blocks, ByteBlocks
-
-PAGE = 4096
 
 
 def copied_runs(blocks: Blocks | ByteBlocks) -> list[tuple[int, int, int]]:

@@ -6,15 +6,16 @@ from __future__ import annotations
 import os
 
 
-def count_file_sends(monkeypatch) -> list[int]:
-    """Patch both ways of sending a file's bytes; returns the list each call appends its byte count to."""
-    counts: list[int] = []
-    for name in ("copy_file_range", "preadv"):
+def count_file_sends(monkeypatch) -> dict[str, list[int]]:
+    """Patch both ways of sending a file's bytes; returns, for each, the list its calls append their byte counts to
+    ("copy_file_range", "preadv")."""
+    counts: dict[str, list[int]] = {"copy_file_range": [], "preadv": []}
+    for name, calls in counts.items():
         real = getattr(os, name)
 
-        def counting(*args, _real=real):
+        def counting(*args, _real=real, _calls=calls):
             n = _real(*args)
-            counts.append(n)
+            _calls.append(n)
             return n
 
         monkeypatch.setattr(os, name, counting)
