@@ -80,20 +80,22 @@ def main(spec_json: str) -> None:
     """One process, or `world` processes (spawned, gloo) for a model-parallel run; a list of specs runs one after
     the other in the same processes, saving their start-up. The specs of a list come in non-increasing world
     sizes: the launch spawns the first's, and where the world shrinks every rank leaves the process group, the
-    first ranks form one of the new size (on a port of its own) and the others are done."""
+    first ranks form one of the new size (on a port rank 0 finds free just then) and the others are done."""
     specs = json.loads(spec_json)
     specs = specs if isinstance(specs, list) else [specs]
     worlds = [spec.get("world", 1) for spec in specs]
     assert worlds == sorted(worlds, reverse=True), f"world sizes in non-increasing order, not {worlds}"
     world = worlds[0]
     if world == 1:
-        return run(0, specs, 1, {})
-    ports = {}
-    for size in set(worlds):
-        with socket.socket() as probe:  # a free port: other runs may share the machine
-            probe.bind(("127.0.0.1", 0))
-            ports[size] = str(probe.getsockname()[1])
-    torch.multiprocessing.spawn(run, args=(specs, world, ports), nprocs=world)
+        return run(0, specs, 1, None)
+    torch.multiprocessing.spawn(run, args=(specs, world, free_port()), nprocs=world)
+
+
+def free_port() -> str:
+    """A port free now (other runs may share the machine: ask just before it is bound)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
 
 
 def join(rank: int, world: int, port: str | None) -> None:
@@ -105,7 +107,7 @@ def join(rank: int, world: int, port: str | None) -> None:
     torch.distributed.init_process_group(backend="gloo", rank=rank, world_size=world)
 
 
-def run(rank: int, specs: list[dict], world: int, ports: dict[int, str]) -> None:
+def run(rank: int, specs: list[dict], world: int, port: str | None) -> None:
     from megatron.core import parallel_state
     from megatron.training import global_vars
 
@@ -122,16 +124,18 @@ def run(rank: int, specs: list[dict], world: int, ports: dict[int, str]) -> None
         from megatron.training import arguments  # TP > 1 asks the GPU's architecture (for a CUDA setting)
 
         arguments.get_device_arch_version = lambda: 10
-    join(rank, world, ports.get(world))
+    join(rank, world, port)
     CudaIsCpu().__enter__()
     current = world
     for spec in specs:
         size = spec.get("world", 1)
         if size != current:  # a smaller world: its ranks form a process group of their own, the others are done
+            found = [free_port() if rank == 0 else None]
+            torch.distributed.broadcast_object_list(found, src=0)
             torch.distributed.destroy_process_group()
             if rank >= size:
                 return
-            join(rank, size, ports[size])
+            join(rank, size, found[0])
             current = size
         train(rank, spec)
         parallel_state.destroy_model_parallel()
