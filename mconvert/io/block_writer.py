@@ -13,9 +13,9 @@ Parts are torch tensors (`Blocks`) or numpy arrays (`ByteBlocks`, the byte path:
 
 Why reading and writing rather than copy_file_range (measured on ext4, Linux 6.18, docs/performance.md): on a
 file system that cannot share or offload the copy, copy_file_range is the kernel's own read and write through a
-pipe. Of a 2.2 GB file it cost 0.50-0.60 s of system time where each output offset lies at the same place within
-a page as its source and 0.80-0.90 s where it does not, against 0.55-0.60 s for reading 1 MiB at a time into a
-buffer that lies as the output does and writing it; in whole conversions reading and writing cost the same or
+pipe. Of a 2.2 GB file it cost 0.50-0.65 s of CPU where each output offset lies at the same place within a page
+as its source and 0.79-0.90 s where it does not, against 0.57-0.71 s for reading 1 MiB at a time into a buffer
+that lies as the output does and writing it; in whole conversions reading and writing cost the same or
 less in every case tried, also at equal offsets (the CRC-32 is then taken from that buffer, not the source's map).
 Where the file system can copy without the CPU (reflinks, server-side copies), copy_file_range is kept for the
 parts placed page-congruent with their sources (`mconvert.io.page_offsets`). Writing straight from a file's map was
