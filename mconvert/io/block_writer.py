@@ -54,7 +54,7 @@ except ImportError:  # pragma: no cover - the `isal` wheel is a dependency; zlib
     from zlib import crc32
 
 # Bytes per write (and per copy_file_range call): few system calls, and small enough to stay in the CPU caches.
-# 8 MiB cost 0.6-0.9 s more system time per 2.2 GB than 1 MiB, 256 KiB 0.15-0.55 s more (docs/performance.md).
+# 8 MiB cost 0.6-0.9 s more system time per 2.2 GB than 1 MiB; 256 KiB 0.2-0.5 s more CPU (docs/performance.md).
 WRITE_SIZE = 1 << 20
 SPAN_MIN = 1 << 20  # below this a copy_file_range call costs more than reading and writing
 READ_MIN = 1 << 18  # below this writing straight from the source's map costs less than reading it first
