@@ -110,7 +110,8 @@ def save_hf(ir: ModelIR, out: Path, options: Options, progress: Progress, *, tab
     plan = {p.key: p for p in from_ir(ir, rows, ctx)}
     planner = RowPlanner(ctx)
     quantize = {key for key in plan if fp8 is not None and fp8(key)}
-    view = FileViews().view if file_views.enabled() else None  # bytes moved without torch where they allow
+    views = FileViews()  # the source maps, shared by the byte path and the placement of the data (`_mapped`)
+    view = views.view if file_views.enabled() else None  # bytes moved without torch where they allow
     if view is None or quantize or not all(planner.moves_bytes(p.row.rule, [ir[n] for n in p.row.ir])
                                            for p in plan.values()):
         torch.get_num_threads()  # the plan needs torch: imported now, so that its jobs run it on one thread each
@@ -120,7 +121,7 @@ def save_hf(ir: ModelIR, out: Path, options: Options, progress: Progress, *, tab
     entries, produce = _entries(plan, tensor, fp8)
     jobs, index = hf_dir.weight_jobs(out, entries, produce, options.max_shard_size,
                                      parallel=workers.slots(options.workers),
-                                     sources=functools.partial(_mapped, plan, ir, planner, quantize, FileViews().view))
+                                     sources=functools.partial(_mapped, plan, ir, planner, quantize, views.view))
 
     def finish(_) -> None:
         if index is not None:
